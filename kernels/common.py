@@ -1,0 +1,112 @@
+"""Small Triton building blocks shared by the FA1 and FA2 kernels: tile loads/stores and the matmul.
+
+Every attention tile is (rows, HEAD_DIM) with a contiguous last dimension. HEAD_DIM need not be a power
+of two (80, 96, ...): tiles are BLOCK_D = next_power_of_2(HEAD_DIM) wide and the extra columns are masked.
+Which masks a load needs is decided at compile time (`tl.constexpr`), so the common case (full row block,
+HEAD_DIM a power of two) compiles to unmasked, vectorised loads.
+"""
+
+import os
+
+import triton
+import triton.language as tl
+
+# Read once, the same way Triton decides at decoration time whether `@triton.jit` functions are interpreted.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def load_tile(ptrs, rows, n_rows, cols, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr):
+    """Load a (len(rows), BLOCK_D) tile; out-of-range rows (when CHECK_ROWS) and columns read as 0."""
+    if CHECK_ROWS:
+        if BLOCK_D == HEAD_DIM:
+            x = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+        else:
+            x = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM), other=0.0)
+    else:
+        if BLOCK_D == HEAD_DIM:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=cols[None, :] < HEAD_DIM, other=0.0)
+    return x
+
+
+@triton.jit
+def store_tile(ptrs, x, rows, n_rows, cols, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Store a (len(rows), BLOCK_D) tile, skipping rows >= n_rows and columns >= HEAD_DIM."""
+    if BLOCK_D == HEAD_DIM:
+        tl.store(ptrs, x, mask=rows[:, None] < n_rows)
+    else:
+        tl.store(ptrs, x, mask=(rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def mma(a, b, acc, UPCAST: tl.constexpr):
+    """tl.dot(a, b, acc): a @ b accumulated into acc (float32) in place, as one fused multiply-add.
+
+    UPCAST is set only under Triton's interpreter for bfloat16 operands: the interpreter of triton 3.9
+    multiplies bfloat16 tiles as raw 16-bit integers. Upcasting the (already bf16-rounded) values to
+    float32 gives the product the GPU computes.
+    """
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc)
+
+
+def upcast_dot(dtype) -> bool:
+    """Whether `mma` must upcast operands of this torch dtype (bf16 under the interpreter)."""
+    import torch
+
+    return INTERPRET and dtype == torch.bfloat16
+
+
+def block_d(head_dim: int) -> int:
+    """Tile width for a head dimension: the next power of two, at least 16 (tl.dot's minimum)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def bucket(n: int) -> int:
+    """Autotune key for a sequence length: the next power of two, so varying lengths reuse one tuning."""
+    return triton.next_power_of_2(n)
+
+
+def check_grid(batch: int, n_heads: int) -> None:
+    # (batch * n_heads) is the grid's second axis, which CUDA limits to 65535.
+    if batch * n_heads > 65535:
+        raise ValueError(f"batch * n_heads = {batch * n_heads} exceeds 65535; split the batch into smaller calls")
+
+
+@triton.jit
+def _bwd_preprocess(
+    O, DO, DELTA,
+    stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
+    n_heads, seqlen_q,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    # Backward step 1 of 3 (FA2 paper, Algorithm 2 line 4): delta_i = rowsum(dO_i * O_i), float32.
+    off_bh = tl.program_id(1)
+    off_b, off_h = off_bh // n_heads, off_bh % n_heads
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    o_ptrs = O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+    do_ptrs = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+    o = load_tile(o_ptrs + offs_m[:, None] * stride_om + offs_d[None, :], offs_m, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    do = load_tile(do_ptrs + offs_m[:, None] * stride_dom + offs_d[None, :], offs_m, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(DELTA + off_bh.to(tl.int64) * seqlen_q + offs_m, delta, mask=offs_m < seqlen_q)
+
+
+def bwd_preprocess(o, do):
+    """delta = rowsum(do * o): float32 (batch, n_heads, seqlen_q). o, do: (batch, n_heads, seqlen_q, head_dim)."""
+    import torch
+
+    batch, n_heads, seqlen_q, head_dim = o.shape
+    delta = torch.empty((batch, n_heads, seqlen_q), device=o.device, dtype=torch.float32)
+    block_m = 64
+    grid = (triton.cdiv(seqlen_q, block_m), batch * n_heads)
+    _bwd_preprocess[grid](
+        o, do, delta, *o.stride()[:3], *do.stride()[:3], n_heads, seqlen_q,
+        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=block_m,
+    )
+    return delta

@@ -1,0 +1,382 @@
+"""FlashAttention-2 in Triton: forward and a three-kernel backward.
+
+Source: Tri Dao, "FlashAttention-2: Faster Attention with Better Parallelism and Work Partitioning" (2023),
+Algorithm 1 (forward) and Algorithm 2 (backward), as moved from an FA1 Triton kernel in
+`../shared/seed/fa2-triton-post.md`. The five changes over FA1 (`kernels/fa1.py`) are marked [1]..[5]:
+
+  [1] un-scaled accumulation: `acc` is only rescaled by alpha = exp2(m_old - m_new) per K/V block and
+      divided by l once, after the loop;
+  [2] exp2: log2(e) is folded into the softmax scale once (`qk_scale`); the LSE is kept in base 2 and the
+      front end returns it in natural log; m_i starts at -inf and l_i at 1.0, so the first alpha is 0;
+  [3] causal in stages (`MASKED` is a tl.constexpr): K/V blocks entirely left of the diagonal run with no
+      mask (the write-up's STAGE 1), only the diagonal blocks are masked (STAGE 2), blocks entirely in the
+      future are never visited; non-causal runs one unmasked stage (STAGE 3) plus a masked block only where
+      seqlen_k ends inside a block;
+  [4] tl.dot(a, b, acc) accumulates in place (forward and backward);
+  [5] @triton.autotune over BLOCK_M, BLOCK_N, num_warps, num_stages, keyed on power-of-two length buckets.
+
+Backward: preprocess delta = rowsum(dO * O) (`common.bwd_preprocess`); dK/dV with the outer loop over K/V
+blocks and the inner over Q blocks (and over the query heads that share a K/V head, so GQA needs no atomics);
+dQ with the outer loop over Q blocks and the inner over K/V blocks. No atomics: gradients are bit-identical
+from run to run.
+
+Causal masks are aligned bottom-right: query i sees key j iff j <= i + seqlen_k - seqlen_q (`diag_offset`).
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import INTERPRET, block_d, bucket, bwd_preprocess, check_grid, load_tile, mma, store_tile, upcast_dot
+
+LOG2E = math.log2(math.e)
+
+
+# ---------------------------------------------------------------------------------------------- autotune
+def _configs(shapes):
+    if INTERPRET:  # one small config: the interpreter is slow, and BLOCK_M != BLOCK_N exercises the stage logic
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+
+
+def _prune(max_tile):
+    """Drop configs whose tile is too large for the head dim (they would spill registers or miss shared memory)."""
+
+    def prune(configs, named_args, **kwargs):
+        head_dim = {**named_args, **kwargs}["HEAD_DIM"]
+        kept = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * block_d(head_dim) <= max_tile]
+        return kept or configs[-1:]
+
+    return prune
+
+
+_KEY = ["M_BUCKET", "N_BUCKET", "HEAD_DIM", "CAUSAL", "GROUP"]
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); ordered large to small, the last one fits every head dim.
+_FWD_SHAPES = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 2)]
+_BWD_SHAPES = [(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 2), (32, 32, 4, 2)]
+
+
+# ---------------------------------------------------------------------------------------------- forward
+@triton.jit
+def _fwd_inner(
+    acc, l_i, m_i, q,
+    k_base, v_base, stride_kn, stride_vn,
+    offs_m, offs_d, lo, hi, seqlen_k, diag_offset, qk_scale,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """One stage of the inner loop over K/V blocks [lo, hi) for one Q block (Algorithm 1, lines 6-10)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n
+        k = load_tile(k_base + cols[:, None] * stride_kn + offs_d[None, :], cols, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        qk = mma(q, tl.trans(k), None, UPCAST)
+        if MASKED:  # [3] diagonal (or sequence-end) block: mask, and keep rows that see no key yet finite
+            visible = cols[None, :] < seqlen_k
+            if CAUSAL:
+                visible = visible & (cols[None, :] <= offs_m[:, None] + diag_offset)
+            s = tl.where(visible, qk * qk_scale, float("-inf"))
+            m_ij = tl.maximum(m_i, tl.max(s, 1))
+            m_ref = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+            p = tl.math.exp2(s - m_ref[:, None])
+        else:  # [3] block entirely visible: no mask at all
+            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_ref = m_ij
+            p = tl.math.exp2(qk * qk_scale - m_ref[:, None])  # [2] exp2, scale already holds log2(e)
+        alpha = tl.math.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]  # [1] rescale only; no division by l here
+        v = load_tile(v_base + cols[:, None] * stride_vn + offs_d[None, :], cols, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        acc = mma(p.to(v.dtype), v, acc, UPCAST)  # [4] accumulate in place
+        m_i = m_ij
+    return acc, l_i, m_i
+
+
+@triton.autotune(
+    configs=_configs(_FWD_SHAPES), key=_KEY,
+    prune_configs_by={"early_config_prune": _prune(128 * 128 * 128)},
+)
+@triton.jit
+def _fwd(
+    Q, K, V, O, LSE,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
+    n_heads, seqlen_q, seqlen_k, qk_scale,
+    M_BUCKET, N_BUCKET,  # autotune key only
+    GROUP: tl.constexpr, CAUSAL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One program = one BLOCK_M block of queries of one (batch, head); grid (cdiv(seqlen_q, BLOCK_M), B * H).
+
+    qk_scale = softmax_scale * log2(e), folded once on the host [2].
+    """
+    if CAUSAL:  # longest rows first: the last Q blocks have the most K/V blocks to visit
+        start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    else:
+        start_m = tl.program_id(0) * BLOCK_M
+    off_bh = tl.program_id(1)
+    off_b, off_h = off_bh // n_heads, off_bh % n_heads
+    off_hk = off_h // GROUP  # GQA: GROUP query heads share one K/V head
+    q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+    k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
+    v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
+    o_base = O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = load_tile(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # [2]
+    l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)  # [2] the first alpha = exp2(-inf) = 0 clears it
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    diag_offset = seqlen_k - seqlen_q
+    if CAUSAL:
+        # STAGE 1: keys every row of this block sees (j <= start_m + diag_offset), whole blocks only.
+        hi_free = (tl.maximum(start_m + diag_offset + 1, 0) // BLOCK_N) * BLOCK_N
+        # STAGE 2: the diagonal, up to the last key the last row sees; later blocks are never visited.
+        hi = tl.minimum(start_m + BLOCK_M + diag_offset, seqlen_k)
+    else:
+        hi_free = (seqlen_k // BLOCK_N) * BLOCK_N
+        hi = seqlen_k
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, 0, hi_free, seqlen_k,
+        diag_offset, qk_scale, False, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST,
+    )
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, hi_free, hi, seqlen_k,
+        diag_offset, qk_scale, True, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST,
+    )
+
+    # [1] one division at the end. Rows that saw no key keep m_i = -inf: output 0, internal LSE +inf.
+    empty = m_i == float("-inf")
+    l_i = tl.where(empty, 1.0, l_i)
+    o = acc / l_i[:, None]
+    lse = tl.where(empty, float("inf"), m_i + tl.math.log2(l_i))  # [2] base 2
+    store_tile(o_base + offs_m[:, None] * stride_om + offs_d[None, :], o.to(O.dtype.element_ty), offs_m, seqlen_q, offs_d, HEAD_DIM, BLOCK_D)
+    tl.store(LSE + off_bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+
+
+def forward(q, k, v, causal, softmax_scale):
+    """Launch the forward kernel. Returns o (like q) and the base-2 LSE, float32 (batch, n_heads, seqlen_q)."""
+    batch, n_heads, seqlen_q, head_dim = q.shape
+    n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    check_grid(batch, n_heads)
+    o = torch.empty_like(q)
+    lse = torch.empty((batch, n_heads, seqlen_q), device=q.device, dtype=torch.float32)
+    grid = lambda meta: (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * n_heads)
+    _fwd[grid](
+        q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+        n_heads, seqlen_q, seqlen_k, softmax_scale * LOG2E, bucket(seqlen_q), bucket(seqlen_k),
+        GROUP=n_heads // n_kv_heads, CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
+        UPCAST=upcast_dot(q.dtype),
+    )
+    return o, lse
+
+
+# ---------------------------------------------------------------------------------------------- backward
+@triton.jit
+def _bwd_dkdv_inner(
+    dk, dv, k, v,
+    q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
+    offs_n, offs_d, lo, hi, seqlen_q, diag_offset, qk_scale,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Inner loop over Q blocks [lo, hi) for one K/V block, computing S^T and P^T (Algorithm 2, lines 8-16)."""
+    offs_m0 = tl.arange(0, BLOCK_M)
+    for start_m in range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        offs_m = start_m + offs_m0
+        q = load_tile(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        if MASKED:  # rows past seqlen_q get LSE +inf, so their P is exactly 0
+            lse = tl.load(lse_base + offs_m, mask=offs_m < seqlen_q, other=float("inf"))
+        else:
+            lse = tl.load(lse_base + offs_m)
+        p_t = tl.math.exp2(mma(k, tl.trans(q), None, UPCAST) * qk_scale - lse[None, :])
+        if MASKED and CAUSAL:
+            p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + diag_offset, p_t, 0.0)
+        do = load_tile(do_base + offs_m[:, None] * stride_dom + offs_d[None, :], offs_m, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        dv = mma(p_t.to(do.dtype), do, dv, UPCAST)  # dV_j += P^T dO
+        if MASKED:
+            delta = tl.load(delta_base + offs_m, mask=offs_m < seqlen_q, other=0.0)
+        else:
+            delta = tl.load(delta_base + offs_m)
+        dp_t = mma(v, tl.trans(do), None, UPCAST)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = mma(ds_t.to(q.dtype), q, dk, UPCAST)  # dK_j += dS^T Q (scaled after the loop)
+    return dk, dv
+
+
+@triton.autotune(
+    configs=_configs(_BWD_SHAPES), key=_KEY,
+    prune_configs_by={"early_config_prune": _prune(64 * 128 * 128)},
+)
+@triton.jit
+def _bwd_dkdv(
+    Q, K, V, DO, DK, DV, LSE, DELTA,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+    n_heads, seqlen_q, seqlen_k, qk_scale, softmax_scale,
+    M_BUCKET, N_BUCKET,  # autotune key only
+    GROUP: tl.constexpr, CAUSAL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One program = one BLOCK_N block of keys of one (batch, kv head); grid (cdiv(seqlen_k, BLOCK_N), B * H_kv)."""
+    start_n = tl.program_id(0) * BLOCK_N
+    n_kv_heads = n_heads // GROUP
+    off_bhk = tl.program_id(1)
+    off_b, off_hk = off_bhk // n_kv_heads, off_bhk % n_kv_heads
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
+    v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
+    k = load_tile(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], offs_n, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True)
+    v = load_tile(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    diag_offset = seqlen_k - seqlen_q
+    m_full = (seqlen_q // BLOCK_M) * BLOCK_M
+    m_end = tl.cdiv(seqlen_q, BLOCK_M) * BLOCK_M
+    if CAUSAL:
+        # Row i sees key j iff i >= j - diag_offset. Masked: from the first row that sees this block's first
+        # key to the first block in which every row sees all its keys; unmasked after that.
+        lo = (tl.maximum(start_n - diag_offset, 0) // BLOCK_M) * BLOCK_M
+        mid = tl.minimum(tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - diag_offset, 0), BLOCK_M) * BLOCK_M, m_end)
+    else:
+        lo = 0
+        mid = 0
+    tail = tl.maximum(mid, m_full)  # a Q block that ends past seqlen_q is checked row by row
+
+    for g in range(GROUP):  # every query head that reads this K/V head, in order: deterministic, no atomics
+        off_h = off_hk * GROUP + g
+        off_bh = off_b * n_heads + off_h
+        q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+        do_base = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+        lse_base = LSE + off_bh.to(tl.int64) * seqlen_q
+        delta_base = DELTA + off_bh.to(tl.int64) * seqlen_q
+        dk, dv = _bwd_dkdv_inner(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom, offs_n, offs_d,
+            lo, mid, seqlen_q, diag_offset, qk_scale, True, CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, UPCAST,
+        )
+        dk, dv = _bwd_dkdv_inner(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom, offs_n, offs_d,
+            mid, tail, seqlen_q, diag_offset, qk_scale, False, CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, UPCAST,
+        )
+        dk, dv = _bwd_dkdv_inner(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom, offs_n, offs_d,
+            tail, m_end, seqlen_q, diag_offset, qk_scale, True, CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, UPCAST,
+        )
+
+    dk = dk * softmax_scale
+    dk_base = DK + off_b.to(tl.int64) * stride_dkb + off_hk.to(tl.int64) * stride_dkh
+    dv_base = DV + off_b.to(tl.int64) * stride_dvb + off_hk.to(tl.int64) * stride_dvh
+    store_tile(dk_base + offs_n[:, None] * stride_dkn + offs_d[None, :], dk.to(DK.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM, BLOCK_D)
+    store_tile(dv_base + offs_n[:, None] * stride_dvn + offs_d[None, :], dv.to(DV.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
+def _bwd_dq_inner(
+    dq, q, do, lse, delta,
+    k_base, v_base, stride_kn, stride_vn,
+    offs_m, offs_d, lo, hi, seqlen_k, diag_offset, qk_scale,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Inner loop over K/V blocks [lo, hi) for one Q block (Algorithm 2, lines 11-21, dQ part)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n
+        k = load_tile(k_base + cols[:, None] * stride_kn + offs_d[None, :], cols, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        v = load_tile(v_base + cols[:, None] * stride_vn + offs_d[None, :], cols, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        p = tl.math.exp2(mma(q, tl.trans(k), None, UPCAST) * qk_scale - lse[:, None])
+        if MASKED:
+            visible = cols[None, :] < seqlen_k
+            if CAUSAL:
+                visible = visible & (cols[None, :] <= offs_m[:, None] + diag_offset)
+            p = tl.where(visible, p, 0.0)
+        dp = mma(do, tl.trans(v), None, UPCAST)
+        ds = p * (dp - delta[:, None])
+        dq = mma(ds.to(k.dtype), k, dq, UPCAST)  # dQ_i += dS K (scaled after the loop)
+    return dq
+
+
+@triton.autotune(
+    configs=_configs([(n, m, w, s) for m, n, w, s in _BWD_SHAPES]), key=_KEY,
+    prune_configs_by={"early_config_prune": _prune(64 * 128 * 128)},
+)
+@triton.jit
+def _bwd_dq(
+    Q, K, V, DO, DQ, LSE, DELTA,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom, stride_dqb, stride_dqh, stride_dqm,
+    n_heads, seqlen_q, seqlen_k, qk_scale, softmax_scale,
+    M_BUCKET, N_BUCKET,  # autotune key only
+    GROUP: tl.constexpr, CAUSAL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One program = one BLOCK_M block of queries of one (batch, head); grid (cdiv(seqlen_q, BLOCK_M), B * H)."""
+    if CAUSAL:
+        start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    else:
+        start_m = tl.program_id(0) * BLOCK_M
+    off_bh = tl.program_id(1)
+    off_b, off_h = off_bh // n_heads, off_bh % n_heads
+    off_hk = off_h // GROUP
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+    do_base = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+    k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
+    v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
+    q = load_tile(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    do = load_tile(do_base + offs_m[:, None] * stride_dom + offs_d[None, :], offs_m, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    row_ok = offs_m < seqlen_q
+    lse = tl.load(LSE + off_bh.to(tl.int64) * seqlen_q + offs_m, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + off_bh.to(tl.int64) * seqlen_q + offs_m, mask=row_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    diag_offset = seqlen_k - seqlen_q
+    if CAUSAL:  # the same stages as the forward
+        hi_free = (tl.maximum(start_m + diag_offset + 1, 0) // BLOCK_N) * BLOCK_N
+        hi = tl.minimum(start_m + BLOCK_M + diag_offset, seqlen_k)
+    else:
+        hi_free = (seqlen_k // BLOCK_N) * BLOCK_N
+        hi = seqlen_k
+    dq = _bwd_dq_inner(
+        dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, 0, hi_free, seqlen_k,
+        diag_offset, qk_scale, False, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST,
+    )
+    dq = _bwd_dq_inner(
+        dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, hi_free, hi, seqlen_k,
+        diag_offset, qk_scale, True, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST,
+    )
+    dq = dq * softmax_scale
+    dq_base = DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
+    store_tile(dq_base + offs_m[:, None] * stride_dqm + offs_d[None, :], dq.to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d, HEAD_DIM, BLOCK_D)
+
+
+def backward(do, q, k, v, o, lse, causal, softmax_scale):
+    """Launch the three backward kernels. `lse` is the forward's base-2 LSE. Returns dq, dk, dv like q, k, v."""
+    batch, n_heads, seqlen_q, head_dim = q.shape
+    n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    delta = bwd_preprocess(o, do)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    common = dict(
+        GROUP=n_heads // n_kv_heads, CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
+        UPCAST=upcast_dot(q.dtype),
+    )
+    sizes = (n_heads, seqlen_q, seqlen_k, softmax_scale * LOG2E, softmax_scale, bucket(seqlen_q), bucket(seqlen_k))
+    qkv_do_strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
+    grid_kv = lambda meta: (triton.cdiv(seqlen_k, meta["BLOCK_N"]), batch * n_kv_heads)
+    _bwd_dkdv[grid_kv](q, k, v, do, dk, dv, lse, delta, *qkv_do_strides, *dk.stride()[:3], *dv.stride()[:3], *sizes, **common)
+    grid_q = lambda meta: (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * n_heads)
+    _bwd_dq[grid_q](q, k, v, do, dq, lse, delta, *qkv_do_strides, *dq.stride()[:3], *sizes, **common)
+    return dq, dk, dv

@@ -1,0 +1,305 @@
+"""Correctness of the Triton attention kernels (FA1 and FA2) against a float64 reference with explicit masks.
+
+On a machine without CUDA these run through Triton's interpreter (tests/conftest.py switches it on), so the
+shapes are small. Inputs are fresh random draws every run; kernel outputs are allocated poisoned (NaN), so an
+element the kernel forgets to write fails the comparison.
+"""
+
+import math
+
+import pytest
+import torch
+
+from kernels import fa1_attention, fa2_attention
+
+KERNELS = [pytest.param(fa2_attention, id="fa2"), pytest.param(fa1_attention, id="fa1")]
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-3}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def poisoned_allocations(monkeypatch):
+    """Make torch.empty / torch.empty_like return NaN-filled floating tensors while a test runs."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(empty_like(*a, **kw)))
+
+
+def reference(q, k, v, causal, softmax_scale):
+    """float64 attention with an explicit bottom-right causal mask; rows that see no key give 0 and lse -inf."""
+    q, k, v = (t.double() for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    s = q @ k.transpose(-1, -2) * softmax_scale
+    seqlen_q, seqlen_k = q.shape[2], k.shape[2]
+    if causal:
+        i = torch.arange(seqlen_q, device=q.device)[:, None]
+        j = torch.arange(seqlen_k, device=q.device)[None, :]
+        s = s.masked_fill(j > i + seqlen_k - seqlen_q, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    return p @ v, lse
+
+
+def rel_err(out, ref):
+    out, ref = out.double(), ref.double()
+    assert torch.isfinite(out).all(), "non-finite values (NaN: an element left unwritten, or a masked row)"
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def randn(*shape, dtype):
+    return torch.randn(*shape, device=DEVICE, dtype=dtype)
+
+
+def check(attention, q, k, v, causal, softmax_scale=None):
+    """Run forward + backward and compare o, lse, dq, dk, dv with the float64 reference."""
+    dtype = q.dtype
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    o, lse = attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
+    do = torch.randn_like(o)
+    o.backward(do)
+
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    o_ref, lse_ref = reference(q64, k64, v64, causal, scale)
+    o_ref.backward(do.double())
+
+    tol = TOLERANCE[dtype]
+    assert o.shape == q.shape and o.dtype == dtype and lse.dtype == torch.float32
+    assert rel_err(o, o_ref) < tol
+    seen = torch.isfinite(lse_ref)
+    assert torch.equal(torch.isfinite(lse), seen) and (lse[~seen] == float("-inf")).all()
+    if seen.any():
+        assert rel_err(lse[seen], lse_ref[seen]) < tol
+    for name, grad, grad_ref in (("dq", q.grad, q64.grad), ("dk", k.grad, k64.grad), ("dv", v.grad, v64.grad)):
+        if grad_ref.abs().max() == 0:
+            assert (grad == 0).all(), name
+        else:
+            assert rel_err(grad, grad_ref) < tol, name
+    return o, (q.grad, k.grad, v.grad)
+
+
+# (batch, n_heads, n_kv_heads, seqlen_q, seqlen_k, head_dim, causal, dtype)
+CASES = [
+    # sequence lengths, equal q/k, both dtypes, causal and not
+    (1, 2, 2, 1, 1, 64, True, torch.bfloat16),
+    (1, 2, 2, 17, 17, 32, False, torch.float16),
+    (2, 2, 2, 100, 100, 64, True, torch.bfloat16),
+    (1, 2, 2, 129, 129, 64, False, torch.float16),
+    (1, 1, 1, 257, 257, 64, True, torch.float16),
+    (1, 1, 1, 257, 257, 32, False, torch.bfloat16),
+    # seqlen_q != seqlen_k both ways; q longer than k leaves the first rows fully masked under causal
+    (1, 2, 2, 100, 37, 64, True, torch.float16),
+    (1, 2, 2, 37, 100, 64, True, torch.bfloat16),
+    (1, 2, 2, 100, 37, 32, False, torch.bfloat16),
+    (1, 2, 2, 1, 129, 64, True, torch.float16),
+    # head dims, including non powers of two
+    (1, 2, 2, 65, 65, 16, True, torch.float16),
+    (1, 2, 2, 65, 65, 80, True, torch.bfloat16),
+    (1, 1, 1, 65, 65, 128, False, torch.float16),
+    (1, 1, 1, 65, 65, 128, True, torch.bfloat16),
+    # GQA (8 query heads on 2 K/V heads) and MQA
+    (1, 8, 2, 48, 48, 32, True, torch.bfloat16),
+    (1, 4, 1, 50, 70, 64, False, torch.float16),
+    # float32 inputs (TF32 matmuls on the GPU)
+    (1, 2, 2, 40, 40, 32, True, torch.float32),
+]
+
+
+@pytest.mark.parametrize("attention", KERNELS)
+@pytest.mark.parametrize("batch,n_heads,n_kv_heads,seqlen_q,seqlen_k,head_dim,causal,dtype", CASES)
+def test_matches_float64_reference(attention, batch, n_heads, n_kv_heads, seqlen_q, seqlen_k, head_dim, causal, dtype):
+    q = randn(batch, n_heads, seqlen_q, head_dim, dtype=dtype)
+    k = randn(batch, n_kv_heads, seqlen_k, head_dim, dtype=dtype)
+    v = randn(batch, n_kv_heads, seqlen_k, head_dim, dtype=dtype)
+    check(attention, q, k, v, causal)
+
+
+@pytest.mark.parametrize("attention", KERNELS)
+def test_custom_softmax_scale(attention):
+    q, k, v = (randn(1, 2, 33, 32, dtype=torch.float16) for _ in range(3))
+    check(attention, q, k, v, causal=True, softmax_scale=0.3)
+
+
+@pytest.mark.parametrize("attention", KERNELS)
+def test_strided_views_need_no_copy(attention, monkeypatch):
+    """q, k, v as views of one fused (B, T, 3 * H * D) projection, the way the GPT produces them."""
+    batch, seqlen, n_heads, head_dim = 2, 45, 2, 32
+    qkv = randn(batch, seqlen, 3 * n_heads * head_dim, dtype=torch.bfloat16)
+    q, k, v = (t.view(batch, seqlen, n_heads, head_dim).transpose(1, 2) for t in qkv.split(n_heads * head_dim, dim=2))
+    assert not q.is_contiguous()
+
+    def no_copy(self, *args, **kwargs):
+        raise AssertionError("an input was copied")
+
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "contiguous", no_copy)
+        out = attention(q, k, v, causal=True)
+    o_ref, _ = reference(q, k, v, True, 1.0 / math.sqrt(head_dim))
+    assert rel_err(out, o_ref) < TOLERANCE[torch.bfloat16]
+    check(attention, q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("attention", KERNELS)
+def test_non_unit_last_stride_is_copied_once(attention):
+    q, k, v = (randn(1, 2, 32, 24, dtype=torch.float16).transpose(2, 3) for _ in range(3))  # last stride != 1
+    check(attention, q, k, v, causal=False)
+
+
+@pytest.mark.parametrize("attention", KERNELS)
+def test_fully_masked_rows_give_zero_output_and_gradient(attention):
+    q = randn(1, 2, 50, 32, dtype=torch.float16, ).requires_grad_()
+    k = randn(1, 2, 20, 32, dtype=torch.float16).requires_grad_()
+    v = randn(1, 2, 20, 32, dtype=torch.float16).requires_grad_()
+    o, lse = attention(q, k, v, causal=True, return_lse=True)
+    o.backward(torch.randn_like(o))
+    blind = 50 - 20  # query i sees key j <= i - 30: the first 30 rows see nothing
+    assert (o[:, :, :blind] == 0).all() and torch.isfinite(o).all()
+    assert (lse[:, :, :blind] == float("-inf")).all() and torch.isfinite(lse[:, :, blind:]).all()
+    assert (q.grad[:, :, :blind] == 0).all() and torch.isfinite(q.grad).all()
+    assert torch.isfinite(k.grad).all() and torch.isfinite(v.grad).all()
+
+
+@pytest.mark.parametrize("attention", KERNELS)
+def test_backward_is_deterministic(attention):
+    q = randn(1, 4, 70, 32, dtype=torch.bfloat16)
+    k, v = randn(1, 2, 70, 32, dtype=torch.bfloat16), randn(1, 2, 70, 32, dtype=torch.bfloat16)
+    do = randn(1, 4, 70, 32, dtype=torch.bfloat16)
+    grads = []
+    for _ in range(2):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        attention(*leaves, causal=True).backward(do)
+        grads.append([t.grad for t in leaves])
+    for first, second in zip(*grads):
+        assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize("attention", KERNELS)
+def test_compiles_in_one_graph(attention):
+    """The custom op traces under torch.compile(fullgraph=True) with its fake implementation and autograd."""
+    q, k, v = (randn(1, 2, 24, 16, dtype=torch.float16).requires_grad_() for _ in range(3))
+
+    def f(q, k, v):
+        return attention(q, k, v, causal=True).float().square().sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    loss = compiled(q, k, v)
+    loss.backward()
+    assert torch.isfinite(loss) and q.grad is not None and torch.isfinite(q.grad).all()
+    torch.testing.assert_close(loss, f(q.detach(), k.detach(), v.detach()), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("name", ["fa1", "fa2"])
+def test_opcheck(name):
+    """torch.library's own consistency check of schema, fake implementation and autograd registration."""
+    op = getattr(torch.ops.flashgpt, f"{name}_forward")
+    q, k, v = (randn(1, 2, 20, 16, dtype=torch.float16).requires_grad_() for _ in range(3))
+    torch.library.opcheck(op, (q, k, v, True, 0.25), test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+# ------------------------------------------------------------------------------------------ bad input
+def _qkv(**overrides):
+    shapes = dict(q=(1, 4, 16, 32), k=(1, 2, 16, 32), v=(1, 2, 16, 32))
+    tensors = {name: randn(*shape, dtype=torch.float16) for name, shape in shapes.items()}
+    tensors.update(overrides)
+    return tensors
+
+
+BAD_INPUTS = [
+    (dict(q=[[1.0]]), TypeError, "q must be a torch.Tensor"),
+    (dict(q=randn(4, 16, 32, dtype=torch.float16)), ValueError, "q must have 4 dims"),
+    (dict(k=randn(1, 2, 16, 32, 1, dtype=torch.float16)), ValueError, "k must have 4 dims"),
+    (dict(q=randn(1, 4, 16, 32, dtype=torch.float64)), TypeError, "q has dtype torch.float64"),
+    (dict(v=randn(1, 2, 16, 32, dtype=torch.bfloat16)), TypeError, "share one dtype"),
+    (dict(k=randn(2, 2, 16, 32, dtype=torch.float16), v=randn(2, 2, 16, 32, dtype=torch.float16)), ValueError, "batch size differs"),
+    (dict(k=randn(1, 2, 16, 64, dtype=torch.float16), v=randn(1, 2, 16, 64, dtype=torch.float16)), ValueError, "head_dim differs"),
+    (dict(v=randn(1, 2, 17, 32, dtype=torch.float16)), ValueError, "k and v must have the same shape"),
+    (dict(k=randn(1, 3, 16, 32, dtype=torch.float16), v=randn(1, 3, 16, 32, dtype=torch.float16)), ValueError, "multiple of n_kv_heads=3"),
+    (dict(q=randn(1, 4, 16, 8, dtype=torch.float16), k=randn(1, 2, 16, 8, dtype=torch.float16), v=randn(1, 2, 16, 8, dtype=torch.float16)), ValueError, "head_dim=8 is out of range"),
+    (dict(q=randn(1, 4, 16, 288, dtype=torch.float16), k=randn(1, 2, 16, 288, dtype=torch.float16), v=randn(1, 2, 16, 288, dtype=torch.float16)), ValueError, "head_dim=288 is out of range"),
+    (dict(q=randn(1, 4, 0, 32, dtype=torch.float16)), ValueError, "must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("attention", KERNELS)
+@pytest.mark.parametrize("overrides,error,message", BAD_INPUTS)
+def test_bad_input_is_rejected(attention, overrides, error, message):
+    with pytest.raises(error, match=message):
+        attention(**_qkv(**overrides))
+
+
+@pytest.mark.parametrize("attention", KERNELS)
+def test_bad_arguments_are_rejected(attention):
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        attention(**_qkv(), causal="yes")
+    with pytest.raises(ValueError, match="softmax_scale must be a finite number"):
+        attention(**_qkv(), softmax_scale=float("nan"))
+
+
+@pytest.mark.parametrize("attention", KERNELS)
+def test_cpu_tensors_without_interpreter_are_rejected(attention, monkeypatch):
+    monkeypatch.setattr("kernels.frontend.INTERPRET", False)
+    q, k, v = (torch.randn(1, 2, 16, 32, dtype=torch.float16) for _ in range(3))
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        attention(q, k, v)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and a CPU tensor")
+@pytest.mark.parametrize("attention", KERNELS)
+def test_mixed_devices_are_rejected(attention):
+    q = torch.randn(1, 2, 16, 32, dtype=torch.float16, device="cuda")
+    k, v = (torch.randn(1, 2, 16, 32, dtype=torch.float16) for _ in range(2))
+    with pytest.raises(ValueError, match="one device"):
+        attention(q, k, v)
+
+
+# ------------------------------------------------------------------------------------------ GPU, real sizes
+GPU_CASES = [
+    # (batch, n_heads, n_kv_heads, seqlen, head_dim, causal)
+    (4, 16, 16, 1024, 64, True),
+    (2, 16, 16, 2048, 128, False),
+    (1, 8, 2, 4096, 128, True),
+    (1, 4, 4, 8192, 64, True),
+    (1, 2, 2, 16384, 64, True),
+    (1, 2, 2, 16384, 128, True),
+    (1, 2, 2, 16384, 128, False),
+    (2, 4, 4, 1000, 80, True),
+    (2, 4, 4, 3001, 96, False),
+]
+
+
+def _reference_fp32(q, k, v, causal):
+    """float32 reference on the GPU through SDPA's math backend (upcast inputs), for the large shapes."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    with sdpa_kernel(SDPBackend.MATH):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("attention", KERNELS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch,n_heads,n_kv_heads,seqlen,head_dim,causal", GPU_CASES)
+def test_gpu_real_sizes(attention, dtype, batch, n_heads, n_kv_heads, seqlen, head_dim, causal):
+    if seqlen * seqlen * n_heads * batch > 2**30:  # keep the fp32 reference's score matrix in memory
+        n_heads, n_kv_heads = 1, 1
+    q = randn(batch, n_heads, seqlen, head_dim, dtype=dtype).requires_grad_()
+    k = randn(batch, n_kv_heads, seqlen, head_dim, dtype=dtype).requires_grad_()
+    v = randn(batch, n_kv_heads, seqlen, head_dim, dtype=dtype).requires_grad_()
+    o = attention(q, k, v, causal=causal)
+    do = torch.randn_like(o)
+    o.backward(do)
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    o_ref = _reference_fp32(q32, k32, v32, causal)
+    o_ref.backward(do.float())
+    tol = TOLERANCE[dtype]
+    assert rel_err(o, o_ref) < tol
+    for grad, grad_ref in ((q.grad, q32.grad), (k.grad, k32.grad), (v.grad, v32.grad)):
+        assert rel_err(grad, grad_ref) < tol
