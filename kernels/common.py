@@ -1,4 +1,5 @@
-"""Small Triton building blocks shared by the FA1 and FA2 kernels: tile loads/stores and the matmul.
+"""Triton building blocks shared by the FA1 and FA2 kernels: tile loads/stores, the matmul, the backward's
+preprocess kernel (delta = rowsum(dO * O)) and the autotune length bucket.
 
 Every attention tile is (rows, HEAD_DIM) with a contiguous last dimension. HEAD_DIM need not be a power
 of two (80, 96, ...): tiles are BLOCK_D = next_power_of_2(HEAD_DIM) wide and the extra columns are masked.
@@ -67,8 +68,9 @@ def block_d(head_dim: int) -> int:
 
 
 def bucket(n: int) -> int:
-    """Autotune key for a sequence length: the next power of two, so varying lengths reuse one tuning."""
-    return triton.next_power_of_2(n)
+    """Autotune key for a sequence length: the next power of two, capped at 2048 (the best tiles stop
+    changing there), so a run with varying lengths tunes a handful of times, not once per length."""
+    return min(triton.next_power_of_2(n), 2048)
 
 
 def check_grid(batch: int, n_heads: int) -> None:

@@ -76,8 +76,8 @@ def check(attention, q, k, v, causal, softmax_scale=None):
     if seen.any():
         assert rel_err(lse[seen], lse_ref[seen]) < tol
     for name, grad, grad_ref in (("dq", q.grad, q64.grad), ("dk", k.grad, k64.grad), ("dv", v.grad, v64.grad)):
-        if grad_ref.abs().max() == 0:
-            assert (grad == 0).all(), name
+        if grad_ref.abs().max() == 0:  # e.g. seqlen_k = 1: softmax is constant; allow rounding, relative to dv
+            assert torch.isfinite(grad).all() and grad.double().norm() / v64.grad.norm() < tol, name
         else:
             assert rel_err(grad, grad_ref) < tol, name
     return o, (q.grad, k.grad, v.grad)
@@ -259,16 +259,15 @@ def test_mixed_devices_are_rejected(attention):
 
 # ------------------------------------------------------------------------------------------ GPU, real sizes
 GPU_CASES = [
-    # (batch, n_heads, n_kv_heads, seqlen, head_dim, causal)
-    (4, 16, 16, 1024, 64, True),
-    (2, 16, 16, 2048, 128, False),
-    (1, 8, 2, 4096, 128, True),
-    (1, 4, 4, 8192, 64, True),
-    (1, 2, 2, 16384, 64, True),
-    (1, 2, 2, 16384, 128, True),
-    (1, 2, 2, 16384, 128, False),
-    (2, 4, 4, 1000, 80, True),
-    (2, 4, 4, 3001, 96, False),
+    # (batch, n_heads, n_kv_heads, seqlen, head_dim, causal, dtype)
+    (4, 16, 16, 1024, 64, True, torch.bfloat16),
+    (2, 16, 16, 2048, 128, False, torch.float16),
+    (1, 8, 2, 4096, 128, True, torch.bfloat16),
+    (1, 4, 4, 8192, 64, True, torch.float16),
+    (1, 2, 2, 16384, 64, True, torch.bfloat16),
+    (1, 2, 2, 16384, 128, False, torch.bfloat16),
+    (2, 4, 4, 1000, 80, True, torch.bfloat16),
+    (2, 4, 4, 3001, 96, False, torch.float16),
 ]
 
 
@@ -285,9 +284,8 @@ def _reference_fp32(q, k, v, causal):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("attention", KERNELS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("batch,n_heads,n_kv_heads,seqlen,head_dim,causal", GPU_CASES)
-def test_gpu_real_sizes(attention, dtype, batch, n_heads, n_kv_heads, seqlen, head_dim, causal):
+@pytest.mark.parametrize("batch,n_heads,n_kv_heads,seqlen,head_dim,causal,dtype", GPU_CASES)
+def test_gpu_real_sizes(attention, batch, n_heads, n_kv_heads, seqlen, head_dim, causal, dtype):
     if seqlen * seqlen * n_heads * batch > 2**30:  # keep the fp32 reference's score matrix in memory
         n_heads, n_kv_heads = 1, 1
     q = randn(batch, n_heads, seqlen, head_dim, dtype=dtype).requires_grad_()

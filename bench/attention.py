@@ -1,0 +1,180 @@
+"""Kernel-level attention benchmark: TFLOP/s of our FA2 and FA1 against PyTorch SDPA, forward and backward.
+
+    python -m bench.attention                       # bf16, head_dim 64 and 128, N = 512..16k, causal and not
+    python -m bench.attention --head-dims 128 --seqlens 4096 --backends fa2,sdpa-cudnn --out runs/bench
+
+FLOPs (the convention of the FlashAttention papers and the Triton tutorial): forward 4 * B * H * N^2 * D,
+halved when causal; backward 2.5x the forward. Tokens per call are fixed (B * N = 16k) and H * D = 2048, so
+every row of the table moves the same amount of data. Times are `triton.testing.do_bench` medians (CUDA
+events, after warm-up; the first call of each shape autotunes before timing). Writes a CSV, a JSON and one
+PNG per (head_dim, causal, direction) into --out: TFLOP/s against sequence length, one line per backend.
+"""
+
+import argparse
+import csv
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+TOKENS = 16 * 1024
+WIDTH = 2048  # n_heads * head_dim
+
+
+def sdpa(backend=None):
+    """SDPA with the default dispatch, or pinned to one backend ('flash', 'cudnn', 'efficient')."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    pinned = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+              "efficient": SDPBackend.EFFICIENT_ATTENTION}.get(backend)
+
+    def attention(q, k, v, causal):
+        if pinned is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        with sdpa_kernel(pinned):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return attention
+
+
+def backends(names):
+    from kernels import fa1_attention, fa2_attention
+
+    table = {
+        "fa2": lambda q, k, v, causal: fa2_attention(q, k, v, causal=causal),
+        "fa1": lambda q, k, v, causal: fa1_attention(q, k, v, causal=causal),
+        "sdpa": sdpa(),
+        "sdpa-flash": sdpa("flash"),
+        "sdpa-cudnn": sdpa("cudnn"),
+    }
+    unknown = set(names) - set(table)
+    if unknown:
+        raise SystemExit(f"unknown backend(s) {sorted(unknown)}; choose from {sorted(table)}")
+    return {name: table[name] for name in names}
+
+
+def flops(batch, n_heads, seqlen, head_dim, causal, direction):
+    forward = 4 * batch * n_heads * seqlen * seqlen * head_dim / (2 if causal else 1)
+    return forward if direction == "fwd" else 2.5 * forward
+
+
+def measure(attention, batch, n_heads, seqlen, head_dim, causal, dtype):
+    """Median milliseconds of forward and of backward alone; None where the backend refuses the shape."""
+    from triton.testing import do_bench
+
+    q, k, v = (torch.randn(batch, n_heads, seqlen, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    try:
+        o = attention(q, k, v, causal)
+        do = torch.randn_like(o)
+        o.backward(do)  # warm-up and autotuning of the backward kernels
+    except RuntimeError as err:  # e.g. an SDPA backend that does not support this shape or GPU
+        print(f"  skipped: {str(err).splitlines()[0][:100]}")
+        return None, None
+    fwd = do_bench(lambda: attention(q, k, v, causal), return_mode="median")
+    o = attention(q, k, v, causal)
+    bwd = do_bench(lambda: o.backward(do, retain_graph=True), grad_to_none=[q, k, v], return_mode="median")
+    return fwd, bwd
+
+
+def print_ratios(rows):
+    """FA2's speed over each other backend, per configuration: time(other) / time(fa2), forward and backward."""
+    by_key = {(r["backend"], r["head_dim"], r["causal"], r["seqlen"]): r for r in rows}
+    others = [b for b in dict.fromkeys(r["backend"] for r in rows) if b != "fa2"]
+    if not others or not any(r["backend"] == "fa2" for r in rows):
+        return
+    print("\nFA2 speed-up (other time / fa2 time), fwd / bwd")
+    print(f"{'D':>4} {'causal':>6} {'N':>6} " + " ".join(f"{'vs ' + b:>17}" for b in others))
+    for (backend, head_dim, causal, seqlen), r in by_key.items():
+        if backend != "fa2":
+            continue
+        cells = []
+        for b in others:
+            o = by_key.get((b, head_dim, causal, seqlen))
+            ratio = lambda d: f"{o[d] / r[d]:.2f}" if o and o[d] and r[d] else "-"
+            cells.append(f"{ratio('fwd_ms') + ' / ' + ratio('bwd_ms'):>17}")
+        print(f"{head_dim:>4} {str(causal):>6} {seqlen:>6} " + " ".join(cells))
+
+
+def plot(rows, out_dir):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for head_dim in sorted({r["head_dim"] for r in rows}):
+        for causal in (True, False):
+            for direction in ("fwd", "bwd"):
+                sel = [r for r in rows if r["head_dim"] == head_dim and r["causal"] == causal and r[f"{direction}_tflops"]]
+                if not sel:
+                    continue
+                fig, ax = plt.subplots(figsize=(6, 4))
+                for backend in dict.fromkeys(r["backend"] for r in sel):
+                    pts = [(r["seqlen"], r[f"{direction}_tflops"]) for r in sel if r["backend"] == backend]
+                    ax.plot(*zip(*pts), marker="o", label=backend)
+                ax.set_xscale("log", base=2)
+                ax.set_xlabel("sequence length N")
+                ax.set_ylabel("TFLOP/s")
+                ax.set_title(f"{direction}, head_dim={head_dim}, {'causal' if causal else 'non-causal'}, {rows[0]['dtype']}")
+                ax.grid(True, alpha=0.3)
+                ax.legend()
+                path = out_dir / f"attention_{direction}_d{head_dim}_{'causal' if causal else 'full'}.png"
+                fig.tight_layout()
+                fig.savefig(path, dpi=110)
+                plt.close(fig)
+                paths.append(path)
+    return paths
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backends", default="fa2,fa1,sdpa,sdpa-flash,sdpa-cudnn")
+    parser.add_argument("--head-dims", default="64,128")
+    parser.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
+    parser.add_argument("--causal", default="true,false", help="true, false or both")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--out", default="runs/bench_attention", help="folder for CSV, JSON and PNG files")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.attention needs a CUDA GPU")
+
+    dtype = getattr(torch, args.dtype)
+    chosen = backends(args.backends.split(","))
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    print(f"{'backend':<11} {'D':>4} {'causal':>6} {'N':>6} {'fwd ms':>8} {'fwd TF/s':>9} {'bwd ms':>8} {'bwd TF/s':>9}")
+    for head_dim in map(int, args.head_dims.split(",")):
+        for causal in [c.strip().lower() == "true" for c in args.causal.split(",")]:
+            for seqlen in map(int, args.seqlens.split(",")):
+                batch, n_heads = max(1, TOKENS // seqlen), WIDTH // head_dim
+                for name, attention in chosen.items():
+                    fwd, bwd = measure(attention, batch, n_heads, seqlen, head_dim, causal, dtype)
+                    row = dict(backend=name, dtype=args.dtype, batch=batch, n_heads=n_heads, seqlen=seqlen,
+                               head_dim=head_dim, causal=causal, fwd_ms=fwd, bwd_ms=bwd,
+                               fwd_tflops=fwd and flops(batch, n_heads, seqlen, head_dim, causal, "fwd") / fwd / 1e9,
+                               bwd_tflops=bwd and flops(batch, n_heads, seqlen, head_dim, causal, "bwd") / bwd / 1e9)
+                    rows.append(row)
+                    fmt = lambda x, f: format(x, f) if x else "-"
+                    print(f"{name:<11} {head_dim:>4} {str(causal):>6} {seqlen:>6} {fmt(fwd, '8.3f')} "
+                          f"{fmt(row['fwd_tflops'], '9.1f')} {fmt(bwd, '8.3f')} {fmt(row['bwd_tflops'], '9.1f')}", flush=True)
+                torch.cuda.empty_cache()
+
+    print_ratios(rows)
+    with open(out_dir / "attention.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,
+                triton=__import__("triton").__version__, rows=rows)
+    (out_dir / "attention.json").write_text(json.dumps(meta, indent=1))
+    for path in plot(rows, out_dir):
+        print("wrote", path)
+    print(f"wrote {out_dir / 'attention.csv'} and attention.json ({meta['gpu']}, torch {meta['torch']}, triton {meta['triton']})")
+
+
+if __name__ == "__main__":
+    main()
