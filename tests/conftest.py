@@ -2,15 +2,101 @@
 
 Without a CUDA GPU the Triton kernels run through Triton's interpreter, which must be switched on before
 `kernels` is first imported (Triton reads TRITON_INTERPRET when it decorates the kernels).
+
+Trainer tests: no network, every generated file in a temporary folder, tiny configs. The environment
+variables below are set at import, before wandb / datasets are imported by any test.
 """
 
 import os
+import random
+import sys
+import tempfile
+from pathlib import Path
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+_TMP = Path(tempfile.mkdtemp(prefix="gpt-tests-"))
+for var, value in {
+    "WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": _TMP / "wandb",
+    "WANDB_CACHE_DIR": _TMP / "wandb-cache", "WANDB_CONFIG_DIR": _TMP / "wandb-config",
+    "WANDB_DATA_DIR": _TMP / "wandb-data", "HF_DATASETS_CACHE": _TMP / "hf-datasets",
+    "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+}.items():
+    os.environ[var] = str(value)
+for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+    os.environ.pop(var, None)
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
+    config.addinivalue_line("markers", "kernels: needs the Triton kernels in kernels/ (skipped until they exist)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="no CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+WORDS = ("the king queen lord love death night day sword crown blood heart fair foul sweet "
+         "speak hear come go thou thee thy my mine what why where when now never ever").split()
+
+
+def random_text(rng: random.Random, n_lines: int) -> str:
+    lines = []
+    for _ in range(n_lines):
+        words = [rng.choice(WORDS) for _ in range(rng.randint(3, 9))]
+        lines.append(" ".join(words).capitalize() + rng.choice(".,;!?"))
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture(scope="session")
+def corpus_dir() -> Path:
+    """Three text files of random (seeded per session) English-like lines, ~60 KB in all."""
+    rng = random.Random()  # fresh inputs every session
+    folder = _TMP / "corpus"
+    folder.mkdir(exist_ok=True)
+    for i in range(3):
+        (folder / f"part{i}.txt").write_text(random_text(rng, 400))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def cache_dir() -> Path:
+    """Token cache shared by the whole session (prepared once per data config)."""
+    return _TMP / "cache"
+
+
+@pytest.fixture
+def tiny_overrides(tmp_path, corpus_dir, cache_dir) -> list[str]:
+    """Overrides for a seconds-long CPU run: 2 layers, GQA (4 q / 2 kv heads), 32 wide, context 32."""
+    return [
+        "model=tiny", "model.n_layer=2", "model.n_head=4", "model.n_kv_head=2", "model.n_embd=32",
+        "model.block_size=32", "data=local_text", f"data.files={corpus_dir}/*.txt",
+        f"data.cache_dir={cache_dir}", "attn=sdpa", "trainer.device=cpu", "trainer.batch_size=4",
+        "trainer.max_steps=6", "optim.warmup_steps=2", "optim.decay_steps=20", "eval.interval=3",
+        "eval.iters=2", "ckpt.interval=3", "ckpt.keep_last=2", "wandb.mode=disabled",
+        f"run.root={tmp_path / 'runs'}", "run.name=test",
+    ]
+
+
+@pytest.fixture
+def make_cfg(tiny_overrides):
+    """make_cfg('key=value', ...) -> the composed config for the tiny run plus extra overrides."""
+    from trainer.config import compose_config
+
+    def make(*extra: str):
+        return compose_config(tiny_overrides + list(extra))
+
+    return make

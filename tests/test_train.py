@@ -1,0 +1,191 @@
+"""End-to-end training on a tiny model: files of a run, exact resume, interrupts, NaN, bad input, CLI."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from model.gpt import GPT
+from trainer import ConfigError, NonFiniteLossError, train
+from trainer.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORD_KEYS = {"step", "tokens_seen", "train/loss", "train/lr", "train/grad_norm", "perf/step_time_ms",
+               "perf/tokens_per_s", "perf/mfu", "perf/peak_mem_gib"}
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def test_short_run_writes_checkpoints_metrics_and_offline_wandb(make_cfg):
+    cfg = make_cfg("wandb.mode=offline", "trainer.max_steps=7")
+    s = train(cfg)
+    run_dir = Path(cfg.run.root) / "test"
+    assert s.run_dir == run_dir and s.step == 7 and s.stop_reason == "max_steps" and s.attn_backend == "sdpa"
+    # Checkpoints at 3 and 6 (interval), 7 (end); keep_last=2.
+    assert [p.name for p in list_checkpoints(run_dir)] == ["step_00000006.pt", "step_00000007.pt"]
+    assert s.checkpoint == run_dir / "checkpoints" / "step_00000007.pt"
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    assert records == s.records and [r["step"] for r in records] == list(range(1, 8))
+    for r in records:
+        assert RECORD_KEYS <= set(r) and math.isfinite(r["train/loss"]) and r["perf/step_time_ms"] > 0
+        assert r["perf/tokens_per_s"] == pytest.approx(s.tokens_per_step / (r["perf/step_time_ms"] / 1e3))
+        assert r["perf/mfu"] is None and r["perf/peak_mem_gib"] is None  # CPU
+    assert [r["step"] for r in records if "val/loss" in r] == [3, 6, 7]
+    assert s.final_val_loss == records[-1]["val/loss"] and s.tokens_per_step == 4 * 32
+    assert records[-1]["tokens_seen"] == 7 * 4 * 32
+    # Offline W&B run inside the run folder, id recorded in the checkpoint.
+    offline = list((run_dir / "wandb").glob(f"offline-run-*-{s.wandb_run_id}"))
+    assert len(offline) == 1 and any(offline[0].glob("*.wandb"))
+    ckpt = load_checkpoint(s.checkpoint)
+    assert ckpt["wandb_run_id"] == s.wandb_run_id and ckpt["attn_backend"] == "sdpa" and ckpt["step"] == 7
+    assert ckpt["tokens_seen"] == 7 * 128 and ckpt["best_val_loss"] == min(r["val/loss"] for r in records if "val/loss" in r)
+    assert ckpt["config"]["model"]["n_kv_head"] == 2 and ckpt["config"]["run"]["name"] == "test"
+    assert not any(k.startswith(("_orig_mod.", "module.")) for k in ckpt["model"])
+    assert {"python", "numpy", "torch_cpu", "torch_cuda"} <= set(ckpt["rng"]) and "generator" in ckpt["sampler"]
+    assert "scaler" in ckpt and "optimizer" in ckpt and ckpt["model_args"]["vocab_size"] % 64 == 0
+
+
+def test_resume_is_bit_exact(make_cfg):
+    """20 straight steps == 10 steps + resume + 10 steps, with dropout and grad accumulation on."""
+    common = ("model.dropout=0.1", "trainer.grad_accum=2", "eval.interval=4", "ckpt.interval=0",
+              "optim.decay_steps=30", "optim.warmup_steps=3")
+    straight = train(make_cfg(*common, "run.name=straight", "trainer.max_steps=20"))
+    first = train(make_cfg(*common, "run.name=resumed", "trainer.max_steps=10", "wandb.mode=offline"))
+    second = train(make_cfg(*common, "run.name=resumed", "trainer.max_steps=20", "wandb.mode=offline"))
+    assert first.step == 10 and second.start_step == 10 and second.step == 20
+    losses = lambda recs: [(r["step"], r["train/loss"], r["train/grad_norm"], r["train/lr"]) for r in recs]  # noqa: E731
+    assert losses(second.records) == losses(straight.records[10:])  # bit-identical floats
+    assert [r.get("val/loss") for r in second.records] == [r.get("val/loss") for r in straight.records[10:]]
+    assert second.wandb_run_id == first.wandb_run_id  # the W&B run continues
+    a, b = load_checkpoint(straight.checkpoint)["model"], load_checkpoint(second.checkpoint)["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    jsonl = read_jsonl(second.run_dir / "metrics.jsonl")
+    assert [r["step"] for r in jsonl] == list(range(1, 21))
+
+
+def test_resume_never_and_resume_path(make_cfg, tmp_path):
+    done = train(make_cfg("run.name=orig", "trainer.max_steps=3"))
+    with pytest.raises(ConfigError, match="resume=never: run folder .*orig already has checkpoints"):
+        train(make_cfg("run.name=orig", "resume=never"))
+    assert [p.name for p in list_checkpoints(done.run_dir)] == ["step_00000003.pt"]
+    branch = train(make_cfg("run.name=branch", f"resume={done.checkpoint}", "trainer.max_steps=5"))
+    assert branch.start_step == 3 and branch.step == 5
+    assert branch.wandb_run_id != done.wandb_run_id  # a branch is a new W&B run
+    with pytest.raises(CheckpointError, match="nope.pt does not exist"):
+        train(make_cfg("run.name=other", f"resume={tmp_path / 'nope.pt'}"))
+
+
+def test_resume_rejects_a_different_model(make_cfg):
+    train(make_cfg("run.name=shape", "trainer.max_steps=3"))
+    with pytest.raises(ConfigError, match="model.n_layer: checkpoint 2, config 3"):
+        train(make_cfg("run.name=shape", "model.n_layer=3", "trainer.max_steps=4"))
+
+
+def test_corrupt_latest_checkpoint_is_reported_and_kept(make_cfg):
+    s = train(make_cfg("run.name=corrupt", "trainer.max_steps=3"))
+    content = s.checkpoint.read_bytes()[:1000]
+    s.checkpoint.write_bytes(content)
+    with pytest.raises(CheckpointError, match="step_00000003.pt is corrupt"):
+        train(make_cfg("run.name=corrupt", "trainer.max_steps=6"))
+    assert s.checkpoint.read_bytes() == content and list_checkpoints(s.run_dir) == [s.checkpoint]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_saves_and_stops_then_resume_finishes(make_cfg, sig):
+    def on_step(record):
+        if record["step"] == 2:
+            os.kill(os.getpid(), sig)
+
+    s = train(make_cfg("run.name=sig", "trainer.max_steps=6", "ckpt.interval=0"), on_step=on_step)
+    assert s.stop_reason == "interrupted" and s.step == 2
+    assert [p.name for p in list_checkpoints(s.run_dir)] == ["step_00000002.pt"]
+    assert signal.getsignal(sig) in (signal.default_int_handler, signal.SIG_DFL)  # handlers restored
+    rest = train(make_cfg("run.name=sig", "trainer.max_steps=6", "ckpt.interval=0"))
+    assert rest.start_step == 2 and rest.step == 6 and rest.stop_reason == "max_steps"
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(make_cfg, monkeypatch):
+    real_forward = GPT.forward
+    calls = {"n": 0}
+
+    def forward(self, idx, targets=None):
+        logits, loss = real_forward(self, idx, targets)
+        if targets is not None and self.training:
+            calls["n"] += 1
+            if calls["n"] == 5:  # the 5th training forward = step 5
+                loss = loss * float("nan")
+        return logits, loss
+
+    monkeypatch.setattr(GPT, "forward", forward)
+    cfg = make_cfg("run.name=nan", "trainer.max_steps=8", "ckpt.interval=3")
+    with pytest.raises(NonFiniteLossError, match=r"loss is nan at step 5.*step_00000003.pt"):
+        train(cfg)
+    run_dir = Path(cfg.run.root) / "nan"
+    assert latest_checkpoint(run_dir).name == "step_00000003.pt"
+    ckpt = load_checkpoint(latest_checkpoint(run_dir))
+    assert ckpt["step"] == 3 and all(torch.isfinite(v).all() for v in ckpt["model"].values())
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def test_context_longer_than_data_is_rejected_before_training(make_cfg, tmp_path):
+    small = tmp_path / "small.txt"
+    small.write_text("to be or not to be, that is the question\n" * 4)
+    cfg = make_cfg(f"data.files={small}", "data.name=small", "model.block_size=64")
+    with pytest.raises(ConfigError, match="model.block_size=64: longer than the data allows"):
+        train(cfg)
+    assert not (Path(cfg.run.root) / "test").exists()
+    with pytest.raises(ConfigError, match="model.vocab_size=8: smaller than the tokenizer's vocabulary"):
+        train(make_cfg("model.vocab_size=8"))
+
+
+def test_sample_generates_text(make_cfg, capsys):
+    import sample
+
+    s = train(make_cfg("run.name=sampled", "trainer.max_steps=3"))
+    rc = sample.main(["--run", "sampled", "--runs-root", str(s.run_dir.parent), "--prompt", "The king",
+                      "--num-tokens", "40", "--top-k", "5", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert rc == 0 and out.startswith("The king") and len(out.rstrip("\n")) == len("The king") + 40
+    assert sample.main(["--run", str(s.run_dir / "missing"), "--device", "cpu"]) == 1
+    assert "neither a checkpoint file" in capsys.readouterr().err
+
+
+def test_cli_entry_point(tiny_overrides, tmp_path):
+    """`python train.py ...` end to end: Hydra output in the run folder, clean error for bad input."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    args = [a for a in tiny_overrides if not a.startswith("run.")] + [
+        f"run.root={tmp_path}", "run.name=cli", "trainer.max_steps=2"]
+    ok = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    run_dir = tmp_path / "cli"
+    assert (run_dir / ".hydra" / "config.yaml").exists() and (run_dir / "train.log").exists()
+    log = (run_dir / "train.log").read_text()
+    assert "attention backend: sdpa" in log and "final val loss" in log
+    assert [p.name for p in list_checkpoints(run_dir)] == ["step_00000002.pt"]
+    bad = subprocess.run([sys.executable, "train.py", *args, "model.n_embd=30"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and "model.n_embd=30: must be divisible by model.n_head=4" in bad.stdout + bad.stderr
+    assert "Traceback" not in bad.stdout + bad.stderr
+
+
+@pytest.mark.kernels
+def test_fa2_backend_trains_like_sdpa(make_cfg):
+    """The Triton FA2 kernel (interpreter on CPU) gives the same losses as SDPA on a micro model."""
+    kernels = pytest.importorskip("kernels")
+    if not hasattr(kernels, "fa2_attention"):
+        pytest.skip("kernels.fa2_attention is not there yet")
+    micro = ("model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.n_kv_head=1", "model.block_size=16",
+             "trainer.batch_size=2", "trainer.max_steps=3", "eval.iters=1", "ckpt.interval=0")
+    ref = train(make_cfg(*micro, "attn=sdpa", "run.name=ref"))
+    fa2 = train(make_cfg(*micro, "attn=fa2", "run.name=fa2"))
+    assert fa2.attn_backend == "fa2" and load_checkpoint(fa2.checkpoint)["attn_backend"] == "fa2"
+    for a, b in zip(ref.records, fa2.records):
+        assert b["train/loss"] == pytest.approx(a["train/loss"], abs=1e-4)

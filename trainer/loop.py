@@ -1,0 +1,320 @@
+"""The training loop: orchestrates config checks, data, model, optimizer, checkpoints and metrics.
+
+``train(cfg)`` is the in-process entry point used by ``train.py`` (and by benchmarks / multi-GPU
+launchers): it validates the config, prepares the data, builds or resumes the model, trains to
+``trainer.max_steps`` and returns a ``TrainSummary`` with every per-step record it produced.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import math
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from data.prepare import PreparedData, prepare_data
+from data.sampler import BatchSampler
+from model.attention import resolve_backend
+from model.gpt import GPT, GPTConfig
+from trainer.checkpoint import (CheckpointError, clean_state_dict, latest_checkpoint, list_checkpoints,
+                                load_checkpoint, save_checkpoint, unwrap_model)
+from trainer.config import ConfigError, padded_vocab_size, validate_against_data, validate_config
+from trainer.lr_schedule import lr_at
+from trainer.metrics import MetricsLogger, peak_flops
+from trainer.optim import build_optimizer
+from trainer.runtime import DistInfo, autocast, rng_state, seed_everything, select_device, select_dtype, set_rng_state
+
+log = logging.getLogger(__name__)
+
+VAL_SEED_OFFSET = 1_000_003  # val batches come from their own, fixed stream
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN or inf; the run stopped without saving that step."""
+
+
+@dataclass
+class TrainSummary:
+    run_dir: Path
+    attn_backend: str                 # resolved backend name (never 'auto')
+    start_step: int                   # step the run started from (0, or the resumed checkpoint's)
+    step: int                         # last completed optimizer step
+    stop_reason: str                  # 'max_steps' or 'interrupted'
+    records: list[dict] = field(default_factory=list)  # one per step of this invocation, as in metrics.jsonl
+    final_val_loss: Optional[float] = None
+    best_val_loss: Optional[float] = None
+    checkpoint: Optional[Path] = None  # last checkpoint written
+    wandb_run_id: Optional[str] = None
+    num_params: int = 0
+    tokens_per_step: int = 0
+
+
+class _StopRequest:
+    """First Ctrl-C / SIGTERM: finish the current step, save, exit cleanly. Second Ctrl-C: abort now."""
+
+    def __init__(self):
+        self.signum: Optional[int] = None
+        self._previous: dict = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        return False
+
+    def _handle(self, signum, frame):
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+        log.warning("received %s: stopping after this step and saving a checkpoint (Ctrl-C again to abort)",
+                    signal.Signals(signum).name)
+
+
+def train(cfg: DictConfig, run_dir: Optional[Path] = None,
+          on_step: Optional[Callable[[dict], None]] = None) -> TrainSummary:
+    """Train (or resume) the run described by ``cfg`` (the composed config, see conf/config.yaml).
+
+    run_dir: the run folder; default ``<run.root>/<run.name>``. on_step: called with each per-step
+    record. Raises ConfigError for invalid values (before any data or model work), CheckpointError
+    for a missing/corrupt checkpoint, NonFiniteLossError for a NaN/inf loss (the previous checkpoint
+    is left as the latest). Give ``run.name`` explicitly when calling this several times in one
+    process: the default name is a timestamp resolved once per process.
+    """
+    cfg = copy.deepcopy(cfg)
+    OmegaConf.resolve(cfg)  # freeze interpolations (e.g. the timestamped run.name) once
+    validate_config(cfg)
+    dist = DistInfo.from_env()
+    if dist.world_size > 1:
+        raise NotImplementedError("multi-process training (torchrun, DDP) is not supported yet; run one process")
+    run_dir = Path(run_dir) if run_dir is not None else Path(cfg.run.root) / cfg.run.name
+    backend = resolve_backend(cfg.attn.backend)
+    device = select_device(cfg.trainer.device, dist)
+    dtype = select_dtype(cfg.trainer.dtype, device)
+
+    ckpt, ckpt_path = _resume_checkpoint(cfg, run_dir)
+    data = prepare_data(cfg.data)
+    validate_against_data(cfg, len(data.train), len(data.val), data.vocab_size)
+    model_args = GPTConfig(
+        block_size=cfg.model.block_size, vocab_size=padded_vocab_size(cfg, data.vocab_size),
+        n_layer=cfg.model.n_layer, n_head=cfg.model.n_head, n_kv_head=cfg.model.n_kv_head,
+        n_embd=cfg.model.n_embd, dropout=cfg.model.dropout, bias=cfg.model.bias, attn=backend)
+    if ckpt is not None:
+        _check_resume_compatible(ckpt, ckpt_path, model_args, data, cfg)
+
+    seed_everything(cfg.seed)
+    model = GPT(model_args).to(device)
+    optimizer = build_optimizer(model, cfg.optim, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    sampler = BatchSampler(data.train, cfg.model.block_size, cfg.trainer.batch_size, cfg.seed,
+                           dist.rank, dist.world_size, device)
+    step, tokens_seen, best_val, wandb_id = 0, 0, None, None
+    if ckpt is not None:
+        model.load_state_dict(clean_state_dict(ckpt["model"]))
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scaler.load_state_dict(ckpt["scaler"])
+        sampler.load_state_dict(ckpt["sampler"])
+        step, tokens_seen = ckpt["step"], ckpt["tokens_seen"]
+        best_val = ckpt.get("best_val_loss")
+        if ckpt_path.resolve().parent.parent == run_dir.resolve():  # same run: continue its W&B run
+            wandb_id = ckpt.get("wandb_run_id")
+        log.info("resumed from %s at step %d", ckpt_path, step)
+
+    tokens_per_step = cfg.trainer.batch_size * cfg.trainer.grad_accum * cfg.model.block_size * dist.world_size
+    flops_per_token = model.estimate_flops_per_token()
+    peak = peak_flops(device, cfg.trainer.peak_flops)
+    log.info("attention backend: %s (attn=%s) | device %s | dtype %s | %.2fM parameters | %d tokens/step",
+             backend, cfg.attn.backend, device, str(dtype).removeprefix("torch."), model.num_params() / 1e6,
+             tokens_per_step)
+    log.info("run folder: %s", run_dir.resolve())
+    run_model = torch.compile(model) if cfg.trainer.compile else model
+
+    config_dict = OmegaConf.to_container(cfg, resolve=True)
+    wandb_config = {**config_dict, "resolved": {
+        "attn_backend": backend, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+        "vocab_size": model_args.vocab_size, "num_params": model.num_params(), "tokens_per_step": tokens_per_step,
+        "data_dir": str(data.dir)}}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    default_dir = Path(cfg.run.root) / cfg.run.name
+    multirun_job = run_dir.resolve() != default_dir.resolve()  # e.g. runs/<name>/<job number>
+    wandb_name = f"{cfg.run.name}/{run_dir.name}" if multirun_job else cfg.run.name
+    logger = MetricsLogger(run_dir, cfg.wandb, wandb_name, wandb_config, wandb_id, step,
+                           cfg.trainer.max_steps, enabled=dist.is_main)
+    summary = TrainSummary(run_dir, backend, step, step, "max_steps", best_val_loss=best_val,
+                           wandb_run_id=logger.wandb_id, num_params=model.num_params(),
+                           tokens_per_step=tokens_per_step, checkpoint=ckpt_path)
+
+    def save() -> Path:
+        state = {
+            "model": clean_state_dict(unwrap_model(model).state_dict()),
+            "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
+            "step": step, "tokens_seen": tokens_seen, "best_val_loss": best_val,
+            "rng": rng_state(), "sampler": sampler.state_dict(), "world_size": dist.world_size,
+            "config": config_dict, "model_args": dataclasses.asdict(model_args), "data_meta": data.meta,
+            "attn_backend": backend, "wandb_run_id": logger.wandb_id, "torch_version": str(torch.__version__),
+        }
+        path = save_checkpoint(state, run_dir, step, cfg.ckpt.keep_last) if dist.is_main else None
+        log.info("saved checkpoint %s", path)
+        return path
+
+    if ckpt is not None:
+        set_rng_state(ckpt["rng"])  # last, so nothing above consumes random numbers after the restore
+        del ckpt
+    last_saved = step if ckpt_path is not None else None
+    exit_code = 1
+    try:
+        with _StopRequest() as stop:
+            run_model.train()
+            while step < cfg.trainer.max_steps:
+                t0 = time.perf_counter()
+                lr = lr_at(step, cfg.optim.lr, cfg.optim.warmup_steps, cfg.optim.decay_steps, cfg.optim.min_lr_ratio)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                loss_sum = torch.zeros((), device=device)
+                for _ in range(cfg.trainer.grad_accum):
+                    x, y = sampler.next_batch()
+                    with autocast(device, dtype):
+                        _, loss = run_model(x, y)
+                    loss = loss / cfg.trainer.grad_accum
+                    scaler.scale(loss).backward()
+                    loss_sum += loss.detach()
+                train_loss = loss_sum.item()
+                if not math.isfinite(train_loss):
+                    raise NonFiniteLossError(
+                        f"training loss is {train_loss} at step {step + 1}; stopped without saving this step. "
+                        f"Last good checkpoint: {summary.checkpoint or 'none'}. Try a lower optim.lr, "
+                        "more optim.warmup_steps, optim.grad_clip, or trainer.dtype=bf16/fp32.")
+                scaler.unscale_(optimizer)
+                max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                dt = time.perf_counter() - t0
+                step += 1
+                tokens_seen += tokens_per_step
+
+                record = {"step": step, "tokens_seen": tokens_seen, "train/loss": train_loss, "train/lr": lr,
+                          "train/grad_norm": grad_norm, "perf/step_time_ms": dt * 1e3,
+                          "perf/tokens_per_s": tokens_per_step / dt,
+                          "perf/mfu": flops_per_token * tokens_per_step / dt / peak if peak else None,
+                          "perf/peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30
+                          if device.type == "cuda" else None}
+                at_end = step == cfg.trainer.max_steps
+                if at_end or (cfg.eval.interval and step % cfg.eval.interval == 0):
+                    val = evaluate(run_model, data, cfg, device, dtype, dist)
+                    record["val/loss"] = val
+                    summary.final_val_loss = val
+                    best_val = val if best_val is None else min(best_val, val)
+                    summary.best_val_loss = best_val
+                    log.info("step %d: train loss %.4f, val loss %.4f", step, train_loss, val)
+                logger.log(record)
+                summary.records.append(record)
+                summary.step = step
+                if on_step is not None:
+                    on_step(record)
+                if cfg.ckpt.interval and step % cfg.ckpt.interval == 0:
+                    summary.checkpoint, last_saved = save(), step
+                if stop.signum is not None:
+                    summary.stop_reason = "interrupted"
+                    break
+            if last_saved != step:
+                summary.checkpoint, last_saved = save(), step
+        exit_code = 0
+    except NonFiniteLossError as e:
+        log.error("%s", e)
+        raise
+    finally:
+        logger.summary({"final_val_loss": summary.final_val_loss, "best_val_loss": summary.best_val_loss})
+        logger.close(exit_code)
+    if summary.final_val_loss is not None:
+        log.info("final val loss %.4f (step %d)", summary.final_val_loss, step)
+    if summary.stop_reason == "interrupted":
+        log.info("interrupted at step %d; resume with the same run.name=%s", step, cfg.run.name)
+    return summary
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, data: PreparedData, cfg: DictConfig, device: torch.device,
+             dtype: torch.dtype, dist: DistInfo = DistInfo()) -> float:
+    """Mean val loss over ``eval.iters`` batches from a fixed stream (the same batches at every
+    evaluation, so values are comparable across steps and runs). Leaves global RNGs untouched."""
+    sampler = BatchSampler(data.val, cfg.model.block_size, cfg.trainer.batch_size, cfg.seed + VAL_SEED_OFFSET,
+                           dist.rank, dist.world_size, device)
+    model.eval()
+    losses = torch.zeros(cfg.eval.iters, device=device)
+    for i in range(cfg.eval.iters):
+        x, y = sampler.next_batch()
+        with autocast(device, dtype):
+            _, loss = model(x, y)
+        losses[i] = loss.float()
+    model.train()
+    return losses.mean().item()
+
+
+def _resume_checkpoint(cfg: DictConfig, run_dir: Path) -> tuple[Optional[dict], Optional[Path]]:
+    """Apply the ``resume`` policy: auto (latest in the run folder, if any), never, or a file path."""
+    existing = list_checkpoints(run_dir)
+    if cfg.resume == "never":
+        if existing:
+            raise ConfigError(f"resume=never: run folder {run_dir} already has checkpoints ({existing[-1].name}); "
+                              "use a new run.name, or resume=auto to continue it")
+        return None, None
+    if cfg.resume == "auto":
+        path = latest_checkpoint(run_dir)
+        return (load_checkpoint(path), path) if path is not None else (None, None)
+    path = Path(cfg.resume)
+    ckpt = load_checkpoint(path)
+    newer = [p for p in existing if p.resolve() != path.resolve() and _step_of(p) > ckpt["step"]]
+    if newer:
+        raise ConfigError(f"resume={path}: run folder {run_dir} has newer checkpoints ({newer[-1].name}) that "
+                          "resuming an older step would mix with; use a new run.name")
+    return ckpt, path
+
+
+def _step_of(path: Path) -> int:
+    return int(path.stem.split("_")[1])
+
+
+def _check_resume_compatible(ckpt: dict, path: Path, model_args: GPTConfig, data: PreparedData,
+                             cfg: DictConfig) -> None:
+    old = {k: v for k, v in ckpt["model_args"].items() if k != "attn"}
+    new = {k: v for k, v in dataclasses.asdict(model_args).items() if k != "attn"}
+    diffs = [f"model.{k}: checkpoint {old.get(k)!r}, config {new[k]!r}" for k in new if old.get(k) != new[k]]
+    old_meta = ckpt.get("data_meta", {})
+    for k in ("tokenizer", "encoding", "chars", "vocab_size"):
+        if old_meta.get(k) != data.meta.get(k):
+            diffs.append(f"data tokenizer {k}: checkpoint {old_meta.get(k)!r}, config {data.meta.get(k)!r}")
+    if diffs:
+        raise ConfigError(f"cannot resume from {path}: the model or tokenizer differs:\n  " + "\n  ".join(diffs))
+    changed = _changed_settings(ckpt["config"], OmegaConf.to_container(cfg, resolve=True))
+    if changed:
+        log.info("resuming with changed settings: %s", "; ".join(changed))
+    if ckpt.get("attn_backend") != model_args.attn:
+        log.info("attention backend changed on resume: %s -> %s", ckpt.get("attn_backend"), model_args.attn)
+
+
+def _changed_settings(old: dict, new: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _changed_settings(a, b, f"{prefix}{k}.")
+        elif a != b and f"{prefix}{k}" not in ("resume",):
+            out.append(f"{prefix}{k}: {a!r} -> {b!r}")
+    return out

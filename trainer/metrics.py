@@ -1,0 +1,126 @@
+"""Per-step metrics: one record dict per optimizer step, sent to W&B, ``metrics.jsonl`` and a tqdm bar.
+
+Record keys (absent/None where not measured):
+    step, tokens_seen, train/loss, train/lr, train/grad_norm,
+    perf/step_time_ms (device-synchronised wall time of the step), perf/tokens_per_s,
+    perf/mfu (fraction of peak; None on CPU or an unknown GPU), perf/peak_mem_gib (CUDA only),
+    val/loss (steps with an evaluation).
+MFU follows nanoGPT: FLOPs/token (6N + 12 L H Q T) * tokens/s / peak FLOP/s of the GPU
+(dense bf16 tensor-core peak from ``PEAK_FLOPS``, or ``trainer.peak_flops``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+from tqdm.auto import tqdm
+
+log = logging.getLogger(__name__)
+
+# Dense (no sparsity) bf16 tensor-core peak FLOP/s per GPU from vendor data sheets (V100, T4: fp16),
+# matched by substring of the CUDA device name; the first match wins, so specific names come first.
+PEAK_FLOPS = (
+    ("H100 PCIe", 756e12), ("H200", 989e12), ("H100", 989e12), ("H800", 989e12),
+    ("B200", 2250e12), ("A100", 312e12), ("A800", 312e12),
+    ("L40S", 362e12), ("L40", 181e12), ("L4", 121e12),
+    ("RTX A6000", 155e12), ("4090", 165e12), ("3090", 71e12), ("V100", 125e12), ("T4", 65e12),
+)
+
+
+def peak_flops(device: torch.device, override: Optional[float] = None) -> Optional[float]:
+    """Peak FLOP/s used for MFU: ``override`` if given; None on CPU or for a GPU not in the table."""
+    if override:
+        return float(override)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, flops in PEAK_FLOPS:
+        if key in name:
+            return flops
+    log.warning("no peak FLOP/s known for GPU %r: MFU is not reported (set trainer.peak_flops)", name)
+    return None
+
+
+class MetricsLogger:
+    """Writes records to W&B (``wandb.init(mode=..., dir=run_dir, resume="allow")``), appends them to
+    ``run_dir/metrics.jsonl`` and shows a progress bar. Does nothing unless ``enabled`` (rank 0)."""
+
+    def __init__(self, run_dir: Path, wandb_cfg, run_name: str, config: dict, wandb_id: Optional[str],
+                 start_step: int, max_steps: int, enabled: bool = True):
+        self.enabled = enabled
+        self.run = None
+        self.wandb_id = wandb_id
+        self.jsonl_path = Path(run_dir) / "metrics.jsonl"
+        if not enabled:
+            return
+        import wandb
+
+        self.run = wandb.init(
+            project=wandb_cfg.project, entity=wandb_cfg.entity, group=wandb_cfg.group,
+            tags=list(wandb_cfg.tags) or None, name=run_name, mode=wandb_cfg.mode, dir=str(run_dir),
+            id=wandb_id, resume="allow", config=config,
+            settings=wandb.Settings(console="off", silent=True),
+        )
+        self.wandb_id = self.run.id
+        if wandb_cfg.mode == "offline":
+            folder = Path(self.run.dir).parent
+            log.info("W&B offline run %s in %s (upload later: wandb sync %s)", self.run.id, folder, folder)
+        elif wandb_cfg.mode == "online":
+            log.info("W&B run %s: %s", self.run.id, self.run.url)
+        _truncate_jsonl(self.jsonl_path, start_step)
+        self._jsonl = open(self.jsonl_path, "a")
+        self.bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
+                        mininterval=0.1 if sys.stderr.isatty() else 30.0)  # redirected output: fewer lines
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        self.run.log({k: v for k, v in record.items() if v is not None and k != "step"}, step=record["step"])
+        postfix = {"loss": f"{record['train/loss']:.4f}"}
+        if record.get("perf/tokens_per_s"):
+            postfix["tok/s"] = f"{record['perf/tokens_per_s']:.0f}"
+        if record.get("val/loss") is not None:
+            postfix["val"] = f"{record['val/loss']:.4f}"
+        self.bar.set_postfix(postfix, refresh=False)
+        self.bar.update(1)
+
+    def summary(self, values: dict) -> None:
+        if self.enabled:
+            for k, v in values.items():
+                if v is not None:
+                    self.run.summary[k] = v
+
+    def close(self, exit_code: int = 0) -> None:
+        if not self.enabled or self.run is None:
+            return
+        self.bar.close()
+        self._jsonl.close()
+        self.run.finish(exit_code=exit_code)
+        self.run = None
+
+
+def _truncate_jsonl(path: Path, start_step: int) -> None:
+    """On resume, drop records past the checkpoint's step (they belong to steps that will be redone)."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [ln for ln in lines if _record_step(ln) <= start_step]
+    if len(kept) != len(lines):
+        from data.prepare import write_text_atomic
+
+        write_text_atomic(path, "".join(kept))
+
+
+def _record_step(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf  # an unreadable (e.g. half-written) line is dropped
