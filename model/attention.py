@@ -16,6 +16,9 @@ Backends:
   interpreter (``TRITON_INTERPRET=1``, set before ``kernels`` is imported), which is very slow.
   They have no attention dropout: ``dropout_p > 0`` raises ``ValueError`` (config validation
   rejects ``model.dropout > 0`` with these backends before training starts).
+- ``sdpa_flash`` / ``sdpa_cudnn``: SDPA pinned to PyTorch's FlashAttention-2 or cuDNN kernel
+  (``torch.nn.attention.sdpa_kernel``), for comparing against a known kernel; fails where PyTorch
+  has no such kernel for the inputs (cuDNN: CUDA only).
 - ``auto``: ``fa2`` when a CUDA GPU is present, ``sdpa`` otherwise (see ``resolve_backend``).
 """
 
@@ -32,7 +35,7 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "sdpa", "fa1", "fa2")
+BACKENDS = ("auto", "sdpa", "sdpa_flash", "sdpa_cudnn", "fa1", "fa2")
 
 
 class AttentionFn(Protocol):
@@ -62,6 +65,19 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 
 
 
 _LOADED: dict[str, Callable] = {}  # kernel functions already imported (warn once per backend)
+
+
+def _sdpa_pinned(name: str) -> AttentionFn:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    pinned = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}[name]
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+        with sdpa_kernel(pinned):
+            return _sdpa(q, k, v, dropout_p)
+
+    attention.__name__ = f"{name}_causal_attention"
+    return attention
 
 
 def _load_triton(name: str) -> Callable:
@@ -121,6 +137,8 @@ def get_backend(name: str) -> AttentionFn:
 # One entry per concrete backend (plus a conf/attn/<name>.yaml to expose it on the command line).
 _FACTORIES: dict[str, Callable[[], AttentionFn]] = {
     "sdpa": lambda: _sdpa,
+    "sdpa_flash": lambda: _sdpa_pinned("sdpa_flash"),
+    "sdpa_cudnn": lambda: _sdpa_pinned("sdpa_cudnn"),
     "fa1": lambda: _triton_backend("fa1"),
     "fa2": lambda: _triton_backend("fa2"),
 }

@@ -1,0 +1,168 @@
+"""Training throughput per attention backend: one command, a table, CSV/JSON, a bar chart, W&B runs side by side.
+
+    python -m bench.throughput model=gpt2 model.vocab_size=50304 data=shakespeare_char trainer.compile=true
+    python -m bench.throughput --backends fa2,sdpa --sweep 1024,2048,4096,8192 model=gpt2 ...
+
+Every backend trains the same model from the same seed (`train()` in-process, so every Hydra override of
+train.py applies) for `--warmup` + `--steps` optimizer steps; the warm-up steps, which include torch.compile
+and Triton autotuning, are left out of the statistics. Per backend it reports the median step time (ms),
+tokens/s (tokens per step / median step time), median MFU, peak GPU memory, the final train loss and the
+speed-up over `sdpa`. Each backend is its own W&B run in one W&B group (`wandb.group`), so the loss and step
+time curves overlay in the W&B UI. Files go to runs/<name>/: throughput.csv, throughput.json, throughput.png.
+
+`--sweep` repeats the comparison for each context length at a fixed number of tokens per step
+(`--sweep-tokens`; batch = tokens / context) into throughput_sweep.{csv,json,png}, to show where attention
+starts to dominate the step.
+"""
+
+import argparse
+import csv
+import json
+import logging
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from model.attention import BACKENDS
+
+log = logging.getLogger("bench.throughput")
+FIELDS = ["backend", "block_size", "batch_size", "tokens_per_step", "step_time_ms", "tokens_per_s", "mfu",
+          "peak_mem_gib", "final_train_loss", "speedup_vs_sdpa", "num_params"]
+
+
+def run_backend(overrides, backend, out_dir, label, warmup, steps):
+    """Train one backend into out_dir/label and summarise its timed steps (those after the warm-up)."""
+    from trainer import compose_config, train
+
+    cfg = compose_config([
+        *overrides, f"attn={backend}", f"run.root={out_dir}", f"run.name={label}", f"wandb.group={out_dir.name}",
+        "resume=never",
+        f"trainer.max_steps={warmup + steps}", "eval.interval=0", "eval.iters=1", "ckpt.interval=0",
+    ])
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    summary = train(cfg)
+    timed = summary.records[warmup:]
+    step_ms = statistics.median(r["perf/step_time_ms"] for r in timed)
+    mfus = [r["perf/mfu"] for r in timed if r["perf/mfu"] is not None]
+    mems = [r["perf/peak_mem_gib"] for r in timed if r["perf/peak_mem_gib"] is not None]
+    return dict(
+        backend=backend, block_size=cfg.model.block_size, batch_size=cfg.trainer.batch_size,
+        tokens_per_step=summary.tokens_per_step, step_time_ms=step_ms,
+        tokens_per_s=summary.tokens_per_step / (step_ms / 1e3),
+        mfu=statistics.median(mfus) if mfus else None, peak_mem_gib=max(mems) if mems else None,
+        final_train_loss=summary.records[-1]["train/loss"], speedup_vs_sdpa=None, num_params=summary.num_params,
+    )
+
+
+def add_speedups(rows):
+    base = {r["block_size"]: r["tokens_per_s"] for r in rows if r["backend"] == "sdpa"}
+    for r in rows:
+        if r["block_size"] in base:
+            r["speedup_vs_sdpa"] = r["tokens_per_s"] / base[r["block_size"]]
+
+
+def print_table(rows):
+    cell = lambda x, f, width: format("-" if x is None else format(x, f), f">{width}")
+    print(f"{'backend':<11} {'context':>7} {'batch':>5} {'step ms':>9} {'tokens/s':>11} {'MFU %':>6} "
+          f"{'mem GiB':>8} {'loss':>7} {'vs sdpa':>7}")
+    for r in rows:
+        print(f"{r['backend']:<11} {r['block_size']:>7} {r['batch_size']:>5} {r['step_time_ms']:>9.2f} "
+              f"{r['tokens_per_s']:>11,.0f} {cell(r['mfu'] and 100 * r['mfu'], '.1f', 6)} "
+              f"{cell(r['peak_mem_gib'], '.2f', 8)} {r['final_train_loss']:>7.4f} {cell(r['speedup_vs_sdpa'], '.2f', 7)}")
+
+
+def write(rows, out_dir, stem, meta):
+    with open(out_dir / f"{stem}.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    (out_dir / f"{stem}.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    plot(rows, out_dir / f"{stem}.png", meta)
+
+
+def plot(rows, path, meta):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    contexts = sorted({r["block_size"] for r in rows})
+    backends = list(dict.fromkeys(r["backend"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(5, 1.6 * len(contexts) * len(backends) / 2), 4))
+    width = 0.8 / len(backends)
+    for i, backend in enumerate(backends):
+        xs, ys = [], []
+        for j, context in enumerate(contexts):
+            r = next((r for r in rows if r["backend"] == backend and r["block_size"] == context), None)
+            if r:
+                xs.append(j + (i - (len(backends) - 1) / 2) * width)
+                ys.append(r["tokens_per_s"])
+        bars = ax.bar(xs, ys, width, label=backend)
+        ax.bar_label(bars, labels=[f"{y / 1e3:,.1f}k" for y in ys], fontsize=7)
+    ax.set_xticks(range(len(contexts)), [f"context {c}" for c in contexts])
+    ax.set_ylabel("training tokens/s")
+    ax.set_title(f"{meta['device']}: tokens/s per attention backend", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backends", default="fa1,fa2,sdpa", help=f"comma-separated, from {', '.join(BACKENDS[1:])}")
+    parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per backend")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed steps first (compile, autotune)")
+    parser.add_argument("--sweep", default="", help="context lengths for the sweep, e.g. 1024,2048,4096,8192")
+    parser.add_argument("--sweep-tokens", type=int, default=32768, help="tokens per step in the sweep")
+    parser.add_argument("--name", default=f"throughput_{time.strftime('%Y-%m-%d_%H-%M-%S')}",
+                        help="run group: runs/<name>/<backend>, W&B group <name>")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for train.py, e.g. model=gpt2")
+    args = parser.parse_args(argv)
+
+    backends = args.backends.split(",")
+    bad = [b for b in backends if b not in BACKENDS or b == "auto"]
+    if bad or args.steps < 1 or args.warmup < 0:
+        parser.error(f"--backends: unknown {bad}; accepted {', '.join(BACKENDS[1:])}" if bad
+                     else "--steps must be >= 1 and --warmup >= 0")
+    sweep = [int(c) for c in args.sweep.split(",") if c]
+    if any(c < 1 or args.sweep_tokens % c for c in sweep):
+        parser.error(f"--sweep lengths must be positive divisors of --sweep-tokens={args.sweep_tokens}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+
+    from trainer import compose_config
+
+    root = Path(compose_config(args.overrides).run.root)
+    out_dir = root / args.name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = dict(device=torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU",
+                torch=torch.__version__, triton=__import__("triton").__version__,
+                date=time.strftime("%Y-%m-%d"), overrides=args.overrides, warmup=args.warmup, steps=args.steps)
+
+    rows = [run_backend(args.overrides, b, out_dir, b, args.warmup, args.steps) for b in backends]
+    add_speedups(rows)
+    print_table(rows)
+    write(rows, out_dir, "throughput", meta)
+
+    if sweep:
+        sweep_rows = []
+        for context in sweep:
+            extra = [f"model.block_size={context}", f"trainer.batch_size={args.sweep_tokens // context}",
+                     "trainer.grad_accum=1"]
+            for b in backends:
+                sweep_rows.append(run_backend(args.overrides + extra, b, out_dir, f"{b}_ctx{context}",
+                                              args.warmup, args.steps))
+        add_speedups(sweep_rows)
+        print(f"\nsweep at {args.sweep_tokens} tokens per step")
+        print_table(sweep_rows)
+        write(sweep_rows, out_dir, "throughput_sweep", {**meta, "sweep_tokens": args.sweep_tokens})
+    print(f"wrote {out_dir}/throughput.{{csv,json,png}}" + (" and throughput_sweep.*" if sweep else ""))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""GPU-only checks of the model with our kernels (skipped without CUDA; run on the device)."""
+
+import pytest
+import torch
+
+from model.gpt import GPT, GPTConfig
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("attn", ["fa2", "fa1"])
+def test_fullgraph_compile_matches_eager(attn):
+    """torch.compile(model, fullgraph=True) keeps the kernel in one graph and gives eager's loss and grads."""
+    torch.manual_seed(0)
+    config = GPTConfig(block_size=256, vocab_size=512, n_layer=2, n_head=6, n_kv_head=2, n_embd=384, attn=attn)
+    model = GPT(config).cuda()
+    x = torch.randint(0, 512, (8, 256), device="cuda")
+    y = torch.randint(0, 512, (8, 256), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        _, loss_eager = model(x, y)
+    loss_eager.backward()
+    grads_eager = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        _, loss = compiled(x, y)
+    loss.backward()
+    assert torch.isfinite(loss)
+    torch.testing.assert_close(loss, loss_eager, rtol=2e-2, atol=2e-2)
+    for p, g in zip(model.parameters(), grads_eager):
+        assert ((p.grad - g).norm() / g.norm().clamp_min(1e-12)).item() < 5e-2
