@@ -57,14 +57,23 @@ class MetricsLogger:
         self.run = None
         self.wandb_id = wandb_id
         self.jsonl_path = Path(run_dir) / "metrics.jsonl"
+        self._jsonl = None
         if not enabled:
             return
+        if wandb_cfg.mode != "disabled":  # disabled: no W&B import at all (it need not be installed)
+            self._init_wandb(wandb_cfg, run_name, config, run_dir)
+        _truncate_jsonl(self.jsonl_path, start_step)
+        self._jsonl = open(self.jsonl_path, "a")
+        self.bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
+                        mininterval=0.1 if sys.stderr.isatty() else 30.0)  # redirected output: fewer lines
+
+    def _init_wandb(self, wandb_cfg, run_name: str, config: dict, run_dir: Path) -> None:
         import wandb
 
         self.run = wandb.init(
             project=wandb_cfg.project, entity=wandb_cfg.entity, group=wandb_cfg.group,
             tags=list(wandb_cfg.tags) or None, name=run_name, mode=wandb_cfg.mode, dir=str(run_dir),
-            id=wandb_id, resume="allow", config=config,
+            id=self.wandb_id, resume="allow", config=config,
             settings=wandb.Settings(console="off", silent=True),
         )
         self.wandb_id = self.run.id
@@ -73,17 +82,14 @@ class MetricsLogger:
             log.info("W&B offline run %s in %s (upload later: wandb sync %s)", self.run.id, folder, folder)
         elif wandb_cfg.mode == "online":
             log.info("W&B run %s: %s", self.run.id, self.run.url)
-        _truncate_jsonl(self.jsonl_path, start_step)
-        self._jsonl = open(self.jsonl_path, "a")
-        self.bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
-                        mininterval=0.1 if sys.stderr.isatty() else 30.0)  # redirected output: fewer lines
 
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
-        self.run.log({k: v for k, v in record.items() if v is not None and k != "step"}, step=record["step"])
+        if self.run is not None:
+            self.run.log({k: v for k, v in record.items() if v is not None and k != "step"}, step=record["step"])
         postfix = {"loss": f"{record['train/loss']:.4f}"}
         if record.get("perf/tokens_per_s"):
             postfix["tok/s"] = f"{record['perf/tokens_per_s']:.0f}"
@@ -93,18 +99,20 @@ class MetricsLogger:
         self.bar.update(1)
 
     def summary(self, values: dict) -> None:
-        if self.enabled:
+        if self.run is not None:
             for k, v in values.items():
                 if v is not None:
                     self.run.summary[k] = v
 
     def close(self, exit_code: int = 0) -> None:
-        if not self.enabled or self.run is None:
+        if self._jsonl is None:  # disabled rank, or already closed
             return
         self.bar.close()
         self._jsonl.close()
-        self.run.finish(exit_code=exit_code)
-        self.run = None
+        self._jsonl = None
+        if self.run is not None:
+            self.run.finish(exit_code=exit_code)
+            self.run = None
 
 
 def _truncate_jsonl(path: Path, start_step: int) -> None:
