@@ -17,8 +17,19 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
-def load_tile(ptrs, rows, n_rows, cols, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr):
-    """Load a (len(rows), BLOCK_D) tile; out-of-range rows (when CHECK_ROWS) and columns read as 0."""
+def head_ptr(base, off_b, stride_b, off_h, stride_h):
+    """Pointer to the (batch off_b, head off_h) slice; 64-bit offsets, so huge batches cannot overflow."""
+    return base + off_b.to(tl.int64) * stride_b + off_h.to(tl.int64) * stride_h
+
+
+@triton.jit
+def load_tile(base, rows, stride_row, n_rows, cols, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+              CHECK_ROWS: tl.constexpr):
+    """Load rows `rows` of a (n_rows, HEAD_DIM) matrix at `base` as a (len(rows), BLOCK_D) tile.
+
+    Out-of-range rows (only checked when CHECK_ROWS) and the padding columns past HEAD_DIM read as 0.
+    """
+    ptrs = base + rows[:, None] * stride_row + cols[None, :]
     if CHECK_ROWS:
         if BLOCK_D == HEAD_DIM:
             x = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
@@ -33,8 +44,9 @@ def load_tile(ptrs, rows, n_rows, cols, HEAD_DIM: tl.constexpr, BLOCK_D: tl.cons
 
 
 @triton.jit
-def store_tile(ptrs, x, rows, n_rows, cols, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Store a (len(rows), BLOCK_D) tile, skipping rows >= n_rows and columns >= HEAD_DIM."""
+def store_tile(base, x, rows, stride_row, n_rows, cols, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Store a (len(rows), BLOCK_D) tile into rows `rows` of a (n_rows, HEAD_DIM) matrix at `base`."""
+    ptrs = base + rows[:, None] * stride_row + cols[None, :]
     if BLOCK_D == HEAD_DIM:
         tl.store(ptrs, x, mask=rows[:, None] < n_rows)
     else:
@@ -91,10 +103,10 @@ def _bwd_preprocess(
     off_b, off_h = off_bh // n_heads, off_bh % n_heads
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    o_ptrs = O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
-    do_ptrs = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
-    o = load_tile(o_ptrs + offs_m[:, None] * stride_om + offs_d[None, :], offs_m, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
-    do = load_tile(do_ptrs + offs_m[:, None] * stride_dom + offs_d[None, :], offs_m, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    o_ptrs = head_ptr(O, off_b, stride_ob, off_h, stride_oh)
+    do_ptrs = head_ptr(DO, off_b, stride_dob, off_h, stride_doh)
+    o = load_tile(o_ptrs, offs_m, stride_om, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    do = load_tile(do_ptrs, offs_m, stride_dom, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     tl.store(DELTA + off_bh.to(tl.int64) * seqlen_q + offs_m, delta, mask=offs_m < seqlen_q)
 

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import block_d, bwd_preprocess, check_grid, load_tile, mma, store_tile, upcast_dot
+from .common import block_d, bwd_preprocess, check_grid, head_ptr, load_tile, mma, store_tile, upcast_dot
 
 BLOCK_M = 64
 BLOCK_N = 64
@@ -51,13 +51,13 @@ def _fwd(
     off_bh = tl.program_id(1)
     off_b, off_h = off_bh // n_heads, off_bh % n_heads
     off_hk = off_h // GROUP
-    q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
-    k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
-    v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
+    q_base = head_ptr(Q, off_b, stride_qb, off_h, stride_qh)
+    k_base = head_ptr(K, off_b, stride_kb, off_hk, stride_kh)
+    v_base = head_ptr(V, off_b, stride_vb, off_hk, stride_vh)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q = load_tile(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    q = load_tile(q_base, offs_m, stride_qm, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -65,7 +65,7 @@ def _fwd(
 
     for start_n in range(0, seqlen_k, BLOCK_N):  # every K/V block, masked each time
         cols = start_n + offs_n
-        k = load_tile(k_base + cols[:, None] * stride_kn + offs_d[None, :], cols, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True)
+        k = load_tile(k_base, cols, stride_kn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True)
         s = mma(q, tl.trans(k), None, UPCAST) * softmax_scale
         s = tl.where(_visible(offs_m, cols, seqlen_k, diag_offset, CAUSAL), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -77,15 +77,15 @@ def _fwd(
         # Keep acc normalised: rescale the old part by l_old * alpha / l_new, divide the new P by l_new.
         acc = acc * (l_i * alpha / l_div)[:, None]
         p = p / l_div[:, None]
-        v = load_tile(v_base + cols[:, None] * stride_vn + offs_d[None, :], cols, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True)
+        v = load_tile(v_base, cols, stride_vn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True)
         acc += mma(p.to(v.dtype), v, None, UPCAST)
         l_i = l_new
         m_i = m_new
 
     # Rows that saw no key: acc is 0 already; internal LSE +inf (the backward then gets P = 0).
     lse = tl.where(m_i == float("-inf"), float("inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
-    o_base = O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
-    store_tile(o_base + offs_m[:, None] * stride_om + offs_d[None, :], acc.to(O.dtype.element_ty), offs_m, seqlen_q, offs_d, HEAD_DIM, BLOCK_D)
+    o_base = head_ptr(O, off_b, stride_ob, off_h, stride_oh)
+    store_tile(o_base, acc.to(O.dtype.element_ty), offs_m, stride_om, seqlen_q, offs_d, HEAD_DIM, BLOCK_D)
     tl.store(LSE + off_bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
 
 
@@ -122,10 +122,10 @@ def _bwd_dkdv(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
-    v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
-    k = load_tile(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], offs_n, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True)
-    v = load_tile(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True)
+    k_base = head_ptr(K, off_b, stride_kb, off_hk, stride_kh)
+    v_base = head_ptr(V, off_b, stride_vb, off_hk, stride_vh)
+    k = load_tile(k_base, offs_n, stride_kn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True)
+    v = load_tile(v_base, offs_n, stride_vn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     diag_offset = seqlen_k - seqlen_q
@@ -133,13 +133,13 @@ def _bwd_dkdv(
     for g in range(GROUP):  # the query heads that share this K/V head, in order: no atomics
         off_h = off_hk * GROUP + g
         off_bh = off_b * n_heads + off_h
-        q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
-        do_base = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+        q_base = head_ptr(Q, off_b, stride_qb, off_h, stride_qh)
+        do_base = head_ptr(DO, off_b, stride_dob, off_h, stride_doh)
         for start_m in range(0, seqlen_q, BLOCK_M):  # every Q block, masked each time
             offs_m = start_m + offs_m0
             row_ok = offs_m < seqlen_q
-            q = load_tile(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
-            do = load_tile(do_base + offs_m[:, None] * stride_dom + offs_d[None, :], offs_m, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
+            q = load_tile(q_base, offs_m, stride_qm, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
+            do = load_tile(do_base, offs_m, stride_dom, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
             lse = tl.load(LSE + off_bh.to(tl.int64) * seqlen_q + offs_m, mask=row_ok, other=float("inf"))
             delta = tl.load(DELTA + off_bh.to(tl.int64) * seqlen_q + offs_m, mask=row_ok, other=0.0)
             s = mma(q, tl.trans(k), None, UPCAST) * softmax_scale  # (BLOCK_M, BLOCK_N)
@@ -150,10 +150,10 @@ def _bwd_dkdv(
             dk += mma(tl.trans(ds).to(q.dtype), q, None, UPCAST)
 
     dk = dk * softmax_scale
-    dk_base = DK + off_b.to(tl.int64) * stride_dkb + off_hk.to(tl.int64) * stride_dkh
-    dv_base = DV + off_b.to(tl.int64) * stride_dvb + off_hk.to(tl.int64) * stride_dvh
-    store_tile(dk_base + offs_n[:, None] * stride_dkn + offs_d[None, :], dk.to(DK.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM, BLOCK_D)
-    store_tile(dv_base + offs_n[:, None] * stride_dvn + offs_d[None, :], dv.to(DV.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM, BLOCK_D)
+    dk_base = head_ptr(DK, off_b, stride_dkb, off_hk, stride_dkh)
+    dv_base = head_ptr(DV, off_b, stride_dvb, off_hk, stride_dvh)
+    store_tile(dk_base, dk.to(DK.dtype.element_ty), offs_n, stride_dkn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D)
+    store_tile(dv_base, dv.to(DV.dtype.element_ty), offs_n, stride_dvn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
@@ -173,12 +173,12 @@ def _bwd_dq(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
-    do_base = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
-    k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
-    v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
-    q = load_tile(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
-    do = load_tile(do_base + offs_m[:, None] * stride_dom + offs_d[None, :], offs_m, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    q_base = head_ptr(Q, off_b, stride_qb, off_h, stride_qh)
+    do_base = head_ptr(DO, off_b, stride_dob, off_h, stride_doh)
+    k_base = head_ptr(K, off_b, stride_kb, off_hk, stride_kh)
+    v_base = head_ptr(V, off_b, stride_vb, off_hk, stride_vh)
+    q = load_tile(q_base, offs_m, stride_qm, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    do = load_tile(do_base, offs_m, stride_dom, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
     row_ok = offs_m < seqlen_q
     lse = tl.load(LSE + off_bh.to(tl.int64) * seqlen_q + offs_m, mask=row_ok, other=float("inf"))
     delta = tl.load(DELTA + off_bh.to(tl.int64) * seqlen_q + offs_m, mask=row_ok, other=0.0)
@@ -187,8 +187,8 @@ def _bwd_dq(
 
     for start_n in range(0, seqlen_k, BLOCK_N):  # every K/V block, masked each time
         cols = start_n + offs_n0
-        k = load_tile(k_base + cols[:, None] * stride_kn + offs_d[None, :], cols, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True)
-        v = load_tile(v_base + cols[:, None] * stride_vn + offs_d[None, :], cols, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True)
+        k = load_tile(k_base, cols, stride_kn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True)
+        v = load_tile(v_base, cols, stride_vn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True)
         s = mma(q, tl.trans(k), None, UPCAST) * softmax_scale
         p = tl.where(_visible(offs_m, cols, seqlen_k, diag_offset, CAUSAL), tl.exp(s - lse[:, None]), 0.0)
         dp = mma(do, tl.trans(v), None, UPCAST)
@@ -196,8 +196,8 @@ def _bwd_dq(
         dq += mma(ds.to(k.dtype), k, None, UPCAST)
 
     dq = dq * softmax_scale
-    dq_base = DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
-    store_tile(dq_base + offs_m[:, None] * stride_dqm + offs_d[None, :], dq.to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d, HEAD_DIM, BLOCK_D)
+    dq_base = head_ptr(DQ, off_b, stride_dqb, off_h, stride_dqh)
+    store_tile(dq_base, dq.to(DQ.dtype.element_ty), offs_m, stride_dqm, seqlen_q, offs_d, HEAD_DIM, BLOCK_D)
 
 
 def backward(do, q, k, v, o, lse, causal, softmax_scale):

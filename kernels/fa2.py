@@ -29,7 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, block_d, bucket, bwd_preprocess, check_grid, load_tile, mma, store_tile, upcast_dot
+from .common import (
+    INTERPRET, block_d, bucket, bwd_preprocess, check_grid, head_ptr, load_tile, mma, store_tile, upcast_dot,
+)
 
 LOG2E = math.log2(math.e)
 
@@ -73,7 +75,7 @@ def _fwd_inner(
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
-        k = load_tile(k_base + cols[:, None] * stride_kn + offs_d[None, :], cols, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        k = load_tile(k_base, cols, stride_kn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
         qk = mma(q, tl.trans(k), None, UPCAST)
         if MASKED:  # [3] diagonal (or sequence-end) block: mask, and keep rows that see no key yet finite
             visible = cols[None, :] < seqlen_k
@@ -90,7 +92,7 @@ def _fwd_inner(
         alpha = tl.math.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]  # [1] rescale only; no division by l here
-        v = load_tile(v_base + cols[:, None] * stride_vn + offs_d[None, :], cols, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        v = load_tile(v_base, cols, stride_vn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
         acc = mma(p.to(v.dtype), v, acc, UPCAST)  # [4] accumulate in place
         m_i = m_ij
     return acc, l_i, m_i
@@ -122,14 +124,14 @@ def _fwd(
     off_bh = tl.program_id(1)
     off_b, off_h = off_bh // n_heads, off_bh % n_heads
     off_hk = off_h // GROUP  # GQA: GROUP query heads share one K/V head
-    q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
-    k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
-    v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
-    o_base = O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+    q_base = head_ptr(Q, off_b, stride_qb, off_h, stride_qh)
+    k_base = head_ptr(K, off_b, stride_kb, off_hk, stride_kh)
+    v_base = head_ptr(V, off_b, stride_vb, off_hk, stride_vh)
+    o_base = head_ptr(O, off_b, stride_ob, off_h, stride_oh)
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    q = load_tile(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    q = load_tile(q_base, offs_m, stride_qm, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # [2]
     l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)  # [2] the first alpha = exp2(-inf) = 0 clears it
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -157,7 +159,7 @@ def _fwd(
     l_i = tl.where(empty, 1.0, l_i)
     o = acc / l_i[:, None]
     lse = tl.where(empty, float("inf"), m_i + tl.math.log2(l_i))  # [2] base 2
-    store_tile(o_base + offs_m[:, None] * stride_om + offs_d[None, :], o.to(O.dtype.element_ty), offs_m, seqlen_q, offs_d, HEAD_DIM, BLOCK_D)
+    store_tile(o_base, o.to(O.dtype.element_ty), offs_m, stride_om, seqlen_q, offs_d, HEAD_DIM, BLOCK_D)
     tl.store(LSE + off_bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
 
 
@@ -192,7 +194,7 @@ def _bwd_dkdv_inner(
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + offs_m0
-        q = load_tile(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        q = load_tile(q_base, offs_m, stride_qm, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
         if MASKED:  # rows past seqlen_q get LSE +inf, so their P is exactly 0
             lse = tl.load(lse_base + offs_m, mask=offs_m < seqlen_q, other=float("inf"))
         else:
@@ -200,7 +202,7 @@ def _bwd_dkdv_inner(
         p_t = tl.math.exp2(mma(k, tl.trans(q), None, UPCAST) * qk_scale - lse[None, :])
         if MASKED and CAUSAL:
             p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + diag_offset, p_t, 0.0)
-        do = load_tile(do_base + offs_m[:, None] * stride_dom + offs_d[None, :], offs_m, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        do = load_tile(do_base, offs_m, stride_dom, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
         dv = mma(p_t.to(do.dtype), do, dv, UPCAST)  # dV_j += P^T dO
         if MASKED:
             delta = tl.load(delta_base + offs_m, mask=offs_m < seqlen_q, other=0.0)
@@ -234,10 +236,10 @@ def _bwd_dkdv(
     off_b, off_hk = off_bhk // n_kv_heads, off_bhk % n_kv_heads
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
-    v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
-    k = load_tile(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], offs_n, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True)
-    v = load_tile(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True)
+    k_base = head_ptr(K, off_b, stride_kb, off_hk, stride_kh)
+    v_base = head_ptr(V, off_b, stride_vb, off_hk, stride_vh)
+    k = load_tile(k_base, offs_n, stride_kn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True)
+    v = load_tile(v_base, offs_n, stride_vn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
@@ -257,8 +259,8 @@ def _bwd_dkdv(
     for g in range(GROUP):  # every query head that reads this K/V head, in order: deterministic, no atomics
         off_h = off_hk * GROUP + g
         off_bh = off_b * n_heads + off_h
-        q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
-        do_base = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+        q_base = head_ptr(Q, off_b, stride_qb, off_h, stride_qh)
+        do_base = head_ptr(DO, off_b, stride_dob, off_h, stride_doh)
         lse_base = LSE + off_bh.to(tl.int64) * seqlen_q
         delta_base = DELTA + off_bh.to(tl.int64) * seqlen_q
         dk, dv = _bwd_dkdv_inner(
@@ -275,10 +277,10 @@ def _bwd_dkdv(
         )
 
     dk = dk * softmax_scale
-    dk_base = DK + off_b.to(tl.int64) * stride_dkb + off_hk.to(tl.int64) * stride_dkh
-    dv_base = DV + off_b.to(tl.int64) * stride_dvb + off_hk.to(tl.int64) * stride_dvh
-    store_tile(dk_base + offs_n[:, None] * stride_dkn + offs_d[None, :], dk.to(DK.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM, BLOCK_D)
-    store_tile(dv_base + offs_n[:, None] * stride_dvn + offs_d[None, :], dv.to(DV.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM, BLOCK_D)
+    dk_base = head_ptr(DK, off_b, stride_dkb, off_hk, stride_dkh)
+    dv_base = head_ptr(DV, off_b, stride_dvb, off_hk, stride_dvh)
+    store_tile(dk_base, dk.to(DK.dtype.element_ty), offs_n, stride_dkn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D)
+    store_tile(dv_base, dv.to(DV.dtype.element_ty), offs_n, stride_dvn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
@@ -294,8 +296,8 @@ def _bwd_dq_inner(
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
-        k = load_tile(k_base + cols[:, None] * stride_kn + offs_d[None, :], cols, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
-        v = load_tile(v_base + cols[:, None] * stride_vn + offs_d[None, :], cols, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        k = load_tile(k_base, cols, stride_kn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        v = load_tile(v_base, cols, stride_vn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
         p = tl.math.exp2(mma(q, tl.trans(k), None, UPCAST) * qk_scale - lse[:, None])
         if MASKED:
             visible = cols[None, :] < seqlen_k
@@ -333,12 +335,12 @@ def _bwd_dq(
     off_hk = off_h // GROUP
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
-    do_base = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
-    k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
-    v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
-    q = load_tile(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
-    do = load_tile(do_base + offs_m[:, None] * stride_dom + offs_d[None, :], offs_m, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    q_base = head_ptr(Q, off_b, stride_qb, off_h, stride_qh)
+    do_base = head_ptr(DO, off_b, stride_dob, off_h, stride_doh)
+    k_base = head_ptr(K, off_b, stride_kb, off_hk, stride_kh)
+    v_base = head_ptr(V, off_b, stride_vb, off_hk, stride_vh)
+    q = load_tile(q_base, offs_m, stride_qm, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    do = load_tile(do_base, offs_m, stride_dom, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
     row_ok = offs_m < seqlen_q
     lse = tl.load(LSE + off_bh.to(tl.int64) * seqlen_q + offs_m, mask=row_ok, other=float("inf"))
     delta = tl.load(DELTA + off_bh.to(tl.int64) * seqlen_q + offs_m, mask=row_ok, other=0.0)
@@ -360,8 +362,8 @@ def _bwd_dq(
         diag_offset, qk_scale, True, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST,
     )
     dq = dq * softmax_scale
-    dq_base = DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
-    store_tile(dq_base + offs_m[:, None] * stride_dqm + offs_d[None, :], dq.to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d, HEAD_DIM, BLOCK_D)
+    dq_base = head_ptr(DQ, off_b, stride_dqb, off_h, stride_dqh)
+    store_tile(dq_base, dq.to(DQ.dtype.element_ty), offs_m, stride_dqm, seqlen_q, offs_d, HEAD_DIM, BLOCK_D)
 
 
 def backward(do, q, k, v, o, lse, causal, softmax_scale):
