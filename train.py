@@ -4,9 +4,15 @@ Examples:
     python train.py                                   # tiny char-level GPT on Shakespeare (CPU ok)
     python train.py attn=fa2 model=gpt2 data=shakespeare_bpe trainer.compile=true
     python train.py run.name=exp1 trainer.max_steps=5000   # resumes runs/exp1 if it has checkpoints
+    torchrun --standalone --nproc_per_node=8 train.py attn=fa2 model=gpt2 trainer.grad_accum=8   # DDP
 
 Config: conf/config.yaml (+ groups model/, data/, attn/) on top of the typed defaults in
 trainer/config.py. Everything of a run goes to runs/<run.name>/ (see README.md).
+
+Under torchrun every rank runs this file: ranks agree on run.name before Hydra makes the run
+folder, only rank 0 writes Hydra's files and log, the other ranks log warnings and errors to
+stderr (prefixed with their rank), and an unexpected error is recorded for torchrun's report
+(torch.distributed.elastic's ``record``), which then stops the other ranks.
 """
 
 import logging
@@ -15,11 +21,14 @@ import sys
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from data.sources import DataError
 from model.attention import BackendUnavailableError
 from trainer import ConfigError, NonFiniteLossError, register_configs, train
 from trainer.checkpoint import CheckpointError
+from trainer.distributed import destroy_process_group, torchrun_overrides
+from trainer.runtime import DistInfo
 
 log = logging.getLogger("train")
 register_configs()
@@ -27,6 +36,14 @@ register_configs()
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
+    return run(cfg)
+
+
+@record  # under torchrun: an uncaught error goes to torchrun's failure report (root cause, traceback)
+def run(cfg: DictConfig) -> float | None:
+    dist = DistInfo.from_env()
+    if not dist.is_main:  # Hydra logging is off on these ranks (torchrun_overrides)
+        logging.basicConfig(level=logging.WARNING, format=f"[rank {dist.rank}] %(levelname)s [%(name)s] %(message)s")
     try:
         summary = train(cfg, run_dir=HydraConfig.get().runtime.output_dir)
     except (ConfigError, DataError, CheckpointError, BackendUnavailableError, NonFiniteLossError) as e:
@@ -37,4 +54,6 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    sys.argv[1:] = torchrun_overrides(sys.argv[1:])  # unchanged for one process
     main()
+    destroy_process_group()  # torchrun: after every job of the process (Hydra multirun) finished

@@ -2,9 +2,13 @@
 
 Each batch is ``batch_size`` windows of ``block_size + 1`` consecutive tokens at uniformly random
 offsets: x = window[:-1], y = window[1:]. Offsets come from a ``torch.Generator`` seeded from
-(seed, rank), so every rank of a multi-process job draws its own stream; ``state_dict`` /
+(seed, rank), so each stream index ``rank`` gives its own stream; ``state_dict`` /
 ``load_state_dict`` capture that generator, so a resumed run draws exactly the batches an
 uninterrupted run would have.
+
+``ShardedBatchSampler`` is what the trainer uses: one stream per micro-batch slot ("shard") of an
+optimizer step, dealt out to the ranks of a multi-process job, so the data of a step does not
+depend on the number of processes.
 """
 
 from __future__ import annotations
@@ -34,13 +38,20 @@ class BatchSampler:
         self.generator = torch.Generator().manual_seed(rank_seed(seed, rank))
         self.batches_drawn = 0
 
+    def _offsets(self) -> torch.Tensor:
+        self.batches_drawn += 1
+        return torch.randint(len(self.tokens) - self.block_size, (self.batch_size,), generator=self.generator)
+
+    def skip_batch(self) -> None:
+        """Advance the stream by one batch without reading it (another rank reads that batch)."""
+        self._offsets()
+
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y), both int64 (batch_size, block_size) on ``device``; y is x shifted by one token."""
-        ix = torch.randint(len(self.tokens) - self.block_size, (self.batch_size,), generator=self.generator)
+        ix = self._offsets()
         windows = np.stack([self.tokens[i: i + self.block_size + 1] for i in ix.tolist()]).astype(np.int64)
         w = torch.from_numpy(windows)
         x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()
-        self.batches_drawn += 1
         if self.device.type == "cuda":
             x, y = x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
         return x, y
@@ -55,3 +66,55 @@ class BatchSampler:
                              f"this sampler is rank {self.rank} of {self.world_size}")
         self.generator.set_state(state["generator"])
         self.seed, self.batches_drawn = state["seed"], state["batches_drawn"]
+
+
+class ShardedBatchSampler:
+    """The micro-batches of one optimizer step that one rank runs, such that the job's data does
+    not depend on the number of ranks.
+
+    A step uses ``num_shards`` micro-batches (the trainer passes ``trainer.grad_accum``). Micro-batch
+    k of every step comes from shard stream k: a ``BatchSampler`` seeded from (seed, k). Rank r of
+    ``world_size`` owns shards ``r*m .. r*m + m - 1`` (m = num_shards / world_size) and draws one
+    batch from each, in that order, per step. So 1 process and N ranks with the same num_shards see
+    the same batches, and the shard states gathered from all ranks (``merge_states``) can be loaded
+    by any number of ranks that divides num_shards.
+    """
+
+    def __init__(self, tokens: np.ndarray, block_size: int, batch_size: int, seed: int, num_shards: int,
+                 rank: int = 0, world_size: int = 1, device: torch.device | str = "cpu"):
+        if num_shards < 1 or num_shards % world_size:
+            raise ValueError(f"num_shards={num_shards} must be a positive multiple of world_size={world_size}")
+        m = num_shards // world_size
+        self.num_shards = num_shards
+        self.shards = [BatchSampler(tokens, block_size, batch_size, seed, rank=k, world_size=num_shards, device=device)
+                       for k in range(rank * m, rank * m + m)]
+
+    def next_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro-batches of the next step: [(x, y) of each owned shard], shard order."""
+        return [shard.next_batch() for shard in self.shards]
+
+    def state_dict(self) -> dict:
+        """This rank's shards: {"num_shards": int, "shards": [BatchSampler.state_dict(), ...]}."""
+        return {"num_shards": self.num_shards, "shards": [shard.state_dict() for shard in self.shards]}
+
+    @staticmethod
+    def merge_states(states: list[dict]) -> dict:
+        """One state holding every shard, from the ``state_dict()`` of every rank."""
+        shards = sorted((s for state in states for s in state["shards"]), key=lambda s: s["rank"])
+        return {"num_shards": states[0]["num_shards"], "shards": shards}
+
+    def load_state_dict(self, state: dict) -> list[int]:
+        """Restore the owned shards found in ``state`` (a merged state, or this rank's own). Shards the
+        state lacks (``num_shards`` grew) keep their fresh streams, unused so far; their indices are
+        returned. Raises ValueError if ``state`` is not a sampler state."""
+        if not isinstance(state, dict) or not isinstance(state.get("shards"), list):
+            raise ValueError("not a ShardedBatchSampler state (expected a dict with a 'shards' list)")
+        saved = {s["rank"]: s for s in state["shards"]}
+        fresh = []
+        for shard in self.shards:
+            if shard.rank in saved:
+                # A shard's stream depends on (seed, k) only, not on how many shards there are.
+                shard.load_state_dict({**saved[shard.rank], "world_size": shard.world_size})
+            else:
+                fresh.append(shard.rank)
+        return fresh

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf.errors import ValidationError
 
@@ -14,7 +15,7 @@ GROUPS = {g: sorted(p.stem for p in (Path(CONF_DIR) / g).glob("*.yaml")) for g i
 def test_groups_have_the_required_options():
     assert set(GROUPS["model"]) >= {"tiny", "baby", "gpt2"}
     assert set(GROUPS["data"]) >= {"shakespeare_char", "shakespeare_bpe", "hub", "local_text"}
-    assert set(GROUPS["attn"]) == {"auto", "sdpa", "fa1", "fa2"}
+    assert set(GROUPS["attn"]) == {"auto", "sdpa", "sdpa_flash", "sdpa_cudnn", "fa1", "fa2"}
 
 
 def test_defaults():
@@ -35,7 +36,10 @@ def test_every_group_option_composes(group, option):
         assert cfg.model.n_embd % cfg.model.n_head == 0
     if group == "data":
         assert cfg.data.name == option
-    if not (group == "attn" and option in ("fa1", "fa2")):  # those import the kernels (own test)
+    if group == "attn" and option == "sdpa_cudnn" and not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="needs a CUDA GPU"):
+            validate_config(cfg)
+    elif not (group == "attn" and option in ("fa1", "fa2")):  # those import the kernels (own test)
         validate_config(cfg)
 
 
@@ -88,6 +92,7 @@ def test_unknown_option_key_and_type_errors_come_from_hydra():
     (["ckpt.keep_last=0"], "ckpt.keep_last"),
     (["wandb.mode=sometimes"], "wandb.mode"),
     (["attn.backend=flash"], "attn.backend"),
+    (["attn=sdpa_cudnn"], "attn.backend"),  # the test config runs on the CPU
     (["data.val_fraction=1.0"], "data.val_fraction"),
     (["run.name=a/b"], "run.name"),
     (["seed=-1"], "seed"),

@@ -17,7 +17,7 @@ from trainer.checkpoint import CheckpointError, latest_checkpoint, list_checkpoi
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORD_KEYS = {"step", "tokens_seen", "train/loss", "train/lr", "train/grad_norm", "perf/step_time_ms",
-               "perf/tokens_per_s", "perf/mfu", "perf/peak_mem_gib"}
+               "perf/tokens_per_s", "perf/tokens_per_s_per_gpu", "perf/mfu", "perf/mfu_per_gpu", "perf/peak_mem_gib"}
 
 
 def read_jsonl(path):
@@ -37,7 +37,8 @@ def test_short_run_writes_checkpoints_metrics_and_offline_wandb(make_cfg):
     for r in records:
         assert RECORD_KEYS <= set(r) and math.isfinite(r["train/loss"]) and r["perf/step_time_ms"] > 0
         assert r["perf/tokens_per_s"] == pytest.approx(s.tokens_per_step / (r["perf/step_time_ms"] / 1e3))
-        assert r["perf/mfu"] is None and r["perf/peak_mem_gib"] is None  # CPU
+        assert r["perf/tokens_per_s_per_gpu"] == r["perf/tokens_per_s"]  # one process
+        assert r["perf/mfu"] is None and r["perf/mfu_per_gpu"] is None and r["perf/peak_mem_gib"] is None  # CPU
     assert [r["step"] for r in records if "val/loss" in r] == [3, 6, 7]
     assert s.final_val_loss == records[-1]["val/loss"] and s.tokens_per_step == 4 * 32
     assert records[-1]["tokens_seen"] == 7 * 4 * 32
@@ -49,7 +50,9 @@ def test_short_run_writes_checkpoints_metrics_and_offline_wandb(make_cfg):
     assert ckpt["tokens_seen"] == 7 * 128 and ckpt["best_val_loss"] == min(r["val/loss"] for r in records if "val/loss" in r)
     assert ckpt["config"]["model"]["n_kv_head"] == 2 and ckpt["config"]["run"]["name"] == "test"
     assert not any(k.startswith(("_orig_mod.", "module.")) for k in ckpt["model"])
-    assert {"python", "numpy", "torch_cpu", "torch_cuda"} <= set(ckpt["rng"]) and "generator" in ckpt["sampler"]
+    assert ckpt["world_size"] == 1 and len(ckpt["rng"]) == 1  # one RNG state per rank
+    assert {"python", "numpy", "torch_cpu", "torch_cuda"} <= set(ckpt["rng"][0])
+    assert ckpt["sampler"]["num_shards"] == 1 and "generator" in ckpt["sampler"]["shards"][0]
     assert "scaler" in ckpt and "optimizer" in ckpt and ckpt["model_args"]["vocab_size"] % 64 == 0
 
 

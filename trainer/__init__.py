@@ -4,6 +4,7 @@ config       structured Hydra configs (ConfigStore) and validation
 lr_schedule  linear warm-up + cosine decay
 optim        AdamW parameter groups
 runtime      rank/world size, device, dtype/autocast, seeding, RNG state
+distributed  torchrun / DDP: process group, shared run name, collectives (no-ops for one process)
 checkpoint   atomic save, keep-last, latest lookup, checked load
 metrics      per-step records -> W&B, metrics.jsonl, progress bar; MFU peak table
 loop         train(cfg) -> TrainSummary

@@ -8,6 +8,13 @@ they are tuned for the CPU default (``model=tiny``, ``data=shakespeare_char``).
 
 ``validate_config`` checks values before anything is prepared or trained and raises
 ``ConfigError`` naming each bad key and what is accepted.
+
+Batch semantics (the same for one process and for a torchrun job of N ranks): an optimizer step
+uses ``trainer.grad_accum`` micro-batches of ``trainer.batch_size`` sequences, so the global batch
+is ``batch_size * grad_accum`` sequences (``* model.block_size`` tokens) whatever N is. Each rank
+runs ``grad_accum / N`` of the micro-batches (N must divide grad_accum), and micro-batch k of a
+step always comes from the same data stream (``data.sampler.ShardedBatchSampler``): a 1-process run
+and an N-rank run with the same settings see the same data and compute the same losses.
 """
 
 from __future__ import annotations
@@ -55,18 +62,21 @@ class DataConfig:
 
 @dataclass
 class AttnConfig:
-    backend: str = "auto"              # auto | sdpa | fa1 | fa2
+    backend: str = "auto"              # auto | sdpa | sdpa_flash | sdpa_cudnn | fa1 | fa2
 
 
 @dataclass
 class TrainerConfig:
-    device: str = "auto"               # auto | cpu | cuda
+    """Global batch per optimizer step = batch_size * grad_accum sequences, for any number of
+    processes; with torchrun, each of the N ranks runs grad_accum / N micro-batches (see above)."""
+    device: str = "auto"               # auto | cpu | cuda (torchrun: cuda:<LOCAL_RANK>)
     dtype: str = "auto"                # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16
     max_steps: int = 1000              # optimizer steps
-    batch_size: int = 32               # sequences per micro-batch
-    grad_accum: int = 1                # micro-batches per optimizer step
+    batch_size: int = 32               # sequences per micro-batch (one forward/backward on one GPU)
+    grad_accum: int = 1                # micro-batches per optimizer step for the whole job; a multiple of the ranks
     compile: bool = False              # torch.compile the model
-    peak_flops: Optional[float] = None  # FLOP/s for MFU; None = look the GPU up in trainer.metrics
+    peak_flops: Optional[float] = None  # FLOP/s of one GPU for MFU; None = look the GPU up in trainer.metrics
+    dist_timeout_s: int = 1800         # torchrun: a collective waiting longer than this fails the job
 
 
 @dataclass
@@ -103,9 +113,12 @@ class WandbConfig:
     tags: List[str] = field(default_factory=list)
 
 
+RUN_NAME_FORMAT = "%Y-%m-%d_%H-%M-%S"  # default run.name: the launch time (torchrun: rank 0's)
+
+
 @dataclass
 class RunConfig:
-    name: str = "${now:%Y-%m-%d_%H-%M-%S}"   # runs/<name>/ holds everything of the run
+    name: str = "${now:" + RUN_NAME_FORMAT + "}"   # runs/<name>/ holds everything of the run
     root: str = "runs"
 
 
@@ -137,9 +150,10 @@ DTYPES = ("auto", "fp32", "bf16", "fp16")
 WANDB_MODES = ("offline", "online", "disabled")
 
 
-def validate_config(cfg: DictConfig) -> None:
+def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -> None:
     """Check every value that composition cannot (ranges, divisibility, choices, device support).
 
+    world_size / local_rank: the torchrun job's (``trainer.runtime.DistInfo``); 1 / 0 for one process.
     Raises ConfigError listing all problems, each as 'key=value: what is accepted'.
     Data-dependent checks (context vs data length, vocabulary) are in ``validate_against_data``.
     """
@@ -189,6 +203,8 @@ def validate_config(cfg: DictConfig) -> None:
                   f"head_dim = n_embd / n_head = {head_dim}, but attn={backend} supports {lo} to {hi}")
 
     t = cfg.trainer
+    check(backend != "sdpa_cudnn" or (t.device != "cpu" and torch.cuda.is_available()), "attn.backend",
+          "attn=sdpa_cudnn needs a CUDA GPU (cuDNN attention); use attn=sdpa or attn=sdpa_flash")
     check(t.device in DEVICES, "trainer.device", f"accepted: {', '.join(DEVICES)}")
     check(t.device != "cuda" or torch.cuda.is_available(), "trainer.device", "no CUDA GPU is available; use auto or cpu")
     check(t.dtype in DTYPES, "trainer.dtype", f"accepted: {', '.join(DTYPES)}")
@@ -196,8 +212,18 @@ def validate_config(cfg: DictConfig) -> None:
     check(t.dtype != "fp16" or on_cuda, "trainer.dtype", "fp16 (with a grad scaler) needs CUDA; on CPU use fp32 or bf16")
     if on_cuda and t.dtype == "bf16":
         check(torch.cuda.is_bf16_supported(), "trainer.dtype", "this GPU has no bf16; use fp16 or fp32")
-    for key in ("max_steps", "batch_size", "grad_accum"):
+    for key in ("max_steps", "batch_size", "grad_accum", "dist_timeout_s"):
         check(t[key] >= 1, f"trainer.{key}", "must be a positive integer")
+    if t.grad_accum >= 1 and world_size > 1:
+        check(t.grad_accum % world_size == 0, "trainer.grad_accum",
+              f"must be a multiple of the number of processes ({world_size}, torchrun --nproc_per_node x nodes): "
+              f"it counts the micro-batches of one optimizer step for the whole job and each process runs "
+              f"grad_accum / {world_size} of them; e.g. trainer.grad_accum={world_size} "
+              f"(global batch = trainer.batch_size * trainer.grad_accum sequences)")
+    if on_cuda and world_size > 1 and torch.cuda.is_available():
+        check(local_rank < torch.cuda.device_count(), "trainer.device",
+              f"torchrun started local rank {local_rank} but this machine has {torch.cuda.device_count()} "
+              "CUDA GPU(s); use at most that many processes per node (--nproc_per_node), one per GPU")
     check(t.peak_flops is None or t.peak_flops > 0, "trainer.peak_flops", "must be positive or null")
 
     o = cfg.optim

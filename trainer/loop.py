@@ -3,10 +3,13 @@
 ``train(cfg)`` is the in-process entry point used by ``train.py`` (and by benchmarks / multi-GPU
 launchers): it validates the config, prepares the data, builds or resumes the model, trains to
 ``trainer.max_steps`` and returns a ``TrainSummary`` with every per-step record it produced.
+Under torchrun each rank runs it; the model is wrapped in DDP and the collectives are in
+``trainer.distributed`` (no-ops for one process).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -20,14 +23,16 @@ from typing import Callable, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from torch.nn.parallel import DistributedDataParallel
 
 from data.prepare import PreparedData, prepare_data
-from data.sampler import BatchSampler
+from data.sampler import BatchSampler, ShardedBatchSampler, rank_seed
 from model.attention import resolve_backend
 from model.gpt import GPT, GPTConfig
-from trainer.checkpoint import (CheckpointError, clean_state_dict, latest_checkpoint, list_checkpoints,
-                                load_checkpoint, save_checkpoint, unwrap_model)
+from trainer.checkpoint import (CheckpointError, checkpoint_path, clean_state_dict, latest_checkpoint,
+                                list_checkpoints, load_checkpoint, save_checkpoint, unwrap_model)
 from trainer.config import ConfigError, padded_vocab_size, validate_against_data, validate_config
+from trainer.distributed import all_reduce_sum, barrier, broadcast_object, gather_objects, init_process_group
 from trainer.lr_schedule import lr_at
 from trainer.metrics import MetricsLogger, peak_flops
 from trainer.optim import build_optimizer
@@ -93,20 +98,31 @@ def train(cfg: DictConfig, run_dir: Optional[Path] = None,
     for a missing/corrupt checkpoint, NonFiniteLossError for a NaN/inf loss (the previous checkpoint
     is left as the latest). Give ``run.name`` explicitly when calling this several times in one
     process: the default name is a timestamp resolved once per process.
+
+    Under torchrun (WORLD_SIZE > 1) every rank calls this: it joins the process group (NCCL on
+    CUDA, gloo on CPU) unless one exists, and leaves it up for later calls
+    (``trainer.distributed.destroy_process_group`` ends it); takes rank 0's ``run.name`` and
+    ``run_dir``; and trains with DDP, see README "Multi-GPU". Config errors are raised on every rank alike.
     """
     cfg = copy.deepcopy(cfg)
     OmegaConf.resolve(cfg)  # freeze interpolations (e.g. the timestamped run.name) once
-    validate_config(cfg)
     dist = DistInfo.from_env()
-    if dist.world_size > 1:
-        raise NotImplementedError("multi-process training (torchrun, DDP) is not supported yet; run one process")
-    run_dir = Path(run_dir) if run_dir is not None else Path(cfg.run.root) / cfg.run.name
+    validate_config(cfg, dist.world_size, dist.local_rank)
     backend = resolve_backend(cfg.attn.backend)
     device = select_device(cfg.trainer.device, dist)
     dtype = select_dtype(cfg.trainer.dtype, device)
+    init_process_group(dist, device, cfg.trainer.dist_timeout_s)
+    # One run folder for the job: rank 0's name (a default timestamp may differ per process).
+    name, folder = broadcast_object((cfg.run.name, None if run_dir is None else str(run_dir)), dist)
+    cfg.run.name = name
+    run_dir = Path(folder) if folder is not None else Path(cfg.run.root) / cfg.run.name
+    return _train(cfg, run_dir, on_step, dist, device, dtype, backend)
 
-    ckpt, ckpt_path = _resume_checkpoint(cfg, run_dir)
-    data = prepare_data(cfg.data)
+
+def _train(cfg: DictConfig, run_dir: Path, on_step: Optional[Callable[[dict], None]], dist: DistInfo,
+           device: torch.device, dtype: torch.dtype, backend: str) -> TrainSummary:
+    ckpt, ckpt_path = _resume_checkpoint(cfg, run_dir)  # every rank reads it, onto the CPU
+    data = _prepare_data(cfg, dist)
     validate_against_data(cfg, len(data.train), len(data.val), data.vocab_size)
     model_args = GPTConfig(
         block_size=cfg.model.block_size, vocab_size=padded_vocab_size(cfg, data.vocab_size),
@@ -116,37 +132,57 @@ def train(cfg: DictConfig, run_dir: Optional[Path] = None,
         _check_resume_compatible(ckpt, ckpt_path, model_args, data, cfg)
 
     seed_everything(cfg.seed)
-    model = GPT(model_args).to(device)
+    model = GPT(model_args).to(device)  # the same initial weights on every rank
+    if dist.world_size > 1:
+        seed_everything(rank_seed(cfg.seed, dist.rank))  # but each rank its own dropout masks
     optimizer = build_optimizer(model, cfg.optim, device)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    sampler = BatchSampler(data.train, cfg.model.block_size, cfg.trainer.batch_size, cfg.seed,
-                           dist.rank, dist.world_size, device)
+    grad_accum = cfg.trainer.grad_accum
+    micro_steps = grad_accum // dist.world_size  # micro-batches per step on this rank
+    sampler = ShardedBatchSampler(data.train, cfg.model.block_size, cfg.trainer.batch_size, cfg.seed,
+                                  grad_accum, dist.rank, dist.world_size, device)
     step, tokens_seen, best_val, wandb_id = 0, 0, None, None
     if ckpt is not None:
         model.load_state_dict(clean_state_dict(ckpt["model"]))
         optimizer.load_state_dict(ckpt["optimizer"])
         scaler.load_state_dict(ckpt["scaler"])
-        sampler.load_state_dict(ckpt["sampler"])
+        fresh = sampler.load_state_dict(ckpt["sampler"])
+        if fresh:
+            log.warning("trainer.grad_accum changed on resume (%d -> %d): micro-batch streams %s start new",
+                        ckpt["sampler"]["num_shards"], grad_accum, fresh)
         step, tokens_seen = ckpt["step"], ckpt["tokens_seen"]
         best_val = ckpt.get("best_val_loss")
         if ckpt_path.resolve().parent.parent == run_dir.resolve():  # same run: continue its W&B run
             wandb_id = ckpt.get("wandb_run_id")
         log.info("resumed from %s at step %d", ckpt_path, step)
+        if ckpt["world_size"] != dist.world_size:
+            log.warning("checkpoint of a %d-process job, resumed with %d processes: the data stream continues "
+                        "exactly; per-process random streams (dropout) do not", ckpt["world_size"], dist.world_size)
 
-    tokens_per_step = cfg.trainer.batch_size * cfg.trainer.grad_accum * cfg.model.block_size * dist.world_size
+    tokens_per_step = cfg.trainer.batch_size * grad_accum * cfg.model.block_size  # whole job
     flops_per_token = model.estimate_flops_per_token()
-    peak = peak_flops(device, cfg.trainer.peak_flops)
+    peak = peak_flops(device, cfg.trainer.peak_flops)  # this GPU's
+    peaks = gather_objects(peak, dist)  # every GPU's (on rank 0), for the job's MFU
+    job_peak = broadcast_object(sum(peaks) if dist.is_main and None not in peaks else None, dist)
     log.info("attention backend: %s (attn=%s) | device %s | dtype %s | %.2fM parameters | %d tokens/step",
              backend, cfg.attn.backend, device, str(dtype).removeprefix("torch."), model.num_params() / 1e6,
              tokens_per_step)
+    if dist.world_size > 1:
+        log.info("DDP: %d processes (%s), %d micro-batch(es) of %d sequences per process per step",
+                 dist.world_size, torch.distributed.get_backend(), micro_steps, cfg.trainer.batch_size)
     log.info("run folder: %s", run_dir.resolve())
-    run_model = torch.compile(model) if cfg.trainer.compile else model
+    ddp_model = model
+    if dist.world_size > 1:
+        ddp_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    run_model = torch.compile(ddp_model) if cfg.trainer.compile else ddp_model
+    # Evaluation runs outside DDP (ranks may do unequal numbers of val batches; no collectives in forward).
+    eval_model = run_model if dist.world_size == 1 else torch.compile(model) if cfg.trainer.compile else model
 
     config_dict = OmegaConf.to_container(cfg, resolve=True)
     wandb_config = {**config_dict, "resolved": {
         "attn_backend": backend, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
         "vocab_size": model_args.vocab_size, "num_params": model.num_params(), "tokens_per_step": tokens_per_step,
-        "data_dir": str(data.dir)}}
+        "world_size": dist.world_size, "data_dir": str(data.dir)}}
     run_dir.mkdir(parents=True, exist_ok=True)
     default_dir = Path(cfg.run.root) / cfg.run.name
     multirun_job = run_dir.resolve() != default_dir.resolve()  # e.g. runs/<name>/<job number>
@@ -158,23 +194,31 @@ def train(cfg: DictConfig, run_dir: Optional[Path] = None,
                            tokens_per_step=tokens_per_step, checkpoint=ckpt_path)
 
     def save() -> Path:
-        state = {
-            "model": clean_state_dict(unwrap_model(model).state_dict()),
-            "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
-            "step": step, "tokens_seen": tokens_seen, "best_val_loss": best_val,
-            "rng": rng_state(), "sampler": sampler.state_dict(), "world_size": dist.world_size,
-            "config": config_dict, "model_args": dataclasses.asdict(model_args), "data_meta": data.meta,
-            "attn_backend": backend, "wandb_run_id": logger.wandb_id, "torch_version": str(torch.__version__),
-        }
-        path = save_checkpoint(state, run_dir, step, cfg.ckpt.keep_last) if dist.is_main else None
-        log.info("saved checkpoint %s", path)
+        """Rank 0 writes the checkpoint with every rank's RNG and sampler state; all ranks wait for it."""
+        per_rank = gather_objects({"rng": rng_state(), "sampler": sampler.state_dict()}, dist)
+        path = checkpoint_path(run_dir, step)
+        if dist.is_main:
+            state = {
+                "model": clean_state_dict(unwrap_model(model).state_dict()),
+                "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
+                "step": step, "tokens_seen": tokens_seen, "best_val_loss": best_val,
+                "world_size": dist.world_size, "rng": [r["rng"] for r in per_rank],  # index = rank
+                "sampler": ShardedBatchSampler.merge_states([r["sampler"] for r in per_rank]),
+                "config": config_dict, "model_args": dataclasses.asdict(model_args), "data_meta": data.meta,
+                "attn_backend": backend, "wandb_run_id": logger.wandb_id, "torch_version": str(torch.__version__),
+            }
+            path = save_checkpoint(state, run_dir, step, cfg.ckpt.keep_last)
+            log.info("saved checkpoint %s", path)
+        barrier(dist)  # the file is complete before any rank moves on
         return path
 
     if ckpt is not None:
-        set_rng_state(ckpt["rng"])  # last, so nothing above consumes random numbers after the restore
+        rngs = ckpt["rng"]
+        if dist.rank < len(rngs):  # last, so nothing above consumes random numbers after the restore
+            set_rng_state(rngs[dist.rank])
         del ckpt
     last_saved = step if ckpt_path is not None else None
-    exit_code = 1
+    exit_code, agreed_failure = 1, False
     try:
         with _StopRequest() as stop:
             run_model.train()
@@ -184,21 +228,30 @@ def train(cfg: DictConfig, run_dir: Optional[Path] = None,
                 for group in optimizer.param_groups:
                     group["lr"] = lr
                 loss_sum = torch.zeros((), device=device)
-                for _ in range(cfg.trainer.grad_accum):
-                    x, y = sampler.next_batch()
-                    with autocast(device, dtype):
-                        _, loss = run_model(x, y)
-                    loss = loss / cfg.trainer.grad_accum
-                    scaler.scale(loss).backward()
+                for i, (x, y) in enumerate(sampler.next_batches()):
+                    # DDP all-reduces gradients in the backward of this rank's last micro-batch only.
+                    sync = dist.world_size == 1 or i == micro_steps - 1
+                    with contextlib.nullcontext() if sync else ddp_model.no_sync():
+                        with autocast(device, dtype):
+                            _, loss = run_model(x, y)
+                        # DDP averages over ranks, so the gradient is the mean over all grad_accum micro-batches.
+                        loss = loss / micro_steps
+                        scaler.scale(loss).backward()
                     loss_sum += loss.detach()
-                train_loss = loss_sum.item()
-                if not math.isfinite(train_loss):
+                if dist.world_size > 1:  # mean loss over ranks, and whether any rank got Ctrl-C/SIGTERM
+                    stats = torch.stack([loss_sum, torch.tensor(float(stop.signum is not None), device=device)])
+                    all_reduce_sum(stats, dist)
+                    train_loss, stop_votes = stats[0].item() / dist.world_size, stats[1].item()
+                else:
+                    train_loss = loss_sum.item()
+                if not math.isfinite(train_loss):  # the same value on every rank: all stop together
                     raise NonFiniteLossError(
                         f"training loss is {train_loss} at step {step + 1}; stopped without saving this step. "
                         f"Last good checkpoint: {summary.checkpoint or 'none'}. Try a lower optim.lr, "
                         "more optim.warmup_steps, optim.grad_clip, or trainer.dtype=bf16/fp32.")
                 scaler.unscale_(optimizer)
                 max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+                # After DDP's all-reduce the gradients, hence the norm, are the same on every rank.
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
                 scaler.step(optimizer)
                 scaler.update()
@@ -212,12 +265,15 @@ def train(cfg: DictConfig, run_dir: Optional[Path] = None,
                 record = {"step": step, "tokens_seen": tokens_seen, "train/loss": train_loss, "train/lr": lr,
                           "train/grad_norm": grad_norm, "perf/step_time_ms": dt * 1e3,
                           "perf/tokens_per_s": tokens_per_step / dt,
-                          "perf/mfu": flops_per_token * tokens_per_step / dt / peak if peak else None,
+                          "perf/tokens_per_s_per_gpu": tokens_per_step / dt / dist.world_size,
+                          "perf/mfu": flops_per_token * tokens_per_step / dt / job_peak if job_peak else None,
+                          "perf/mfu_per_gpu": flops_per_token * tokens_per_step / dist.world_size / dt / peak
+                          if peak else None,
                           "perf/peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30
                           if device.type == "cuda" else None}
                 at_end = step == cfg.trainer.max_steps
                 if at_end or (cfg.eval.interval and step % cfg.eval.interval == 0):
-                    val = evaluate(run_model, data, cfg, device, dtype, dist)
+                    val = evaluate(eval_model, data, cfg, device, dtype, dist)
                     record["val/loss"] = val
                     summary.final_val_loss = val
                     best_val = val if best_val is None else min(best_val, val)
@@ -230,7 +286,7 @@ def train(cfg: DictConfig, run_dir: Optional[Path] = None,
                     on_step(record)
                 if cfg.ckpt.interval and step % cfg.ckpt.interval == 0:
                     summary.checkpoint, last_saved = save(), step
-                if stop.signum is not None:
+                if (stop.signum is not None) if dist.world_size == 1 else stop_votes > 0:
                     summary.stop_reason = "interrupted"
                     break
             if last_saved != step:
@@ -238,10 +294,13 @@ def train(cfg: DictConfig, run_dir: Optional[Path] = None,
         exit_code = 0
     except NonFiniteLossError as e:
         log.error("%s", e)
+        agreed_failure = True  # raised by every rank at the same step
         raise
     finally:
         logger.summary({"final_val_loss": summary.final_val_loss, "best_val_loss": summary.best_val_loss})
         logger.close(exit_code)
+        if agreed_failure:
+            barrier(dist)  # rank 0 closes W&B before any rank exits and torchrun stops the others
     if summary.final_val_loss is not None:
         log.info("final val loss %.4f (step %d)", summary.final_val_loss, step)
     if summary.stop_reason == "interrupted":
@@ -249,21 +308,34 @@ def train(cfg: DictConfig, run_dir: Optional[Path] = None,
     return summary
 
 
+def _prepare_data(cfg: DictConfig, dist: DistInfo) -> PreparedData:
+    """The token cache; under torchrun local rank 0 of each node builds it while the others wait."""
+    data = prepare_data(cfg.data) if dist.local_rank == 0 else None
+    barrier(dist)
+    return data if data is not None else prepare_data(cfg.data)
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, data: PreparedData, cfg: DictConfig, device: torch.device,
              dtype: torch.dtype, dist: DistInfo = DistInfo()) -> float:
     """Mean val loss over ``eval.iters`` batches from a fixed stream (the same batches at every
-    evaluation, so values are comparable across steps and runs). Leaves global RNGs untouched."""
+    evaluation, so values are comparable across steps and runs). Leaves global RNGs untouched.
+    Under torchrun the batches are dealt out to the ranks (batch i to rank i % world_size) and the
+    per-batch losses summed over ranks, so the value is the same for any number of processes."""
     sampler = BatchSampler(data.val, cfg.model.block_size, cfg.trainer.batch_size, cfg.seed + VAL_SEED_OFFSET,
-                           dist.rank, dist.world_size, device)
+                           device=device)
     model.eval()
     losses = torch.zeros(cfg.eval.iters, device=device)
     for i in range(cfg.eval.iters):
+        if i % dist.world_size != dist.rank:
+            sampler.skip_batch()
+            continue
         x, y = sampler.next_batch()
         with autocast(device, dtype):
             _, loss = model(x, y)
         losses[i] = loss.float()
     model.train()
+    all_reduce_sum(losses, dist)  # each entry is non-zero on one rank only: the sum is exact
     return losses.mean().item()
 
 
@@ -277,14 +349,23 @@ def _resume_checkpoint(cfg: DictConfig, run_dir: Path) -> tuple[Optional[dict], 
         return None, None
     if cfg.resume == "auto":
         path = latest_checkpoint(run_dir)
-        return (load_checkpoint(path), path) if path is not None else (None, None)
+        return (_load_resumable(path), path) if path is not None else (None, None)
     path = Path(cfg.resume)
-    ckpt = load_checkpoint(path)
+    ckpt = _load_resumable(path)
     newer = [p for p in existing if p.resolve() != path.resolve() and _step_of(p) > ckpt["step"]]
     if newer:
         raise ConfigError(f"resume={path}: run folder {run_dir} has newer checkpoints ({newer[-1].name}) that "
                           "resuming an older step would mix with; use a new run.name")
     return ckpt, path
+
+
+def _load_resumable(path: Path) -> dict:
+    ckpt = load_checkpoint(path)
+    if not isinstance(ckpt["rng"], list) or "world_size" not in ckpt:
+        raise CheckpointError(f"checkpoint {path} was written by an earlier version of this trainer (one RNG "
+                              "state instead of one per process) and cannot be resumed; sample.py still reads "
+                              "it. Train a new run (another run.name)")
+    return ckpt
 
 
 def _step_of(path: Path) -> int:

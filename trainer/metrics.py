@@ -1,12 +1,17 @@
 """Per-step metrics: one record dict per optimizer step, sent to W&B, ``metrics.jsonl`` and a tqdm bar.
 
 Record keys (absent/None where not measured):
-    step, tokens_seen, train/loss, train/lr, train/grad_norm,
-    perf/step_time_ms (device-synchronised wall time of the step), perf/tokens_per_s,
-    perf/mfu (fraction of peak; None on CPU or an unknown GPU), perf/peak_mem_gib (CUDA only),
-    val/loss (steps with an evaluation).
-MFU follows nanoGPT: FLOPs/token (6N + 12 L H Q T) * tokens/s / peak FLOP/s of the GPU
-(dense bf16 tensor-core peak from ``PEAK_FLOPS``, or ``trainer.peak_flops``).
+    step, tokens_seen (whole job), train/loss (mean over all micro-batches of all ranks),
+    train/lr, train/grad_norm (after DDP's all-reduce, before clipping),
+    perf/step_time_ms (device-synchronised wall time of the step, on rank 0),
+    perf/tokens_per_s (whole job), perf/tokens_per_s_per_gpu (job / number of processes),
+    perf/mfu (whole job: model FLOP/s over the summed peak of all its GPUs),
+    perf/mfu_per_gpu (rank 0's GPU: its share of the FLOP/s over its peak; equals perf/mfu when
+    all GPUs are the same kind, as every rank does the same work in the same synchronised step),
+    perf/peak_mem_gib (rank 0's GPU; CUDA only), val/loss (steps with an evaluation).
+MFU is None on CPU or an unknown GPU. It follows nanoGPT: FLOPs/token (6N + 12 L H Q T) * tokens/s
+/ peak FLOP/s (dense bf16 tensor-core peak per GPU from ``PEAK_FLOPS``, or ``trainer.peak_flops``).
+Only rank 0 writes records (``MetricsLogger(enabled=...)``).
 """
 
 from __future__ import annotations

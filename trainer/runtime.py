@@ -1,7 +1,7 @@
 """Process-level runtime: rank/world size, device and dtype choice, autocast, seeding, RNG state.
 
-Single-process today; ``DistInfo`` reads torchrun's environment so multi-process training (DDP)
-can plug in: logging, W&B and checkpoint writes are done where ``is_main`` is true only.
+``DistInfo`` reads torchrun's environment (multi-process DDP training, see trainer.distributed):
+logging, W&B and checkpoint writes are done where ``is_main`` is true only.
 """
 
 from __future__ import annotations

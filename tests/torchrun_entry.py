@@ -1,0 +1,45 @@
+"""torchrun entry point for tests/test_distributed.py: train.py plus test-only fault injection.
+
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/torchrun_entry.py <overrides>
+
+Environment (read here only, never by the trainer):
+    TEST_DELAY_RANK=r             rank r sleeps 1.5 s first, so the ranks' clocks read different seconds
+    TEST_FAIL_RANK=r, TEST_FAIL_FORWARD=n, TEST_FAIL_KIND=raise|nan
+                                  rank r raises RuntimeError (raise) or returns a NaN loss (nan) in its
+                                  n-th training forward (a step has grad_accum / world_size of them)
+"""
+
+import os
+import runpy
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+rank = int(os.environ["RANK"])
+
+if os.environ.get("TEST_DELAY_RANK") == str(rank):
+    time.sleep(1.5)
+
+if os.environ.get("TEST_FAIL_RANK") == str(rank):
+    from model.gpt import GPT
+
+    fail_at, kind = int(os.environ["TEST_FAIL_FORWARD"]), os.environ.get("TEST_FAIL_KIND", "raise")
+    real_forward = GPT.forward
+    forwards = {"n": 0}
+
+    def forward(self, idx, targets=None):
+        logits, loss = real_forward(self, idx, targets)
+        if targets is not None and self.training:
+            forwards["n"] += 1
+            if forwards["n"] == fail_at:
+                if kind == "nan":
+                    return logits, loss * float("nan")
+                raise RuntimeError(f"injected failure on rank {rank} in training forward {fail_at}")
+        return logits, loss
+
+    GPT.forward = forward
+
+sys.argv[0] = str(ROOT / "train.py")
+runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
