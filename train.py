@@ -27,6 +27,7 @@ from data.sources import DataError
 from model.attention import BackendUnavailableError
 from trainer import ConfigError, NonFiniteLossError, register_configs, train
 from trainer.checkpoint import CheckpointError
+from trainer.config import RUN_NAME_RULE, valid_run_name
 from trainer.distributed import destroy_process_group, torchrun_overrides
 from trainer.runtime import DistInfo
 
@@ -50,10 +51,21 @@ def run(cfg: DictConfig) -> float | None:
         # Expected user-facing failures: one clear message, no traceback.
         log.error("%s", e)
         sys.exit(1)
+    if summary.stop_reason == "interrupted":  # saved and resumable, but not finished: say so to the caller
+        sys.exit(128 + summary.stop_signal)
     return summary.final_val_loss  # the value a Hydra sweeper would optimise
 
 
+def check_run_name(argv: list[str]) -> None:
+    """Reject a bad run.name before Hydra creates its folder (the run_dir resolver is the backstop)."""
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key.lstrip("+") == "run.name" and "," not in value and not valid_run_name(value):
+            sys.exit(f"error: run.name={value!r}: {RUN_NAME_RULE}")
+
+
 if __name__ == "__main__":
+    check_run_name(sys.argv[1:])
     sys.argv[1:] = torchrun_overrides(sys.argv[1:])  # unchanged for one process
     main()
     destroy_process_group()  # torchrun: after every job of the process (Hydra multirun) finished

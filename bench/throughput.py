@@ -138,6 +138,8 @@ def main(argv=None):
 
     root = Path(compose_config(args.overrides).run.root)
     out_dir = root / args.name
+    if out_dir.exists() and any(out_dir.iterdir()):
+        parser.error(f"--name {args.name}: {out_dir} already holds a comparison; choose a new --name")
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = dict(device=torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU",
                 torch=torch.__version__, triton=__import__("triton").__version__,

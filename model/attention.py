@@ -13,7 +13,8 @@ Backends:
   PyTorch picks its own flash / memory-efficient / math kernel. Supports attention dropout.
 - ``fa1`` / ``fa2``: our Triton FlashAttention-1 / -2 kernels from ``kernels/``
   (``fa1_attention`` / ``fa2_attention``). Without a CUDA GPU they run under Triton's
-  interpreter (``TRITON_INTERPRET=1``, set before ``kernels`` is imported), which is very slow.
+  interpreter (``TRITON_INTERPRET=1``, set when this module is imported on a machine without CUDA,
+  before anything imports triton), which is very slow.
   They have no attention dropout: ``dropout_p > 0`` raises ``ValueError`` (config validation
   rejects ``model.dropout > 0`` with these backends before training starts).
 - ``sdpa_flash`` / ``sdpa_cudnn``: SDPA pinned to PyTorch's FlashAttention-2 or cuDNN kernel
@@ -34,6 +35,12 @@ import torch
 import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
+
+if not torch.cuda.is_available():
+    # Without a GPU the Triton kernels only run under Triton's interpreter, which Triton switches on when
+    # `triton.language` is first imported; torch imports it too (building an optimizer does), possibly long
+    # before fa1/fa2 is chosen (e.g. an sdpa job, then an fa2 job in one process). So set it now.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 BACKENDS = ("auto", "sdpa", "sdpa_flash", "sdpa_cudnn", "fa1", "fa2")
 
@@ -85,8 +92,6 @@ def _load_triton(name: str) -> Callable:
         return _LOADED[name]
     fn_name = f"{name}_attention"
     if not torch.cuda.is_available():
-        # Must happen before triton compiles anything from `kernels`, i.e. before the import.
-        os.environ.setdefault("TRITON_INTERPRET", "1")
         msg = (f"attn={name}: no CUDA GPU, running the Triton kernels under the Triton interpreter "
                "(TRITON_INTERPRET=1); this is very slow and meant for testing only")
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
@@ -120,7 +125,7 @@ def head_dim_limits(name: str) -> tuple[int, int] | None:
     """(min, max) head_dim the backend accepts, or None when it has no limit (sdpa)."""
     if resolve_backend(name) not in ("fa1", "fa2"):
         return None
-    get_backend(name)  # sets TRITON_INTERPRET if needed, raises BackendUnavailableError
+    get_backend(name)  # raises BackendUnavailableError if the kernels cannot be loaded
     frontend = importlib.import_module("kernels.frontend")
     return getattr(frontend, "MIN_HEAD_DIM", 1), getattr(frontend, "MAX_HEAD_DIM", 1 << 30)
 

@@ -1,6 +1,7 @@
 """GPT shapes, GQA, initialisation, FLOP count and the attention registry."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,6 +9,9 @@ import torch
 from model import attention
 from model.attention import BackendUnavailableError, get_backend, resolve_backend
 from model.gpt import GPT, GPTConfig
+
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def reference_attention(q, k, v):
@@ -109,12 +113,11 @@ def test_resolve_backend(monkeypatch):
         resolve_backend("flash")
 
 
-def test_triton_backend_sets_interpreter_and_reports_missing_kernels(monkeypatch):
+def test_triton_backend_warns_and_reports_missing_kernels(monkeypatch):
     import importlib
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(attention, "_LOADED", {})
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     real_import = importlib.import_module
 
     def no_kernels(name, *a, **kw):
@@ -126,8 +129,26 @@ def test_triton_backend_sets_interpreter_and_reports_missing_kernels(monkeypatch
     with pytest.warns(RuntimeWarning, match="interpreter"):
         with pytest.raises(BackendUnavailableError, match="attn=fa2 is not available.*kernels.fa2_attention"):
             get_backend("fa2")
+
+
+def test_sdpa_then_fa2_in_one_process_without_gpu(tmp_path):
+    """Torch imports triton early (e.g. for the optimizer); the interpreter must be on before that happens."""
     import os
-    assert os.environ["TRITON_INTERPRET"] == "1"
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = (
+        "from trainer import compose_config, train\n"
+        f"common = ['model.n_layer=1', 'model.n_embd=32', 'model.n_head=2', 'model.block_size=16', "
+        f"'trainer.batch_size=2', 'trainer.max_steps=1', 'eval.iters=1', 'wandb.mode=disabled', "
+        f"'trainer.device=cpu', 'run.root={tmp_path}']\n"
+        "for attn in ('sdpa', 'fa2'):\n"
+        "    print(attn, train(compose_config(common + [f'attn={attn}', f'run.name={attn}'])).step)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "sdpa 1" in out.stdout and "fa2 1" in out.stdout
 
 
 def test_triton_backend_rejects_dropout(monkeypatch):

@@ -44,6 +44,9 @@ def test_compares_backends_and_sweeps_context(tmp_path, tiny_overrides, capsys):
         assert len(runs) == 1
     printed = capsys.readouterr().out
     assert "tokens/s" in printed and "vs sdpa" in printed
+    with pytest.raises(SystemExit):  # the same --name again: refused before anything runs
+        throughput.main(["--backends", "sdpa", "--name", "cmp", *overrides])
+    assert "already holds a comparison" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -84,6 +85,8 @@ def test_resume_never_and_resume_path(make_cfg, tmp_path):
     assert None != branch.wandb_run_id != done.wandb_run_id  # a branch is a new W&B run
     with pytest.raises(CheckpointError, match="nope.pt does not exist"):
         train(make_cfg("run.name=other", f"resume={tmp_path / 'nope.pt'}"))
+    with pytest.raises(CheckpointError, match="is a folder; give a checkpoint file"):
+        train(make_cfg("run.name=other", f"resume={done.run_dir}"))
 
 
 def test_resume_rejects_a_different_model(make_cfg):
@@ -108,11 +111,30 @@ def test_signal_saves_and_stops_then_resume_finishes(make_cfg, sig):
             os.kill(os.getpid(), sig)
 
     s = train(make_cfg("run.name=sig", "trainer.max_steps=6", "ckpt.interval=0"), on_step=on_step)
-    assert s.stop_reason == "interrupted" and s.step == 2
+    assert s.stop_reason == "interrupted" and s.stop_signal == sig and s.step == 2
     assert [p.name for p in list_checkpoints(s.run_dir)] == ["step_00000002.pt"]
     assert signal.getsignal(sig) in (signal.default_int_handler, signal.SIG_DFL)  # handlers restored
     rest = train(make_cfg("run.name=sig", "trainer.max_steps=6", "ckpt.interval=0"))
-    assert rest.start_step == 2 and rest.step == 6 and rest.stop_reason == "max_steps"
+    assert rest.start_step == 2 and rest.step == 6 and rest.stop_reason == "max_steps" and rest.stop_signal is None
+    again = train(make_cfg("run.name=sig", "trainer.max_steps=6", "ckpt.interval=0"))  # finished: nothing to do
+    assert again.start_step == again.step == 6 and again.records == []
+
+
+def test_cli_exit_code_after_sigterm_is_143(tiny_overrides, tmp_path):
+    """An interrupted run saves, then exits 128 + signal, so a scheduler can tell it from a finished one."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    args = [a for a in tiny_overrides if not a.startswith(("run.", "trainer.max_steps"))] + [
+        f"run.root={tmp_path}", "run.name=term", "trainer.max_steps=100000", "ckpt.interval=0"]
+    proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "term" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while not (metrics.exists() and metrics.stat().st_size > 0) and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert len(list_checkpoints(tmp_path / "term")) == 1 and "interrupted at step" in out
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(make_cfg, monkeypatch):
@@ -177,6 +199,11 @@ def test_cli_entry_point(tiny_overrides, tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and "model.n_embd=30: must be divisible by model.n_head=4" in bad.stdout + bad.stderr
     assert "Traceback" not in bad.stdout + bad.stderr
+    for name in ("..", "a/b"):  # rejected before Hydra makes any folder
+        bad = subprocess.run([sys.executable, "train.py", *args, f"run.name={name}"], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert bad.returncode == 1 and f"run.name={name!r}: must be a non-empty folder name" in bad.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cli"]
 
 
 @pytest.mark.kernels

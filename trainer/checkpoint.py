@@ -95,6 +95,9 @@ def load_checkpoint(path: Path) -> dict:
     """Load a checkpoint onto the CPU. Raises CheckpointError naming ``path`` if the file is
     missing, unreadable (truncated, corrupt, not a torch file) or lacks trainer keys."""
     path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(f"checkpoint {path} is a folder; give a checkpoint file (e.g. "
+                              f"<run folder>/checkpoints/step_00000100.pt), or resume a run by its run.name")
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
     try:

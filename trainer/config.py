@@ -137,8 +137,23 @@ class Config:
     resume: str = "auto"               # auto | never | <checkpoint path>
 
 
+RUN_NAME_RULE = "must be a non-empty folder name without path separators (not '.' or '..')"
+
+
+def valid_run_name(name: str) -> bool:
+    return bool(name) and "/" not in name and os.sep not in name and name not in (".", "..")
+
+
+def _run_dir(root: str, name: str) -> str:
+    """Resolver behind Hydra's run folder (conf/config.yaml): rejects a bad run.name before Hydra creates it."""
+    if not valid_run_name(str(name)):
+        raise ValueError(f"run.name={name!r}: {RUN_NAME_RULE}")
+    return os.path.join(str(root), str(name))
+
+
 def register_configs() -> None:
     ConfigStore.instance().store(name="config_schema", node=Config)
+    OmegaConf.register_new_resolver("run_dir", _run_dir, replace=True)
 
 
 class ConfigError(ValueError):
@@ -244,9 +259,7 @@ def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -
     check(cfg.wandb.mode in WANDB_MODES, "wandb.mode", f"accepted: {', '.join(WANDB_MODES)}")
     check(bool(cfg.wandb.project), "wandb.project", "must be a non-empty name")
 
-    name = str(cfg.run.name)
-    check(bool(name) and "/" not in name and os.sep not in name and name not in (".", ".."),
-          "run.name", "must be a non-empty folder name without path separators")
+    check(valid_run_name(str(cfg.run.name)), "run.name", RUN_NAME_RULE)
     check(0 <= cfg.seed < 2**32, "seed", "must be in [0, 2**32)")
     check(bool(cfg.resume), "resume", "accepted: auto, never, or a checkpoint path")
 

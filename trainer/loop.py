@@ -54,6 +54,7 @@ class TrainSummary:
     start_step: int                   # step the run started from (0, or the resumed checkpoint's)
     step: int                         # last completed optimizer step
     stop_reason: str                  # 'max_steps' or 'interrupted'
+    stop_signal: Optional[int] = None  # the signal that interrupted the run (SIGINT/SIGTERM), if any
     records: list[dict] = field(default_factory=list)  # one per step of this invocation, as in metrics.jsonl
     final_val_loss: Optional[float] = None
     best_val_loss: Optional[float] = None
@@ -222,6 +223,9 @@ def _train(cfg: DictConfig, run_dir: Path, on_step: Optional[Callable[[dict], No
     try:
         with _StopRequest() as stop:
             run_model.train()
+            if step >= cfg.trainer.max_steps:
+                log.info("the run is already at step %d = trainer.max_steps: nothing to train "
+                         "(raise trainer.max_steps to continue it)", step)
             while step < cfg.trainer.max_steps:
                 t0 = time.perf_counter()
                 lr = lr_at(step, cfg.optim.lr, cfg.optim.warmup_steps, cfg.optim.decay_steps, cfg.optim.min_lr_ratio)
@@ -286,8 +290,10 @@ def _train(cfg: DictConfig, run_dir: Path, on_step: Optional[Callable[[dict], No
                     on_step(record)
                 if cfg.ckpt.interval and step % cfg.ckpt.interval == 0:
                     summary.checkpoint, last_saved = save(), step
-                if (stop.signum is not None) if dist.world_size == 1 else stop_votes > 0:
+                stop_now = (stop.signum is not None) if dist.world_size == 1 else stop_votes > 0
+                if stop_now and step < cfg.trainer.max_steps:  # a stop on the last step is just the end
                     summary.stop_reason = "interrupted"
+                    summary.stop_signal = stop.signum or signal.SIGTERM
                     break
             if last_saved != step:
                 summary.checkpoint, last_saved = save(), step
