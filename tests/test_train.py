@@ -225,3 +225,11 @@ def test_wandb_disabled_needs_no_wandb_package(make_cfg, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` now raises ImportError
     s = train(make_cfg("wandb.mode=disabled", "trainer.max_steps=2"))
     assert s.step == 2 and s.wandb_run_id is None and len(read_jsonl(s.run_dir / "metrics.jsonl")) == 2
+
+
+def test_wandb_online_without_login_is_a_clear_error(make_cfg, monkeypatch, tmp_path):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "no-login"))
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    with pytest.raises(ConfigError, match="wandb.mode='online': W&B could not start.*wandb login"):
+        train(make_cfg("wandb.mode=online", "trainer.max_steps=1"))

@@ -75,12 +75,18 @@ class MetricsLogger:
     def _init_wandb(self, wandb_cfg, run_name: str, config: dict, run_dir: Path) -> None:
         import wandb
 
-        self.run = wandb.init(
-            project=wandb_cfg.project, entity=wandb_cfg.entity, group=wandb_cfg.group,
-            tags=list(wandb_cfg.tags) or None, name=run_name, mode=wandb_cfg.mode, dir=str(run_dir),
-            id=self.wandb_id, resume="allow", config=config,
-            settings=wandb.Settings(console="off", silent=True),
-        )
+        try:
+            self.run = wandb.init(
+                project=wandb_cfg.project, entity=wandb_cfg.entity, group=wandb_cfg.group,
+                tags=list(wandb_cfg.tags) or None, name=run_name, mode=wandb_cfg.mode, dir=str(run_dir),
+                id=self.wandb_id, resume="allow", config=config,
+                settings=wandb.Settings(console="off", silent=True),
+            )
+        except (wandb.errors.UsageError, wandb.errors.CommError) as e:  # e.g. online without a login
+            from trainer.config import ConfigError
+
+            raise ConfigError(f"wandb.mode={wandb_cfg.mode!r}: W&B could not start ({e}); run `wandb login`, "
+                              "or use wandb.mode=offline (default, upload later with `wandb sync`) or disabled") from e
         self.wandb_id = self.run.id
         if wandb_cfg.mode == "offline":
             folder = Path(self.run.dir).parent
