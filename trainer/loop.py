@@ -242,26 +242,25 @@ def _train(cfg: DictConfig, run_dir: Path, on_step: Optional[Callable[[dict], No
                         loss = loss / micro_steps
                         scaler.scale(loss).backward()
                     loss_sum += loss.detach()
+                stop_flag = torch.tensor(float(stop.signum is not None), device=device)
                 if dist.world_size > 1:  # mean loss over ranks, and whether any rank got Ctrl-C/SIGTERM
-                    stats = torch.stack([loss_sum, torch.tensor(float(stop.signum is not None), device=device)])
+                    stats = torch.stack([loss_sum, stop_flag])
                     all_reduce_sum(stats, dist)
-                    train_loss, stop_votes = stats[0].item() / dist.world_size, stats[1].item()
-                else:
-                    train_loss = loss_sum.item()
+                    loss_sum, stop_flag = stats[0] / dist.world_size, stats[1]
+                scaler.unscale_(optimizer)
+                max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+                # After DDP's all-reduce the gradients, hence the norm, are the same on every rank.
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                # The step's one host sync: it waits for the optimizer step, so dt is device time too.
+                train_loss, grad_norm, stop_votes = torch.stack([loss_sum, grad_norm.float(), stop_flag]).tolist()
                 if not math.isfinite(train_loss):  # the same value on every rank: all stop together
                     raise NonFiniteLossError(
                         f"training loss is {train_loss} at step {step + 1}; stopped without saving this step. "
                         f"Last good checkpoint: {summary.checkpoint or 'none'}. Try a lower optim.lr, "
                         "more optim.warmup_steps, optim.grad_clip, or trainer.dtype=bf16/fp32.")
-                scaler.unscale_(optimizer)
-                max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
-                # After DDP's all-reduce the gradients, hence the norm, are the same on every rank.
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
-                scaler.step(optimizer)
-                scaler.update()
-                optimizer.zero_grad(set_to_none=True)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
                 dt = time.perf_counter() - t0
                 step += 1
                 tokens_seen += tokens_per_step
