@@ -13,7 +13,6 @@ PNG per (head_dim, causal, direction) into --out: TFLOP/s against sequence lengt
 import argparse
 import csv
 import json
-import os
 from pathlib import Path
 
 import torch

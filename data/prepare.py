@@ -142,10 +142,9 @@ def _build(cfg, folder: Path) -> None:
                     out["val"][start: start + len(b)] = b
                 pos += len(ids)
                 bar.update(len(ids))
-        for s, arr in out.items():
+        for arr in out.values():
             arr.flush()
-            del arr
-        out.clear()
+        out.clear()  # drop the memmaps before the files are synced and renamed
         for s in ("train", "val"):
             _fsync(tmp[s])
             os.replace(tmp[s], folder / f"{s}.bin")

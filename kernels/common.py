@@ -54,6 +54,16 @@ def store_tile(base, x, rows, stride_row, n_rows, cols, HEAD_DIM: tl.constexpr, 
 
 
 @triton.jit
+def visible_mask(rows, cols, seqlen_k, diag_offset, CAUSAL: tl.constexpr):
+    """(rows, cols) mask of visible scores: key in range and, if CAUSAL, not in the future (bottom-right aligned:
+    key j is visible to query i iff j <= i + diag_offset, diag_offset = seqlen_k - seqlen_q)."""
+    visible = cols[None, :] < seqlen_k
+    if CAUSAL:
+        visible = visible & (cols[None, :] <= rows[:, None] + diag_offset)
+    return visible
+
+
+@triton.jit
 def mma(a, b, acc, UPCAST: tl.constexpr):
     """tl.dot(a, b, acc): a @ b accumulated into acc (float32) in place, as one fused multiply-add.
 

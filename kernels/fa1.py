@@ -20,21 +20,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import block_d, bwd_preprocess, check_grid, head_ptr, load_tile, mma, store_tile, upcast_dot
+from .common import (
+    block_d, bwd_preprocess, check_grid, head_ptr, load_tile, mma, store_tile, upcast_dot, visible_mask,
+)
 
 BLOCK_M = 64
 BLOCK_N = 64
 NUM_WARPS = 4
 NUM_STAGES = 2
-
-
-@triton.jit
-def _visible(rows, cols, seqlen_k, diag_offset, CAUSAL: tl.constexpr):
-    """The (rows, cols) mask every FA1 block applies: key in range, and (causal) not in the future."""
-    visible = cols[None, :] < seqlen_k
-    if CAUSAL:
-        visible = visible & (cols[None, :] <= rows[:, None] + diag_offset)
-    return visible
 
 
 @triton.jit
@@ -67,7 +60,7 @@ def _fwd(
         cols = start_n + offs_n
         k = load_tile(k_base, cols, stride_kn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True)
         s = mma(q, tl.trans(k), None, UPCAST) * softmax_scale
-        s = tl.where(_visible(offs_m, cols, seqlen_k, diag_offset, CAUSAL), s, float("-inf"))
+        s = tl.where(visible_mask(offs_m, cols, seqlen_k, diag_offset, CAUSAL), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see no key yet stay finite
         p = tl.exp(s - m_ref[:, None])
@@ -143,7 +136,7 @@ def _bwd_dkdv(
             lse = tl.load(LSE + off_bh.to(tl.int64) * seqlen_q + offs_m, mask=row_ok, other=float("inf"))
             delta = tl.load(DELTA + off_bh.to(tl.int64) * seqlen_q + offs_m, mask=row_ok, other=0.0)
             s = mma(q, tl.trans(k), None, UPCAST) * softmax_scale  # (BLOCK_M, BLOCK_N)
-            p = tl.where(_visible(offs_m, offs_n, seqlen_k, diag_offset, CAUSAL), tl.exp(s - lse[:, None]), 0.0)
+            p = tl.where(visible_mask(offs_m, offs_n, seqlen_k, diag_offset, CAUSAL), tl.exp(s - lse[:, None]), 0.0)
             dv += mma(tl.trans(p).to(do.dtype), do, None, UPCAST)
             dp = mma(do, tl.trans(v), None, UPCAST)
             ds = p * (dp - delta[:, None])
@@ -190,7 +183,7 @@ def _bwd_dq(
         k = load_tile(k_base, cols, stride_kn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True)
         v = load_tile(v_base, cols, stride_vn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True)
         s = mma(q, tl.trans(k), None, UPCAST) * softmax_scale
-        p = tl.where(_visible(offs_m, cols, seqlen_k, diag_offset, CAUSAL), tl.exp(s - lse[:, None]), 0.0)
+        p = tl.where(visible_mask(offs_m, cols, seqlen_k, diag_offset, CAUSAL), tl.exp(s - lse[:, None]), 0.0)
         dp = mma(do, tl.trans(v), None, UPCAST)
         ds = p * (dp - delta[:, None])
         dq += mma(ds.to(k.dtype), k, None, UPCAST)

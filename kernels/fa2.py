@@ -31,15 +31,17 @@ import triton.language as tl
 
 from .common import (
     INTERPRET, block_d, bucket, bwd_preprocess, check_grid, head_ptr, load_tile, mma, store_tile, upcast_dot,
+    visible_mask,
 )
 
 LOG2E = math.log2(math.e)
 
 
 # ---------------------------------------------------------------------------------------------- autotune
-def _configs(shapes):
+def _configs(shapes, interpret_shape=(32, 16)):
     if INTERPRET:  # one small config: the interpreter is slow, and BLOCK_M != BLOCK_N exercises the stage logic
-        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+        block_m, block_n = interpret_shape
+        return [triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=4, num_stages=1)]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
 
 
@@ -63,6 +65,23 @@ _BWD_SHAPES = [(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 2), (32, 32, 4, 2)]
 
 # ---------------------------------------------------------------------------------------------- forward
 @triton.jit
+def _kv_stages(start_m, diag_offset, seqlen_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """K/V ranges of one Q block [3]: unmasked [0, hi_free), then masked [hi_free, hi); keys >= hi are skipped.
+
+    Causal: STAGE 1 is every whole block of keys that all rows of the block see (j <= start_m + diag_offset);
+    STAGE 2 the diagonal, up to the last key the last row sees. Non-causal: all whole blocks unmasked, then
+    the block in which seqlen_k ends, masked.
+    """
+    if CAUSAL:
+        hi_free = (tl.maximum(start_m + diag_offset + 1, 0) // BLOCK_N) * BLOCK_N
+        hi = tl.minimum(start_m + BLOCK_M + diag_offset, seqlen_k)
+    else:
+        hi_free = (seqlen_k // BLOCK_N) * BLOCK_N
+        hi = seqlen_k
+    return hi_free, hi
+
+
+@triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q,
     k_base, v_base, stride_kn, stride_vn,
@@ -78,10 +97,7 @@ def _fwd_inner(
         k = load_tile(k_base, cols, stride_kn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
         qk = mma(q, tl.trans(k), None, UPCAST)
         if MASKED:  # [3] diagonal (or sequence-end) block: mask, and keep rows that see no key yet finite
-            visible = cols[None, :] < seqlen_k
-            if CAUSAL:
-                visible = visible & (cols[None, :] <= offs_m[:, None] + diag_offset)
-            s = tl.where(visible, qk * qk_scale, float("-inf"))
+            s = tl.where(visible_mask(offs_m, cols, seqlen_k, diag_offset, CAUSAL), qk * qk_scale, float("-inf"))
             m_ij = tl.maximum(m_i, tl.max(s, 1))
             m_ref = tl.where(m_ij == float("-inf"), 0.0, m_ij)
             p = tl.math.exp2(s - m_ref[:, None])
@@ -137,14 +153,7 @@ def _fwd(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     diag_offset = seqlen_k - seqlen_q
-    if CAUSAL:
-        # STAGE 1: keys every row of this block sees (j <= start_m + diag_offset), whole blocks only.
-        hi_free = (tl.maximum(start_m + diag_offset + 1, 0) // BLOCK_N) * BLOCK_N
-        # STAGE 2: the diagonal, up to the last key the last row sees; later blocks are never visited.
-        hi = tl.minimum(start_m + BLOCK_M + diag_offset, seqlen_k)
-    else:
-        hi_free = (seqlen_k // BLOCK_N) * BLOCK_N
-        hi = seqlen_k
+    hi_free, hi = _kv_stages(start_m, diag_offset, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, 0, hi_free, seqlen_k,
         diag_offset, qk_scale, False, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST,
@@ -215,7 +224,7 @@ def _bwd_dkdv_inner(
 
 
 @triton.autotune(
-    configs=_configs(_BWD_SHAPES), key=_KEY,
+    configs=_configs(_BWD_SHAPES, interpret_shape=(16, 32)), key=_KEY,  # dK/dV tiles: BLOCK_N >= BLOCK_M
     prune_configs_by={"early_config_prune": _prune(64 * 128 * 128)},
 )
 @triton.jit
@@ -300,10 +309,7 @@ def _bwd_dq_inner(
         v = load_tile(v_base, cols, stride_vn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
         p = tl.math.exp2(mma(q, tl.trans(k), None, UPCAST) * qk_scale - lse[:, None])
         if MASKED:
-            visible = cols[None, :] < seqlen_k
-            if CAUSAL:
-                visible = visible & (cols[None, :] <= offs_m[:, None] + diag_offset)
-            p = tl.where(visible, p, 0.0)
+            p = tl.where(visible_mask(offs_m, cols, seqlen_k, diag_offset, CAUSAL), p, 0.0)
         dp = mma(do, tl.trans(v), None, UPCAST)
         ds = p * (dp - delta[:, None])
         dq = mma(ds.to(k.dtype), k, dq, UPCAST)  # dQ_i += dS K (scaled after the loop)
@@ -347,12 +353,7 @@ def _bwd_dq(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     diag_offset = seqlen_k - seqlen_q
-    if CAUSAL:  # the same stages as the forward
-        hi_free = (tl.maximum(start_m + diag_offset + 1, 0) // BLOCK_N) * BLOCK_N
-        hi = tl.minimum(start_m + BLOCK_M + diag_offset, seqlen_k)
-    else:
-        hi_free = (seqlen_k // BLOCK_N) * BLOCK_N
-        hi = seqlen_k
+    hi_free, hi = _kv_stages(start_m, diag_offset, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)  # as in the forward
     dq = _bwd_dq_inner(
         dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, 0, hi_free, seqlen_k,
         diag_offset, qk_scale, False, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST,

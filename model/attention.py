@@ -102,7 +102,7 @@ def _load_triton(name: str) -> Callable:
     except (ImportError, AttributeError) as e:
         raise BackendUnavailableError(
             f"attn={name} is not available: could not load kernels.{fn_name} ({type(e).__name__}: {e}). "
-            "The Triton kernels live in kernels/; use attn=sdpa until they are in place."
+            "The Triton kernels need the `triton` package (Linux); use attn=sdpa without it."
         ) from e
     _LOADED[name] = fn
     return fn
@@ -127,7 +127,7 @@ def head_dim_limits(name: str) -> tuple[int, int] | None:
         return None
     get_backend(name)  # raises BackendUnavailableError if the kernels cannot be loaded
     frontend = importlib.import_module("kernels.frontend")
-    return getattr(frontend, "MIN_HEAD_DIM", 1), getattr(frontend, "MAX_HEAD_DIM", 1 << 30)
+    return frontend.MIN_HEAD_DIM, frontend.MAX_HEAD_DIM
 
 
 def get_backend(name: str) -> AttentionFn:

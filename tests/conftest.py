@@ -1,7 +1,7 @@
 """Shared pytest set-up.
 
 Without a CUDA GPU the Triton kernels run through Triton's interpreter, which must be switched on before
-`kernels` is first imported (Triton reads TRITON_INTERPRET when it decorates the kernels).
+anything imports triton (Triton reads TRITON_INTERPRET when triton.language and the kernels are decorated).
 
 Trainer tests: no network, every generated file in a temporary folder, tiny configs. The environment
 variables below are set at import, before wandb / datasets are imported by any test.
@@ -37,7 +37,6 @@ for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
-    config.addinivalue_line("markers", "kernels: needs the Triton kernels in kernels/ (skipped until they exist)")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -29,7 +29,7 @@ from data.prepare import PreparedData, prepare_data
 from data.sampler import BatchSampler, ShardedBatchSampler, rank_seed
 from model.attention import resolve_backend
 from model.gpt import GPT, GPTConfig
-from trainer.checkpoint import (CheckpointError, checkpoint_path, clean_state_dict, latest_checkpoint,
+from trainer.checkpoint import (checkpoint_path, clean_state_dict, latest_checkpoint,
                                 list_checkpoints, load_checkpoint, save_checkpoint, unwrap_model)
 from trainer.config import ConfigError, padded_vocab_size, validate_against_data, validate_config
 from trainer.distributed import all_reduce_sum, barrier, broadcast_object, gather_objects, init_process_group
@@ -242,11 +242,12 @@ def _train(cfg: DictConfig, run_dir: Path, on_step: Optional[Callable[[dict], No
                         loss = loss / micro_steps
                         scaler.scale(loss).backward()
                     loss_sum += loss.detach()
-                stop_flag = torch.tensor(float(stop.signum is not None), device=device)
+                host_stats = [loss_sum]
                 if dist.world_size > 1:  # mean loss over ranks, and whether any rank got Ctrl-C/SIGTERM
+                    stop_flag = torch.full((), float(stop.signum is not None), device=device)  # no host sync
                     stats = torch.stack([loss_sum, stop_flag])
                     all_reduce_sum(stats, dist)
-                    loss_sum, stop_flag = stats[0] / dist.world_size, stats[1]
+                    host_stats = [stats[0] / dist.world_size, stats[1]]
                 scaler.unscale_(optimizer)
                 max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
                 # After DDP's all-reduce the gradients, hence the norm, are the same on every rank.
@@ -255,7 +256,7 @@ def _train(cfg: DictConfig, run_dir: Path, on_step: Optional[Callable[[dict], No
                 scaler.update()
                 optimizer.zero_grad(set_to_none=True)
                 # The step's one host sync: it waits for the optimizer step, so dt is device time too.
-                train_loss, grad_norm, stop_votes = torch.stack([loss_sum, grad_norm.float(), stop_flag]).tolist()
+                train_loss, *stop_votes, grad_norm = torch.stack([*host_stats, grad_norm.float()]).tolist()
                 if not math.isfinite(train_loss):  # the same value on every rank: all stop together
                     raise NonFiniteLossError(
                         f"training loss is {train_loss} at step {step + 1}; stopped without saving this step. "
@@ -289,7 +290,8 @@ def _train(cfg: DictConfig, run_dir: Path, on_step: Optional[Callable[[dict], No
                     on_step(record)
                 if cfg.ckpt.interval and step % cfg.ckpt.interval == 0:
                     summary.checkpoint, last_saved = save(), step
-                stop_now = (stop.signum is not None) if dist.world_size == 1 else stop_votes > 0
+                # One process: its own signal. DDP: the vote taken above, so every rank stops at the same step.
+                stop_now = stop_votes[0] > 0 if stop_votes else stop.signum is not None
                 if stop_now and step < cfg.trainer.max_steps:  # a stop on the last step is just the end
                     summary.stop_reason = "interrupted"
                     summary.stop_signal = stop.signum or signal.SIGTERM
@@ -354,23 +356,14 @@ def _resume_checkpoint(cfg: DictConfig, run_dir: Path) -> tuple[Optional[dict], 
         return None, None
     if cfg.resume == "auto":
         path = latest_checkpoint(run_dir)
-        return (_load_resumable(path), path) if path is not None else (None, None)
+        return (load_checkpoint(path), path) if path is not None else (None, None)
     path = Path(cfg.resume)
-    ckpt = _load_resumable(path)
+    ckpt = load_checkpoint(path)
     newer = [p for p in existing if p.resolve() != path.resolve() and _step_of(p) > ckpt["step"]]
     if newer:
         raise ConfigError(f"resume={path}: run folder {run_dir} has newer checkpoints ({newer[-1].name}) that "
                           "resuming an older step would mix with; use a new run.name")
     return ckpt, path
-
-
-def _load_resumable(path: Path) -> dict:
-    ckpt = load_checkpoint(path)
-    if not isinstance(ckpt["rng"], list) or "world_size" not in ckpt:
-        raise CheckpointError(f"checkpoint {path} was written by an earlier version of this trainer (one RNG "
-                              "state instead of one per process) and cannot be resumed; sample.py still reads "
-                              "it. Train a new run (another run.name)")
-    return ckpt
 
 
 def _step_of(path: Path) -> int:
