@@ -17,9 +17,9 @@ import numpy as np
 import torch
 
 
-def rank_seed(seed: int, rank: int) -> int:
-    """A well-mixed 32-bit seed per (seed, rank) (numpy SeedSequence)."""
-    return int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])
+def rank_seed(seed: int, rank: int, *purpose: int) -> int:
+    """A well-mixed 32-bit seed per (seed, rank[, purpose]) (numpy SeedSequence); data streams use no purpose."""
+    return int(np.random.SeedSequence([seed, rank, *purpose]).generate_state(1)[0])
 
 
 class BatchSampler:

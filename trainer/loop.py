@@ -41,6 +41,7 @@ from trainer.runtime import DistInfo, autocast, rng_state, seed_everything, sele
 log = logging.getLogger(__name__)
 
 VAL_SEED_OFFSET = 1_000_003  # val batches come from their own, fixed stream
+DROPOUT_SEED_PURPOSE = 1     # under DDP: each rank's dropout seed, apart from the data streams' seeds
 
 
 class NonFiniteLossError(RuntimeError):
@@ -135,7 +136,8 @@ def _train(cfg: DictConfig, run_dir: Path, on_step: Optional[Callable[[dict], No
     seed_everything(cfg.seed)
     model = GPT(model_args).to(device)  # the same initial weights on every rank
     if dist.world_size > 1:
-        seed_everything(rank_seed(cfg.seed, dist.rank))  # but each rank its own dropout masks
+        # but each rank its own dropout masks, from a seed no data stream uses (so masks and batches are independent)
+        seed_everything(rank_seed(cfg.seed, dist.rank, DROPOUT_SEED_PURPOSE))
     optimizer = build_optimizer(model, cfg.optim, device)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     grad_accum = cfg.trainer.grad_accum
