@@ -35,6 +35,14 @@ def checkpoint_path(run_dir: Path, step: int) -> Path:
     return checkpoint_dir(run_dir) / f"step_{step:08d}.pt"
 
 
+def step_of(path: Path) -> int:
+    """The step in a checkpoint's file name (step_00000100.pt -> 100)."""
+    m = _NAME.match(Path(path).name)
+    if m is None:
+        raise ValueError(f"{path} is not named like a checkpoint (step_<digits>.pt)")
+    return int(m.group(1))
+
+
 def list_checkpoints(run_dir: Path) -> list[Path]:
     """Complete checkpoint files of a run, oldest step first (temporary files excluded)."""
     folder = checkpoint_dir(run_dir)

@@ -29,8 +29,8 @@ from data.prepare import PreparedData, prepare_data
 from data.sampler import BatchSampler, ShardedBatchSampler, rank_seed
 from model.attention import resolve_backend
 from model.gpt import GPT, GPTConfig
-from trainer.checkpoint import (checkpoint_path, clean_state_dict, latest_checkpoint,
-                                list_checkpoints, load_checkpoint, save_checkpoint, unwrap_model)
+from trainer.checkpoint import (checkpoint_dir, checkpoint_path, clean_state_dict, latest_checkpoint,
+                                list_checkpoints, load_checkpoint, save_checkpoint, step_of, unwrap_model)
 from trainer.config import ConfigError, padded_vocab_size, validate_against_data, validate_config
 from trainer.distributed import all_reduce_sum, barrier, broadcast_object, gather_objects, init_process_group
 from trainer.lr_schedule import lr_at
@@ -155,7 +155,7 @@ def _train(cfg: DictConfig, run_dir: Path, on_step: Optional[Callable[[dict], No
                         ckpt["sampler"]["num_shards"], grad_accum, fresh)
         step, tokens_seen = ckpt["step"], ckpt["tokens_seen"]
         best_val = ckpt.get("best_val_loss")
-        if ckpt_path.resolve().parent.parent == run_dir.resolve():  # same run: continue its W&B run
+        if ckpt_path.resolve().parent == checkpoint_dir(run_dir).resolve():  # same run: continue its W&B run
             wandb_id = ckpt.get("wandb_run_id")
         log.info("resumed from %s at step %d", ckpt_path, step)
         if ckpt["world_size"] != dist.world_size:
@@ -361,15 +361,11 @@ def _resume_checkpoint(cfg: DictConfig, run_dir: Path) -> tuple[Optional[dict], 
         return (load_checkpoint(path), path) if path is not None else (None, None)
     path = Path(cfg.resume)
     ckpt = load_checkpoint(path)
-    newer = [p for p in existing if p.resolve() != path.resolve() and _step_of(p) > ckpt["step"]]
+    newer = [p for p in existing if p.resolve() != path.resolve() and step_of(p) > ckpt["step"]]
     if newer:
         raise ConfigError(f"resume={path}: run folder {run_dir} has newer checkpoints ({newer[-1].name}) that "
                           "resuming an older step would mix with; use a new run.name")
     return ckpt, path
-
-
-def _step_of(path: Path) -> int:
-    return int(path.stem.split("_")[1])
 
 
 def _check_resume_compatible(ckpt: dict, path: Path, model_args: GPTConfig, data: PreparedData,
