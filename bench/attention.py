@@ -1,7 +1,7 @@
 """Kernel-level attention benchmark: TFLOP/s of our FA2 and FA1 against PyTorch SDPA, forward and backward.
 
     python -m bench.attention                       # bf16, head_dim 64 and 128, N = 512..16k, causal and not
-    python -m bench.attention --head-dims 128 --seqlens 4096 --backends fa2,sdpa-cudnn --out runs/bench
+    python -m bench.attention --head-dims 128 --seqlens 4096 --backends fa2,sdpa_cudnn --out runs/bench
 
 FLOPs (the convention of the FlashAttention papers and the Triton tutorial): forward 4 * B * H * N^2 * D,
 halved when causal; backward 2.5x the forward. Tokens per call are fixed (B * N = 16k) and H * D = 2048, so
@@ -23,16 +23,15 @@ WIDTH = 2048  # n_heads * head_dim
 
 
 def sdpa(backend=None):
-    """SDPA with the default dispatch, or pinned to one backend ('flash', 'cudnn', 'efficient')."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    """SDPA with the default dispatch, or pinned to a kernel of ``model.attention.SDPA_PINNED`` (sdpa_flash, sdpa_cudnn)."""
+    from torch.nn.attention import sdpa_kernel
 
-    pinned = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-              "efficient": SDPBackend.EFFICIENT_ATTENTION}.get(backend)
+    from model.attention import SDPA_PINNED
 
     def attention(q, k, v, causal):
-        if pinned is None:
+        if backend is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        with sdpa_kernel(pinned):
+        with sdpa_kernel(SDPA_PINNED[backend]):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
     return attention
@@ -45,8 +44,8 @@ def backends(names):
         "fa2": lambda q, k, v, causal: fa2_attention(q, k, v, causal=causal),
         "fa1": lambda q, k, v, causal: fa1_attention(q, k, v, causal=causal),
         "sdpa": sdpa(),
-        "sdpa-flash": sdpa("flash"),
-        "sdpa-cudnn": sdpa("cudnn"),
+        "sdpa_flash": sdpa("sdpa_flash"),
+        "sdpa_cudnn": sdpa("sdpa_cudnn"),
     }
     unknown = set(names) - set(table)
     if unknown:
@@ -130,7 +129,7 @@ def plot(rows, out_dir):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backends", default="fa2,fa1,sdpa,sdpa-flash,sdpa-cudnn")
+    parser.add_argument("--backends", default="fa2,fa1,sdpa,sdpa_flash,sdpa_cudnn")
     parser.add_argument("--head-dims", default="64,128")
     parser.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
     parser.add_argument("--causal", default="true,false", help="true, false or both")

@@ -9,6 +9,7 @@ HEAD_DIM a power of two) compiles to unmasked, vectorised loads.
 
 import os
 
+import torch
 import triton
 import triton.language as tl
 
@@ -79,8 +80,6 @@ def mma(a, b, acc, UPCAST: tl.constexpr):
 
 def upcast_dot(dtype) -> bool:
     """Whether `mma` must upcast operands of this torch dtype (bf16 under the interpreter)."""
-    import torch
-
     return INTERPRET and dtype == torch.bfloat16
 
 
@@ -123,8 +122,6 @@ def _bwd_preprocess(
 
 def bwd_preprocess(o, do):
     """delta = rowsum(do * o): float32 (batch, n_heads, seqlen_q). o, do: (batch, n_heads, seqlen_q, head_dim)."""
-    import torch
-
     batch, n_heads, seqlen_q, head_dim = o.shape
     delta = torch.empty((batch, n_heads, seqlen_q), device=o.device, dtype=torch.float32)
     block_m = 64

@@ -33,6 +33,7 @@ from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +75,12 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 
 _LOADED: dict[str, Callable] = {}  # kernel functions already imported (warn once per backend)
 
 
-def _sdpa_pinned(name: str) -> AttentionFn:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+# SDPA pinned to one of PyTorch's kernels, by backend name (also used by bench/attention.py).
+SDPA_PINNED = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
 
-    pinned = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}[name]
+
+def _sdpa_pinned(name: str) -> AttentionFn:
+    pinned = SDPA_PINNED[name]
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
         with sdpa_kernel(pinned):
