@@ -7,6 +7,7 @@ Which masks a load needs is decided at compile time (`tl.constexpr`), so the com
 HEAD_DIM a power of two) compiles to unmasked, vectorised loads.
 """
 
+import functools
 import os
 
 import torch
@@ -42,6 +43,29 @@ def load_tile(base, rows, stride_row, n_rows, cols, HEAD_DIM: tl.constexpr, BLOC
         else:
             x = tl.load(ptrs, mask=cols[None, :] < HEAD_DIM, other=0.0)
     return x
+
+
+@triton.jit
+def tile_source(base, n_rows, stride_row, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+                TMA: tl.constexpr):
+    """What `load_rows` reads a (n_rows, HEAD_DIM) matrix at `base` through: with TMA a tensor descriptor for
+    (BLOCK_ROWS, BLOCK_D) tiles (Hopper's tensor memory accelerator copies the tile to shared memory; rows and
+    columns out of range read as 0), else the pointer itself."""
+    if TMA:
+        return tl.make_tensor_descriptor(base, shape=[n_rows, HEAD_DIM], strides=[stride_row, 1],
+                                         block_shape=[BLOCK_ROWS, BLOCK_D])
+    else:
+        return base
+
+
+@triton.jit
+def load_rows(src, start, rows, stride_row, n_rows, cols, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+              CHECK_ROWS: tl.constexpr, TMA: tl.constexpr):
+    """Rows `rows` = start + arange(len(rows)) of the matrix behind `src` (see `tile_source`), as a tile."""
+    if TMA:
+        return src.load([start, 0])
+    else:
+        return load_tile(src, rows, stride_row, n_rows, cols, HEAD_DIM, BLOCK_D, CHECK_ROWS)
 
 
 @triton.jit
@@ -81,6 +105,43 @@ def mma(a, b, acc, UPCAST: tl.constexpr):
 def upcast_dot(dtype) -> bool:
     """Whether `mma` must upcast operands of this torch dtype (bf16 under the interpreter)."""
     return INTERPRET and dtype == torch.bfloat16
+
+
+@functools.lru_cache(maxsize=None)
+def _has_tma(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _tma_scratch(size: int, alignment: int, stream):
+    # Kernels that build TMA descriptors on the device write them to global scratch memory.
+    return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
+def use_tma(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels may read these (batch, heads, seqlen, head_dim) tensors through TMA descriptors:
+    16-bit floats on a Hopper-or-newer GPU (or under the interpreter) with 16-byte aligned data and strides,
+    as TMA requires. Other inputs take the pointer path. Also installs Triton's scratch allocator, which is
+    per thread (a ContextVar) and autograd runs the backward in its own thread."""
+    t = tensors[0]
+    if t.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if not INTERPRET and not (t.is_cuda and _has_tma(t.device)):
+        return False
+    if any(x.data_ptr() % 16 or any(s * x.element_size() % 16 for s in x.stride()[:-1]) for x in tensors):
+        return False
+    if not INTERPRET:
+        triton.set_allocator(_tma_scratch)
+    return True
+
+
+def empty_like_layout(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialised tensor shaped like `t` whose dimensions lie in memory in t's order, even when t has gaps
+    (e.g. q sliced from a fused (B, T, 3, H, D) projection: the result is (B, H, T, D) stored as (B, T, H, D)).
+    torch.empty_like falls back to a contiguous (B, H, T, D) there, which makes the model's
+    o.transpose(1, 2).contiguous() a real copy."""
+    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))  # outermost first
+    x = torch.empty([t.shape[d] for d in order], device=t.device, dtype=t.dtype)
+    return x.permute([order.index(d) for d in range(t.dim())])
 
 
 def block_d(head_dim: int) -> int:

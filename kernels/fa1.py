@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .common import (
-    block_d, bwd_preprocess, check_grid, head_ptr, load_tile, mma, store_tile, upcast_dot, visible_mask,
+    block_d, bwd_preprocess, check_grid, empty_like_layout, head_ptr, load_tile, mma, store_tile, upcast_dot, visible_mask,
 )
 
 BLOCK_M = 64
@@ -87,7 +87,7 @@ def forward(q, k, v, causal, softmax_scale):
     batch, n_heads, seqlen_q, head_dim = q.shape
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     check_grid(batch, n_heads)
-    o = torch.empty_like(q)
+    o = empty_like_layout(q)
     lse = torch.empty((batch, n_heads, seqlen_q), device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(seqlen_q, BLOCK_M), batch * n_heads)
     _fwd[grid](
@@ -198,7 +198,7 @@ def backward(do, q, k, v, o, lse, causal, softmax_scale):
     batch, n_heads, seqlen_q, head_dim = q.shape
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     delta = bwd_preprocess(o, do)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dv = empty_like_layout(q), empty_like_layout(k), empty_like_layout(v)
     meta = dict(
         GROUP=n_heads // n_kv_heads, CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
         UPCAST=upcast_dot(q.dtype), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS, num_stages=NUM_STAGES,

@@ -30,11 +30,14 @@ import triton
 import triton.language as tl
 
 from .common import (
-    INTERPRET, block_d, bucket, bwd_preprocess, check_grid, head_ptr, load_tile, mma, store_tile, upcast_dot,
-    visible_mask,
+    INTERPRET, block_d, bucket, bwd_preprocess, check_grid, empty_like_layout, head_ptr, load_rows, load_tile, mma,
+    store_tile, tile_source, upcast_dot, use_tma, visible_mask,
 )
 
 LOG2E = math.log2(math.e)
+# Inner-loop tiles through TMA descriptors where the inputs allow it (`common.use_tma`); False forces the pointer
+# path everywhere (bench/fa2_configs.py measures the two against each other).
+USE_TMA = True
 
 
 # ---------------------------------------------------------------------------------------------- autotune
@@ -56,7 +59,7 @@ def _prune(max_tile):
     return prune
 
 
-_KEY = ["M_BUCKET", "N_BUCKET", "HEAD_DIM", "CAUSAL", "GROUP"]
+_KEY = ["M_BUCKET", "N_BUCKET", "HEAD_DIM", "CAUSAL", "GROUP", "TMA"]
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); ordered large to small, the last one fits every head dim.
 # Few on purpose: every config is compiled on first use of a shape bucket.
 _FWD_SHAPES = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2)]
@@ -84,17 +87,18 @@ def _kv_stages(start_m, diag_offset, seqlen_k, CAUSAL: tl.constexpr, BLOCK_M: tl
 @triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q,
-    k_base, v_base, stride_kn, stride_vn,
+    k_src, v_src, stride_kn, stride_vn,
     offs_m, offs_d, lo, hi, seqlen_k, diag_offset, qk_scale,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
+    TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
     """One stage of the inner loop over K/V blocks [lo, hi) for one Q block (Algorithm 1, lines 6-10)."""
     offs_n = tl.arange(0, BLOCK_N)
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
-        k = load_tile(k_base, cols, stride_kn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        k = load_rows(k_src, start_n, cols, stride_kn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, TMA)
         qk = mma(q, tl.trans(k), None, UPCAST)
         if MASKED:  # [3] diagonal (or sequence-end) block: mask, and keep rows that see no key yet finite
             s = tl.where(visible_mask(offs_m, cols, seqlen_k, diag_offset, CAUSAL), qk * qk_scale, float("-inf"))
@@ -108,7 +112,7 @@ def _fwd_inner(
         alpha = tl.math.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]  # [1] rescale only; no division by l here
-        v = load_tile(v_base, cols, stride_vn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        v = load_rows(v_src, start_n, cols, stride_vn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, TMA)
         acc = mma(p.to(v.dtype), v, acc, UPCAST)  # [4] accumulate in place
         m_i = m_ij
     return acc, l_i, m_i
@@ -126,12 +130,13 @@ def _fwd(
     n_heads, seqlen_q, seqlen_k, qk_scale,
     M_BUCKET, N_BUCKET,  # autotune key only
     GROUP: tl.constexpr, CAUSAL: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WARP_SPEC: tl.constexpr = False,
 ):
     """One program = one BLOCK_M block of queries of one (batch, head); grid (cdiv(seqlen_q, BLOCK_M), B * H).
 
-    qk_scale = softmax_scale * log2(e), folded once on the host [2].
+    qk_scale = softmax_scale * log2(e), folded once on the host [2]. TMA: K/V tiles through tensor descriptors.
+    WARP_SPEC: Triton's automatic warp specialisation of the K/V loop (measured in docs/hopper-notes.md).
     """
     if CAUSAL:  # longest rows first: the last Q blocks have the most K/V blocks to visit
         start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
@@ -152,15 +157,17 @@ def _fwd(
     l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)  # [2] the first alpha = exp2(-inf) = 0 clears it
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
+    k_src = tile_source(k_base, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
+    v_src = tile_source(v_base, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
     diag_offset = seqlen_k - seqlen_q
     hi_free, hi = _kv_stages(start_m, diag_offset, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, 0, hi_free, seqlen_k,
-        diag_offset, qk_scale, False, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST,
+        acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, offs_m, offs_d, 0, hi_free, seqlen_k,
+        diag_offset, qk_scale, False, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST, TMA, WARP_SPEC,
     )
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, hi_free, hi, seqlen_k,
-        diag_offset, qk_scale, True, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST,
+        acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, offs_m, offs_d, hi_free, hi, seqlen_k,
+        diag_offset, qk_scale, True, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST, TMA, WARP_SPEC,
     )
 
     # [1] one division at the end. Rows that saw no key keep m_i = -inf: output 0, internal LSE +inf.
@@ -177,14 +184,14 @@ def forward(q, k, v, causal, softmax_scale):
     batch, n_heads, seqlen_q, head_dim = q.shape
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     check_grid(batch, n_heads)
-    o = torch.empty_like(q)
+    o = empty_like_layout(q)
     lse = torch.empty((batch, n_heads, seqlen_q), device=q.device, dtype=torch.float32)
     grid = lambda meta: (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * n_heads)
     _fwd[grid](
         q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
         n_heads, seqlen_q, seqlen_k, softmax_scale * LOG2E, bucket(seqlen_q), bucket(seqlen_k),
         GROUP=n_heads // n_kv_heads, CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
-        UPCAST=upcast_dot(q.dtype),
+        UPCAST=upcast_dot(q.dtype), TMA=USE_TMA and use_tma(q, k, v),
     )
     return o, lse
 
@@ -193,17 +200,17 @@ def forward(q, k, v, causal, softmax_scale):
 @triton.jit
 def _bwd_dkdv_inner(
     dk, dv, k, v,
-    q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
+    q_src, do_src, lse_base, delta_base, stride_qm, stride_dom,
     offs_n, offs_d, lo, hi, seqlen_q, diag_offset, qk_scale,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
     """Inner loop over Q blocks [lo, hi) for one K/V block, computing S^T and P^T (Algorithm 2, lines 8-16)."""
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + offs_m0
-        q = load_tile(q_base, offs_m, stride_qm, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        q = load_rows(q_src, start_m, offs_m, stride_qm, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED, TMA)
         if MASKED:  # rows past seqlen_q get LSE +inf, so their P is exactly 0
             lse = tl.load(lse_base + offs_m, mask=offs_m < seqlen_q, other=float("inf"))
         else:
@@ -211,7 +218,7 @@ def _bwd_dkdv_inner(
         p_t = tl.math.exp2(mma(k, tl.trans(q), None, UPCAST) * qk_scale - lse[None, :])
         if MASKED and CAUSAL:
             p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + diag_offset, p_t, 0.0)
-        do = load_tile(do_base, offs_m, stride_dom, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        do = load_rows(do_src, start_m, offs_m, stride_dom, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED, TMA)
         dv = mma(p_t.to(do.dtype), do, dv, UPCAST)  # dV_j += P^T dO
         if MASKED:
             delta = tl.load(delta_base + offs_m, mask=offs_m < seqlen_q, other=0.0)
@@ -235,7 +242,7 @@ def _bwd_dkdv(
     n_heads, seqlen_q, seqlen_k, qk_scale, softmax_scale,
     M_BUCKET, N_BUCKET,  # autotune key only
     GROUP: tl.constexpr, CAUSAL: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program = one BLOCK_N block of keys of one (batch, kv head); grid (cdiv(seqlen_k, BLOCK_N), B * H_kv)."""
@@ -268,21 +275,23 @@ def _bwd_dkdv(
     for g in range(GROUP):  # every query head that reads this K/V head, in order: deterministic, no atomics
         off_h = off_hk * GROUP + g
         off_bh = off_b * n_heads + off_h
-        q_base = head_ptr(Q, off_b, stride_qb, off_h, stride_qh)
-        do_base = head_ptr(DO, off_b, stride_dob, off_h, stride_doh)
+        q_src = tile_source(head_ptr(Q, off_b, stride_qb, off_h, stride_qh), seqlen_q, stride_qm, HEAD_DIM,
+                            BLOCK_M, BLOCK_D, TMA)
+        do_src = tile_source(head_ptr(DO, off_b, stride_dob, off_h, stride_doh), seqlen_q, stride_dom, HEAD_DIM,
+                             BLOCK_M, BLOCK_D, TMA)
         lse_base = LSE + off_bh.to(tl.int64) * seqlen_q
         delta_base = DELTA + off_bh.to(tl.int64) * seqlen_q
         dk, dv = _bwd_dkdv_inner(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom, offs_n, offs_d,
-            lo, mid, seqlen_q, diag_offset, qk_scale, True, CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, UPCAST,
+            dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qm, stride_dom, offs_n, offs_d,
+            lo, mid, seqlen_q, diag_offset, qk_scale, True, CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, UPCAST, TMA,
         )
         dk, dv = _bwd_dkdv_inner(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom, offs_n, offs_d,
-            mid, tail, seqlen_q, diag_offset, qk_scale, False, CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, UPCAST,
+            dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qm, stride_dom, offs_n, offs_d,
+            mid, tail, seqlen_q, diag_offset, qk_scale, False, CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, UPCAST, TMA,
         )
         dk, dv = _bwd_dkdv_inner(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom, offs_n, offs_d,
-            tail, m_end, seqlen_q, diag_offset, qk_scale, True, CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, UPCAST,
+            dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qm, stride_dom, offs_n, offs_d,
+            tail, m_end, seqlen_q, diag_offset, qk_scale, True, CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, UPCAST, TMA,
         )
 
     dk = dk * softmax_scale
@@ -295,18 +304,18 @@ def _bwd_dkdv(
 @triton.jit
 def _bwd_dq_inner(
     dq, q, do, lse, delta,
-    k_base, v_base, stride_kn, stride_vn,
+    k_src, v_src, stride_kn, stride_vn,
     offs_m, offs_d, lo, hi, seqlen_k, diag_offset, qk_scale,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
     """Inner loop over K/V blocks [lo, hi) for one Q block (Algorithm 2, lines 11-21, dQ part)."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
-        k = load_tile(k_base, cols, stride_kn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
-        v = load_tile(v_base, cols, stride_vn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        k = load_rows(k_src, start_n, cols, stride_kn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, TMA)
+        v = load_rows(v_src, start_n, cols, stride_vn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, TMA)
         p = tl.math.exp2(mma(q, tl.trans(k), None, UPCAST) * qk_scale - lse[:, None])
         if MASKED:
             p = tl.where(visible_mask(offs_m, cols, seqlen_k, diag_offset, CAUSAL), p, 0.0)
@@ -328,7 +337,7 @@ def _bwd_dq(
     n_heads, seqlen_q, seqlen_k, qk_scale, softmax_scale,
     M_BUCKET, N_BUCKET,  # autotune key only
     GROUP: tl.constexpr, CAUSAL: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program = one BLOCK_M block of queries of one (batch, head); grid (cdiv(seqlen_q, BLOCK_M), B * H)."""
@@ -354,13 +363,15 @@ def _bwd_dq(
 
     diag_offset = seqlen_k - seqlen_q
     hi_free, hi = _kv_stages(start_m, diag_offset, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)  # as in the forward
+    k_src = tile_source(k_base, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
+    v_src = tile_source(v_base, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
     dq = _bwd_dq_inner(
-        dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, 0, hi_free, seqlen_k,
-        diag_offset, qk_scale, False, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST,
+        dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, offs_m, offs_d, 0, hi_free, seqlen_k,
+        diag_offset, qk_scale, False, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST, TMA,
     )
     dq = _bwd_dq_inner(
-        dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, hi_free, hi, seqlen_k,
-        diag_offset, qk_scale, True, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST,
+        dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, offs_m, offs_d, hi_free, hi, seqlen_k,
+        diag_offset, qk_scale, True, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST, TMA,
     )
     dq = dq * softmax_scale
     dq_base = head_ptr(DQ, off_b, stride_dqb, off_h, stride_dqh)
@@ -372,10 +383,10 @@ def backward(do, q, k, v, o, lse, causal, softmax_scale):
     batch, n_heads, seqlen_q, head_dim = q.shape
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     delta = bwd_preprocess(o, do)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dv = empty_like_layout(q), empty_like_layout(k), empty_like_layout(v)
     common = dict(
         GROUP=n_heads // n_kv_heads, CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
-        UPCAST=upcast_dot(q.dtype),
+        UPCAST=upcast_dot(q.dtype), TMA=USE_TMA and use_tma(q, k, v, do),
     )
     sizes = (n_heads, seqlen_q, seqlen_k, softmax_scale * LOG2E, softmax_scale, bucket(seqlen_q), bucket(seqlen_k))
     qkv_do_strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])

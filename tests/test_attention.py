@@ -119,6 +119,40 @@ def test_matches_float64_reference(attention, batch, n_heads, n_kv_heads, seqlen
     check(attention, q, k, v, causal)
 
 
+POINTER_PATH_CASES = [c for c in CASES if c[5] in (64, 80) or c[1] != c[2]][:6]
+
+
+@pytest.mark.parametrize("batch,n_heads,n_kv_heads,seqlen_q,seqlen_k,head_dim,causal,dtype", POINTER_PATH_CASES)
+def test_fa2_pointer_path_matches_reference(monkeypatch, batch, n_heads, n_kv_heads, seqlen_q, seqlen_k, head_dim,
+                                            causal, dtype):
+    """fa2 reads 16-bit inputs through TMA descriptors where it can; the pointer-load path must agree too."""
+    from kernels import fa2
+
+    monkeypatch.setattr(fa2, "USE_TMA", False)
+    q = randn(batch, n_heads, seqlen_q, head_dim, dtype=dtype)
+    k = randn(batch, n_kv_heads, seqlen_k, head_dim, dtype=dtype)
+    v = randn(batch, n_kv_heads, seqlen_k, head_dim, dtype=dtype)
+    check(fa2_attention, q, k, v, causal)
+
+
+def test_tma_needs_16_byte_alignment():
+    from kernels.common import use_tma
+
+    x = randn(1, 2, 40, 65, dtype=torch.bfloat16)
+    assert use_tma(x[..., :64].contiguous())
+    assert not use_tma(x[..., 1:])  # data 2 bytes past an aligned address
+    assert not use_tma(x[..., :64])  # row stride 65 * 2 bytes
+    assert not use_tma(x[..., :64].float())  # float32 takes the pointer path
+
+
+@pytest.mark.parametrize("attention", KERNELS)
+def test_misaligned_views_are_correct(attention):
+    """Views TMA cannot address (odd row stride, data off a 16-byte boundary) take the pointer path."""
+    base = randn(2, 3, 50, 41, dtype=torch.bfloat16)
+    q, k, v = base[:, 0:1, :, 1:], base[:, 1:2, :, :40], base[:, 2:3, :, 1:]
+    check(attention, q, k, v, causal=True)
+
+
 @pytest.mark.parametrize("attention", KERNELS)
 def test_custom_softmax_scale(attention):
     q, k, v = (randn(1, 2, 33, 32, dtype=torch.float16) for _ in range(3))
@@ -141,6 +175,7 @@ def test_strided_views_need_no_copy(attention, monkeypatch):
         out = attention(q, k, v, causal=True)
     o_ref, _ = reference(q, k, v, True, 1.0 / math.sqrt(head_dim))
     assert rel_err(out, o_ref) < TOLERANCE[torch.bfloat16]
+    assert out.transpose(1, 2).is_contiguous(), "o should be stored like q, so the model's transpose is free"
     check(attention, q, k, v, causal=True)
 
 
