@@ -111,11 +111,14 @@ def test_signal_saves_and_stops_then_resume_finishes(make_cfg, sig):
             os.kill(os.getpid(), sig)
 
     s = train(make_cfg("run.name=sig", "trainer.max_steps=6", "ckpt.interval=0"), on_step=on_step)
-    assert s.stop_reason == "interrupted" and s.stop_signal == sig and s.step == 2
-    assert [p.name for p in list_checkpoints(s.run_dir)] == ["step_00000002.pt"]
+    # Step 2's record is published after step 3 is queued (numbers are read one step late): the step in flight
+    # when the signal comes is finished and saved.
+    assert s.stop_reason == "interrupted" and s.stop_signal == sig and s.step == 3
+    assert [r["step"] for r in s.records] == [1, 2, 3]
+    assert [p.name for p in list_checkpoints(s.run_dir)] == ["step_00000003.pt"]
     assert signal.getsignal(sig) in (signal.default_int_handler, signal.SIG_DFL)  # handlers restored
     rest = train(make_cfg("run.name=sig", "trainer.max_steps=6", "ckpt.interval=0"))
-    assert rest.start_step == 2 and rest.step == 6 and rest.stop_reason == "max_steps" and rest.stop_signal is None
+    assert rest.start_step == 3 and rest.step == 6 and rest.stop_reason == "max_steps" and rest.stop_signal is None
     again = train(make_cfg("run.name=sig", "trainer.max_steps=6", "ckpt.interval=0"))  # finished: nothing to do
     assert again.start_step == again.step == 6 and again.records == []
 

@@ -221,6 +221,65 @@ def _train(cfg: DictConfig, run_dir: Path, on_step: Optional[Callable[[dict], No
             set_rng_state(rngs[dist.rank])
         del ckpt
     last_saved = step if ckpt_path is not None else None
+
+    def run_step(lr: float, stop_signum: Optional[int]) -> torch.Tensor:
+        """Queue one optimizer step on the device; returns its numbers, (loss, [stop vote,] grad norm), unread."""
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=device)
+        for i, (x, y) in enumerate(sampler.next_batches()):
+            # DDP all-reduces gradients in the backward of this rank's last micro-batch only.
+            sync = dist.world_size == 1 or i == micro_steps - 1
+            with contextlib.nullcontext() if sync else ddp_model.no_sync():
+                with autocast(device, dtype):
+                    _, loss = run_model(x, y)
+                # DDP averages over ranks, so the gradient is the mean over all grad_accum micro-batches.
+                loss = loss / micro_steps
+                scaler.scale(loss).backward()
+            loss_sum += loss.detach()
+        stats = [loss_sum]
+        if dist.world_size > 1:  # mean loss over ranks, and whether any rank got Ctrl-C/SIGTERM
+            stop_flag = torch.full((), float(stop_signum is not None), device=device)  # no host sync
+            reduced = torch.stack([loss_sum, stop_flag])
+            all_reduce_sum(reduced, dist)
+            stats = [reduced[0] / dist.world_size, reduced[1]]
+        scaler.unscale_(optimizer)
+        max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+        # After DDP's all-reduce the gradients, hence the norm, are the same on every rank.
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        return torch.stack([*stats, grad_norm.float()])
+
+    def read(queued: tuple, since: float) -> tuple[dict, bool]:
+        """Wait for a queued step's numbers (the host sync) and build its record; also returns the stop vote."""
+        done_step, done_tokens, lr, stats = queued
+        train_loss, *stop_votes, grad_norm = stats.tolist()
+        if not math.isfinite(train_loss):  # the same value on every rank: all stop together
+            raise NonFiniteLossError(
+                f"training loss is {train_loss} at step {done_step}; stopped without saving this step. "
+                f"Last good checkpoint: {summary.checkpoint or 'none'}. Try a lower optim.lr, "
+                "more optim.warmup_steps, optim.grad_clip, or trainer.dtype=bf16/fp32.")
+        dt = time.perf_counter() - since
+        record = {"step": done_step, "tokens_seen": done_tokens, "train/loss": train_loss, "train/lr": lr,
+                  "train/grad_norm": grad_norm, "perf/step_time_ms": dt * 1e3,
+                  "perf/tokens_per_s": tokens_per_step / dt,
+                  "perf/tokens_per_s_per_gpu": tokens_per_step / dt / dist.world_size,
+                  "perf/mfu": flops_per_token * tokens_per_step / dt / job_peak if job_peak else None,
+                  "perf/mfu_per_gpu": flops_per_token * tokens_per_step / dist.world_size / dt / peak
+                  if peak else None,
+                  "perf/peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30
+                  if device.type == "cuda" else None}
+        return record, bool(stop_votes and stop_votes[0] > 0)
+
+    def publish(record: dict) -> None:
+        logger.log(record)
+        summary.records.append(record)
+        summary.step = record["step"]
+        if on_step is not None:
+            on_step(record)
+
     exit_code, agreed_failure = 1, False
     try:
         with _StopRequest() as stop:
@@ -228,72 +287,43 @@ def _train(cfg: DictConfig, run_dir: Path, on_step: Optional[Callable[[dict], No
             if step >= cfg.trainer.max_steps:
                 log.info("the run is already at step %d = trainer.max_steps: nothing to train "
                          "(raise trainer.max_steps to continue it)", step)
+            # A plain step's numbers are read one step late, after the next step is queued, so the device never
+            # waits for the host between steps. Steps that evaluate, save or stop are read at once (they need the
+            # model as of that step); the step time is the time between two consecutive steps finishing.
+            pending: Optional[tuple] = None
+            last_done = time.perf_counter()
             while step < cfg.trainer.max_steps:
-                t0 = time.perf_counter()
                 lr = lr_at(step, cfg.optim.lr, cfg.optim.warmup_steps, cfg.optim.decay_steps, cfg.optim.min_lr_ratio)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                loss_sum = torch.zeros((), device=device)
-                for i, (x, y) in enumerate(sampler.next_batches()):
-                    # DDP all-reduces gradients in the backward of this rank's last micro-batch only.
-                    sync = dist.world_size == 1 or i == micro_steps - 1
-                    with contextlib.nullcontext() if sync else ddp_model.no_sync():
-                        with autocast(device, dtype):
-                            _, loss = run_model(x, y)
-                        # DDP averages over ranks, so the gradient is the mean over all grad_accum micro-batches.
-                        loss = loss / micro_steps
-                        scaler.scale(loss).backward()
-                    loss_sum += loss.detach()
-                host_stats = [loss_sum]
-                if dist.world_size > 1:  # mean loss over ranks, and whether any rank got Ctrl-C/SIGTERM
-                    stop_flag = torch.full((), float(stop.signum is not None), device=device)  # no host sync
-                    stats = torch.stack([loss_sum, stop_flag])
-                    all_reduce_sum(stats, dist)
-                    host_stats = [stats[0] / dist.world_size, stats[1]]
-                scaler.unscale_(optimizer)
-                max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
-                # After DDP's all-reduce the gradients, hence the norm, are the same on every rank.
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-                scaler.step(optimizer)
-                scaler.update()
-                optimizer.zero_grad(set_to_none=True)
-                # The step's one host sync: it waits for the optimizer step, so dt is device time too.
-                train_loss, *stop_votes, grad_norm = torch.stack([*host_stats, grad_norm.float()]).tolist()
-                if not math.isfinite(train_loss):  # the same value on every rank: all stop together
-                    raise NonFiniteLossError(
-                        f"training loss is {train_loss} at step {step + 1}; stopped without saving this step. "
-                        f"Last good checkpoint: {summary.checkpoint or 'none'}. Try a lower optim.lr, "
-                        "more optim.warmup_steps, optim.grad_clip, or trainer.dtype=bf16/fp32.")
-                dt = time.perf_counter() - t0
+                stats = run_step(lr, stop.signum)
                 step += 1
                 tokens_seen += tokens_per_step
-
-                record = {"step": step, "tokens_seen": tokens_seen, "train/loss": train_loss, "train/lr": lr,
-                          "train/grad_norm": grad_norm, "perf/step_time_ms": dt * 1e3,
-                          "perf/tokens_per_s": tokens_per_step / dt,
-                          "perf/tokens_per_s_per_gpu": tokens_per_step / dt / dist.world_size,
-                          "perf/mfu": flops_per_token * tokens_per_step / dt / job_peak if job_peak else None,
-                          "perf/mfu_per_gpu": flops_per_token * tokens_per_step / dist.world_size / dt / peak
-                          if peak else None,
-                          "perf/peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30
-                          if device.type == "cuda" else None}
-                at_end = step == cfg.trainer.max_steps
-                if at_end or (cfg.eval.interval and step % cfg.eval.interval == 0):
+                queued = (step, tokens_seen, lr, stats)
+                # DDP: a stop vote taken in a step reaches the host one step later, on every rank alike.
+                stop_vote = False
+                if pending is not None:
+                    record, stop_vote = read(pending, last_done)
+                    last_done = time.perf_counter()
+                    pending = None
+                    publish(record)
+                stop_now = stop_vote or (dist.world_size == 1 and stop.signum is not None)
+                evaluate_now = step == cfg.trainer.max_steps or bool(cfg.eval.interval and step % cfg.eval.interval == 0)
+                save_now = bool(cfg.ckpt.interval and step % cfg.ckpt.interval == 0)
+                if not (stop_now or evaluate_now or save_now):
+                    pending = queued
+                    continue
+                record, vote = read(queued, last_done)
+                stop_now = stop_now or vote
+                if evaluate_now:
                     val = evaluate(eval_model, data, cfg, device, dtype, dist)
                     record["val/loss"] = val
                     summary.final_val_loss = val
                     best_val = val if best_val is None else min(best_val, val)
                     summary.best_val_loss = best_val
-                    log.info("step %d: train loss %.4f, val loss %.4f", step, train_loss, val)
-                logger.log(record)
-                summary.records.append(record)
-                summary.step = step
-                if on_step is not None:
-                    on_step(record)
-                if cfg.ckpt.interval and step % cfg.ckpt.interval == 0:
+                    log.info("step %d: train loss %.4f, val loss %.4f", step, record["train/loss"], val)
+                publish(record)
+                if save_now:
                     summary.checkpoint, last_saved = save(), step
-                # One process: its own signal. DDP: the vote taken above, so every rank stops at the same step.
-                stop_now = stop_votes[0] > 0 if stop_votes else stop.signum is not None
+                last_done = time.perf_counter()  # evaluation and saving are not step time
                 if stop_now and step < cfg.trainer.max_steps:  # a stop on the last step is just the end
                     summary.stop_reason = "interrupted"
                     summary.stop_signal = stop.signum or signal.SIGTERM
