@@ -5,10 +5,9 @@
 
 This is the tool behind the `_*_SHAPES` config lists in kernels/fa2.py and the variant table in
 docs/hopper-notes.md. Autotune is bypassed: each candidate is made the kernel's only config, so its time is
-its own. Every candidate runs with TMA tile loads on and off; the fused backward ("fused": dK/dV with dQ's
-atomic adds) also with TMA reductions on and off. A "dkdv" or "dq" candidate is timed as the whole
-deterministic backward (preprocess, dK/dV, dQ) with the other kernel held at its first config, so rows of one
-kernel differ only by that kernel. Each row's outputs are compared with the first dkdv/fwd config's (rel_err).
+its own. Every candidate runs with TMA tile loads on and off. A "dkdv" or "dq" candidate is timed as the
+whole backward (preprocess, dK/dV, dQ) with the other kernel held at its first config, so rows of one kernel
+differ only by that kernel. Each row's outputs are compared with the first config's (rel_err).
 
 Shapes follow bench/attention.py (B * N = 16k tokens, H * D = 2048, bf16). Every config is compiled first in
 parallel worker processes on a tiny problem (the same specialisation, so the timing run hits Triton's cache).
@@ -35,17 +34,13 @@ DKDV = [(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 2), (32, 32, 4, 2),
 DQ = [(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 2), (32, 32, 4, 2),
       (128, 64, 8, 2), (128, 64, 8, 4), (128, 32, 4, 4), (128, 32, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2),
       (64, 64, 4, 3), (64, 32, 4, 3), (128, 16, 4, 3)]
-FUSED = [(64, 64, 4, 3), (64, 64, 4, 2), (32, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 2),
-         (32, 64, 4, 3), (32, 128, 4, 3), (16, 128, 4, 3)]
-CANDIDATES = {"fwd": FWD, "dkdv": DKDV, "dq": DQ, "fused": FUSED}
+CANDIDATES = {"fwd": FWD, "dkdv": DKDV, "dq": DQ}
 TOKENS, WIDTH = 16 * 1024, 2048
 
 
 def variants(kernel):
-    """(shape, tma, tma_reduce) to measure for one kernel: every shape with TMA loads on and off; the fused
-    backward's dQ atomics also as TMA reductions and as element-wise atomics."""
-    reduce = (True, False) if kernel == "fused" else (False,)
-    return [(c, tma, r) for c in CANDIDATES[kernel] for tma in (True, False) for r in reduce]
+    """(shape, tma) to measure for one kernel: every shape with TMA tile loads on and off."""
+    return [(c, tma) for c in CANDIDATES[kernel] for tma in (True, False)]
 
 
 def set_config(kernel, shape, tma):
@@ -54,7 +49,7 @@ def set_config(kernel, shape, tma):
     from kernels import fa2
 
     block_m, block_n, warps, stages = shape
-    tuner = {"fwd": fa2._fwd, "dkdv": fa2._bwd_dkdv, "dq": fa2._bwd_dq, "fused": fa2._bwd_fused}[kernel]
+    tuner = {"fwd": fa2._fwd, "dkdv": fa2._bwd_dkdv, "dq": fa2._bwd_dq}[kernel]
     tuner.configs = [triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "TMA": tma}, num_warps=warps,
                                    num_stages=stages)]
     tuner.cache.clear()
@@ -70,16 +65,14 @@ def inputs(batch, n_heads, seqlen, head_dim, causal):
     return q, k, v, o, lse, torch.randn_like(o), scale
 
 
-def run_once(kernel, shape, tma, tma_reduce, q, k, v, o, lse, do, causal, scale):
-    """The launcher call that times `kernel` with one config: the forward, or a whole backward (dkdv and dq: the
-    deterministic three-kernel backward with the other kernel at its first config; fused: the default one)."""
+def run_once(kernel, shape, tma, q, k, v, o, lse, do, causal, scale):
+    """The launcher call that times `kernel` with one config: the forward, or the whole backward with the other
+    backward kernel at its first config."""
     from kernels import fa2
 
     if kernel == "fwd":
         set_config("fwd", shape, tma)
         return lambda: fa2.forward(q, k, v, causal, scale)
-    torch.use_deterministic_algorithms(kernel != "fused")
-    fa2.USE_TMA_REDUCE = tma_reduce
     set_config("dkdv", DKDV[0], False)
     set_config("dq", DQ[0], False)
     set_config(kernel, shape, tma)
@@ -92,10 +85,10 @@ def rel_err(x, ref):
 
 def _compile(job):
     """Worker: compile one (kernel, variant, head_dim, causal) on a tiny problem with the real specialisation."""
-    kernel, (shape, tma, tma_reduce), head_dim, causal = job
+    kernel, (shape, tma), head_dim, causal = job
     try:
         q, k, v, o, lse, do, scale = inputs(1, WIDTH // head_dim, 256, head_dim, causal)
-        run_once(kernel, shape, tma, tma_reduce, q, k, v, o, lse, do, causal, scale)()
+        run_once(kernel, shape, tma, q, k, v, o, lse, do, causal, scale)()
         torch.cuda.synchronize()
         return None
     except Exception as err:  # noqa: BLE001 - reported in the table
@@ -107,7 +100,7 @@ def main(argv=None):
     parser.add_argument("--head-dims", default="64,128")
     parser.add_argument("--seqlens", default="1024,4096,16384")
     parser.add_argument("--causal", default="true,false")
-    parser.add_argument("--kernels", default="fwd,dkdv,dq,fused")
+    parser.add_argument("--kernels", default="fwd,dkdv,dq")
     parser.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
     parser.add_argument("--out", default="runs/fa2_configs")
     args = parser.parse_args(argv)
@@ -127,7 +120,7 @@ def main(argv=None):
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    fields = ["kernel", "block_m", "block_n", "warps", "stages", "tma", "tma_reduce", "head_dim", "causal", "seqlen",
+    fields = ["kernel", "block_m", "block_n", "warps", "stages", "tma", "head_dim", "causal", "seqlen",
               "ms", "tflops", "vs_cudnn", "rel_err", "error"]
     with open(out_dir / "configs.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
@@ -141,34 +134,34 @@ def main(argv=None):
                   f"{flops(batch, n_heads, seqlen, head_dim, causal, 'bwd') / cudnn['bwd'] / 1e9:.0f}", flush=True)
             tensors = inputs(batch, n_heads, seqlen, head_dim, causal)
             # Every candidate's outputs are compared with the baseline's (first config, pointer loads).
-            reference = {kern: run_once(kern, CANDIDATES[kern][0], False, False, *tensors[:6], causal, tensors[6])()
+            reference = {kern: run_once(kern, CANDIDATES[kern][0], False, *tensors[:6], causal, tensors[6])()
                          for kern in ("fwd", "dkdv")}
-            reference["dq"] = reference["fused"] = reference["dkdv"]
+            reference["dq"] = reference["dkdv"]
             for kernel in kernels:
                 direction = "fwd" if kernel == "fwd" else "bwd"
                 best = None
-                for shape, tma, tma_reduce in variants(kernel):
+                for shape, tma in variants(kernel):
                     row = dict(kernel=kernel, block_m=shape[0], block_n=shape[1], warps=shape[2], stages=shape[3],
-                               tma=tma, tma_reduce=tma_reduce, head_dim=head_dim, causal=causal, seqlen=seqlen)
-                    err = errors.get((kernel, (shape, tma, tma_reduce), head_dim, causal))
+                               tma=tma, head_dim=head_dim, causal=causal, seqlen=seqlen)
+                    err = errors.get((kernel, (shape, tma), head_dim, causal))
                     if err is None:
                         try:
                             q, k, v, o, lse, do, scale = tensors
-                            fn = run_once(kernel, shape, tma, tma_reduce, q, k, v, o, lse, do, causal, scale)
+                            fn = run_once(kernel, shape, tma, q, k, v, o, lse, do, causal, scale)
                             row["rel_err"] = max(rel_err(a, b) for a, b in zip(fn(), reference[kernel]))
                             ms = do_bench(fn, return_mode="median")
                             tflops = flops(batch, n_heads, seqlen, head_dim, causal, direction) / ms / 1e9
                             row.update(ms=ms, tflops=tflops, vs_cudnn=cudnn[direction] / ms)
                             if best is None or ms < best[0]:
-                                best = (ms, shape, tma, tma_reduce, tflops)
+                                best = (ms, shape, tma, tflops)
                         except Exception as e:  # noqa: BLE001
                             err = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
                     row["error"] = err
                     writer.writerow(row)
                     f.flush()
                 if best:
-                    print(f"  {kernel:>5}: best {best[1]} tma={best[2]} tma_reduce={best[3]}: {best[0]:.3f} ms, "
-                          f"{best[4]:.0f} TFLOP/s ({direction} {cudnn[direction] / best[0]:.2f}x cuDNN)", flush=True)
+                    print(f"  {kernel:>5}: best {best[1]} tma={best[2]}: {best[0]:.3f} ms, "
+                          f"{best[3]:.0f} TFLOP/s ({direction} {cudnn[direction] / best[0]:.2f}x cuDNN)", flush=True)
             del tensors
             torch.cuda.empty_cache()
     print("wrote", out_dir / "configs.csv")

@@ -12,15 +12,11 @@ fa2_attention = make_attention("fa2", fa2.forward, fa2.backward, lse_log_base=2.
 fa2_attention.__doc__ = PUBLIC_DOC.format(
     title="FlashAttention-2 (Triton): exact scaled dot-product attention, forward and backward.",
     source="Dao 2023, FlashAttention-2, Algorithm 1 (forward) and 2 (backward); see kernels/fa2.py.",
-    determinism="dq is accumulated with float32 atomic adds (as in flash-attn), so it can differ in the last bits "
-    "from run to run; under torch.use_deterministic_algorithms(True) a three-kernel backward without atomics "
-    "gives bit-identical gradients.",
 )
 fa1_attention = make_attention("fa1", fa1.forward, fa1.backward, lse_log_base=math.e)
 fa1_attention.__doc__ = PUBLIC_DOC.format(
     title="FlashAttention-1 baseline (Triton): exact scaled dot-product attention, forward and backward.",
     source="Dao et al. 2022, FlashAttention, Algorithm 1 (forward) and 4 (backward); see kernels/fa1.py.",
-    determinism="Gradients are deterministic (no atomics).",
 )
 
 __all__ = ["fa1_attention", "fa2_attention"]

@@ -69,23 +69,6 @@ def load_rows(src, start, rows, stride_row, n_rows, cols, HEAD_DIM: tl.constexpr
 
 
 @triton.jit
-def add_rows(dst, x, start, rows, stride_row, n_rows, cols, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-             CHECK_ROWS: tl.constexpr, TMA: tl.constexpr):
-    """Atomically add the float32 tile x to rows `rows` = start + arange(len(rows)) of the matrix behind `dst`
-    (see `tile_source`): with TMA one bulk reduction, else element-wise atomic adds."""
-    if TMA:
-        dst.atomic_add([start, 0], x)
-    else:
-        ptrs = dst + rows[:, None] * stride_row + cols[None, :]
-        if CHECK_ROWS:
-            tl.atomic_add(ptrs, x, mask=(rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM), sem="relaxed")
-        elif BLOCK_D == HEAD_DIM:
-            tl.atomic_add(ptrs, x, sem="relaxed")
-        else:
-            tl.atomic_add(ptrs, x, mask=cols[None, :] < HEAD_DIM, sem="relaxed")
-
-
-@triton.jit
 def store_tile(base, x, rows, stride_row, n_rows, cols, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """Store a (len(rows), BLOCK_D) tile into rows `rows` of a (n_rows, HEAD_DIM) matrix at `base`."""
     ptrs = base + rows[:, None] * stride_row + cols[None, :]

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .common import (
-    INTERPRET, add_rows, block_d, bucket, bwd_preprocess, check_grid, empty_like_layout, head_ptr, load_rows,
+    INTERPRET, block_d, bucket, bwd_preprocess, check_grid, empty_like_layout, head_ptr, load_rows,
     load_tile, mma, store_tile, tile_source, upcast_dot, use_tma, visible_mask,
 )
 
@@ -38,9 +38,6 @@ LOG2E = math.log2(math.e)
 # Inner-loop tiles through TMA descriptors where the inputs allow it (`common.use_tma`); False forces the pointer
 # path everywhere (bench/fa2_configs.py measures the two against each other).
 USE_TMA = True
-# dQ's atomic adds as TMA bulk reductions of whole tiles (else element-wise atomics). Triton's interpreter has
-# no TMA reductions; bench/fa2_configs.py measures the two.
-USE_TMA_REDUCE = not INTERPRET
 
 
 # ---------------------------------------------------------------------------------------------- autotune
@@ -71,8 +68,7 @@ _FWD_SHAPES = [(128, 64, 8, 3, False), (128, 64, 4, 2, True), (64, 128, 4, 3, Tr
                (64, 64, 4, 2, False)]
 _DKDV_SHAPES = [(64, 64, 4, 2, True), (64, 64, 4, 3, True), (32, 128, 4, 3, False), (64, 64, 4, 2, False)]
 _DQ_SHAPES = [(128, 64, 8, 3, False), (128, 64, 8, 3, True), (64, 64, 4, 2, False)]
-_FUSED_SHAPES = [(64, 64, 4, 3, True), (32, 128, 8, 2, True), (64, 128, 8, 3, True), (32, 64, 4, 3, True),
-                 (64, 64, 4, 2, False)]
+
 
 
 # ---------------------------------------------------------------------------------------------- forward
@@ -209,14 +205,12 @@ def forward(q, k, v, causal, softmax_scale):
 @triton.jit
 def _bwd_dkdv_inner(
     dk, dv, k, v,
-    q_src, do_src, dq_dst, lse_base, delta_base, stride_qm, stride_dom, stride_dqm,
+    q_src, do_src, lse_base, delta_base, stride_qm, stride_dom,
     offs_n, offs_d, lo, hi, seqlen_q, diag_offset, qk_scale,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
-    TMA_REDUCE: tl.constexpr,
 ):
-    """Inner loop over Q blocks [lo, hi) for one K/V block, computing S^T and P^T (Algorithm 2, lines 8-16);
-    with ATOMIC_DQ also dQ_i += dS K_j (lines 19-21) as a float32 atomic add into `dq_dst`."""
+    """Inner loop over Q blocks [lo, hi) for one K/V block, computing S^T and P^T (Algorithm 2, lines 8-16)."""
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
@@ -236,29 +230,27 @@ def _bwd_dkdv_inner(
         else:
             delta = tl.load(delta_base + offs_m)
         dp_t = mma(v, tl.trans(do), None, UPCAST)
-        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
-        dk = mma(ds_t, q, dk, UPCAST)  # dK_j += dS^T Q (scaled after the loop)
-        if ATOMIC_DQ:  # dQ_i += dS K_j (scaled by _dq_finish)
-            dq = mma(tl.trans(ds_t), k, None, UPCAST)
-            add_rows(dq_dst, dq, start_m, offs_m, stride_dqm, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED, TMA_REDUCE)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = mma(ds_t.to(q.dtype), q, dk, UPCAST)  # dK_j += dS^T Q (scaled after the loop)
     return dk, dv
 
 
+@triton.autotune(
+    configs=_configs(_DKDV_SHAPES, interpret_shape=(16, 32)), key=_KEY,  # dK/dV tiles: BLOCK_N >= BLOCK_M
+    prune_configs_by={"early_config_prune": _prune(64 * 128 * 128)},
+)
 @triton.jit
-def _bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA,
+def _bwd_dkdv(
+    Q, K, V, DO, DK, DV, LSE, DELTA,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-    stride_ab, stride_ah, stride_am,
     n_heads, seqlen_q, seqlen_k, qk_scale, softmax_scale,
     M_BUCKET, N_BUCKET,  # autotune key only
-    GROUP: tl.constexpr, CAUSAL: tl.constexpr, ATOMIC_DQ: tl.constexpr, TMA_REDUCE: tl.constexpr,
+    GROUP: tl.constexpr, CAUSAL: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, TMA_OK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
-    """One program = one BLOCK_N block of keys of one (batch, kv head); grid (cdiv(seqlen_k, BLOCK_N), B * H_kv).
-    With ATOMIC_DQ, also adds this block's share of dQ into DQ_ACC (float32, zeroed, strides stride_a*), through
-    TMA reductions when TMA_REDUCE (the caller checked DQ_ACC's alignment)."""
+    """One program = one BLOCK_N block of keys of one (batch, kv head); grid (cdiv(seqlen_k, BLOCK_N), B * H_kv)."""
     start_n = tl.program_id(0) * BLOCK_N
     n_kv_heads = n_heads // GROUP
     off_bhk = tl.program_id(1)
@@ -285,22 +277,20 @@ def _bwd_dkdv_kernel(
         mid = 0
     tail = tl.maximum(mid, m_full)  # a Q block that ends past seqlen_q is checked row by row
 
-    for g in range(GROUP):  # every query head that reads this K/V head, in order: dK/dV need no atomics
+    for g in range(GROUP):  # every query head that reads this K/V head, in order: deterministic, no atomics
         off_h = off_hk * GROUP + g
         off_bh = off_b * n_heads + off_h
         q_src = tile_source(head_ptr(Q, off_b, stride_qb, off_h, stride_qh), seqlen_q, stride_qm, HEAD_DIM,
                             BLOCK_M, BLOCK_D, TMA and TMA_OK)
         do_src = tile_source(head_ptr(DO, off_b, stride_dob, off_h, stride_doh), seqlen_q, stride_dom, HEAD_DIM,
                              BLOCK_M, BLOCK_D, TMA and TMA_OK)
-        dq_dst = tile_source(head_ptr(DQ_ACC, off_b, stride_ab, off_h, stride_ah), seqlen_q, stride_am, HEAD_DIM,
-                             BLOCK_M, BLOCK_D, TMA_REDUCE)
         lse_base = LSE + off_bh.to(tl.int64) * seqlen_q
         delta_base = DELTA + off_bh.to(tl.int64) * seqlen_q
         for stage in tl.static_range(3):  # masked [lo, mid), unmasked [mid, tail), masked [tail, m_end)
             dk, dv = _bwd_dkdv_inner(
-                dk, dv, k, v, q_src, do_src, dq_dst, lse_base, delta_base, stride_qm, stride_dom, stride_am,
-                offs_n, offs_d, (lo, mid, tail)[stage], (mid, tail, m_end)[stage], seqlen_q, diag_offset, qk_scale,
-                stage != 1, CAUSAL, ATOMIC_DQ, BLOCK_M, HEAD_DIM, BLOCK_D, UPCAST, TMA and TMA_OK, TMA_REDUCE,
+                dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qm, stride_dom, offs_n, offs_d,
+                (lo, mid, tail)[stage], (mid, tail, m_end)[stage], seqlen_q, diag_offset, qk_scale,
+                stage != 1, CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, UPCAST, TMA and TMA_OK,
             )
 
     dk = dk * softmax_scale
@@ -308,18 +298,6 @@ def _bwd_dkdv_kernel(
     dv_base = head_ptr(DV, off_b, stride_dvb, off_hk, stride_dvh)
     store_tile(dk_base, dk.to(DK.dtype.element_ty), offs_n, stride_dkn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D)
     store_tile(dv_base, dv.to(DV.dtype.element_ty), offs_n, stride_dvn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D)
-
-
-# Two tunings of one kernel: dK/dV alone (the deterministic backward) and dK/dV with dQ's atomic adds.
-_bwd_dkdv = triton.autotune(
-    configs=_configs(_DKDV_SHAPES, interpret_shape=(16, 32)), key=_KEY,  # dK/dV tiles: BLOCK_N >= BLOCK_M
-    prune_configs_by={"early_config_prune": _prune(64 * 128 * 128)},
-)(_bwd_dkdv_kernel)
-_bwd_fused = triton.autotune(
-    configs=_configs(_FUSED_SHAPES, interpret_shape=(16, 32)), key=[*_KEY, "TMA_REDUCE"],
-    prune_configs_by={"early_config_prune": _prune(64 * 128 * 128)},
-    reset_to_zero=["DQ_ACC"],  # tuning runs the kernel several times; each run must start from dQ = 0
-)(_bwd_dkdv_kernel)
 
 
 @triton.jit
@@ -399,30 +377,8 @@ def _bwd_dq(
     store_tile(dq_base, dq.to(DQ.dtype.element_ty), offs_m, stride_dqm, seqlen_q, offs_d, HEAD_DIM, BLOCK_D)
 
 
-@triton.jit
-def _dq_finish(
-    DQ_ACC, DQ, stride_ab, stride_ah, stride_am, stride_dqb, stride_dqh, stride_dqm, n_heads, seqlen_q, softmax_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    """dq = softmax_scale * dq_acc, cast to dq's dtype and stored in its layout."""
-    off_bh = tl.program_id(1)
-    off_b, off_h = off_bh // n_heads, off_bh % n_heads
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_D)
-    acc = load_tile(head_ptr(DQ_ACC, off_b, stride_ab, off_h, stride_ah), rows, stride_am, seqlen_q, cols,
-                    HEAD_DIM, BLOCK_D, True)
-    store_tile(head_ptr(DQ, off_b, stride_dqb, off_h, stride_dqh), (acc * softmax_scale).to(DQ.dtype.element_ty),
-               rows, stride_dqm, seqlen_q, cols, HEAD_DIM, BLOCK_D)
-
-
 def backward(do, q, k, v, o, lse, causal, softmax_scale):
-    """Launch the backward. `lse` is the forward's base-2 LSE. Returns dq, dk, dv like q, k, v.
-
-    Default: delta = rowsum(dO * O), then one kernel for dK/dV that also adds each block's dQ share into a float32
-    buffer with atomic adds (Algorithm 2 as written; no S and dP recomputed for dQ), then dq = scale * buffer.
-    The order of the float32 adds varies, so dq can differ in the last bits from run to run. Under
-    `torch.use_deterministic_algorithms(True)`: three kernels, dQ in its own pass, no atomics, bit-identical.
-    """
+    """Launch the three backward kernels. `lse` is the forward's base-2 LSE. Returns dq, dk, dv like q, k, v."""
     batch, n_heads, seqlen_q, head_dim = q.shape
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     delta = bwd_preprocess(o, do)
@@ -433,21 +389,8 @@ def backward(do, q, k, v, o, lse, causal, softmax_scale):
     )
     sizes = (n_heads, seqlen_q, seqlen_k, softmax_scale * LOG2E, softmax_scale, bucket(seqlen_q), bucket(seqlen_k))
     qkv_do_strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
-    dkdv_strides = (*dk.stride()[:3], *dv.stride()[:3])
     grid_kv = lambda meta: (triton.cdiv(seqlen_k, meta["BLOCK_N"]), batch * n_kv_heads)
-    if torch.are_deterministic_algorithms_enabled():
-        _bwd_dkdv[grid_kv](q, k, v, do, dk, dv, delta, lse, delta, *qkv_do_strides, *dkdv_strides, 0, 0, 0, *sizes,
-                           ATOMIC_DQ=False, TMA_REDUCE=False, **common)  # DQ_ACC unused
-        grid_q = lambda meta: (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * n_heads)
-        _bwd_dq[grid_q](q, k, v, do, dq, lse, delta, *qkv_do_strides, *dq.stride()[:3], *sizes, **common)
-        return dq, dk, dv
-    dq_acc = torch.zeros((batch, n_heads, seqlen_q, head_dim), device=q.device, dtype=torch.float32)
-    _bwd_fused[grid_kv](q, k, v, do, dk, dv, dq_acc, lse, delta, *qkv_do_strides, *dkdv_strides,
-                        *dq_acc.stride()[:3], *sizes, ATOMIC_DQ=True,
-                        TMA_REDUCE=USE_TMA_REDUCE and common["TMA_OK"] and head_dim % 4 == 0, **common)
-    block_m = 64
-    _dq_finish[(triton.cdiv(seqlen_q, block_m), batch * n_heads)](
-        dq_acc, dq, *dq_acc.stride()[:3], *dq.stride()[:3], n_heads, seqlen_q, softmax_scale,
-        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=block_m,
-    )
+    _bwd_dkdv[grid_kv](q, k, v, do, dk, dv, lse, delta, *qkv_do_strides, *dk.stride()[:3], *dv.stride()[:3], *sizes, **common)
+    grid_q = lambda meta: (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * n_heads)
+    _bwd_dq[grid_q](q, k, v, do, dq, lse, delta, *qkv_do_strides, *dq.stride()[:3], *sizes, **common)
     return dq, dk, dv

@@ -145,7 +145,7 @@ PUBLIC_DOC = """{title}
 
     Returns:
         o: like q in shape, dtype and device; or (o, lse) with lse (batch, n_heads, seqlen_q), float32, natural
-        log (returned without gradient). Differentiable w.r.t. q, k and v. {determinism}
+        log (returned without gradient). Differentiable w.r.t. q, k and v; gradients are deterministic (no atomics).
 
     Raises:
         TypeError: a non-tensor input, unsupported or mismatched dtypes, a non-bool causal.

@@ -199,27 +199,8 @@ def test_fully_masked_rows_give_zero_output_and_gradient(attention):
     assert torch.isfinite(k.grad).all() and torch.isfinite(v.grad).all()
 
 
-@pytest.fixture
-def deterministic():
-    """torch.use_deterministic_algorithms(True) for one test: fa2 then takes its atomic-free backward."""
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(before)
-
-
-@pytest.mark.parametrize("batch,n_heads,n_kv_heads,seqlen_q,seqlen_k,head_dim,causal,dtype", CASES[2::3])
-def test_fa2_deterministic_backward_matches_reference(deterministic, batch, n_heads, n_kv_heads, seqlen_q, seqlen_k,
-                                                      head_dim, causal, dtype):
-    """The three-kernel backward (dQ in its own pass, no atomics) used under deterministic algorithms."""
-    q = randn(batch, n_heads, seqlen_q, head_dim, dtype=dtype)
-    k = randn(batch, n_kv_heads, seqlen_k, head_dim, dtype=dtype)
-    v = randn(batch, n_kv_heads, seqlen_k, head_dim, dtype=dtype)
-    check(fa2_attention, q, k, v, causal)
-
-
 @pytest.mark.parametrize("attention", KERNELS)
-def test_backward_is_deterministic(attention, deterministic):
+def test_backward_is_deterministic(attention):
     q = randn(1, 4, 70, 32, dtype=torch.bfloat16)
     k, v = randn(1, 2, 70, 32, dtype=torch.bfloat16), randn(1, 2, 70, 32, dtype=torch.bfloat16)
     do = randn(1, 4, 70, 32, dtype=torch.bfloat16)
