@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 
 from .common import (
-    block_d, bwd_preprocess, check_grid, empty_like_layout, head_ptr, load_tile, mma, store_tile, upcast_dot, visible_mask,
+    block_d, bwd_preprocess, check_grid, empty_like_layout, head_ptr, load_tile, mma, store_tile, upcast_dot,
+    visible_mask,
 )
 
 BLOCK_M = 64

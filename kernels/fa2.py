@@ -390,7 +390,8 @@ def backward(do, q, k, v, o, lse, causal, softmax_scale):
     sizes = (n_heads, seqlen_q, seqlen_k, softmax_scale * LOG2E, softmax_scale, bucket(seqlen_q), bucket(seqlen_k))
     qkv_do_strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
     grid_kv = lambda meta: (triton.cdiv(seqlen_k, meta["BLOCK_N"]), batch * n_kv_heads)
-    _bwd_dkdv[grid_kv](q, k, v, do, dk, dv, lse, delta, *qkv_do_strides, *dk.stride()[:3], *dv.stride()[:3], *sizes, **common)
+    _bwd_dkdv[grid_kv](q, k, v, do, dk, dv, lse, delta, *qkv_do_strides, *dk.stride()[:3], *dv.stride()[:3], *sizes,
+                       **common)
     grid_q = lambda meta: (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * n_heads)
     _bwd_dq[grid_q](q, k, v, do, dq, lse, delta, *qkv_do_strides, *dq.stride()[:3], *sizes, **common)
     return dq, dk, dv
