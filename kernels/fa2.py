@@ -45,32 +45,29 @@ def _configs(shapes, interpret_shape=(32, 16)):
     if INTERPRET:  # one small config: the interpreter is slow, and BLOCK_M != BLOCK_N exercises the stage logic
         block_m, block_n = interpret_shape
         return [triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "TMA": True}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "TMA": tma}, num_warps=w, num_stages=s, maxnreg=maxnreg)
-            for m, n, w, s, tma, *cap in shapes for maxnreg in [cap[0] if cap else None]]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "TMA": tma}, num_warps=w, num_stages=s)
+            for m, n, w, s, tma in shapes]
 
 
 def _prune(max_tile):
-    """Drop configs whose tile is too large for the head dim (they would spill registers or miss shared memory),
-    and register-capped configs (more CTAs per SM) above head_dim 64, where the cap makes them spill."""
+    """Drop configs whose tile is too large for the head dim (they would spill registers or miss shared memory)."""
 
     def prune(configs, named_args, **kwargs):
-        width = block_d({**named_args, **kwargs}["HEAD_DIM"])
-        kept = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * width <= max_tile
-                and (c.maxnreg is None or width <= 64)]
+        head_dim = {**named_args, **kwargs}["HEAD_DIM"]
+        kept = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * block_d(head_dim) <= max_tile]
         return kept or configs[-1:]
 
     return prune
 
 
 _KEY = ["M_BUCKET", "N_BUCKET", "HEAD_DIM", "CAUSAL", "GROUP", "TMA_OK"]
-# (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA[, maxnreg]): per kernel, the winners of
-# `python -m bench.fa2_configs` on the H200 (docs/hopper-notes.md); the last one fits every head dim. Few on
-# purpose: every config is compiled on the first use of a shape bucket. A maxnreg cap lets 2-3 CTAs share an
-# SM (the only softmax/matmul overlap Triton gives us on Hopper); it spills beyond head_dim 64, see _prune.
-_FWD_SHAPES = [(128, 64, 8, 3, False), (128, 64, 8, 3, False, 128), (128, 64, 4, 2, True), (64, 128, 4, 3, True),
-               (64, 64, 4, 3, True), (64, 64, 4, 3, True, 128), (64, 64, 4, 2, False, 168), (64, 64, 4, 2, False)]
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA): per kernel, the winners of `python -m bench.fa2_configs` on
+# the H200 (docs/hopper-notes.md); the last one fits every head dim. Few on purpose: every config is compiled
+# on the first use of a shape bucket.
+_FWD_SHAPES = [(128, 64, 8, 3, False), (128, 64, 4, 2, True), (64, 128, 4, 3, True), (64, 64, 4, 3, True),
+               (64, 64, 4, 2, False)]
 _DKDV_SHAPES = [(64, 64, 4, 2, True), (64, 64, 4, 3, True), (32, 128, 4, 3, False), (64, 64, 4, 2, False)]
-_DQ_SHAPES = [(128, 64, 8, 3, False), (128, 64, 8, 3, False, 128), (128, 64, 8, 3, True), (64, 64, 4, 2, False)]
+_DQ_SHAPES = [(128, 64, 8, 3, False), (128, 64, 8, 3, True), (64, 64, 4, 2, False)]
 
 
 
