@@ -4,6 +4,7 @@ import json
 import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -40,6 +41,9 @@ def test_short_run_writes_checkpoints_metrics_and_offline_wandb(make_cfg):
         assert r["perf/tokens_per_s"] == pytest.approx(s.tokens_per_step / (r["perf/step_time_ms"] / 1e3))
         assert r["perf/tokens_per_s_per_gpu"] == r["perf/tokens_per_s"]  # one process
         assert r["perf/mfu"] is None and r["perf/mfu_per_gpu"] is None and r["perf/peak_mem_gib"] is None  # CPU
+    # Every step is charged its own time, evaluation steps (3, 6, 7) included: none near zero.
+    median = statistics.median(r["perf/step_time_ms"] for r in records)
+    assert all(r["perf/step_time_ms"] > median / 4 for r in records[1:]), [r["perf/step_time_ms"] for r in records]
     assert [r["step"] for r in records if "val/loss" in r] == [3, 6, 7]
     assert s.final_val_loss == records[-1]["val/loss"] and s.tokens_per_step == 4 * 32
     assert records[-1]["tokens_seen"] == 7 * 4 * 32
@@ -121,6 +125,18 @@ def test_signal_saves_and_stops_then_resume_finishes(make_cfg, sig):
     assert rest.start_step == 3 and rest.step == 6 and rest.stop_reason == "max_steps" and rest.stop_signal is None
     again = train(make_cfg("run.name=sig", "trainer.max_steps=6", "ckpt.interval=0"))  # finished: nothing to do
     assert again.start_step == again.step == 6 and again.records == []
+
+
+def test_signal_during_an_evaluation_step_stops_at_that_step(make_cfg):
+    """A signal that arrives while a step evaluates or saves (nothing else in flight) stops right there."""
+    def on_step(record):
+        if record["step"] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    s = train(make_cfg("run.name=sig_eval", "trainer.max_steps=6", "ckpt.interval=3", "eval.interval=3"),
+              on_step=on_step)
+    assert s.stop_reason == "interrupted" and s.step == 3
+    assert [p.name for p in list_checkpoints(s.run_dir)] == ["step_00000003.pt"]
 
 
 def test_cli_exit_code_after_sigterm_is_143(tiny_overrides, tmp_path):

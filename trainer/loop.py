@@ -222,7 +222,21 @@ def _train(cfg: DictConfig, run_dir: Path, on_step: Optional[Callable[[dict], No
         del ckpt
     last_saved = step if ckpt_path is not None else None
 
-    def run_step(lr: float, stop_signum: Optional[int]) -> torch.Tensor:
+    def mark():
+        """When the device finishes the work queued so far: a CUDA event, or the time now (CPU work is synchronous)."""
+        if device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(start, end) -> float:
+        if device.type != "cuda":
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    def run_step(lr: float, stop: "_StopRequest") -> torch.Tensor:
         """Queue one optimizer step on the device; returns its numbers, (loss, [stop vote,] grad norm), unread."""
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -239,7 +253,7 @@ def _train(cfg: DictConfig, run_dir: Path, on_step: Optional[Callable[[dict], No
             loss_sum += loss.detach()
         stats = [loss_sum]
         if dist.world_size > 1:  # mean loss over ranks, and whether any rank got Ctrl-C/SIGTERM
-            stop_flag = torch.full((), float(stop_signum is not None), device=device)  # no host sync
+            stop_flag = torch.full((), float(stop.signum is not None), device=device)  # no host sync
             reduced = torch.stack([loss_sum, stop_flag])
             all_reduce_sum(reduced, dist)
             stats = [reduced[0] / dist.world_size, reduced[1]]
@@ -252,16 +266,16 @@ def _train(cfg: DictConfig, run_dir: Path, on_step: Optional[Callable[[dict], No
         optimizer.zero_grad(set_to_none=True)
         return torch.stack([*stats, grad_norm.float()])
 
-    def read(queued: tuple, since: float) -> tuple[dict, bool]:
+    def read(queued: tuple, since) -> tuple[dict, bool]:
         """Wait for a queued step's numbers (the host sync) and build its record; also returns the stop vote."""
-        done_step, done_tokens, lr, stats = queued
+        done_step, done_tokens, lr, stats, done = queued
         train_loss, *stop_votes, grad_norm = stats.tolist()
         if not math.isfinite(train_loss):  # the same value on every rank: all stop together
             raise NonFiniteLossError(
                 f"training loss is {train_loss} at step {done_step}; stopped without saving this step. "
                 f"Last good checkpoint: {summary.checkpoint or 'none'}. Try a lower optim.lr, "
                 "more optim.warmup_steps, optim.grad_clip, or trainer.dtype=bf16/fp32.")
-        dt = time.perf_counter() - since
+        dt = seconds(since, done)
         record = {"step": done_step, "tokens_seen": done_tokens, "train/loss": train_loss, "train/lr": lr,
                   "train/grad_norm": grad_norm, "perf/step_time_ms": dt * 1e3,
                   "perf/tokens_per_s": tokens_per_step / dt,
@@ -289,20 +303,20 @@ def _train(cfg: DictConfig, run_dir: Path, on_step: Optional[Callable[[dict], No
                          "(raise trainer.max_steps to continue it)", step)
             # A plain step's numbers are read one step late, after the next step is queued, so the device never
             # waits for the host between steps. Steps that evaluate, save or stop are read at once (they need the
-            # model as of that step); the step time is the time between two consecutive steps finishing.
+            # model as of that step). The step time runs from one step's end on the device to the next one's.
             pending: Optional[tuple] = None
-            last_done = time.perf_counter()
+            last_done = mark()
             while step < cfg.trainer.max_steps:
                 lr = lr_at(step, cfg.optim.lr, cfg.optim.warmup_steps, cfg.optim.decay_steps, cfg.optim.min_lr_ratio)
-                stats = run_step(lr, stop.signum)
+                stats = run_step(lr, stop)
                 step += 1
                 tokens_seen += tokens_per_step
-                queued = (step, tokens_seen, lr, stats)
+                queued = (step, tokens_seen, lr, stats, mark())
                 # DDP: a stop vote taken in a step reaches the host one step later, on every rank alike.
                 stop_vote = False
                 if pending is not None:
                     record, stop_vote = read(pending, last_done)
-                    last_done = time.perf_counter()
+                    last_done = pending[-1]
                     pending = None
                     publish(record)
                 stop_now = stop_vote or (dist.world_size == 1 and stop.signum is not None)
@@ -323,7 +337,9 @@ def _train(cfg: DictConfig, run_dir: Path, on_step: Optional[Callable[[dict], No
                 publish(record)
                 if save_now:
                     summary.checkpoint, last_saved = save(), step
-                last_done = time.perf_counter()  # evaluation and saving are not step time
+                last_done = mark()  # evaluation and saving are not step time
+                # One process: a signal that came during this step's evaluation, on_step or save stops here.
+                stop_now = stop_now or (dist.world_size == 1 and stop.signum is not None)
                 if stop_now and step < cfg.trainer.max_steps:  # a stop on the last step is just the end
                     summary.stop_reason = "interrupted"
                     summary.stop_signal = stop.signum or signal.SIGTERM

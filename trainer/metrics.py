@@ -3,7 +3,8 @@
 Record keys (absent/None where not measured):
     step, tokens_seen (whole job), train/loss (mean over all micro-batches of all ranks),
     train/lr, train/grad_norm (after DDP's all-reduce, before clipping),
-    perf/step_time_ms (device-synchronised wall time of the step, on rank 0),
+    perf/step_time_ms (from the end of the previous step to the end of this one on the device: CUDA events on a
+    GPU, host time on the CPU; evaluation and checkpointing excluded; on rank 0),
     perf/tokens_per_s (whole job), perf/tokens_per_s_per_gpu (job / number of processes),
     perf/mfu (whole job: model FLOP/s over the summed peak of all its GPUs),
     perf/mfu_per_gpu (rank 0's GPU: its share of the FLOP/s over its peak; equals perf/mfu when
