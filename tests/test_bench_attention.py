@@ -1,4 +1,4 @@
-"""bench.attention's CPU-checkable parts: backend names and the FLOP count (timing itself needs a GPU)."""
+"""bench.attention and bench.fa2_configs: their CPU-checkable parts (timing itself needs a GPU)."""
 
 import pytest
 
@@ -15,3 +15,30 @@ def test_flop_count_follows_the_flashattention_convention():
     assert forward == 4 * 2 * 16 * 1024 * 1024 * 64
     assert attention.flops(2, 16, 1024, 64, causal=True, direction="fwd") == forward / 2
     assert attention.flops(2, 16, 1024, 64, causal=False, direction="bwd") == 2.5 * forward
+
+
+def test_fa2_configs_candidates_cover_tma_on_and_off_and_sets_one_config():
+    """bench.fa2_configs: every candidate tile is measured with TMA loads on and off, and set_config makes it the
+    kernel's only autotune config (so the timing is that config's)."""
+    from bench import fa2_configs
+    from kernels import fa2
+
+    for kernel, candidates in fa2_configs.CANDIDATES.items():
+        assert fa2_configs.variants(kernel) == [(c, t) for c in candidates for t in (True, False)]
+    saved = list(fa2._fwd.configs)
+    try:
+        fa2_configs.set_config("fwd", (64, 32, 4, 2), tma=False)
+        (config,) = fa2._fwd.configs
+        assert config.kwargs == {"BLOCK_M": 64, "BLOCK_N": 32, "TMA": False}
+        assert (config.num_warps, config.num_stages) == (4, 2)
+    finally:
+        fa2._fwd.configs = saved
+        fa2._fwd.cache.clear()
+
+
+def test_fa2_configs_needs_a_gpu(monkeypatch):
+    from bench import fa2_configs
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        fa2_configs.main(["--head-dims", "64"])
