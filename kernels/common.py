@@ -119,15 +119,18 @@ def _tma_scratch(size: int, alignment: int, stream):
 
 def use_tma(*tensors: torch.Tensor) -> bool:
     """Whether the kernels may read these (batch, heads, seqlen, head_dim) tensors through TMA descriptors:
-    16-bit floats on a Hopper-or-newer GPU (or under the interpreter) with 16-byte aligned data and strides,
-    as TMA requires. Other inputs take the pointer path. Also installs Triton's scratch allocator, which is
+    16-bit floats on a Hopper-or-newer GPU (or under the interpreter) with 16-byte aligned data and non-zero
+    16-byte multiple strides, as TMA requires. Other inputs take the pointer path. Also installs Triton's scratch allocator, which is
     per thread (a ContextVar) and autograd runs the backward in its own thread."""
     t = tensors[0]
     if t.dtype not in (torch.float16, torch.bfloat16):
         return False
     if not INTERPRET and not (t.is_cuda and _has_tma(t.device)):
         return False
-    if any(x.data_ptr() % 16 or any(s * x.element_size() % 16 for s in x.stride()[:-1]) for x in tensors):
+    def addressable(x: torch.Tensor) -> bool:  # TMA strides: non-zero 16-byte multiples
+        return x.data_ptr() % 16 == 0 and all(s > 0 and s * x.element_size() % 16 == 0 for s in x.stride()[:-1])
+
+    if not all(addressable(x) for x in tensors):
         return False
     if not INTERPRET:
         triton.set_allocator(_tma_scratch)
@@ -135,11 +138,14 @@ def use_tma(*tensors: torch.Tensor) -> bool:
 
 
 def empty_like_layout(t: torch.Tensor) -> torch.Tensor:
-    """An uninitialised tensor shaped like `t` whose dimensions lie in memory in t's order, even when t has gaps
-    (e.g. q sliced from a fused (B, T, 3, H, D) projection: the result is (B, H, T, D) stored as (B, T, H, D)).
-    torch.empty_like falls back to a contiguous (B, H, T, D) there, which makes the model's
-    o.transpose(1, 2).contiguous() a real copy."""
-    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))  # outermost first
+    """An uninitialised tensor shaped like `t` (batch, heads, seqlen, head_dim) with a contiguous last dim and the
+    other dims in memory in t's order, even when t has gaps (e.g. q sliced from a fused (B, T, 3, H, D)
+    projection: the result is (B, H, T, D) stored as (B, T, H, D)). torch.empty_like falls back to a
+    contiguous (B, H, T, D) there, which makes the model's o.transpose(1, 2).contiguous() a real copy.
+    Broadcast views (a stride of 0, e.g. from expand) get a contiguous tensor."""
+    if any(s == 0 for s, n in zip(t.stride(), t.shape) if n > 1):
+        return torch.empty(t.shape, device=t.device, dtype=t.dtype)
+    order = sorted(range(t.dim() - 1), key=lambda d: (-t.stride(d), d)) + [t.dim() - 1]  # outermost first
     x = torch.empty([t.shape[d] for d in order], device=t.device, dtype=t.dtype)
     return x.permute([order.index(d) for d in range(t.dim())])
 

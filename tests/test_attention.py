@@ -143,6 +143,7 @@ def test_tma_needs_16_byte_alignment():
     assert not use_tma(x[..., 1:])  # data 2 bytes past an aligned address
     assert not use_tma(x[..., :64])  # row stride 65 * 2 bytes
     assert not use_tma(x[..., :64].float())  # float32 takes the pointer path
+    assert not use_tma(x[:, :1, :, :64].expand(1, 2, 40, 64))  # a broadcast (stride-0) dimension
 
 
 @pytest.mark.parametrize("attention", KERNELS)
@@ -177,6 +178,18 @@ def test_strided_views_need_no_copy(attention, monkeypatch):
     assert rel_err(out, o_ref) < TOLERANCE[torch.bfloat16]
     assert out.transpose(1, 2).is_contiguous(), "o should be stored like q, so the model's transpose is free"
     check(attention, q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("attention", KERNELS)
+@pytest.mark.parametrize("expanded", ["batch", "heads", "seqlen"])
+def test_broadcast_views_are_correct(attention, expanded):
+    """Inputs expanded with a stride of 0 (same data in every batch, head or position) read correctly, and the
+    outputs and gradients still come back with a contiguous head_dim."""
+    shape = {"batch": (1, 2, 24, 32), "heads": (2, 1, 24, 32), "seqlen": (2, 2, 1, 32)}[expanded]
+    q = randn(*shape, dtype=torch.float16).expand(2, 2, 24, 32)
+    k, v = randn(2, 2, 24, 32, dtype=torch.float16), randn(2, 2, 24, 32, dtype=torch.float16)
+    o, grads = check(attention, q, k, v, causal=True)
+    assert o.stride(-1) == 1 and all(g.stride(-1) == 1 for g in grads)
 
 
 @pytest.mark.parametrize("attention", KERNELS)
