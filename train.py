@@ -16,6 +16,7 @@ stderr (prefixed with their rank), and an unexpected error is recorded for torch
 """
 
 import logging
+import signal
 import sys
 
 import hydra
@@ -51,6 +52,9 @@ def run(cfg: DictConfig) -> float | None:
         # Expected user-facing failures: one clear message, no traceback.
         log.error("%s", e)
         sys.exit(1)
+    except KeyboardInterrupt:  # a second Ctrl-C: abort now, without saving; the last checkpoint stays the latest
+        log.error("aborted by a second Ctrl-C; this step was not saved (resume continues from the last checkpoint)")
+        sys.exit(128 + signal.SIGINT)
     if summary.stop_reason == "interrupted":  # saved and resumable, but not finished: say so to the caller
         sys.exit(128 + summary.stop_signal)
     return summary.final_val_loss  # the value a Hydra sweeper would optimise

@@ -4,9 +4,11 @@
 
 Environment (read here only, never by the trainer):
     TEST_DELAY_RANK=r             rank r sleeps 1.5 s first, so the ranks' clocks read different seconds
-    TEST_FAIL_RANK=r, TEST_FAIL_FORWARD=n, TEST_FAIL_KIND=raise|nan
-                                  rank r raises RuntimeError (raise) or returns a NaN loss (nan) in its
-                                  n-th training forward (a step has grad_accum / world_size of them)
+    TEST_FAIL_RANK=r, TEST_FAIL_FORWARD=n, TEST_FAIL_KIND=raise|nan|interrupt
+                                  rank r raises RuntimeError (raise), returns a NaN loss (nan) or raises
+                                  KeyboardInterrupt as a second Ctrl-C does (interrupt) in its n-th training
+                                  forward (a step has grad_accum / world_size of them)
+Also usable for one process: RANK=0 python tests/torchrun_entry.py <overrides>.
 """
 
 import os
@@ -36,6 +38,8 @@ if os.environ.get("TEST_FAIL_RANK") == str(rank):
             if forwards["n"] == fail_at:
                 if kind == "nan":
                     return logits, loss * float("nan")
+                if kind == "interrupt":
+                    raise KeyboardInterrupt
                 raise RuntimeError(f"injected failure on rank {rank} in training forward {fail_at}")
         return logits, loss
 
