@@ -32,15 +32,22 @@ FIELDS = ["backend", "block_size", "batch_size", "tokens_per_step", "step_time_m
           "peak_mem_gib", "final_train_loss", "speedup_vs_sdpa", "num_params"]
 
 
-def run_backend(overrides, backend, out_dir, label, warmup, steps):
-    """Train one backend into out_dir/label and summarise its timed steps (those after the warm-up)."""
-    from trainer import compose_config, train
+def backend_config(overrides, backend, out_dir, label, warmup, steps):
+    """The train() config of one backend's run: out_dir/label, W&B group out_dir.name, no eval or checkpoints."""
+    from trainer import compose_config
 
-    cfg = compose_config([
+    return compose_config([
         *overrides, f"attn={backend}", f"run.root={out_dir}", f"run.name={label}", f"wandb.group={out_dir.name}",
         "resume=never",
         f"trainer.max_steps={warmup + steps}", "eval.interval=0", "eval.iters=1", "ckpt.interval=0",
     ])
+
+
+def run_backend(overrides, backend, out_dir, label, warmup, steps):
+    """Train one backend into out_dir/label and summarise its timed steps (those after the warm-up)."""
+    from trainer import train
+
+    cfg = backend_config(overrides, backend, out_dir, label, warmup, steps)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -134,10 +141,25 @@ def main(argv=None):
         parser.error(f"--sweep lengths must be positive divisors of --sweep-tokens={args.sweep_tokens}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
-    from trainer import compose_config
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
 
-    root = Path(compose_config(args.overrides).run.root)
-    out_dir = root / args.name
+    from trainer import ConfigError, compose_config
+    from trainer.config import RUN_NAME_RULE, valid_run_name, validate_config
+
+    if not valid_run_name(args.name):
+        parser.error(f"--name {args.name!r}: {RUN_NAME_RULE}")
+    jobs = [(args.overrides, b, b) for b in backends]
+    sweep_jobs = [(args.overrides + [f"model.block_size={context}", f"trainer.batch_size={args.sweep_tokens // context}",
+                   "trainer.grad_accum=1"], b, f"{b}_ctx{context}")
+                  for context in sweep for b in backends]
+    try:  # every run's config is checked before anything is written
+        root = Path(compose_config(args.overrides).run.root)
+        out_dir = root / args.name
+        for overrides, backend, label in jobs + sweep_jobs:
+            validate_config(backend_config(overrides, backend, out_dir, label, args.warmup, args.steps))
+    except (ConfigError, HydraException, OmegaConfBaseException) as e:
+        parser.error(str(e))
     if out_dir.exists() and any(out_dir.iterdir()):
         parser.error(f"--name {args.name}: {out_dir} already holds a comparison; choose a new --name")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -145,19 +167,14 @@ def main(argv=None):
                 torch=torch.__version__, triton=__import__("triton").__version__,
                 date=time.strftime("%Y-%m-%d"), overrides=args.overrides, warmup=args.warmup, steps=args.steps)
 
-    rows = [run_backend(args.overrides, b, out_dir, b, args.warmup, args.steps) for b in backends]
+    rows = [run_backend(overrides, b, out_dir, label, args.warmup, args.steps) for overrides, b, label in jobs]
     add_speedups(rows)
     print_table(rows)
     write(rows, out_dir, "throughput", meta)
 
     if sweep:
-        sweep_rows = []
-        for context in sweep:
-            extra = [f"model.block_size={context}", f"trainer.batch_size={args.sweep_tokens // context}",
-                     "trainer.grad_accum=1"]
-            for b in backends:
-                sweep_rows.append(run_backend(args.overrides + extra, b, out_dir, f"{b}_ctx{context}",
-                                              args.warmup, args.steps))
+        sweep_rows = [run_backend(overrides, b, out_dir, label, args.warmup, args.steps)
+                      for overrides, b, label in sweep_jobs]
         add_speedups(sweep_rows)
         print(f"\nsweep at {args.sweep_tokens} tokens per step")
         print_table(sweep_rows)

@@ -2,10 +2,14 @@
 
 import csv
 import json
+from pathlib import Path
 
 import pytest
+import torch
 
 from bench import throughput
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def check_outputs(out_dir, stem, rows, backends):
@@ -58,3 +62,20 @@ def test_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit):
         throughput.main(argv)
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,bad,message", [
+    (["--name", "../escape"], [], "path separators"),
+    (["--backends", "sdpa"], ["trainer.batch_size=0"], "trainer.batch_size"),
+    (["--backends", "sdpa"], ["data=tiny_missing"], "tiny_missing"),
+    pytest.param(["--backends", "sdpa_cudnn"], [], "needs a CUDA GPU",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")),
+])
+def test_bad_names_and_configs_are_refused_before_anything_is_written(flags, bad, message, tiny_overrides, tmp_path,
+                                                                      capsys):
+    overrides = [a for a in tiny_overrides if not a.startswith(("run.", "trainer.max_steps"))]
+    root = tmp_path / "runs"
+    with pytest.raises(SystemExit) as exit_info:
+        throughput.main([*flags, *overrides, f"run.root={root}", *bad])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not root.exists() and not (ROOT / "escape").exists()
