@@ -112,8 +112,9 @@ def load_checkpoint(path: Path) -> dict:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises several types for truncated / foreign files
         raise CheckpointError(f"checkpoint {path} is corrupt or unreadable ({type(e).__name__}: {e}); "
-                              "it was left as is; pass resume=<path> of an older checkpoint or resume=never "
-                              "with a new run.name") from e
+                              "it was left as is; move it out of the checkpoints folder to resume from the one "
+                              "before, or start a new run.name (resume=<path> of an older checkpoint works there too)"
+                              ) from e
     missing = [k for k in REQUIRED_KEYS if not isinstance(state, dict) or k not in state]
     if missing:
         raise CheckpointError(f"checkpoint {path} is not a trainer checkpoint (missing {', '.join(missing)})")

@@ -58,6 +58,7 @@ class TrainSummary:
     stop_signal: Optional[int] = None  # the signal that interrupted the run (SIGINT/SIGTERM), if any
     records: list[dict] = field(default_factory=list)  # one per step of this invocation, as in metrics.jsonl
     final_val_loss: Optional[float] = None
+    final_val_step: Optional[int] = None  # the step final_val_loss was measured at
     best_val_loss: Optional[float] = None
     checkpoint: Optional[Path] = None  # last checkpoint written
     wandb_run_id: Optional[str] = None
@@ -330,7 +331,7 @@ def _train(cfg: DictConfig, run_dir: Path, on_step: Optional[Callable[[dict], No
                 if evaluate_now:
                     val = evaluate(eval_model, data, cfg, device, dtype, dist)
                     record["val/loss"] = val
-                    summary.final_val_loss = val
+                    summary.final_val_loss, summary.final_val_step = val, step
                     best_val = val if best_val is None else min(best_val, val)
                     summary.best_val_loss = best_val
                     log.info("step %d: train loss %.4f, val loss %.4f", step, record["train/loss"], val)
@@ -357,7 +358,7 @@ def _train(cfg: DictConfig, run_dir: Path, on_step: Optional[Callable[[dict], No
         if agreed_failure:
             barrier(dist)  # rank 0 closes W&B before any rank exits and torchrun stops the others
     if summary.final_val_loss is not None:
-        log.info("final val loss %.4f (step %d)", summary.final_val_loss, step)
+        log.info("final val loss %.4f (step %d)", summary.final_val_loss, summary.final_val_step)
     if summary.stop_reason == "interrupted":
         log.info("interrupted at step %d; resume with the same run.name=%s", step, cfg.run.name)
     return summary
