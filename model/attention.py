@@ -21,6 +21,9 @@ Backends:
   (``torch.nn.attention.sdpa_kernel``), for comparing against a known kernel; fails where PyTorch
   has no such kernel for the inputs (cuDNN: CUDA only).
 - ``auto``: ``fa2`` when a CUDA GPU is present, ``sdpa`` otherwise (see ``resolve_backend``).
+
+For generation with a KV cache, ``get_kv_backend`` gives the same backends for seqlen_q <= seqlen_k
+(new queries against the cached prefix), with the causal mask aligned bottom-right.
 """
 
 from __future__ import annotations
@@ -140,6 +143,41 @@ def get_backend(name: str) -> AttentionFn:
     unknown name and BackendUnavailableError when fa1/fa2 cannot be imported from ``kernels``.
     """
     return _FACTORIES[resolve_backend(name)]()
+
+
+def _sdpa_bottom_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+    Tq, Tk = q.shape[2], k.shape[2]
+    if Tq == Tk:  # a prefill from position 0: top-left and bottom-right alignment agree
+        return _sdpa(q, k, v, dropout_p)
+    # SDPA's is_causal is aligned top-left (query i sees keys 0..i), wrong for new queries after a cached prefix.
+    # One query (a decode step) sees every cached key: no mask, which also keeps SDPA's fastest kernels.
+    mask = None if Tq == 1 else torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def get_kv_backend(name: str) -> AttentionFn:
+    """Like ``get_backend``, for attention over a KV cache: ``fn(q, k, v, dropout_p=0.0) -> o`` with
+    q (B, n_head, T_q, head_dim) the new tokens and k, v (B, n_kv_head, T_k, head_dim) every token so far,
+    T_q <= T_k: query i sees key j iff j <= i + T_k - T_q (causal mask aligned bottom-right).
+
+    fa1/fa2 are ``get_backend``'s functions (the kernels align the mask bottom-right already); sdpa gets no
+    mask for T_q == 1, ``is_causal`` for T_q == T_k and an explicit boolean mask otherwise, which
+    ``sdpa_flash`` does not accept. Raises as ``get_backend``.
+    """
+    name = resolve_backend(name)
+    if name not in ("sdpa", *SDPA_PINNED):
+        return get_backend(name)
+    if name == "sdpa":
+        return _sdpa_bottom_right
+    pinned = SDPA_PINNED[name]
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+        with sdpa_kernel(pinned):
+            return _sdpa_bottom_right(q, k, v, dropout_p)
+
+    attention.__name__ = f"{name}_kv_attention"
+    return attention
 
 
 # One entry per concrete backend (plus a conf/attn/<name>.yaml to expose it on the command line).
