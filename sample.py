@@ -2,7 +2,9 @@
 
 Loads the run's latest checkpoint (or the given file) onto the chosen device, rebuilds the model
 and tokenizer from it (no data cache needed) and prints ``--num-samples`` continuations of
-``--prompt``. Sampling: logits / temperature, optional top-k, multinomial (nanoGPT's sample.py).
+``--prompt``, generated as one batch. Sampling: logits / temperature, optional top-k, multinomial
+(nanoGPT's sample.py); ``--top-k 1`` is greedy. With the KV cache (default) the prompt is run once and
+each new token is one decode step; ``--compile`` compiles that step.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def load_model(ckpt_path: Path, device: str = "cpu", attn: str = "sdpa"):
 
 
 def sample(model: GPT, tokenizer, prompt: str, num_tokens: int, temperature: float, top_k: int | None,
-           num_samples: int = 1, seed: int = 1337) -> list[str]:
+           num_samples: int = 1, seed: int = 1337, kv_cache: bool = True, compile: bool = False) -> list[str]:
     device = next(model.parameters()).device
     ids = tokenizer.encode(prompt) if prompt else []
     if not ids:  # an empty prompt starts from a newline (char) or the document separator (BPE)
@@ -49,7 +51,7 @@ def sample(model: GPT, tokenizer, prompt: str, num_tokens: int, temperature: flo
     x = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     y = model.generate(x, num_tokens, temperature=temperature, top_k=top_k, generator=gen,
-                       num_tokens=tokenizer.vocab_size)
+                       num_tokens=tokenizer.vocab_size, kv_cache=kv_cache, compile=compile)
     return [tokenizer.decode(row[len(ids):].tolist()) for row in y]
 
 
@@ -59,12 +61,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs-root", default="runs", help="folder holding run folders (train.py's run.root)")
     ap.add_argument("--prompt", default="", help="text to continue (default: start of a document)")
     ap.add_argument("--num-tokens", type=int, default=500, help="tokens to generate per sample")
-    ap.add_argument("--num-samples", type=int, default=1)
+    ap.add_argument("--num-samples", type=int, default=1, help="samples, generated as one batch")
     ap.add_argument("--temperature", type=float, default=0.8, help="> 0; lower is more conservative")
-    ap.add_argument("--top-k", type=int, default=200, help="keep the k most likely tokens; 0 = all")
+    ap.add_argument("--top-k", type=int, default=200, help="keep the k most likely tokens; 0 = all, 1 = greedy")
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--attn", default="sdpa", choices=("sdpa", "fa1", "fa2"), help="attention backend")
+    ap.add_argument("--kv-cache", action=argparse.BooleanOptionalAction, default=True,
+                    help="cache keys/values: prefill the prompt once, then one decode step per token")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile the per-token step (the decode step with --kv-cache)")
     args = ap.parse_args(argv)
     for name, ok in (("--num-tokens", args.num_tokens >= 1), ("--num-samples", args.num_samples >= 1),
                      ("--temperature", args.temperature > 0), ("--top-k", args.top_k >= 0)):
@@ -80,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {ckpt_path} (step {ckpt['step']})", file=sys.stderr)
     try:
         texts = sample(model, tokenizer, args.prompt, args.num_tokens, args.temperature, args.top_k or None,
-                       args.num_samples, args.seed)
+                       args.num_samples, args.seed, args.kv_cache, args.compile)
     except ValueError as e:  # e.g. a prompt character outside the char vocabulary
         print(f"error: {e}", file=sys.stderr)
         return 1
