@@ -10,7 +10,9 @@ after a random prompt of --prompt-len tokens with ``GPT.generate``: one untimed 
 length first (torch.compile, Triton autotuning of every sequence-length bucket), then --repeats timed ones
 (the fastest counts). tokens/s = batch * new tokens / seconds, prefill included; ms/step = seconds / new
 tokens. "x cache" is the speed-up of the cache over no cache for the same backend, batch and mode; a
-summary line per (backend, batch) compares each side in its fastest mode. Writes generate.csv and
+summary line per (backend, batch) compares each side in its fastest mode. The extra backend `fa2_splitkv` is
+fa2 with decode steps through the split-K/V kernel (kernels/decode.py); it runs with the cache only and is
+compared with fa2's no-cache rows. Writes generate.csv and
 generate.json (rows + device, versions, arguments) to --out.
 """
 
@@ -29,6 +31,7 @@ from model.attention import BACKENDS
 CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
 SHAPE_KEYS = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "bias")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+SPLIT_KV = "fa2_splitkv"  # fa2 + model.use_split_kv_decode()
 FIELDS = ["backend", "batch", "kv_cache", "mode", "prompt_len", "new_tokens", "seconds", "tokens_per_s",
           "ms_per_step", "speedup_vs_no_cache", "dtype", "device"]
 
@@ -41,8 +44,11 @@ def build_model(model: str, vocab_size: int, backend: str, dtype: torch.dtype, d
 
     conf = OmegaConf.to_container(OmegaConf.load(CONF / f"{model}.yaml"))
     torch.manual_seed(0)
-    cfg = GPTConfig(**{k: conf[k] for k in SHAPE_KEYS if k in conf}, vocab_size=vocab_size, attn=backend)
-    return GPT(cfg).to(device=device, dtype=dtype).eval()
+    attn = "fa2" if backend == SPLIT_KV else backend
+    model = GPT(GPTConfig(**{k: conf[k] for k in SHAPE_KEYS if k in conf}, vocab_size=vocab_size, attn=attn))
+    if backend == SPLIT_KV:
+        model.use_split_kv_decode()
+    return model.to(device=device, dtype=dtype).eval()
 
 
 def sync(device: str) -> None:
@@ -68,19 +74,21 @@ def time_case(model, batch: int, prompt_len: int, new_tokens: int, kv_cache: boo
 
 def add_speedups(rows: list[dict]) -> list[str]:
     """Fill speedup_vs_no_cache per row; return one summary line per (backend, batch), fastest mode each."""
-    key = lambda r: (r["backend"], r["batch"])
-    uncached = {(*key(r), r["mode"]): r["tokens_per_s"] for r in rows if not r["kv_cache"]}
+    # fa2_splitkv differs from fa2 only with the cache: compare it with fa2's no-cache rows
+    base = lambda backend: "fa2" if backend == SPLIT_KV else backend
+    uncached = {(base(r["backend"]), r["batch"], r["mode"]): r["tokens_per_s"] for r in rows if not r["kv_cache"]}
     for r in rows:
-        if r["kv_cache"] and (*key(r), r["mode"]) in uncached:
-            r["speedup_vs_no_cache"] = r["tokens_per_s"] / uncached[(*key(r), r["mode"])]
+        k = (base(r["backend"]), r["batch"], r["mode"])
+        if r["kv_cache"] and k in uncached:
+            r["speedup_vs_no_cache"] = r["tokens_per_s"] / uncached[k]
+    fastest = lambda rs: max(rs, key=lambda r: r["tokens_per_s"], default=None)
     lines = []
-    for k in dict.fromkeys(map(key, rows)):
-        best = {c: max((r for r in rows if key(r) == k and r["kv_cache"] == c), key=lambda r: r["tokens_per_s"],
-                       default=None) for c in (True, False)}
-        if best[True] and best[False]:
-            lines.append(f"{k[0]} batch {k[1]}: cache {best[True]['tokens_per_s']:,.0f} tokens/s "
-                         f"({best[True]['mode']}) vs no cache {best[False]['tokens_per_s']:,.0f} "
-                         f"({best[False]['mode']}): {best[True]['tokens_per_s'] / best[False]['tokens_per_s']:.2f}x")
+    for b, batch in dict.fromkeys((r["backend"], r["batch"]) for r in rows if r["kv_cache"]):
+        on = fastest([r for r in rows if r["kv_cache"] and (r["backend"], r["batch"]) == (b, batch)])
+        off = fastest([r for r in rows if not r["kv_cache"] and (base(r["backend"]), r["batch"]) == (base(b), batch)])
+        if off:
+            lines.append(f"{b} batch {batch}: cache {on['tokens_per_s']:,.0f} tokens/s ({on['mode']}) vs no cache "
+                         f"{off['tokens_per_s']:,.0f} ({off['mode']}): {on['tokens_per_s'] / off['tokens_per_s']:.2f}x")
     return lines
 
 
@@ -110,7 +118,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--model", default="gpt2", choices=sorted(p.stem for p in CONF.glob("*.yaml")),
                     help="shape from conf/model/<name>.yaml")
     ap.add_argument("--vocab-size", type=int, default=50304, help="GPT-2's 50257 padded to a multiple of 64")
-    ap.add_argument("--backends", type=csv_list(str, BACKENDS[1:]), default="sdpa,fa2,fa1")
+    ap.add_argument("--backends", type=csv_list(str, (*BACKENDS[1:], SPLIT_KV)), default="sdpa,fa2,fa1")
     ap.add_argument("--batch", type=csv_list(int), default="1,8", help="batch sizes")
     ap.add_argument("--cache", type=csv_list(str, ("on", "off")), default="on,off", help="KV cache on / off")
     ap.add_argument("--modes", type=csv_list(str, ("eager", "compiled")), default="eager,compiled")
@@ -138,7 +146,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                   "the cache re-prefills the most recent half when full, the uncached path slides its window")
         for batch in args.batch:
             for mode in args.modes:
-                for cache in args.cache:
+                for cache in [c for c in args.cache if c == "on" or backend != SPLIT_KV]:
                     s = time_case(model, batch, args.prompt_len, args.new_tokens, cache == "on", mode == "compiled",
                                   args.repeats)
                     rows.append(dict(backend=backend, batch=batch, kv_cache=cache == "on", mode=mode,

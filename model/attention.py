@@ -156,16 +156,34 @@ def _sdpa_bottom_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropou
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
-def get_kv_backend(name: str) -> AttentionFn:
+def _fa2_split_kv() -> AttentionFn:
+    fa2, decode = get_backend("fa2"), importlib.import_module("kernels.decode").fa2_decode
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+        if q.shape[2] == 1 and dropout_p == 0.0:  # a decode step: keys split across programs
+            return decode(q, k, v)
+        return fa2(q, k, v, dropout_p)
+
+    attention.__name__ = "fa2_split_kv_attention"
+    return attention
+
+
+def get_kv_backend(name: str, split_kv: bool = False) -> AttentionFn:
     """Like ``get_backend``, for attention over a KV cache: ``fn(q, k, v, dropout_p=0.0) -> o`` with
     q (B, n_head, T_q, head_dim) the new tokens and k, v (B, n_kv_head, T_k, head_dim) every token so far,
     T_q <= T_k: query i sees key j iff j <= i + T_k - T_q (causal mask aligned bottom-right).
 
     fa1/fa2 are ``get_backend``'s functions (the kernels align the mask bottom-right already); sdpa gets no
     mask for T_q == 1, ``is_causal`` for T_q == T_k and an explicit boolean mask otherwise, which
-    ``sdpa_flash`` does not accept. Raises as ``get_backend``.
+    ``sdpa_flash`` does not accept. ``split_kv`` (fa2 only) sends single-query calls (decode steps) to the
+    split-K/V kernel ``kernels.decode.fa2_decode`` (flash-decoding). Raises as ``get_backend``, and
+    ValueError for ``split_kv`` with another backend.
     """
     name = resolve_backend(name)
+    if split_kv:
+        if name != "fa2":
+            raise ValueError(f"split_kv decode is an fa2 kernel; attn={name} has none")
+        return _fa2_split_kv()
     if name not in ("sdpa", *SDPA_PINNED):
         return get_backend(name)
     if name == "sdpa":

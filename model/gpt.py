@@ -168,6 +168,14 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         return logits, loss
 
+    def use_split_kv_decode(self, enabled: bool = True) -> None:
+        """Run decode steps (one query per head against the KV cache) through the split-K/V kernel
+        ``kernels.decode.fa2_decode`` (flash-decoding) instead of the fa2 forward kernel, or back.
+        Raises ValueError unless the model's attention backend is fa2 (``attn='auto'`` on a GPU included)."""
+        kv_attention = get_kv_backend(self.config.attn, split_kv=enabled)
+        for block in self.transformer.h:
+            block.attn.kv_attention = kv_attention
+
     def _forward_cached(self, idx: torch.Tensor, kv_cache: KVCache, start_pos: int):
         """idx (B, T) int64 at positions start_pos .. start_pos+T-1 -> (logits (B, 1, vocab_size), None).
 
