@@ -82,14 +82,14 @@ _LOADED: dict[str, Callable] = {}  # kernel functions already imported (warn onc
 SDPA_PINNED = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
 
 
-def _sdpa_pinned(name: str) -> AttentionFn:
+def _sdpa_pinned(name: str, sdpa: AttentionFn = _sdpa) -> AttentionFn:
     pinned = SDPA_PINNED[name]
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
         with sdpa_kernel(pinned):
-            return _sdpa(q, k, v, dropout_p)
+            return sdpa(q, k, v, dropout_p)
 
-    attention.__name__ = f"{name}_causal_attention"
+    attention.__name__ = f"{name}_causal_attention" if sdpa is _sdpa else f"{name}_kv_attention"
     return attention
 
 
@@ -186,16 +186,7 @@ def get_kv_backend(name: str, split_kv: bool = False) -> AttentionFn:
         return _fa2_split_kv()
     if name not in ("sdpa", *SDPA_PINNED):
         return get_backend(name)
-    if name == "sdpa":
-        return _sdpa_bottom_right
-    pinned = SDPA_PINNED[name]
-
-    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
-        with sdpa_kernel(pinned):
-            return _sdpa_bottom_right(q, k, v, dropout_p)
-
-    attention.__name__ = f"{name}_kv_attention"
-    return attention
+    return _sdpa_bottom_right if name == "sdpa" else _sdpa_pinned(name, _sdpa_bottom_right)
 
 
 # One entry per concrete backend (plus a conf/attn/<name>.yaml to expose it on the command line).
