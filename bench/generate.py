@@ -138,8 +138,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
+    torch._dynamo.config.fail_on_recompile_limit_hit = True  # never time an eager fallback as "compiled"
     rows = []
     for backend in args.backends:
+        # Fresh compile caches per backend: each model's code would otherwise count against dynamo's recompile
+        # limit, past which the compiled cases would silently run eager.
+        torch._dynamo.reset()
         model = build_model(args.model, args.vocab_size, backend, DTYPES[dtype_name], device)
         if args.prompt_len + args.new_tokens > model.config.block_size:
             print(f"note: {args.prompt_len} + {args.new_tokens} tokens exceed block_size={model.config.block_size}: "
