@@ -4,7 +4,8 @@ Loads the run's latest checkpoint (or the given file) onto the chosen device, re
 and tokenizer from it (no data cache needed) and prints ``--num-samples`` continuations of
 ``--prompt``, generated as one batch. Sampling: logits / temperature, optional top-k, multinomial
 (nanoGPT's sample.py); ``--top-k 1`` is greedy. With the KV cache (default) the prompt is run once and
-each new token is one decode step; ``--compile`` compiles that step.
+each new token is one decode step; ``--compile`` compiles that step, ``--compile cudagraphs`` (GPU, sdpa or
+fa2) makes it a CUDA graph.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def load_model(ckpt_path: Path, device: str = "cpu", attn: str = "sdpa"):
 
 
 def sample(model: GPT, tokenizer, prompt: str, num_tokens: int, temperature: float, top_k: int | None,
-           num_samples: int = 1, seed: int = 1337, kv_cache: bool = True, compile: bool = False) -> list[str]:
+           num_samples: int = 1, seed: int = 1337, kv_cache: bool = True, compile: bool | str = False) -> list[str]:
     device = next(model.parameters()).device
     ids = tokenizer.encode(prompt) if prompt else []
     if not ids:  # an empty prompt starts from a newline (char) or the document separator (BPE)
@@ -69,8 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attn", default="sdpa", choices=("sdpa", "fa1", "fa2"), help="attention backend")
     ap.add_argument("--kv-cache", action=argparse.BooleanOptionalAction, default=True,
                     help="cache keys/values: prefill the prompt once, then one decode step per token")
-    ap.add_argument("--compile", action="store_true",
-                    help="torch.compile the per-token step (the decode step with --kv-cache)")
+    ap.add_argument("--compile", nargs="?", const=True, default=False, choices=(True, "cudagraphs"), metavar="cudagraphs",
+                    help="torch.compile the per-token step (the decode step with --kv-cache); '--compile cudagraphs' "
+                         "compiles a fixed-shape decode step into CUDA graphs (--kv-cache, sdpa or fa2)")
     args = ap.parse_args(argv)
     for name, ok in (("--num-tokens", args.num_tokens >= 1), ("--num-samples", args.num_samples >= 1),
                      ("--temperature", args.temperature > 0), ("--top-k", args.top_k >= 0)):

@@ -5,15 +5,17 @@
         --prompt-len 4 --new-tokens 8 --modes eager                          # CPU smoke test
 
 The model is built from conf/model/<--model>.yaml (random weights: speed does not depend on them) in
---dtype. Every case (backend x batch x cache on/off x eager/compiled) generates --new-tokens greedy tokens
-after a random prompt of --prompt-len tokens with ``GPT.generate``: one untimed generation of the same
-length first (torch.compile, Triton autotuning of every sequence-length bucket), then --repeats timed ones
-(the fastest counts). tokens/s = batch * new tokens / seconds, prefill included; ms/step = seconds / new
-tokens. "x cache" is the speed-up of the cache over no cache for the same backend, batch and mode; a
-summary line per (backend, batch) compares each side in its fastest mode. The extra backend `fa2_splitkv` is
-fa2 with decode steps through the split-K/V kernel (kernels/decode.py); it runs with the cache only and is
-compared with fa2's no-cache rows. Writes generate.csv and
-generate.json (rows + device, versions, arguments) to --out.
+--dtype. Every case (backend x batch x cache on/off x mode) generates --new-tokens greedy tokens after a random
+prompt of --prompt-len tokens with ``GPT.generate``. Modes: eager; compiled (torch.compile of the per-token
+step: the decode step with the cache, the whole forward without); cudagraphs (cache on only; sdpa, fa2: the
+decode step with fixed shapes, compiled with mode="reduce-overhead", so each step replays a CUDA graph).
+Each case runs one untimed generation of the same length first (compilation, CUDA graph capture, Triton
+autotuning of every sequence-length bucket), then --repeats timed ones (the fastest counts).
+tokens/s = batch * new tokens / seconds, prefill included; ms/step = seconds / new tokens. "x cache" is the
+speed-up of the cache over no cache for the same backend, batch and mode; a summary line per (backend, batch)
+compares each side in its fastest mode. The extra backend `fa2_splitkv` is fa2 with decode steps through the
+split-K/V kernel (kernels/decode.py); it runs with the cache only and is compared with fa2's no-cache rows.
+Writes generate.csv and generate.json (rows + device, versions, arguments) to --out.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
 SHAPE_KEYS = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "bias")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SPLIT_KV = "fa2_splitkv"  # fa2 + model.use_split_kv_decode()
+MODES = {"eager": False, "compiled": True, "cudagraphs": "cudagraphs"}  # GPT.generate's compile argument
 FIELDS = ["backend", "batch", "kv_cache", "mode", "prompt_len", "new_tokens", "seconds", "tokens_per_s",
           "ms_per_step", "speedup_vs_no_cache", "dtype", "device"]
 
@@ -56,7 +59,7 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_case(model, batch: int, prompt_len: int, new_tokens: int, kv_cache: bool, compile: bool,
+def time_case(model, batch: int, prompt_len: int, new_tokens: int, kv_cache: bool, compile: bool | str,
               repeats: int) -> float:
     """Seconds of the fastest of ``repeats`` greedy generations, after one untimed warm-up generation."""
     device = next(model.parameters()).device.type
@@ -121,7 +124,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--backends", type=csv_list(str, (*BACKENDS[1:], SPLIT_KV)), default="sdpa,fa2,fa1")
     ap.add_argument("--batch", type=csv_list(int), default="1,8", help="batch sizes")
     ap.add_argument("--cache", type=csv_list(str, ("on", "off")), default="on,off", help="KV cache on / off")
-    ap.add_argument("--modes", type=csv_list(str, ("eager", "compiled")), default="eager,compiled")
+    ap.add_argument("--modes", type=csv_list(str, MODES), default=",".join(MODES),
+                    help="cudagraphs: the fixed-shape decode step as CUDA graphs (cache on; sdpa, fa2)")
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=1000)
     ap.add_argument("--repeats", type=int, default=1, help="timed generations per case (the fastest counts)")
@@ -150,8 +154,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
                   "the cache re-prefills the most recent half when full, the uncached path slides its window")
         for batch in args.batch:
             for mode in args.modes:
-                for cache in [c for c in args.cache if c == "on" or backend != SPLIT_KV]:
-                    s = time_case(model, batch, args.prompt_len, args.new_tokens, cache == "on", mode == "compiled",
+                for cache in args.cache:
+                    if cache == "off" and (backend == SPLIT_KV or mode == "cudagraphs"):
+                        continue  # same as fa2 without the cache / CUDA graphs need the cache's fixed shapes
+                    if mode == "cudagraphs" and backend not in ("sdpa", "fa2"):
+                        continue  # no fixed-shape decode for this backend (fa2_splitkv's is fa2's)
+                    s = time_case(model, batch, args.prompt_len, args.new_tokens, cache == "on", MODES[mode],
                                   args.repeats)
                     rows.append(dict(backend=backend, batch=batch, kv_cache=cache == "on", mode=mode,
                                      prompt_len=args.prompt_len, new_tokens=args.new_tokens, seconds=s,

@@ -9,7 +9,9 @@ into `num_splits` slices (Dao, Haziza, Massa, Sizov 2023, "Flash-Decoding for lo
   2. `_combine` kernel, grid (batch * n_heads,): o = sum_s exp2(lse_s - lse) * o_s with lse = log2 sum_s exp2(lse_s).
 
 One query sees every cached key (the bottom-right causal mask of seqlen_q = 1 masks nothing), so there is no
-mask. Forward only (inference); registered as the custom op `flashgpt::fa2_decode` so torch.compile keeps it
+mask. With `seqlen` (a device tensor) only the first `seqlen` keys count: k, v can then be a whole
+preallocated KV cache, so the shapes stay the same from step to step and the step can be captured in a CUDA
+graph; the splits are planned over the whole buffer and those past `seqlen` do no work. Forward only (inference); registered as the custom op `flashgpt::fa2_decode` so torch.compile keeps it
 as one node.
 """
 
@@ -31,10 +33,13 @@ BLOCK_N = 64  # keys per inner step; a split is a multiple of it
 def _split(
     Q, K, V, O_PART, LSE_PART,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-    n_heads, seqlen_k, split_size, num_splits, qk_scale,
+    n_heads, seqlen_k, split_size, num_splits, qk_scale, SEQLEN,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_SEQLEN: tl.constexpr,
 ):
     off_bh, split = tl.program_id(0), tl.program_id(1)
+    if HAS_SEQLEN:  # the number of valid keys, read on the device (static shapes)
+        seqlen_k = tl.minimum(tl.load(SEQLEN).to(tl.int32), seqlen_k)
     off_b, off_h = off_bh // n_heads, off_bh % n_heads
     off_hk = off_h // GROUP  # GQA: GROUP query heads share one K/V head
     k_base = head_ptr(K, off_b, stride_kb, off_hk, stride_kh)
@@ -44,7 +49,7 @@ def _split(
     q = q.to(tl.float32) * qk_scale  # [BLOCK_D]; the scale (with log2 e) folded in once
 
     lo = split * split_size
-    hi = tl.minimum(lo + split_size, seqlen_k)  # the host makes every split non-empty
+    hi = tl.minimum(lo + split_size, seqlen_k)  # empty (hi <= lo) only for splits past SEQLEN
     m_i = -float("inf")
     l_i = 0.0
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -61,8 +66,10 @@ def _split(
         l_i = l_i * alpha + tl.sum(p, axis=0)
         m_i = m_new
     part = off_bh.to(tl.int64) * num_splits + split
+    empty = l_i == 0.0  # an empty split: output 0, LSE -inf (weight 0 in the combine)
+    l_i = tl.where(empty, 1.0, l_i)
     tl.store(O_PART + part * BLOCK_D + offs_d, acc / l_i)
-    tl.store(LSE_PART + part, m_i + tl.math.log2(l_i))
+    tl.store(LSE_PART + part, tl.where(empty, -float("inf"), m_i + tl.math.log2(l_i)))
 
 
 @triton.jit
@@ -92,21 +99,21 @@ def default_num_splits(batch: int, n_heads: int, seqlen_k: int, device: torch.de
     return max(1, min(triton.cdiv(2 * sms, batch * n_heads), triton.cdiv(seqlen_k, BLOCK_N)))
 
 
-def _forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, num_splits: int) -> Tensor:
+def _forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, num_splits: int, seqlen: Tensor | None) -> Tensor:
     batch, n_heads, _, head_dim = q.shape
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     check_grid(batch, n_heads)
     if num_splits <= 0:
         num_splits = default_num_splits(batch, n_heads, seqlen_k, q.device)
     split_size = triton.cdiv(triton.cdiv(seqlen_k, num_splits), BLOCK_N) * BLOCK_N
-    num_splits = triton.cdiv(seqlen_k, split_size)  # no empty split
+    num_splits = triton.cdiv(seqlen_k, split_size)  # no empty split (unless seqlen < seqlen_k)
     bd = block_d(head_dim)
     o_part = torch.empty((batch * n_heads, num_splits, bd), device=q.device, dtype=torch.float32)
     lse_part = torch.empty((batch * n_heads, num_splits), device=q.device, dtype=torch.float32)
     _split[(batch * n_heads, num_splits)](
         q, k, v, o_part, lse_part, q.stride(0), q.stride(1), *k.stride()[:3], *v.stride()[:3],
-        n_heads, seqlen_k, split_size, num_splits, softmax_scale * LOG2E,
-        GROUP=n_heads // n_kv_heads, HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_N=BLOCK_N,
+        n_heads, seqlen_k, split_size, num_splits, softmax_scale * LOG2E, seqlen,
+        GROUP=n_heads // n_kv_heads, HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_N=BLOCK_N, HAS_SEQLEN=seqlen is not None,
     )
     o = torch.empty_like(q)
     _combine[(batch * n_heads,)](
@@ -117,17 +124,18 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, num_splits: 
 
 
 @torch.library.custom_op("flashgpt::fa2_decode", mutates_args=())
-def _decode_op(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, num_splits: int) -> Tensor:
-    return _forward(q, k, v, softmax_scale, num_splits)
+def _decode_op(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, num_splits: int,
+               seqlen: Tensor | None = None) -> Tensor:
+    return _forward(q, k, v, softmax_scale, num_splits, seqlen)
 
 
 @_decode_op.register_fake
-def _(q, k, v, softmax_scale, num_splits):
+def _(q, k, v, softmax_scale, num_splits, seqlen=None):
     return torch.empty_like(q)
 
 
 def fa2_decode(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float | None = None,
-               num_splits: int | None = None) -> Tensor:
+               num_splits: int | None = None, seqlen: Tensor | None = None) -> Tensor:
     """Attention of one query per (batch, head) over all of k, v, with the keys split across programs.
 
     Args:
@@ -136,21 +144,29 @@ def fa2_decode(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float | None = No
            Views with a contiguous last dim (e.g. a KV cache's prefix k_cache[:, :, :n]) are read in place.
         softmax_scale: multiplier of q k^T; default 1 / sqrt(head_dim).
         num_splits: slices of the keys, each handled by its own program; default: about two programs per SM.
+        seqlen: optional integer tensor of one element on q's device: only keys 0 .. seqlen-1 count (k, v may
+           be a whole KV cache; the value is read on the device, so it is not checked: it must be >= 1, and
+           values above seqlen_k count as seqlen_k).
 
     Returns:
-        o, like q: softmax(q k^T * softmax_scale) v, as ``fa2_attention(q, k, v, causal=True)`` for seqlen_q = 1.
+        o, like q: softmax(q k^T * softmax_scale) v, as ``fa2_attention(q, k, v, causal=True)`` for seqlen_q = 1
+        (with ``seqlen``: over k[:, :, :seqlen], v[:, :, :seqlen]).
         Not differentiable.
 
     Raises:
-        ValueError: seqlen_q != 1, num_splits < 1, or anything ``fa2_attention`` rejects; TypeError as there.
+        ValueError: seqlen_q != 1, num_splits < 1, a seqlen that is not a one-element integer tensor on q's
+            device, or anything ``fa2_attention`` rejects; TypeError as there.
     """
     validate(q, k, v, True, softmax_scale)
     if q.shape[2] != 1:
         raise ValueError(f"fa2_decode takes one query per (batch, head); got seqlen_q={q.shape[2]}")
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}")
+    if seqlen is not None and (not isinstance(seqlen, Tensor) or seqlen.numel() != 1 or seqlen.is_floating_point()
+                               or seqlen.device != q.device):
+        raise ValueError(f"seqlen must be a one-element integer tensor on {q.device}, got {seqlen!r}")
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))
     q = q.contiguous()
-    return _decode_op(q, k, v, float(softmax_scale), num_splits or 0)
+    return _decode_op(q, k, v, float(softmax_scale), num_splits or 0, seqlen)

@@ -168,6 +168,31 @@ def _fa2_split_kv() -> AttentionFn:
     return attention
 
 
+def _sdpa_static(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlen: torch.Tensor) -> torch.Tensor:
+    Tq, Tk = q.shape[2], k.shape[2]
+    # query i sits at position seqlen - Tq + i and sees the keys up to it; the rest of the buffer is masked
+    last = seqlen - Tq + torch.arange(Tq, device=q.device)
+    mask = torch.arange(Tk, device=q.device)[None, :] <= last[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def get_static_kv_backend(name: str) -> Callable | None:
+    """Attention over a whole preallocated KV cache, for decode steps with fixed shapes (CUDA graphs):
+    ``fn(q, k, v, seqlen) -> o`` with q (B, n_head, T_q, head_dim), k, v the cache buffers
+    (B, n_kv_head, block_size, head_dim) and seqlen a 0-dim integer tensor on the device: keys 0 .. seqlen-1
+    are filled, query i sees keys j <= seqlen - T_q + i. ``sdpa``: a boolean mask; ``fa2``:
+    ``kernels.decode.fa2_decode`` (T_q = 1 only). None for backends without one (fa1, pinned SDPA).
+    """
+    name = resolve_backend(name)
+    if name == "sdpa":
+        return _sdpa_static
+    if name == "fa2":
+        get_backend("fa2")  # the interpreter warning and the clear error if the kernels cannot be loaded
+        decode = importlib.import_module("kernels.decode").fa2_decode
+        return lambda q, k, v, seqlen: decode(q, k, v, seqlen=seqlen)
+    return None
+
+
 def get_kv_backend(name: str, split_kv: bool = False) -> AttentionFn:
     """Like ``get_backend``, for attention over a KV cache: ``fn(q, k, v, dropout_p=0.0) -> o`` with
     q (B, n_head, T_q, head_dim) the new tokens and k, v (B, n_kv_head, T_k, head_dim) every token so far,

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.attention import get_backend, get_kv_backend
+from model.attention import get_backend, get_kv_backend, get_static_kv_backend
 from model.kv_cache import KVCache, LayerKVCache
 
 
@@ -56,15 +56,23 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
         self.attention = get_backend(config.attn)
         self.kv_attention = get_kv_backend(config.attn)  # new queries against a KV cache (generation)
+        self.static_kv_attention = get_static_kv_backend(config.attn)  # the same with fixed shapes, or None
+        self.attn_name = config.attn
 
-    def forward(self, x: torch.Tensor, kv_cache: Optional[LayerKVCache] = None, start_pos: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: Optional[LayerKVCache] = None,
+                start_pos: int | torch.Tensor = 0) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(
             [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=2)
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)      # (B, n_head, T, hs)
         k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)   # (B, n_kv_head, T, hs)
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        if kv_cache is not None:  # attend over every cached position 0 .. start_pos+T-1
+        if kv_cache is not None and isinstance(start_pos, torch.Tensor):  # fixed shapes: the whole cache, masked past start_pos+T-1
+            if self.static_kv_attention is None:
+                raise ValueError(f"attn={self.attn_name} has no static-shape decode (CUDA graphs); use sdpa or fa2")
+            k, v = kv_cache.update(start_pos, k, v)
+            y = self.static_kv_attention(q, k, v, start_pos + T)
+        elif kv_cache is not None:  # attend over every cached position 0 .. start_pos+T-1
             k, v = kv_cache.update(start_pos, k, v)
             y = self.kv_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
         else:
@@ -93,7 +101,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, kv_cache: Optional[LayerKVCache] = None, start_pos: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: Optional[LayerKVCache] = None,
+                start_pos: int | torch.Tensor = 0) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), kv_cache, start_pos)
         return x + self.mlp(self.ln_2(x))
 
@@ -140,7 +149,7 @@ class GPT(nn.Module):
         return 6 * self.num_params() + 12 * c.n_layer * c.n_head * c.head_dim * c.block_size
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None,
-                kv_cache: Optional[KVCache] = None, start_pos: int = 0):
+                kv_cache: Optional[KVCache] = None, start_pos: int | torch.Tensor = 0):
         """idx: (B, T) int64 token ids, T <= block_size; targets: (B, T) int64 or None.
 
         Returns (logits, loss): with targets, logits (B, T, vocab_size) and the mean
@@ -176,20 +185,27 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             block.attn.kv_attention = kv_attention
 
-    def _forward_cached(self, idx: torch.Tensor, kv_cache: KVCache, start_pos: int):
+    def _forward_cached(self, idx: torch.Tensor, kv_cache: KVCache, start_pos: int | torch.Tensor):
         """idx (B, T) int64 at positions start_pos .. start_pos+T-1 -> (logits (B, 1, vocab_size), None).
 
         Writes the tokens' keys and values into ``kv_cache`` and attends over positions 0 .. start_pos+T-1.
         Raises ValueError when the cache was made for another batch size or model, or when
         start_pos + T > block_size (there are no position embeddings beyond it).
+
+        A 0-dim integer tensor start_pos (on the model's device) keeps every shape fixed from step to step,
+        so a compiled step can be a CUDA graph: attention reads the whole cache with the positions past
+        start_pos+T-1 masked (sdpa, and fa2 for T = 1; others raise ValueError). Its range is not checked.
         """
         B, T = idx.shape
         if B != kv_cache.batch or len(kv_cache.layers) != self.config.n_layer:
             raise ValueError(f"kv_cache holds {kv_cache.batch} sequences for {len(kv_cache.layers)} layers; "
                              f"got a batch of {B} for {self.config.n_layer} layers")
-        if start_pos < 0 or start_pos + T > self.config.block_size:
+        if isinstance(start_pos, torch.Tensor):
+            pos = start_pos + torch.arange(T, dtype=torch.long, device=idx.device)
+        elif start_pos < 0 or start_pos + T > self.config.block_size:
             raise ValueError(f"positions {start_pos}..{start_pos + T - 1} exceed block_size={self.config.block_size}")
-        pos = torch.arange(start_pos, start_pos + T, dtype=torch.long, device=idx.device)
+        else:
+            pos = torch.arange(start_pos, start_pos + T, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block, layer_cache in zip(self.transformer.h, kv_cache.layers):
             x = block(x, layer_cache, start_pos)
@@ -198,7 +214,8 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: Optional[int] = None, generator: Optional[torch.Generator] = None,
-                 num_tokens: Optional[int] = None, kv_cache: bool = False, compile: bool = False) -> torch.Tensor:
+                 num_tokens: Optional[int] = None, kv_cache: bool = False,
+                 compile: bool | str = False) -> torch.Tensor:
         """Autoregressive sampling: idx (B, T) int64 -> (B, T + max_new_tokens).
         temperature > 0 divides the logits; top_k keeps only the k most likely tokens (top_k=1 is greedy,
         argmax); num_tokens (the tokenizer's vocabulary) excludes the padding ids >= num_tokens.
@@ -207,8 +224,10 @@ class GPT(nn.Module):
         kv_cache=True prefills a ``KVCache`` with the prompt (its last block_size tokens) and then runs one
         token per step; when the cache is full it re-prefills the most recent block_size // 2 tokens.
         compile=True runs the per-token step through ``torch.compile`` (the decode step with the cache, the
-        whole forward without); the first steps compile. Raises ValueError for temperature <= 0, an empty
-        prompt or max_new_tokens < 0.
+        whole forward without); the first steps compile. compile="cudagraphs" (with kv_cache, sdpa or fa2)
+        compiles a decode step of fixed shapes (the position as a device tensor, attention over the whole
+        cache, masked) with mode="reduce-overhead", so that on a GPU each step replays one CUDA graph.
+        Raises ValueError for temperature <= 0, an empty prompt, max_new_tokens < 0 or an unknown compile.
         """
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -216,6 +235,8 @@ class GPT(nn.Module):
             raise ValueError(f"idx must be (batch, T) token ids with T >= 1, got shape {tuple(idx.shape)}")
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if compile not in (False, True, "cudagraphs") or (compile == "cudagraphs" and not kv_cache):
+            raise ValueError(f"compile must be False, True or 'cudagraphs' (with kv_cache=True), got {compile!r}")
 
         def pick(logits: torch.Tensor) -> torch.Tensor:  # (B, 1, vocab) -> (B, 1) next token ids
             logits = logits[:, -1, :num_tokens].float() / temperature
@@ -238,7 +259,16 @@ class GPT(nn.Module):
         block_size = self.config.block_size
         cache = KVCache.for_model(self, idx.size(0))
         # Only the per-token step is compiled; prefills (one per block_size // 2 tokens at most) stay eager.
-        decode = torch.compile(self._forward_cached) if compile else self._forward_cached
+        decode = torch.compile(self._forward_cached) if compile is True else self._forward_cached
+        position = None  # with CUDA graphs: the decode position, a device tensor updated in place
+        if compile == "cudagraphs":
+            if self.transformer.h[0].attn.static_kv_attention is None:
+                raise ValueError(f"compile='cudagraphs': attn={self.config.attn} has no static-shape decode")
+            for layer in cache.layers:  # fixed addresses: the graphs write into these buffers
+                torch._dynamo.mark_static_address(layer.k)
+                torch._dynamo.mark_static_address(layer.v)
+            decode = torch.compile(self._forward_cached, mode="reduce-overhead")
+            position = torch.zeros((), dtype=torch.long, device=idx.device)
         context = idx[:, -block_size:]
         logits, _ = self(context, kv_cache=cache, start_pos=0)  # prefill
         pos = context.size(1)  # tokens in the cache
@@ -247,7 +277,11 @@ class GPT(nn.Module):
             idx = torch.cat((idx, token), dim=1)
             if i == max_new_tokens - 1:
                 break
-            if pos < block_size:
+            if pos < block_size and position is not None:
+                torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are consumed
+                logits, _ = decode(token, cache, position.fill_(pos))
+                pos += 1
+            elif pos < block_size:
                 logits, _ = decode(token, cache, pos)
                 pos += 1
             else:

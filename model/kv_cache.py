@@ -19,17 +19,26 @@ class LayerKVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
-    def update(self, start_pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, start_pos: int | torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (batch, n_kv_head, T, head_dim) at positions start_pos .. start_pos+T-1.
 
         Returns the cached keys and values of positions 0 .. start_pos+T-1, as views
         (batch, n_kv_head, start_pos+T, head_dim) of the buffers, in k's dtype. Raises ValueError when
         the batch size or head layout differs from the cache's, or the positions run past block_size.
+
+        start_pos may be a 0-dim integer tensor on the cache's device (static shapes, for CUDA graphs): then
+        the whole buffers (batch, n_kv_head, block_size, head_dim) are returned, and the positions are not
+        checked (that would wait for the device).
         """
         B, H, T, D = k.shape
         if (B, H, D) != (self.k.shape[0], self.k.shape[1], self.k.shape[3]):
             raise ValueError(f"k/v of shape {tuple(k.shape)} do not fit a cache of shape {tuple(self.k.shape)} "
                              "(batch, n_kv_head, block_size, head_dim): batch size and heads must match")
+        if isinstance(start_pos, torch.Tensor):
+            pos = start_pos + torch.arange(T, device=k.device)
+            self.k.index_copy_(2, pos, k.to(self.k.dtype))
+            self.v.index_copy_(2, pos, v.to(self.v.dtype))
+            return self.k.to(k.dtype), self.v.to(k.dtype)
         end = start_pos + T
         if start_pos < 0 or end > self.k.shape[2]:
             raise ValueError(f"positions {start_pos}..{end - 1} are outside the cache's 0..{self.k.shape[2] - 1}")

@@ -47,3 +47,16 @@ def test_split_kv_decode_in_the_model():
     assert torch.equal(model.generate(idx, 10, top_k=1, kv_cache=True), model.generate(idx, 10, top_k=1))
     with pytest.raises(ValueError, match="split_kv"):
         GPT(GPTConfig(block_size=8, vocab_size=10, n_layer=1, n_head=2, n_embd=32)).use_split_kv_decode()
+
+
+@pytest.mark.parametrize("seqlen", [1, 63, 64, 65, 200])
+@pytest.mark.parametrize("num_splits", [None, 1, 4])
+def test_fa2_decode_with_device_seqlen(seqlen, num_splits):
+    """seqlen (a device tensor) limits the keys to a prefix of the whole buffer; splits past it do nothing."""
+    q = torch.randn(2, 4, 1, 32, dtype=torch.float16)
+    k, v = (torch.randn(2, 2, 200, 32, dtype=torch.float16) for _ in range(2))
+    o = fa2_decode(q, k, v, num_splits=num_splits, seqlen=torch.tensor(seqlen))
+    expected = reference_attention(q, k[:, :, :seqlen], v[:, :, :seqlen])
+    torch.testing.assert_close(o.double(), expected, atol=2e-3, rtol=2e-3)
+    with pytest.raises(ValueError, match="one-element integer tensor"):
+        fa2_decode(q, k, v, seqlen=torch.tensor([1.0]))

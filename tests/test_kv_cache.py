@@ -124,3 +124,35 @@ def test_sample_py_greedy_same_with_and_without_cache(make_cfg, capsys):
     assert len(set(texts.values())) == 1
     first, second = texts["sdpa", "--kv-cache"].split("\n" + "-" * 40 + "\n")
     assert first.startswith("The king") and first.strip() == second.strip()  # greedy: the samples agree
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "fa2"])
+def test_static_shape_decode_matches_dynamic(attn):
+    """A tensor start_pos (fixed shapes for CUDA graphs) gives the logits of an int start_pos."""
+    model = tiny_gpt(attn)
+    idx = torch.randint(0, 50, (2, 6))
+    dynamic, static = KVCache.for_model(model, 2), KVCache.for_model(model, 2)
+    for cache in (dynamic, static):
+        model(idx[:, :5], kv_cache=cache, start_pos=0)
+    expected, _ = model(idx[:, 5:], kv_cache=dynamic, start_pos=5)
+    logits, _ = model(idx[:, 5:], kv_cache=static, start_pos=torch.tensor(5))
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(static.layers[0].k[:, :, :6], dynamic.layers[0].k[:, :, :6])  # layer 0: same inputs
+
+
+def test_cudagraphs_generation_matches_uncached(monkeypatch):
+    """compile='cudagraphs': the fixed-shape decode loop (torch.compile replaced by the identity here: on the CPU
+    there are no CUDA graphs, and test_compiled_decode_matches_uncached covers the compiler)."""
+    modes = []
+    monkeypatch.setattr(torch, "compile", lambda fn, mode=None: modes.append(mode) or fn)
+    model = tiny_gpt()
+    idx = torch.randint(0, 50, (2, 3))
+    assert torch.equal(model.generate(idx, 10, top_k=1, kv_cache=True, compile="cudagraphs"),
+                       model.generate(idx, 10, top_k=1))
+    assert modes == ["reduce-overhead"]
+    with pytest.raises(ValueError, match="with kv_cache=True"):
+        model.generate(idx, 2, compile="cudagraphs")
+    with pytest.raises(ValueError, match="compile must be"):
+        model.generate(idx, 2, kv_cache=True, compile="max-autotune")
+    with pytest.raises(ValueError, match="attn=fa1 has no static-shape decode"):
+        tiny_gpt("fa1").generate(idx, 2, kv_cache=True, compile="cudagraphs")
