@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -67,7 +67,7 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)      # (B, n_head, T, hs)
         k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)   # (B, n_kv_head, T, hs)
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        if kv_cache is not None and isinstance(start_pos, torch.Tensor):  # fixed shapes: the whole cache, masked past start_pos+T-1
+        if kv_cache is not None and isinstance(start_pos, torch.Tensor):  # fixed shapes: the whole cache, masked
             if self.static_kv_attention is None:
                 raise ValueError(f"attn={self.attn_name} has no static-shape decode (CUDA graphs); use sdpa or fa2")
             k, v = kv_cache.update(start_pos, k, v)
@@ -255,7 +255,8 @@ class GPT(nn.Module):
             idx = torch.cat((idx, pick(logits)), dim=1)
         return idx
 
-    def _generate_cached(self, idx: torch.Tensor, max_new_tokens: int, pick, compile: bool) -> torch.Tensor:
+    def _generate_cached(self, idx: torch.Tensor, max_new_tokens: int, pick: Callable[[torch.Tensor], torch.Tensor],
+                         compile: bool | str) -> torch.Tensor:
         block_size = self.config.block_size
         cache = KVCache.for_model(self, idx.size(0))
         # Only the per-token step is compiled; prefills (one per block_size // 2 tokens at most) stay eager.
@@ -277,12 +278,10 @@ class GPT(nn.Module):
             idx = torch.cat((idx, token), dim=1)
             if i == max_new_tokens - 1:
                 break
-            if pos < block_size and position is not None:
-                torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are consumed
-                logits, _ = decode(token, cache, position.fill_(pos))
-                pos += 1
-            elif pos < block_size:
-                logits, _ = decode(token, cache, pos)
+            if pos < block_size:  # decode: one token against the cache
+                if position is not None:
+                    torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are consumed
+                logits, _ = decode(token, cache, pos if position is None else position.fill_(pos))
                 pos += 1
             else:
                 # The position embeddings are learned for 0..block_size-1 only, so the cache cannot slide:
