@@ -1,0 +1,142 @@
+"""FlashAttention-3 for Hopper: the Gluon forward of `kernels/fa3_hopper.py`, FA2's backward, and the fallback.
+
+`forward` runs the warp-specialised Gluon kernel where it applies and FA2's Triton forward everywhere else,
+warning once per reason (`gluon_unsupported_reason` names it). The backward is FA2's three-kernel,
+atomic-free backward (`kernels/fa2.py`): both forwards produce the same base-2 LSE, so either pairs with it,
+and gradients stay bit-reproducible (what `torch.use_deterministic_algorithms(True)` asks for).
+
+The Gluon kernel applies to: an sm_90 GPU (H100/H200), Triton 3.6.x (Gluon is experimental and its API
+changes between releases; see `GLUON_TRITON_VERSIONS`), float16/bfloat16, head_dim 64 or 128, and inputs
+whose data and strides TMA can address (16-byte aligned data, 16-byte multiple strides, unit last stride).
+"""
+
+import functools
+import warnings
+
+import torch
+import triton
+
+from . import fa2
+from .common import INTERPRET, check_grid, empty_like_layout, use_tma
+
+# Triton releases whose Gluon Hopper API the kernel is written against (major.minor).
+GLUON_TRITON_VERSIONS = ("3.6",)
+HEAD_DIMS = (64, 128)
+DTYPES = (torch.float16, torch.bfloat16)
+BLOCK_M = 64  # query rows per consumer warpgroup; a CTA has two
+# (BLOCK_N, NUM_STAGES, PINGPONG) per head_dim: 2 x 64 x D Q tiles plus two NUM_STAGES x BLOCK_N x D rings must
+# fit the 227 KiB of shared memory (overflow is only caught at launch).
+CONFIGS = {64: (128, 3, True), 128: (128, 2, True)}
+
+
+def triton_version() -> str:
+    return triton.__version__
+
+
+@functools.lru_cache(maxsize=None)
+def _gluon_module():
+    """The Gluon kernel module, or the reason it cannot be used with this Triton (a string)."""
+    version = triton_version()
+    if not any(version == v or version.startswith(v + ".") for v in GLUON_TRITON_VERSIONS):
+        return (f"triton {version} is not a version the Gluon kernel supports "
+                f"({', '.join(v + '.x' for v in GLUON_TRITON_VERSIONS)})")
+    try:
+        from . import fa3_hopper
+    except ImportError as e:  # a build of Triton without Gluon's Hopper API
+        return f"triton {version} has no usable Gluon Hopper API ({e})"
+    return fa3_hopper
+
+
+def gluon_unsupported_reason(q, k, v) -> str | None:
+    """Why the Gluon kernel cannot run these inputs (a short phrase), or None when it can."""
+    module = _gluon_module()
+    if isinstance(module, str):
+        return module
+    if q.dtype not in DTYPES:
+        return f"dtype {q.dtype} (the Gluon kernel takes float16 and bfloat16)"
+    if q.shape[-1] not in HEAD_DIMS:
+        return f"head_dim {q.shape[-1]} (the Gluon kernel takes {' and '.join(map(str, HEAD_DIMS))})"
+    if INTERPRET or not q.is_cuda:
+        return "no CUDA GPU (the Gluon kernel does not run under Triton's interpreter)"
+    capability = torch.cuda.get_device_capability(q.device)
+    if capability != (9, 0):
+        return f"GPU compute capability {capability[0]}.{capability[1]} is not 9.0 (Hopper)"
+    if not use_tma(q, k, v):
+        return "inputs TMA cannot address (16-byte aligned data and 16-byte multiple strides needed)"
+    return None
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_fallback(reason: str) -> None:
+    if reason in _WARNED:
+        return
+    _WARNED.add(reason)
+    warnings.warn(f"attn=fa3: running FA2's Triton forward instead of the Gluon FA3 kernel: {reason}",
+                  RuntimeWarning, stacklevel=4)
+
+
+def _launch(module, q, k, v, causal, softmax_scale):
+    batch, n_heads, seqlen_q, head_dim = q.shape
+    n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    check_grid(batch, n_heads)
+    block_n, num_stages, pingpong = CONFIGS[head_dim]
+    o = empty_like_layout(q)
+    lse = torch.empty((batch, n_heads, seqlen_q), device=q.device, dtype=torch.float32)
+    q_layout, kv_layout = shared_layouts(q.dtype, head_dim, block_n)
+    grid = (triton.cdiv(seqlen_q, 2 * BLOCK_M), batch * n_heads)
+    module.fa3_fwd_kernel[grid](
+        q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+        n_heads, seqlen_q, seqlen_k, softmax_scale * fa2.LOG2E,
+        GROUP=n_heads // n_kv_heads, CAUSAL=causal, PINGPONG=pingpong, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M,
+        BLOCK_N=block_n, NUM_STAGES=num_stages, Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, num_warps=4,
+    )
+    return o, lse
+
+
+def shared_layouts(dtype, head_dim: int, block_n: int):
+    """The NVMMA shared-memory layouts of the Q/O tiles and the K/V tiles (what TMA and wgmma read)."""
+    from triton.experimental.gluon import language as gl
+
+    gl_dtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[dtype]
+    return (gl.NVMMASharedLayout.get_default_for([BLOCK_M, head_dim], gl_dtype),
+            gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gl_dtype))
+
+
+def forward(q, k, v, causal, softmax_scale):
+    """Same contract as `fa2.forward`: o (like q, in q's memory order) and the base-2 LSE, float32
+    (batch, n_heads, seqlen_q), +inf for rows that see no key."""
+    reason = gluon_unsupported_reason(q, k, v)
+    if reason is not None:
+        _warn_fallback(reason)
+        return fa2.forward(q, k, v, causal, softmax_scale)
+    return _launch(_gluon_module(), q, k, v, causal, softmax_scale)
+
+
+backward = fa2.backward
+
+
+def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1):
+    """Compile the Gluon forward for sm_90 without a GPU (catches Gluon API breaks on CPU-only machines).
+
+    Returns Triton's compiled kernel (`.asm` holds ttgir, ptx and cubin). Raises RuntimeError naming the
+    reason when this Triton is not one the kernel supports.
+    """
+    module = _gluon_module()
+    if isinstance(module, str):
+        raise RuntimeError(module)
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    block_n, num_stages, pingpong = CONFIGS[head_dim]
+    q_layout, kv_layout = shared_layouts(dtype, head_dim, block_n)
+    ptr = {torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
+    kernel = module.fa3_fwd_kernel
+    signature = {name: "i32" for name in kernel.arg_names}
+    signature.update(Q=ptr, K=ptr, V=ptr, O=ptr, LSE="*fp32", qk_scale="fp32")
+    constexprs = dict(GROUP=group, CAUSAL=causal, PINGPONG=pingpong, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M,
+                      BLOCK_N=block_n, NUM_STAGES=num_stages, Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout)
+    signature.update({name: "constexpr" for name in constexprs})
+    source = GluonASTSource(kernel, signature, constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
