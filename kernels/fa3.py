@@ -23,10 +23,11 @@ from .common import INTERPRET, check_grid, empty_like_layout, use_tma
 GLUON_TRITON_VERSIONS = ("3.6",)
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
-BLOCK_M = 64  # query rows per consumer warpgroup; a CTA has two
-# (BLOCK_N, NUM_STAGES, PINGPONG) per head_dim: 2 x 64 x D Q tiles plus two NUM_STAGES x BLOCK_N x D rings must
-# fit the 227 KiB of shared memory (overflow is only caught at launch).
-CONFIGS = {64: (128, 3, True), 128: (128, 2, True)}
+BLOCK_M = 64  # query rows per consumer warpgroup
+# (NUM_CONSUMERS, BLOCK_N, NUM_STAGES, PINGPONG) per head_dim, from `python -m bench.fa3_variants` on the H200.
+# NUM_CONSUMERS x 64 x D Q tiles plus two NUM_STAGES x BLOCK_N x D rings must fit the 227 KiB of shared memory
+# (overflow is only caught at launch).
+CONFIGS = {64: (3, 128, 2, True), 128: (2, 128, 2, True)}
 
 
 def triton_version() -> str:
@@ -81,15 +82,15 @@ def _launch(module, q, k, v, causal, softmax_scale):
     batch, n_heads, seqlen_q, head_dim = q.shape
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     check_grid(batch, n_heads)
-    block_n, num_stages, pingpong = CONFIGS[head_dim]
+    num_consumers, block_n, num_stages, pingpong = CONFIGS[head_dim]
     o = empty_like_layout(q)
     lse = torch.empty((batch, n_heads, seqlen_q), device=q.device, dtype=torch.float32)
     q_layout, kv_layout = shared_layouts(q.dtype, head_dim, block_n)
-    grid = (triton.cdiv(seqlen_q, 2 * BLOCK_M), batch * n_heads)
+    grid = (triton.cdiv(seqlen_q, num_consumers * BLOCK_M), batch * n_heads)
     module.fa3_fwd_kernel[grid](
         q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
         n_heads, seqlen_q, seqlen_k, softmax_scale * fa2.LOG2E,
-        GROUP=n_heads // n_kv_heads, CAUSAL=causal, PINGPONG=pingpong, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M,
+        GROUP=n_heads // n_kv_heads, CAUSAL=causal, PINGPONG=pingpong, NUM_CONSUMERS=num_consumers, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M,
         BLOCK_N=block_n, NUM_STAGES=num_stages, Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, num_warps=4,
     )
     return o, lse
@@ -129,13 +130,13 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    block_n, num_stages, pingpong = CONFIGS[head_dim]
+    num_consumers, block_n, num_stages, pingpong = CONFIGS[head_dim]
     q_layout, kv_layout = shared_layouts(dtype, head_dim, block_n)
     ptr = {torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
     kernel = module.fa3_fwd_kernel
     signature = {name: "i32" for name in kernel.arg_names}
     signature.update(Q=ptr, K=ptr, V=ptr, O=ptr, LSE="*fp32", qk_scale="fp32")
-    constexprs = dict(GROUP=group, CAUSAL=causal, PINGPONG=pingpong, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M,
+    constexprs = dict(GROUP=group, CAUSAL=causal, PINGPONG=pingpong, NUM_CONSUMERS=num_consumers, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M,
                       BLOCK_N=block_n, NUM_STAGES=num_stages, Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout)
     signature.update({name: "constexpr" for name in constexprs})
     source = GluonASTSource(kernel, signature, constexprs)

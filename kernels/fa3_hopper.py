@@ -6,15 +6,15 @@ overlap of the softmax with the two GEMMs). The arithmetic is FA2's (`kernels/fa
 accumulation, exp2 with log2(e) folded into `qk_scale`, a base-2 LSE with +inf for rows that see no key,
 causal masks aligned bottom-right, GQA by head index.
 
-One CTA = 2 * BLOCK_M query rows of one (batch, head), in three partitions (`gl.warp_specialize`):
+One CTA = NUM_CONSUMERS * BLOCK_M query rows of one (batch, head), in NUM_CONSUMERS + 1 partitions (`gl.warp_specialize`):
 - producer (1 warp, few registers): TMA-loads the two Q tiles once, then every K and V tile of the CTA's
   key range into a NUM_STAGES-deep shared-memory ring. `k_ready`/`v_ready` mbarriers say a slot is full;
-  `k_empty`/`v_empty` (two arrivals: one per consumer) say both consumers are done with it.
-- two consumer warpgroups (4 warps each, most registers), one per BLOCK_M-row Q tile. Per K/V block j a
+  `k_empty`/`v_empty` (one arrival per consumer) say both consumers are done with it.
+- NUM_CONSUMERS (2 or 3) consumer warpgroups (4 warps each, most registers), one per BLOCK_M-row Q tile. Per K/V block j a
   consumer issues S_j = Q K_j^T (wgmma, async), then O += P_{j-1} V_{j-1} (wgmma, async, P from registers),
   waits for S_j only, runs the softmax of block j while the PV wgmma still runs, then waits for it and
-  rescales O (FA3 Algorithm 2). With PINGPONG the two consumers take turns issuing their GEMMs (ordered by
-  two mbarriers), so one warpgroup's softmax runs under the other's GEMMs.
+  rescales O (FA3 Algorithm 2). With PINGPONG the consumers take turns issuing their GEMMs (ordered by
+  one mbarrier each), so one warpgroup's softmax runs under the other's GEMMs.
 Every K/V block of [0, hi_free) is visible to every row of the CTA and runs unmasked; the blocks of
 [hi_free, hi) are masked; blocks past hi are never loaded (FA2's causal stages [3]).
 
@@ -59,7 +59,7 @@ def _softmax_block(s, m_i, l_i, rows, start_n, seqlen_k, diag_offset, qk_scale,
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn_bars,
               o_desc, LSE, lse_offset, start_m, n_blocks, hi_free, seqlen_q, seqlen_k, qk_scale,
-              CID: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+              CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
     """One consumer warpgroup: rows [start_m + CID * BLOCK_M, + BLOCK_M) of the CTA's query block."""
     dtype: gl.constexpr = q_smem.dtype
@@ -69,6 +69,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
                                                        instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    NEXT: gl.constexpr = (CID + 1) % NUM_CONSUMERS  # whose turn follows ours under PINGPONG
 
     row0 = start_m + CID * BLOCK_M
     rows = row0 + gl.arange(0, BLOCK_M, layout=row_layout)
@@ -86,7 +87,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
     s = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)),
                       gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True)
     if PINGPONG:
-        mbarrier.arrive(turn_bars.index(1 - CID))
+        mbarrier.arrive(turn_bars.index(NEXT))
     s = warpgroup_mma_wait(0, deps=(s,))
     mbarrier.arrive(k_empty.index(0))
     if hi_free <= 0:
@@ -108,7 +109,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
         mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_STAGES) & 1)
         acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
         if PINGPONG:
-            mbarrier.arrive(turn_bars.index(1 - CID))
+            mbarrier.arrive(turn_bars.index(NEXT))
         s = warpgroup_mma_wait(1, deps=(s,))  # S_j is done; the PV GEMM may still run
         mbarrier.arrive(k_empty.index(slot))
         start_n = j * BLOCK_N
@@ -130,7 +131,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
     mbarrier.arrive(v_empty.index(last))
     if PINGPONG:  # keep the turn count of both consumers equal: one turn per K/V block
         mbarrier.wait(turn_bars.index(CID), n_blocks & 1)
-        mbarrier.arrive(turn_bars.index(1 - CID))
+        mbarrier.arrive(turn_bars.index(NEXT))
 
     # One division at the end [1]. Rows that saw no key keep m_i = -inf: output 0, internal LSE +inf.
     empty = m_i == float("-inf")
@@ -146,9 +147,10 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-              start_m, n_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """The TMA warp: both Q tiles once, then K_j and V_j into ring slot j % NUM_STAGES when it is free."""
-    for i in gl.static_range(2):
+              start_m, n_blocks, NUM_CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              NUM_STAGES: gl.constexpr):
+    """The TMA warp: the consumers' Q tiles once, then K_j and V_j into ring slot j % NUM_STAGES when it is free."""
+    for i in gl.static_range(NUM_CONSUMERS):
         mbarrier.expect(q_bar.index(i), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [start_m + i * BLOCK_M, 0], q_bar.index(i), q_smem.index(i))
     for j in range(n_blocks):
@@ -168,16 +170,16 @@ def fa3_fwd_kernel(
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
     n_heads, seqlen_q, seqlen_k, qk_scale,
-    GROUP: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+    GROUP: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr,
 ):
-    """Grid (cdiv(seqlen_q, 2 * BLOCK_M), batch * n_heads); see the module docstring."""
+    """Grid (cdiv(seqlen_q, NUM_CONSUMERS * BLOCK_M), batch * n_heads); see the module docstring."""
     if CAUSAL:  # longest rows first: the last query blocks have the most K/V blocks
         pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
     else:
         pid_m = gl.program_id(0)
-    start_m = pid_m * (2 * BLOCK_M)
+    start_m = pid_m * (NUM_CONSUMERS * BLOCK_M)
     off_bh = gl.program_id(1)
     off_b = (off_bh // n_heads).to(gl.int64)
     off_h = (off_bh % n_heads).to(gl.int64)
@@ -195,7 +197,7 @@ def fa3_fwd_kernel(
     # Key range of the CTA [3]: [0, hi_free) is seen by every row, [hi_free, hi) only in part.
     diag_offset = seqlen_k - seqlen_q
     if CAUSAL:
-        hi = gl.minimum(start_m + 2 * BLOCK_M + diag_offset, seqlen_k)
+        hi = gl.minimum(start_m + NUM_CONSUMERS * BLOCK_M + diag_offset, seqlen_k)
         hi_free = (gl.maximum(start_m + diag_offset + 1, 0) // BLOCK_N) * BLOCK_N
     else:
         hi = seqlen_k
@@ -204,40 +206,60 @@ def fa3_fwd_kernel(
     n_blocks = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)
 
     dtype: gl.constexpr = Q.dtype.element_ty
-    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], Q_LAYOUT)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BLOCK_M, HEAD_DIM], Q_LAYOUT)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], KV_LAYOUT)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], KV_LAYOUT)
-    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    turn_bars = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
+    for i in gl.static_range(NUM_CONSUMERS):
         mbarrier.init(q_bar.index(i), count=1)
         mbarrier.init(turn_bars.index(i), count=1)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer
-        mbarrier.init(v_empty.index(i), count=2)
+        mbarrier.init(k_empty.index(i), count=NUM_CONSUMERS)  # one arrival per consumer
+        mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS)
     if PINGPONG:  # consumer 0 takes the first turn
         mbarrier.arrive(turn_bars.index(0))
     fence_async_shared()
 
     lse_offset = off_bh.to(gl.int64) * seqlen_q
     # Written out per partition: tuple concatenation inside a Gluon kernel turns constexprs into tensors.
-    gl.warp_specialize(
-        [
+    # Registers: 24 for the producer warp, the rest shared by the consumer warpgroups.
+    if NUM_CONSUMERS == 2:
+        gl.warp_specialize(
+            [
             (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn_bars, o_desc, LSE,
                          lse_offset, start_m, n_blocks, hi_free, seqlen_q, seqlen_k, qk_scale,
-                         0, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES)),
+                         0, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES)),
             (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn_bars, o_desc, LSE,
                          lse_offset, start_m, n_blocks, hi_free, seqlen_q, seqlen_k, qk_scale,
-                         1, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES)),
+                         1, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
-                         v_empty, start_m, n_blocks, BLOCK_M, BLOCK_N, NUM_STAGES)),
-        ],
-        [4, 1],
-        [240, 24],
-    )
+                         v_empty, start_m, n_blocks, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES)),
+            ],
+            [4, 1],
+            [240, 24],
+        )
+    else:
+        gl.warp_specialize(
+            [
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn_bars, o_desc, LSE,
+                         lse_offset, start_m, n_blocks, hi_free, seqlen_q, seqlen_k, qk_scale,
+                         0, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES)),
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn_bars, o_desc, LSE,
+                         lse_offset, start_m, n_blocks, hi_free, seqlen_q, seqlen_k, qk_scale,
+                         1, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES)),
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn_bars, o_desc, LSE,
+                         lse_offset, start_m, n_blocks, hi_free, seqlen_q, seqlen_k, qk_scale,
+                         2, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+                         v_empty, start_m, n_blocks, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES)),
+            ],
+            [4, 4, 1],
+            [160, 160, 24],
+        )
