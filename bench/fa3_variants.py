@@ -1,8 +1,8 @@
 """Check and time variants of the Gluon FA3 forward side by side in one process (H200, Triton 3.6).
 
-    python -m bench.fa3_variants --variants 2:128:2:1,3:128:2:1 --head-dims 128 --seqlens 4096,16384
+    python -m bench.fa3_variants --variants 2:128:2:1:1,2:128:2:1:0 --head-dims 128 --seqlens 4096,16384
 
-A variant is NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG and replaces `kernels.fa3.CONFIGS[head_dim]`. Every variant is first
+A variant is NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT and replaces `kernels.fa3.CONFIGS[head_dim]`. Every variant is first
 checked against a float32 reference (SDPA's math kernel on upcast inputs) on odd lengths, seqlen_q != seqlen_k
 both ways, GQA and strided views, with NaN-poisoned outputs; then forward medians (`triton.testing.do_bench`) are
 printed next to FA2's forward and SDPA's cuDNN kernel on the same inputs (B * N = 16k, H * D = 2048).
@@ -71,7 +71,7 @@ def check(head_dim, dtype):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variants", default="2:128:2:1,3:128:2:1")
+    parser.add_argument("--variants", default="2:128:2:1:1,2:128:2:1:0")
     parser.add_argument("--head-dims", default="64,128")
     parser.add_argument("--seqlens", default="2048,8192")
     parser.add_argument("--dtype", default="bfloat16")
@@ -82,7 +82,7 @@ def main():
     for head_dim in map(int, args.head_dims.split(",")):
         variants = [tuple(int(x) for x in v.split(":")) for v in args.variants.split(",")]
         for variant in variants:
-            fa3.CONFIGS[head_dim] = (*variant[:3], bool(variant[3]))
+            fa3.CONFIGS[head_dim] = (*variant[:3], bool(variant[3]), bool(variant[4]))
             try:
                 print(f"D={head_dim} variant {variant}: max rel err {check(head_dim, dtype):.2e}", flush=True)
             except Exception as e:  # report and keep going with the next variant
@@ -98,7 +98,7 @@ def main():
                                               return_mode="median")
                 cells["fa2"] = do_bench(lambda: fa2.forward(q, k, v, causal, 0.1), return_mode="median")
                 for variant in variants:
-                    fa3.CONFIGS[head_dim] = (*variant[:3], bool(variant[3]))
+                    fa3.CONFIGS[head_dim] = (*variant[:3], bool(variant[3]), bool(variant[4]))
                     try:
                         cells[":".join(map(str, variant))] = do_bench(lambda: fa3.forward(q, k, v, causal, 0.1),
                                                                       return_mode="median")

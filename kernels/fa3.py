@@ -17,17 +17,18 @@ import torch
 import triton
 
 from . import fa2
-from .common import INTERPRET, check_grid, empty_like_layout, use_tma
+from .common import INTERPRET, empty_like_layout, use_tma
 
 # Triton releases whose Gluon Hopper API the kernel is written against (major.minor).
 GLUON_TRITON_VERSIONS = ("3.6",)
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
 BLOCK_M = 64  # query rows per consumer warpgroup
-# (NUM_CONSUMERS, BLOCK_N, NUM_STAGES, PINGPONG) per head_dim, from `python -m bench.fa3_variants` on the H200.
+# (NUM_CONSUMERS, BLOCK_N, NUM_STAGES, PINGPONG, PERSISTENT) per head_dim, from `python -m bench.fa3_variants` on
+# the H200; PERSISTENT: one CTA per SM looping over tiles, else one CTA per tile.
 # NUM_CONSUMERS x 64 x D Q tiles plus two NUM_STAGES x BLOCK_N x D rings must fit the 227 KiB of shared memory
 # (overflow is only caught at launch).
-CONFIGS = {64: (3, 128, 2, True), 128: (2, 128, 2, True)}
+CONFIGS = {64: (3, 128, 2, True, True), 128: (2, 128, 2, True, True)}
 
 
 def triton_version() -> str:
@@ -79,30 +80,44 @@ def _warn_fallback(reason: str) -> None:
 
 
 def _launch(module, q, k, v, causal, softmax_scale):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
     batch, n_heads, seqlen_q, head_dim = q.shape
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    check_grid(batch, n_heads)
-    num_consumers, block_n, num_stages, pingpong = CONFIGS[head_dim]
+    num_consumers, block_n, num_stages, pingpong, persistent = CONFIGS[head_dim]
     o = empty_like_layout(q)
     lse = torch.empty((batch, n_heads, seqlen_q), device=q.device, dtype=torch.float32)
     q_layout, kv_layout = shared_layouts(q.dtype, head_dim, block_n)
-    grid = (triton.cdiv(seqlen_q, num_consumers * BLOCK_M), batch * n_heads)
+    # 4-D descriptors over the tensors as they are (any strides TMA takes), one (1, 1, rows, head_dim) box each
+    q_box, kv_box = shared_layouts(q.dtype, head_dim, block_n, rank=4)
+    desc = lambda t, rows, layout: TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, head_dim], layout)
+    n_tiles_m = triton.cdiv(seqlen_q, num_consumers * BLOCK_M)
+    n_tiles = n_tiles_m * batch * n_heads
+    grid = (min(n_tiles, _sm_count(q.device)) if persistent else n_tiles,)
     module.fa3_fwd_kernel[grid](
-        q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-        n_heads, seqlen_q, seqlen_k, softmax_scale * fa2.LOG2E,
-        GROUP=n_heads // n_kv_heads, CAUSAL=causal, PINGPONG=pingpong, NUM_CONSUMERS=num_consumers, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M,
-        BLOCK_N=block_n, NUM_STAGES=num_stages, Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, num_warps=4,
+        desc(q, BLOCK_M, q_box), desc(k, block_n, kv_box), desc(v, block_n, kv_box), desc(o, BLOCK_M, q_box), lse,
+        n_heads, seqlen_q, seqlen_k, softmax_scale * fa2.LOG2E, n_tiles_m, n_tiles, batch * n_heads,
+        GROUP=n_heads // n_kv_heads, CAUSAL=causal, PINGPONG=pingpong, NUM_CONSUMERS=num_consumers,
+        HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=num_stages, Q_LAYOUT=q_layout,
+        KV_LAYOUT=kv_layout, num_warps=4,
     )
     return o, lse
 
 
-def shared_layouts(dtype, head_dim: int, block_n: int):
-    """The NVMMA shared-memory layouts of the Q/O tiles and the K/V tiles (what TMA and wgmma read)."""
+@functools.lru_cache(maxsize=None)
+def _sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def shared_layouts(dtype, head_dim: int, block_n: int, rank: int = 2):
+    """NVMMA shared-memory layouts (what TMA and wgmma read) of the Q/O tiles and of the K/V tiles; rank 4 gives
+    the layouts of the descriptors' (1, 1, rows, head_dim) boxes, which have the same swizzle."""
     from triton.experimental.gluon import language as gl
 
     gl_dtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[dtype]
-    return (gl.NVMMASharedLayout.get_default_for([BLOCK_M, head_dim], gl_dtype),
-            gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gl_dtype))
+    lead = [1] * (rank - 2)
+    return (gl.NVMMASharedLayout.get_default_for(lead + [BLOCK_M, head_dim], gl_dtype),
+            gl.NVMMASharedLayout.get_default_for(lead + [block_n, head_dim], gl_dtype))
 
 
 def forward(q, k, v, causal, softmax_scale):
@@ -130,14 +145,18 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    num_consumers, block_n, num_stages, pingpong = CONFIGS[head_dim]
+    num_consumers, block_n, num_stages, pingpong, _ = CONFIGS[head_dim]
     q_layout, kv_layout = shared_layouts(dtype, head_dim, block_n)
-    ptr = {torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
+    q_box, kv_box = shared_layouts(dtype, head_dim, block_n, rank=4)
+    name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    tensordesc = lambda rows, layout: f"tensordesc<{name}[1, 1, {rows}, {head_dim}],{layout!r}>"
     kernel = module.fa3_fwd_kernel
-    signature = {name: "i32" for name in kernel.arg_names}
-    signature.update(Q=ptr, K=ptr, V=ptr, O=ptr, LSE="*fp32", qk_scale="fp32")
-    constexprs = dict(GROUP=group, CAUSAL=causal, PINGPONG=pingpong, NUM_CONSUMERS=num_consumers, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M,
-                      BLOCK_N=block_n, NUM_STAGES=num_stages, Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout)
-    signature.update({name: "constexpr" for name in constexprs})
+    signature = {arg: "i32" for arg in kernel.arg_names}
+    signature.update(q_desc=tensordesc(BLOCK_M, q_box), o_desc=tensordesc(BLOCK_M, q_box),
+                     k_desc=tensordesc(block_n, kv_box), v_desc=tensordesc(block_n, kv_box),
+                     LSE="*fp32", qk_scale="fp32")
+    constexprs = dict(GROUP=group, CAUSAL=causal, PINGPONG=pingpong, NUM_CONSUMERS=num_consumers, HEAD_DIM=head_dim,
+                      BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=num_stages, Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout)
+    signature.update({arg: "constexpr" for arg in constexprs})
     source = GluonASTSource(kernel, signature, constexprs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
