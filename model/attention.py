@@ -46,7 +46,7 @@ if not torch.cuda.is_available():
     # before fa1/fa2 is chosen (e.g. an sdpa job, then an fa2 job in one process). So set it now.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-BACKENDS = ("auto", "sdpa", "sdpa_flash", "sdpa_cudnn", "fa1", "fa2")
+BACKENDS = ("auto", "sdpa", "sdpa_flash", "sdpa_cudnn", "fa1", "fa2", "fa3")
 
 
 class AttentionFn(Protocol):
@@ -129,7 +129,7 @@ def _triton_backend(name: str) -> AttentionFn:
 
 def head_dim_limits(name: str) -> tuple[int, int] | None:
     """(min, max) head_dim the backend accepts, or None when it has no limit (sdpa)."""
-    if resolve_backend(name) not in ("fa1", "fa2"):
+    if resolve_backend(name) not in ("fa1", "fa2", "fa3"):
         return None
     get_backend(name)  # raises BackendUnavailableError if the kernels cannot be loaded
     frontend = importlib.import_module("kernels.frontend")
@@ -221,5 +221,6 @@ _FACTORIES: dict[str, Callable[[], AttentionFn]] = {
     "sdpa_cudnn": lambda: _sdpa_pinned("sdpa_cudnn"),
     "fa1": lambda: _triton_backend("fa1"),
     "fa2": lambda: _triton_backend("fa2"),
+    "fa3": lambda: _triton_backend("fa3"),
 }
 assert set(BACKENDS) == {"auto", *_FACTORIES}

@@ -15,7 +15,7 @@ GROUPS = {g: sorted(p.stem for p in (Path(CONF_DIR) / g).glob("*.yaml")) for g i
 def test_groups_have_the_required_options():
     assert set(GROUPS["model"]) >= {"tiny", "baby", "gpt2"}
     assert set(GROUPS["data"]) >= {"shakespeare_char", "shakespeare_bpe", "hub", "local_text"}
-    assert set(GROUPS["attn"]) == {"auto", "sdpa", "sdpa_flash", "sdpa_cudnn", "fa1", "fa2"}
+    assert set(GROUPS["attn"]) == {"auto", "sdpa", "sdpa_flash", "sdpa_cudnn", "fa1", "fa2", "fa3"}
 
 
 def test_defaults():
@@ -39,7 +39,7 @@ def test_every_group_option_composes(group, option):
     if group == "attn" and option == "sdpa_cudnn" and not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="needs a CUDA GPU"):
             validate_config(cfg)
-    elif not (group == "attn" and option in ("fa1", "fa2")):  # those import the kernels (own test)
+    elif not (group == "attn" and option in ("fa1", "fa2", "fa3")):  # those import the kernels (own test)
         validate_config(cfg)
 
 

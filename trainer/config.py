@@ -64,7 +64,7 @@ class DataConfig:
 
 @dataclass
 class AttnConfig:
-    backend: str = "auto"              # auto | sdpa | sdpa_flash | sdpa_cudnn | fa1 | fa2
+    backend: str = "auto"              # auto | sdpa | sdpa_flash | sdpa_cudnn | fa1 | fa2 | fa3
 
 
 @dataclass
@@ -210,7 +210,7 @@ def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -
     check(cfg.attn.backend in BACKENDS, "attn.backend", f"accepted: {', '.join(BACKENDS)} (command line: attn=...)")
     if cfg.attn.backend in BACKENDS:
         backend = resolve_backend(cfg.attn.backend)
-    if backend in ("fa1", "fa2"):
+    if backend in ("fa1", "fa2", "fa3"):
         check(m.dropout == 0.0, "model.dropout",
               f"attn={backend} has no attention dropout; use model.dropout=0.0 or attn=sdpa")
         if m.n_head >= 1 and m.n_embd % m.n_head == 0:
