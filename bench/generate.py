@@ -8,7 +8,8 @@ The model is built from conf/model/<--model>.yaml (random weights: speed does no
 --dtype. Every case (backend x batch x cache on/off x mode) generates --new-tokens greedy tokens after a random
 prompt of --prompt-len tokens with ``GPT.generate``. Modes: eager; compiled (torch.compile of the per-token
 step: the decode step with the cache, the whole forward without); cudagraphs (cache on only; sdpa, fa2: the
-decode step with fixed shapes, compiled with mode="reduce-overhead", so each step replays a CUDA graph).
+decode step with fixed shapes, compiled with mode="reduce-overhead", so each step replays a CUDA graph; fa3's
+would be fa2's, as both decode through kernels/decode.py there).
 Each case runs one untimed generation of the same length first (compilation, CUDA graph capture, Triton
 autotuning of every sequence-length bucket), then --repeats timed ones (the fastest counts).
 tokens/s = batch * new tokens / seconds, prefill included; ms/step = seconds / new tokens. "x cache" is the
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--model", default="gpt2", choices=sorted(p.stem for p in CONF.glob("*.yaml")),
                     help="shape from conf/model/<name>.yaml")
     ap.add_argument("--vocab-size", type=int, default=50304, help="GPT-2's 50257 padded to a multiple of 64")
-    ap.add_argument("--backends", type=csv_list(str, (*BACKENDS[1:], SPLIT_KV)), default="sdpa,fa2,fa1")
+    ap.add_argument("--backends", type=csv_list(str, (*BACKENDS[1:], SPLIT_KV)), default="sdpa,fa2,fa3,fa1")
     ap.add_argument("--batch", type=csv_list(int), default="1,8", help="batch sizes")
     ap.add_argument("--cache", type=csv_list(str, ("on", "off")), default="on,off", help="KV cache on / off")
     ap.add_argument("--modes", type=csv_list(str, MODES), default=",".join(MODES),
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     if cache == "off" and (backend == SPLIT_KV or mode == "cudagraphs"):
                         continue  # same as fa2 without the cache / CUDA graphs need the cache's fixed shapes
                     if mode == "cudagraphs" and backend not in ("sdpa", "fa2"):
-                        continue  # no fixed-shape decode for this backend (fa2_splitkv's is fa2's)
+                        continue  # no fixed-shape decode for this backend (fa2_splitkv's and fa3's are fa2's)
                     s = time_case(model, batch, args.prompt_len, args.new_tokens, cache == "on", MODES[mode],
                                   args.repeats)
                     rows.append(dict(backend=backend, batch=batch, kv_cache=cache == "on", mode=mode,

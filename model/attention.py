@@ -23,7 +23,8 @@ Backends:
 - ``auto``: ``fa2`` when a CUDA GPU is present, ``sdpa`` otherwise (see ``resolve_backend``).
 
 For generation with a KV cache, ``get_kv_backend`` gives the same backends for seqlen_q <= seqlen_k
-(new queries against the cached prefix), with the causal mask aligned bottom-right.
+(new queries against the cached prefix), with the causal mask aligned bottom-right, and
+``get_static_kv_backend`` the fixed-shape decode step (CUDA graphs) where a backend has one.
 """
 
 from __future__ import annotations
@@ -156,15 +157,15 @@ def _sdpa_bottom_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropou
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
-def _fa2_split_kv() -> AttentionFn:
-    fa2, decode = get_backend("fa2"), importlib.import_module("kernels.decode").fa2_decode
+def _split_kv(name: str) -> AttentionFn:
+    forward, decode = get_backend(name), importlib.import_module("kernels.decode").fa2_decode
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
         if q.shape[2] == 1 and dropout_p == 0.0:  # a decode step: keys split across programs
             return decode(q, k, v)
-        return fa2(q, k, v, dropout_p)
+        return forward(q, k, v, dropout_p)
 
-    attention.__name__ = "fa2_split_kv_attention"
+    attention.__name__ = f"{name}_split_kv_attention"
     return attention
 
 
@@ -180,14 +181,14 @@ def get_static_kv_backend(name: str) -> Callable | None:
     """Attention over a whole preallocated KV cache, for decode steps with fixed shapes (CUDA graphs):
     ``fn(q, k, v, seqlen) -> o`` with q (B, n_head, T_q, head_dim), k, v the cache buffers
     (B, n_kv_head, block_size, head_dim) and seqlen a 0-dim integer tensor on the device: keys 0 .. seqlen-1
-    are filled, query i sees keys j <= seqlen - T_q + i. ``sdpa``: a boolean mask; ``fa2``:
+    are filled, query i sees keys j <= seqlen - T_q + i. ``sdpa``: a boolean mask; ``fa2`` and ``fa3``:
     ``kernels.decode.fa2_decode`` (T_q = 1 only). None for backends without one (fa1, pinned SDPA).
     """
     name = resolve_backend(name)
     if name == "sdpa":
         return _sdpa_static
-    if name == "fa2":
-        get_backend("fa2")  # the interpreter warning and the clear error if the kernels cannot be loaded
+    if name in ("fa2", "fa3"):
+        get_backend(name)  # the interpreter warning and the clear error if the kernels cannot be loaded
         decode = importlib.import_module("kernels.decode").fa2_decode
         return lambda q, k, v, seqlen: decode(q, k, v, seqlen=seqlen)
     return None
@@ -198,17 +199,17 @@ def get_kv_backend(name: str, split_kv: bool = False) -> AttentionFn:
     q (B, n_head, T_q, head_dim) the new tokens and k, v (B, n_kv_head, T_k, head_dim) every token so far,
     T_q <= T_k: query i sees key j iff j <= i + T_k - T_q (causal mask aligned bottom-right).
 
-    fa1/fa2 are ``get_backend``'s functions (the kernels align the mask bottom-right already); sdpa gets no
+    fa1/fa2/fa3 are ``get_backend``'s functions (the kernels align the mask bottom-right already); sdpa gets no
     mask for T_q == 1, ``is_causal`` for T_q == T_k and an explicit boolean mask otherwise, which
-    ``sdpa_flash`` does not accept. ``split_kv`` (fa2 only) sends single-query calls (decode steps) to the
+    ``sdpa_flash`` does not accept. ``split_kv`` (fa2, fa3) sends single-query calls (decode steps) to the
     split-K/V kernel ``kernels.decode.fa2_decode`` (flash-decoding). Raises as ``get_backend``, and
     ValueError for ``split_kv`` with another backend.
     """
     name = resolve_backend(name)
     if split_kv:
-        if name != "fa2":
-            raise ValueError(f"split_kv decode is an fa2 kernel; attn={name} has none")
-        return _fa2_split_kv()
+        if name not in ("fa2", "fa3"):
+            raise ValueError(f"split_kv decode is for fa2 and fa3; attn={name} has none")
+        return _split_kv(name)
     if name not in ("sdpa", *SDPA_PINNED):
         return get_backend(name)
     return _sdpa_bottom_right if name == "sdpa" else _sdpa_pinned(name, _sdpa_bottom_right)

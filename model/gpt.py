@@ -69,7 +69,7 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         if kv_cache is not None and isinstance(start_pos, torch.Tensor):  # fixed shapes: the whole cache, masked
             if self.static_kv_attention is None:
-                raise ValueError(f"attn={self.attn_name} has no static-shape decode (CUDA graphs); use sdpa or fa2")
+                raise ValueError(f"attn={self.attn_name} has no static-shape decode (CUDA graphs); use sdpa, fa2 or fa3")
             k, v = kv_cache.update(start_pos, k, v)
             y = self.static_kv_attention(q, k, v, start_pos + T)
         elif kv_cache is not None:  # attend over every cached position 0 .. start_pos+T-1
@@ -179,8 +179,8 @@ class GPT(nn.Module):
 
     def use_split_kv_decode(self, enabled: bool = True) -> None:
         """Run decode steps (one query per head against the KV cache) through the split-K/V kernel
-        ``kernels.decode.fa2_decode`` (flash-decoding) instead of the fa2 forward kernel, or back.
-        Raises ValueError unless the model's attention backend is fa2 (``attn='auto'`` on a GPU included)."""
+        ``kernels.decode.fa2_decode`` (flash-decoding) instead of the backend's forward kernel, or back.
+        Raises ValueError unless the model's attention backend is fa2 or fa3 (``attn='auto'`` on a GPU included)."""
         kv_attention = get_kv_backend(self.config.attn, split_kv=enabled)
         for block in self.transformer.h:
             block.attn.kv_attention = kv_attention
@@ -194,7 +194,7 @@ class GPT(nn.Module):
 
         A 0-dim integer tensor start_pos (on the model's device) keeps every shape fixed from step to step,
         so a compiled step can be a CUDA graph: attention reads the whole cache with the positions past
-        start_pos+T-1 masked (sdpa, and fa2 for T = 1; others raise ValueError). Its range is not checked.
+        start_pos+T-1 masked (sdpa, and fa2/fa3 for T = 1; others raise ValueError). Its range is not checked.
         """
         B, T = idx.shape
         if B != kv_cache.batch or len(kv_cache.layers) != self.config.n_layer:
@@ -224,7 +224,7 @@ class GPT(nn.Module):
         kv_cache=True prefills a ``KVCache`` with the prompt (its last block_size tokens) and then runs one
         token per step; when the cache is full it re-prefills the most recent block_size // 2 tokens.
         compile=True runs the per-token step through ``torch.compile`` (the decode step with the cache, the
-        whole forward without); the first steps compile. compile="cudagraphs" (with kv_cache, sdpa or fa2)
+        whole forward without); the first steps compile. compile="cudagraphs" (with kv_cache; sdpa, fa2, fa3)
         compiles a decode step of fixed shapes (the position as a device tensor, attention over the whole
         cache, masked) with mode="reduce-overhead", so that on a GPU each step replays one CUDA graph.
         Raises ValueError for temperature <= 0, an empty prompt, max_new_tokens < 0 or an unknown compile.

@@ -45,7 +45,7 @@ def test_split_kv_decode_in_the_model():
     idx = torch.randint(0, 50, (2, 4))
     model.use_split_kv_decode()
     assert torch.equal(model.generate(idx, 10, top_k=1, kv_cache=True), model.generate(idx, 10, top_k=1))
-    with pytest.raises(ValueError, match="split_kv"):
+    with pytest.raises(ValueError, match="split_kv decode is for fa2 and fa3"):
         GPT(GPTConfig(block_size=8, vocab_size=10, n_layer=1, n_head=2, n_embd=32)).use_split_kv_decode()
 
 
