@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attn", default="sdpa", choices=("sdpa", "fa1", "fa2"), help="attention backend")
     ap.add_argument("--kv-cache", action=argparse.BooleanOptionalAction, default=True,
                     help="cache keys/values: prefill the prompt once, then one decode step per token")
-    ap.add_argument("--compile", nargs="?", const=True, default=False, choices=(True, "cudagraphs"), metavar="cudagraphs",
+    ap.add_argument("--compile", nargs="?", const=True, default=False, choices=(True, "cudagraphs"),
+                    metavar="cudagraphs",
                     help="torch.compile the per-token step (the decode step with --kv-cache); '--compile cudagraphs' "
                          "compiles a fixed-shape decode step into CUDA graphs (--kv-cache, sdpa or fa2)")
     args = ap.parse_args(argv)

@@ -105,6 +105,18 @@ def print_table(rows: list[dict]) -> None:
               f"{r['seconds']:>9.3f} {r['tokens_per_s']:>11,.1f} {r['ms_per_step']:>8.3f} {speedup:>7}")
 
 
+def write_results(stem: Path, fields: list[str], rows: list[dict], device: str, **meta) -> None:
+    """rows to <stem>.csv, and with the device, versions, date and ``meta`` to <stem>.json."""
+    meta = dict(device=torch.cuda.get_device_name() if device == "cuda" else "CPU", torch=torch.__version__,
+                triton=__import__("triton").__version__, date=time.strftime("%Y-%m-%d"), **meta)
+    with open(stem.with_suffix(".csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    stem.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    print(f"wrote {stem}.{{csv,json}}")
+
+
 def csv_list(kind, choices=None):
     def parse(text: str) -> list:
         items = [kind(x) for x in text.split(",") if x]
@@ -172,15 +184,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print_table(rows)
     print("\n".join(summary))
 
-    meta = dict(device=torch.cuda.get_device_name() if device == "cuda" else "CPU", torch=torch.__version__,
-                triton=__import__("triton").__version__, date=time.strftime("%Y-%m-%d"), args=vars(args),
-                summary=summary)
-    with open(out / "generate.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
-    (out / "generate.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
-    print(f"wrote {out}/generate.{{csv,json}}")
+    write_results(out / "generate", FIELDS, rows, device, args=vars(args), summary=summary)
     return rows
 
 

@@ -11,8 +11,8 @@ into `num_splits` slices (Dao, Haziza, Massa, Sizov 2023, "Flash-Decoding for lo
 One query sees every cached key (the bottom-right causal mask of seqlen_q = 1 masks nothing), so there is no
 mask. With `seqlen` (a device tensor) only the first `seqlen` keys count: k, v can then be a whole
 preallocated KV cache, so the shapes stay the same from step to step and the step can be captured in a CUDA
-graph; the splits are planned over the whole buffer and those past `seqlen` do no work. Forward only (inference); registered as the custom op `flashgpt::fa2_decode` so torch.compile keeps it
-as one node.
+graph; the splits are planned over the whole buffer and those past `seqlen` do no work.
+Forward only (inference); registered as the custom op `flashgpt::fa2_decode` so torch.compile keeps it as one node.
 """
 
 import math

@@ -69,7 +69,8 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         if kv_cache is not None and isinstance(start_pos, torch.Tensor):  # fixed shapes: the whole cache, masked
             if self.static_kv_attention is None:
-                raise ValueError(f"attn={self.attn_name} has no static-shape decode (CUDA graphs); use sdpa, fa2 or fa3")
+                raise ValueError(f"attn={self.attn_name} has no static-shape decode (CUDA graphs); "
+                                 "use sdpa, fa2 or fa3")
             k, v = kv_cache.update(start_pos, k, v)
             y = self.static_kv_attention(q, k, v, start_pos + T)
         elif kv_cache is not None:  # attend over every cached position 0 .. start_pos+T-1

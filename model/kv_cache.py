@@ -19,7 +19,8 @@ class LayerKVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
-    def update(self, start_pos: int | torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, start_pos: int | torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (batch, n_kv_head, T, head_dim) at positions start_pos .. start_pos+T-1.
 
         Returns the cached keys and values of positions 0 .. start_pos+T-1, as views

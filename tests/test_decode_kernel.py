@@ -37,7 +37,8 @@ def test_fa2_decode_rejects_bad_input():
 
 def test_fa2_decode_opcheck():
     q, k, v = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 70, 16), torch.randn(1, 2, 70, 16)
-    torch.library.opcheck(torch.ops.flashgpt.fa2_decode, (q, k, v, 0.25, 2), test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.flashgpt.fa2_decode, (q, k, v, 0.25, 2),
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 def test_split_kv_decode_in_the_model():
