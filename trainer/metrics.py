@@ -27,6 +27,8 @@ from typing import Optional
 import torch
 from tqdm.auto import tqdm
 
+from utils.atomic import atomic_write_text
+
 log = logging.getLogger(__name__)
 
 # Dense (no sparsity) bf16 tensor-core peak FLOP/s per GPU from vendor data sheets (V100, T4: fp16),
@@ -134,9 +136,7 @@ def _truncate_jsonl(path: Path, start_step: int) -> None:
     lines = path.read_text().splitlines(keepends=True)
     kept = [ln for ln in lines if _record_step(ln) <= start_step]
     if len(kept) != len(lines):
-        from data.prepare import write_text_atomic
-
-        write_text_atomic(path, "".join(kept))
+        atomic_write_text(path, "".join(kept))
 
 
 def _record_step(line: str) -> float:
