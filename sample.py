@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from data.tokenizers import tokenizer_from_meta
+from model.attention import REGISTRY
 from model.gpt import GPT, GPTConfig
 from trainer.checkpoint import CheckpointError, clean_state_dict, latest_checkpoint, load_checkpoint
 
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-k", type=int, default=200, help="keep the k most likely tokens; 0 = all")
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    ap.add_argument("--attn", default="sdpa", choices=("sdpa", "fa1", "fa2"), help="attention backend")
+    ap.add_argument("--attn", default="sdpa", choices=list(REGISTRY), help="attention backend")
     args = ap.parse_args(argv)
     for name, ok in (("--num-tokens", args.num_tokens >= 1), ("--num-samples", args.num_samples >= 1),
                      ("--temperature", args.temperature > 0), ("--top-k", args.top_k >= 0)):

@@ -31,7 +31,7 @@ from model.attention import resolve_backend
 from model.gpt import GPT, GPTConfig
 from trainer.checkpoint import (checkpoint_dir, checkpoint_path, clean_state_dict, latest_checkpoint,
                                 list_checkpoints, load_checkpoint, save_checkpoint, step_of, unwrap_model)
-from trainer.config import ConfigError, padded_vocab_size, validate_against_data, validate_config
+from trainer.config import ConfigError, padded_vocab_size, resolved_grad_accum, validate_against_data, validate_config
 from trainer.distributed import all_reduce_sum, barrier, broadcast_object, gather_objects, init_process_group
 from trainer.lr_schedule import lr_at
 from trainer.metrics import MetricsLogger, peak_flops
@@ -141,7 +141,7 @@ def _train(cfg: DictConfig, run_dir: Path, on_step: Optional[Callable[[dict], No
         seed_everything(rank_seed(cfg.seed, dist.rank, DROPOUT_SEED_PURPOSE))
     optimizer = build_optimizer(model, cfg.optim, device)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    grad_accum = cfg.trainer.grad_accum
+    grad_accum = resolved_grad_accum(cfg, dist.world_size)
     micro_steps = grad_accum // dist.world_size  # micro-batches per step on this rank
     sampler = ShardedBatchSampler(data.train, cfg.model.block_size, cfg.trainer.batch_size, cfg.seed,
                                   grad_accum, dist.rank, dist.world_size, device)
