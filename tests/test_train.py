@@ -175,8 +175,8 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(make_cfg, monkeypatch):
     real_forward = GPT.forward
     calls = {"n": 0}
 
-    def forward(self, idx, targets=None):
-        logits, loss = real_forward(self, idx, targets)
+    def forward(self, idx, targets=None, **kwargs):
+        logits, loss = real_forward(self, idx, targets, **kwargs)
         if targets is not None and self.training:
             calls["n"] += 1
             if calls["n"] == 5:  # the 5th training forward = step 5
