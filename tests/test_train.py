@@ -263,3 +263,65 @@ def test_wandb_online_without_login_is_a_clear_error(make_cfg, monkeypatch, tmp_
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
     with pytest.raises(ConfigError, match="wandb.mode='online': W&B could not start.*wandb login"):
         train(make_cfg("wandb.mode=online", "trainer.max_steps=1"))
+
+
+# Keys of the checkpoints written before the format had a version (format 0, until 2026-12-01).
+FORMAT_0_KEYS = {"model", "optimizer", "scaler", "step", "tokens_seen", "best_val_loss", "world_size", "rng", "sampler",
+                 "config", "model_args", "data_meta", "attn_backend", "wandb_run_id", "torch_version"}
+
+
+def test_a_checkpoint_of_the_version_less_format_resumes_exactly(make_cfg):
+    """Today's files have no format_version: rewritten so, a checkpoint still resumes bit-exactly."""
+    common = ("eval.interval=0", "ckpt.interval=0", "model.dropout=0.1")
+    straight = train(make_cfg(*common, "run.name=straight", "trainer.max_steps=6"))
+    first = train(make_cfg(*common, "run.name=old", "trainer.max_steps=3"))
+    state = torch.load(first.checkpoint, weights_only=True)
+    assert state.pop("format_version") == 1 and set(state) == FORMAT_0_KEYS
+    torch.save(state, first.checkpoint)
+    assert load_checkpoint(first.checkpoint).version == 0
+    second = train(make_cfg(*common, "run.name=old", "trainer.max_steps=6"))
+    assert second.start_step == 3
+    same = lambda recs: [(r["step"], r["train/loss"], r["train/grad_norm"]) for r in recs]  # noqa: E731
+    assert same(second.records) == same(straight.records[3:])
+
+
+def test_changed_settings_on_resume_are_a_warning_listing_the_keys(make_cfg, caplog):
+    train(make_cfg("run.name=mixed", "trainer.max_steps=3"))
+    caplog.clear()
+    train(make_cfg("run.name=mixed", "trainer.max_steps=4", "attn=sdpa_flash", "optim.lr=0.001"))
+    warnings = "\n".join(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    assert "resuming" in warnings and "with changed settings" in warnings
+    assert "attn.backend: 'sdpa' -> 'sdpa_flash'" in warnings and "optim.lr: 0.002 -> 0.001" in warnings
+    assert "attention backend (resolved): sdpa -> sdpa_flash" in warnings
+    assert "trainer.max_steps" not in warnings  # meant to change on resume
+
+
+def test_resuming_past_max_steps_says_so(make_cfg, caplog):
+    caplog.set_level("INFO", logger="trainer.loop")
+    train(make_cfg("run.name=long", "trainer.max_steps=6"))
+    again = train(make_cfg("run.name=long", "trainer.max_steps=3"))
+    assert again.start_step == again.step == 6 and again.records == []
+    assert "the run is at step 6 >= trainer.max_steps=3: nothing to train" in caplog.text
+
+
+def test_a_failed_checkpoint_write_is_one_line_without_traceback(tiny_overrides, make_cfg, tmp_path):
+    """A file-size limit (`ulimit -f`) below a checkpoint's size: exit 1, one line naming the path and the
+    cause, no traceback, and no partial file left (older checkpoints: tests/test_checkpoint.py)."""
+    import resource
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    args = [a for a in tiny_overrides if not a.startswith(("run.", "trainer.max_steps"))] + [
+        f"run.root={tmp_path}", "run.name=full", "trainer.max_steps=2", "ckpt.interval=1"]
+    limit = 64 * 1024  # the tiny model's checkpoint is larger; logs and the token cache are smaller
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    train(make_cfg("run.name=cache", "trainer.max_steps=1"))  # the token cache, prepared without the limit
+    proc = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300, preexec_fn=small_files)
+    out = proc.stdout + proc.stderr
+    path = tmp_path / "full" / "checkpoints" / "step_00000001.pt"
+    assert proc.returncode == 1, out[-3000:]
+    assert f"could not write checkpoint {path}: [Errno 27] File too large" in out and "Traceback" not in out
+    assert list((tmp_path / "full" / "checkpoints").iterdir()) == []

@@ -159,7 +159,7 @@ def save_checkpoint(state: dict, run_dir: Path, step: int, keep_last: int) -> Pa
     path = checkpoint_path(run_dir, step)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, lambda f: torch.save(state, f))
+        atomic_write(path, lambda f: _save(state, f))
     except OSError as e:
         cause = f"[Errno {e.errno}] {e.strerror}" if e.strerror else str(e)
         raise CheckpointWriteError(f"could not write checkpoint {path}: {cause}; the older checkpoints "
@@ -167,6 +167,35 @@ def save_checkpoint(state: dict, run_dir: Path, step: int, keep_last: int) -> Pa
     for old in list_checkpoints(run_dir)[:-keep_last]:
         old.unlink(missing_ok=True)
     return path
+
+
+class _KeepWriteError:
+    """A file whose write errors are kept: torch.save reports a failed write as a RuntimeError without the
+    cause ("unexpected pos ..."), so the OSError (disk full, file-size limit) is re-raised from here."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _save(state: dict, f) -> None:
+    out = _KeepWriteError(f)
+    try:
+        torch.save(state, out)
+        f.flush()  # a failure of the last buffered bytes shows here
+    except RuntimeError:
+        if out.error is not None:
+            raise out.error from None
+        raise
 
 
 def load_checkpoint(path: Path) -> Checkpoint:
