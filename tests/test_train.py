@@ -325,3 +325,24 @@ def test_a_failed_checkpoint_write_is_one_line_without_traceback(tiny_overrides,
     assert proc.returncode == 1, out[-3000:]
     assert f"could not write checkpoint {path}: [Errno 27] File too large" in out and "Traceback" not in out
     assert list((tmp_path / "full" / "checkpoints").iterdir()) == []
+
+
+def test_a_refused_run_leaves_the_run_folder_untouched(tiny_overrides, tmp_path):
+    """resume=never on a folder with checkpoints (and resume=<older step> into it) exits before Hydra
+    rewrites that run's .hydra/config.yaml or appends to its train.log."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    args = [a for a in tiny_overrides if not a.startswith(("run.", "trainer.max_steps"))] + [
+        f"run.root={tmp_path}", "run.name=kept", "ckpt.interval=1", "ckpt.keep_last=3"]
+    ok = subprocess.run([sys.executable, "train.py", *args, "trainer.max_steps=2"], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    run_dir = tmp_path / "kept"
+    before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in run_dir.rglob("*") if p.is_file()}
+    older = run_dir / "checkpoints" / "step_00000001.pt"
+    for extra, message in ((["resume=never"], "resume=never: run folder"),
+                           ([f"resume={older}"], "has newer checkpoints (step_00000002.pt)")):
+        bad = subprocess.run([sys.executable, "train.py", *args, "trainer.max_steps=5", *extra], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert bad.returncode == 1 and message in bad.stderr, bad.stderr[-3000:]
+        assert "Traceback" not in bad.stderr
+        assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in run_dir.rglob("*") if p.is_file()} == before

@@ -37,6 +37,21 @@ def refusal(resume: str, run_dir: Path) -> Optional[str]:
     return None
 
 
+def refusal_for_overrides(overrides: list[str]) -> Optional[str]:
+    """``refusal`` for the run that ``python train.py <overrides>`` would start, or None where that cannot be
+    told without Hydra (multirun, ``--help`` and other flags, ``hydra.*`` overrides, overrides Hydra rejects:
+    Hydra then reports them itself, and ``train`` still refuses the run, after Hydra wrote its files)."""
+    if any(a.startswith("-") or a.lstrip("+~").startswith("hydra.") for a in overrides):
+        return None
+    try:
+        from trainer.config import compose_config
+
+        cfg = compose_config(overrides)
+        return refusal(str(cfg.resume), Path(cfg.run.root) / str(cfg.run.name))
+    except Exception:  # noqa: BLE001 - Hydra will report bad overrides with its own message
+        return None
+
+
 def _newer_refusal(path: Path, step: int, existing: list[Path], run_dir: Path) -> Optional[str]:
     newer = [p for p in existing if p.resolve() != path.resolve() and step_of(p) > step]
     if newer:
