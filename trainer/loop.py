@@ -118,10 +118,7 @@ class Trainer:
         ckpt, ckpt_path = find_checkpoint(cfg.resume, run_dir)  # every rank reads it, onto the CPU
         self.data = _prepare_data(cfg, dist)
         validate_against_data(cfg, len(self.data.train), len(self.data.val), self.data.vocab_size)
-        self.model_args = GPTConfig(
-            block_size=cfg.model.block_size, vocab_size=padded_vocab_size(cfg, self.data.vocab_size),
-            n_layer=cfg.model.n_layer, n_head=cfg.model.n_head, n_kv_head=cfg.model.n_kv_head,
-            n_embd=cfg.model.n_embd, dropout=cfg.model.dropout, bias=cfg.model.bias, attn=backend)
+        self.model_args = model_config(cfg, self.data.vocab_size, backend)
         if ckpt is not None:
             check_compatible(ckpt, self.model_args, self.data.meta, cfg)
         self.grad_accum = resolved_grad_accum(cfg, dist.world_size)
@@ -348,6 +345,13 @@ class Trainer:
             log.info("final val loss %.4f (step %d)", s.final_val_loss, s.final_val_step)
         if s.stop_reason == "interrupted":
             log.info("interrupted at step %d; resume with the same run.name=%s", self.state.step, self.cfg.run.name)
+
+
+def model_config(cfg: DictConfig, data_vocab: int, backend: str) -> GPTConfig:
+    """The GPT shape of ``cfg.model`` for a tokenizer of ``data_vocab`` tokens and a resolved backend."""
+    return GPTConfig(block_size=cfg.model.block_size, vocab_size=padded_vocab_size(cfg, data_vocab),
+                     n_layer=cfg.model.n_layer, n_head=cfg.model.n_head, n_kv_head=cfg.model.n_kv_head,
+                     n_embd=cfg.model.n_embd, dropout=cfg.model.dropout, bias=cfg.model.bias, attn=backend)
 
 
 def _every(interval: int, step: int) -> bool:
