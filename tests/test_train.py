@@ -346,3 +346,15 @@ def test_a_refused_run_leaves_the_run_folder_untouched(tiny_overrides, tmp_path)
         assert bad.returncode == 1 and message in bad.stderr, bad.stderr[-3000:]
         assert "Traceback" not in bad.stderr
         assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in run_dir.rglob("*") if p.is_file()} == before
+
+
+def test_orphans_of_a_killed_save_are_removed_when_the_run_starts(make_cfg, caplog):
+    first = train(make_cfg("run.name=orphans", "trainer.max_steps=3"))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphan = first.checkpoint.with_name(f"step_00000004.pt.tmp-{dead.pid}")  # as `kill -9` mid-save leaves it
+    orphan.write_bytes(b"\x80\x02half a pickle")
+    second = train(make_cfg("run.name=orphans", "trainer.max_steps=4"))
+    assert second.start_step == 3 and not orphan.exists()
+    assert f"removed 1 unfinished checkpoint file(s) of a killed earlier save: {orphan}" in caplog.text
+    assert sorted(p.name for p in orphan.parent.iterdir()) == ["step_00000003.pt", "step_00000004.pt"]

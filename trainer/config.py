@@ -223,31 +223,14 @@ def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -
         check(torch.cuda.is_bf16_supported(), "trainer.dtype", "this GPU has no bf16; use fp16 or fp32")
     for key in ("max_steps", "batch_size", "dist_timeout_s"):
         check(t[key] >= 1, f"trainer.{key}", "must be a positive integer")
-    explicit = t.grad_accum != "auto"
-    check(not explicit or (type(t.grad_accum) is int and t.grad_accum >= 1), "trainer.grad_accum",
-          "must be auto (one micro-batch per process) or a positive integer")
-    if explicit and type(t.grad_accum) is int and t.grad_accum >= 1 and world_size > 1:
-        check(t.grad_accum % world_size == 0, "trainer.grad_accum",
-              f"must be a multiple of the number of processes ({world_size}, torchrun --nproc_per_node x nodes): "
-              f"it counts the micro-batches of one optimizer step for the whole job and each process runs "
-              f"grad_accum / {world_size} of them; e.g. trainer.grad_accum={world_size} or auto "
-              f"(global batch = trainer.batch_size * trainer.grad_accum sequences)")
+    _check_grad_accum(check, t.grad_accum, world_size)
     if on_cuda and world_size > 1 and torch.cuda.is_available():
         check(local_rank < torch.cuda.device_count(), "trainer.device",
               f"torchrun started local rank {local_rank} but this machine has {torch.cuda.device_count()} "
               "CUDA GPU(s); use at most that many processes per node (--nproc_per_node), one per GPU")
     check(t.peak_flops is None or t.peak_flops > 0, "trainer.peak_flops", "must be positive or null")
 
-    o = cfg.optim
-    check(o.lr > 0, "optim.lr", "must be > 0")
-    check(0.0 <= o.min_lr_ratio <= 1.0, "optim.min_lr_ratio", "must be in [0, 1]")
-    check(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
-    check(o.decay_steps >= 0, "optim.decay_steps", "must be >= 0")
-    check(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
-    check(0.0 <= o.beta1 < 1.0, "optim.beta1", "must be in [0, 1)")
-    check(0.0 <= o.beta2 < 1.0, "optim.beta2", "must be in [0, 1)")
-    check(o.eps > 0, "optim.eps", "must be > 0")
-    check(o.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 = no clipping)")
+    _check_optim(check, cfg.optim)
 
     check(cfg.eval.interval >= 0, "eval.interval", "must be >= 0 (0 = only at the end)")
     check(cfg.eval.iters >= 1, "eval.iters", "must be a positive integer")
@@ -262,6 +245,30 @@ def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -
 
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+
+
+def _check_grad_accum(check, grad_accum, world_size: int) -> None:
+    explicit = grad_accum != "auto"
+    check(not explicit or (type(grad_accum) is int and grad_accum >= 1), "trainer.grad_accum",
+          "must be auto (one micro-batch per process) or a positive integer")
+    if explicit and type(grad_accum) is int and grad_accum >= 1 and world_size > 1:
+        check(grad_accum % world_size == 0, "trainer.grad_accum",
+              f"must be a multiple of the number of processes ({world_size}, torchrun --nproc_per_node x nodes): "
+              f"it counts the micro-batches of one optimizer step for the whole job and each process runs "
+              f"grad_accum / {world_size} of them; e.g. trainer.grad_accum={world_size} or auto "
+              f"(global batch = trainer.batch_size * trainer.grad_accum sequences)")
+
+
+def _check_optim(check, o) -> None:
+    check(o.lr > 0, "optim.lr", "must be > 0")
+    check(0.0 <= o.min_lr_ratio <= 1.0, "optim.min_lr_ratio", "must be in [0, 1]")
+    check(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+    check(o.decay_steps >= 0, "optim.decay_steps", "must be >= 0")
+    check(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+    check(0.0 <= o.beta1 < 1.0, "optim.beta1", "must be in [0, 1)")
+    check(0.0 <= o.beta2 < 1.0, "optim.beta2", "must be in [0, 1)")
+    check(o.eps > 0, "optim.eps", "must be > 0")
+    check(o.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 = no clipping)")
 
 
 def _check_backend(check, backend: str, m, t) -> None:

@@ -206,7 +206,7 @@ class Trainer:
         lr = lr_at(state.step, cfg.optim.lr, cfg.optim.warmup_steps, cfg.optim.decay_steps, cfg.optim.min_lr_ratio)
         for group in state.optimizer.param_groups:
             group["lr"] = lr
-        loss_sum = torch.zeros((), device=self.device)
+        loss_sum = None
         for i, (x, y) in enumerate(state.sampler.next_batches()):
             # DDP all-reduces gradients in the backward of this rank's last micro-batch only.
             sync = self.dist.world_size == 1 or i == self.micro_steps - 1
@@ -216,7 +216,7 @@ class Trainer:
                 # DDP averages over ranks, so the gradient is the mean over all grad_accum micro-batches.
                 loss = loss / self.micro_steps
                 state.scaler.scale(loss).backward()
-            loss_sum += loss.detach()
+            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
         stats = [loss_sum]
         if self.dist.world_size > 1:  # mean loss over ranks, and whether any rank got Ctrl-C/SIGTERM
             stop_flag = torch.full((), float(stop.signum is not None), device=self.device)  # no host sync
