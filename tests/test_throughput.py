@@ -108,3 +108,24 @@ def test_baseline_rows_and_ratios(tmp_path, tiny_overrides, capsys):
     assert "vs bare tok/s" in capsys.readouterr().out
     table = json.loads((tmp_path / "base" / "throughput.json").read_text())["rows"]
     assert table == rows and (tmp_path / "base" / "throughput.png").stat().st_size > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("compile_", ["false", "true"])
+def test_trainer_peak_memory_is_within_5_percent_of_the_bare_loop(make_cfg, compile_):
+    """The issue-13 memory target on a vocabulary-heavy small model (logits dominate), bf16 autocast."""
+    from bench.baseline import run_bare_loop
+    from trainer import train
+
+    cfg = make_cfg("trainer.device=cuda", "trainer.dtype=bf16", f"trainer.compile={compile_}", "model.vocab_size=16384",
+                   "model.block_size=256", "model.n_embd=128", "trainer.batch_size=16", "trainer.max_steps=4",
+                   "eval.interval=0", "ckpt.interval=0", "run.name=mem")
+    torch._dynamo.reset()
+    bare = run_bare_loop(cfg, warmup=1, steps=3)
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    records = train(cfg).records
+    peak = max(r["perf/peak_mem_gib"] for r in records)
+    assert peak <= 1.05 * bare["peak_mem_gib"], (peak, bare["peak_mem_gib"])
