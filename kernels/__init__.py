@@ -1,11 +1,12 @@
-"""Our Triton FlashAttention kernels: `fa2_attention` (FlashAttention-2) and `fa1_attention` (the FA1 baseline).
+"""Our FlashAttention kernels: `fa3_attention` (FlashAttention-3 forward in Gluon for Hopper, FA2's backward),
+`fa2_attention` (FlashAttention-2 in Triton) and `fa1_attention` (the FA1 baseline).
 
 To run them without a GPU, set TRITON_INTERPRET=1 before importing this package (slow; for tests).
 """
 
 import math
 
-from . import fa1, fa2
+from . import fa1, fa2, fa3
 from .frontend import PUBLIC_DOC, make_attention
 
 fa2_attention = make_attention("fa2", fa2.forward, fa2.backward, lse_log_base=2.0)
@@ -19,4 +20,14 @@ fa1_attention.__doc__ = PUBLIC_DOC.format(
     source="Dao et al. 2022, FlashAttention, Algorithm 1 (forward) and 4 (backward); see kernels/fa1.py.",
 )
 
-__all__ = ["fa1_attention", "fa2_attention"]
+fa3_attention = make_attention("fa3", fa3.forward, fa3.backward, lse_log_base=2.0)
+fa3_attention.__doc__ = PUBLIC_DOC.format(
+    title="FlashAttention-3 forward (Gluon, Hopper) with FlashAttention-2's backward: exact scaled dot-product "
+          "attention.",
+    source="Shah et al. 2024, FlashAttention-3, Section 3.1 and Algorithm 2 (forward); FA2 Algorithm 2 "
+           "(backward); see kernels/fa3.py. Where the Gluon kernel does not apply (not an sm_90 GPU, head_dim "
+           "other than 64/128, float32, inputs TMA cannot address, a Triton other than 3.6) the forward is FA2's, "
+           "with a one-time RuntimeWarning naming the reason.",
+)
+
+__all__ = ["fa1_attention", "fa2_attention", "fa3_attention"]

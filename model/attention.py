@@ -152,6 +152,9 @@ REGISTRY: dict[str, Backend] = {b.name: b for b in (
             head_dims=_triton_head_dims("fa1")),
     Backend("fa2", lambda: _triton_backend("fa2"), "our Triton FlashAttention-2 kernel",
             head_dims=_triton_head_dims("fa2")),
+    Backend("fa3", lambda: _triton_backend("fa3"),
+            "our FlashAttention-3 forward (Gluon, Hopper) with FA2's backward; FA2 elsewhere",
+            head_dims=_triton_head_dims("fa3")),
 )}
 BACKENDS = ("auto", *REGISTRY)  # the values of attn.backend
 

@@ -10,9 +10,14 @@ import math
 import pytest
 import torch
 
-from kernels import fa1_attention, fa2_attention
+from kernels import fa1_attention, fa2_attention, fa3_attention
 
-KERNELS = [pytest.param(fa2_attention, id="fa2"), pytest.param(fa1_attention, id="fa1")]
+KERNELS = [
+    pytest.param(fa2_attention, id="fa2"),
+    pytest.param(fa1_attention, id="fa1"),
+    # Without a GPU fa3 is FA2 (tests/test_fa3.py checks that fallback); the whole matrix runs it on a GPU.
+    pytest.param(fa3_attention, id="fa3", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")),
+]
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-3}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -64,7 +64,7 @@ class DataConfig:
 
 @dataclass
 class AttnConfig:
-    backend: str = "auto"              # auto | sdpa | sdpa_flash | sdpa_cudnn | fa1 | fa2
+    backend: str = "auto"              # auto | sdpa | sdpa_flash | sdpa_cudnn | fa1 | fa2 | fa3
 
 
 @dataclass

@@ -1,0 +1,113 @@
+"""Check and time variants of the Gluon FA3 forward side by side in one process (H200, Triton 3.6).
+
+    python -m bench.fa3_variants --variants 2:128:2:1:1,2:128:2:1:0 --head-dims 128 --seqlens 4096,16384
+
+A variant is NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT and replaces `kernels.fa3.CONFIGS[head_dim]`. Every variant is first
+checked against a float32 reference (SDPA's math kernel on upcast inputs) on odd lengths, seqlen_q != seqlen_k
+both ways, GQA and strided views, with NaN-poisoned outputs; then forward medians (`triton.testing.do_bench`) are
+printed next to FA2's forward and SDPA's cuDNN kernel on the same inputs (B * N = 16k, H * D = 2048).
+"""
+
+import argparse
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from bench.attention import TOKENS, WIDTH, flops
+from kernels import fa2, fa3
+
+CHECKS = [  # (batch, n_heads, n_kv_heads, seqlen_q, seqlen_k, causal, strided)
+    (2, 4, 4, 1000, 1000, True, False), (1, 4, 4, 3001, 3001, False, True), (1, 8, 2, 777, 777, True, True),
+    (1, 2, 2, 300, 1000, True, False), (1, 2, 2, 1000, 300, True, False), (2, 2, 2, 5, 5, True, False),
+    (1, 2, 2, 200, 70, False, False), (1, 16, 16, 4096, 4096, True, True),
+]
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def check(head_dim, dtype):
+    worst = 0.0
+    for batch, n_heads, n_kv, seqlen_q, seqlen_k, causal, strided in CHECKS:
+        if strided:  # the model's layout: (B, T, H, D) in memory, seen as (B, H, T, D)
+            q = torch.randn(batch, seqlen_q, n_heads, head_dim, device="cuda", dtype=dtype).transpose(1, 2)
+            k, v = (torch.randn(batch, seqlen_k, n_kv, head_dim, device="cuda", dtype=dtype).transpose(1, 2)
+                    for _ in range(2))
+        else:
+            q = torch.randn(batch, n_heads, seqlen_q, head_dim, device="cuda", dtype=dtype)
+            k, v = (torch.randn(batch, n_kv, seqlen_k, head_dim, device="cuda", dtype=dtype) for _ in range(2))
+        reason = fa3.gluon_unsupported_reason(q, k, v)
+        if reason:
+            raise SystemExit(f"the Gluon kernel does not apply: {reason}")
+        empty = torch.empty
+        poison = lambda t: t.fill_(float("nan")) if t.is_floating_point() else t
+        torch.empty = lambda *a, **kw: poison(empty(*a, **kw))  # poison o and lse
+        try:
+            o, lse = fa3.forward(q, k, v, causal, 1 / math.sqrt(head_dim))
+        finally:
+            torch.empty = empty
+        group = n_heads // n_kv
+        kr, vr = (t.repeat_interleave(group, 1).float() for t in (k, v))
+        s = q.float() @ kr.transpose(-1, -2) / math.sqrt(head_dim)
+        if causal:
+            i = torch.arange(seqlen_q, device="cuda")[:, None]
+            j = torch.arange(seqlen_k, device="cuda")[None, :]
+            s = s.masked_fill(j > i + seqlen_k - seqlen_q, float("-inf"))
+        lse_ref = torch.logsumexp(s, -1) / math.log(2)
+        o_ref = torch.softmax(s, -1).nan_to_num(0.0) @ vr
+        seen = torch.isfinite(lse_ref)
+        assert torch.isfinite(o).all(), "NaN in o"
+        assert torch.equal(lse[~seen], torch.full_like(lse[~seen], float("inf"))), "rows that see no key"
+        err = max(rel(o, o_ref), rel(lse[seen], lse_ref[seen]))
+        assert o.stride() == q.stride() or not strided, "o not in q's memory order"
+        worst = max(worst, err)
+        del s
+    assert worst < 1e-2, worst
+    return worst
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", default="2:128:2:1:1,2:128:2:1:0")
+    parser.add_argument("--head-dims", default="64,128")
+    parser.add_argument("--seqlens", default="2048,8192")
+    parser.add_argument("--dtype", default="bfloat16")
+    args = parser.parse_args()
+    from triton.testing import do_bench
+
+    dtype = getattr(torch, args.dtype)
+    for head_dim in map(int, args.head_dims.split(",")):
+        variants = [tuple(int(x) for x in v.split(":")) for v in args.variants.split(",")]
+        for variant in variants:
+            fa3.CONFIGS[head_dim] = (*variant[:3], bool(variant[3]), bool(variant[4]))
+            try:
+                print(f"D={head_dim} variant {variant}: max rel err {check(head_dim, dtype):.2e}", flush=True)
+            except Exception as e:  # report and keep going with the next variant
+                print(f"D={head_dim} variant {variant}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        for causal in (True, False):
+            for seqlen in map(int, args.seqlens.split(",")):
+                batch, n_heads = max(1, TOKENS // seqlen), WIDTH // head_dim
+                q, k, v = (torch.randn(batch, n_heads, seqlen, head_dim, device="cuda", dtype=dtype) for _ in range(3))
+                tf = lambda ms: flops(batch, n_heads, seqlen, head_dim, causal, "fwd") / ms / 1e9
+                cells = {}
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    cells["cudnn"] = do_bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                                              return_mode="median")
+                cells["fa2"] = do_bench(lambda: fa2.forward(q, k, v, causal, 0.1), return_mode="median")
+                for variant in variants:
+                    fa3.CONFIGS[head_dim] = (*variant[:3], bool(variant[3]), bool(variant[4]))
+                    try:
+                        cells[":".join(map(str, variant))] = do_bench(lambda: fa3.forward(q, k, v, causal, 0.1),
+                                                                      return_mode="median")
+                    except Exception as e:
+                        print(f"  {variant} failed: {type(e).__name__}: {str(e)[:200]}")
+                line = " ".join(f"{name}={tf(ms):.0f}" for name, ms in cells.items())
+                print(f"D={head_dim} causal={causal} N={seqlen} TFLOP/s fwd: {line} | fa3/cudnn "
+                      + " ".join(f"{cells['cudnn'] / ms:.3f}" for name, ms in cells.items() if ":" in name), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""FlashAttention-3 for Hopper: the Gluon forward of `kernels/fa3_hopper.py`, FA2's backward, and the fallback.
+
+`forward` runs the warp-specialised Gluon kernel where it applies and FA2's Triton forward everywhere else,
+warning once per reason (`gluon_unsupported_reason` names it). The backward is FA2's three-kernel,
+atomic-free backward (`kernels/fa2.py`): both forwards produce the same base-2 LSE, so either pairs with it,
+and gradients stay bit-reproducible (what `torch.use_deterministic_algorithms(True)` asks for).
+
+The Gluon kernel applies to: an sm_90 GPU (H100/H200), Triton 3.6.x (Gluon is experimental and its API
+changes between releases; see `GLUON_TRITON_VERSIONS`), float16/bfloat16, head_dim 64 or 128, and inputs
+whose data and strides TMA can address (16-byte aligned data, 16-byte multiple strides, unit last stride).
+"""
+
+import functools
+import warnings
+
+import torch
+import triton
+
+from . import fa2
+from .common import INTERPRET, empty_like_layout, use_tma
+
+# Triton releases whose Gluon Hopper API the kernel is written against (major.minor).
+GLUON_TRITON_VERSIONS = ("3.6",)
+HEAD_DIMS = (64, 128)
+DTYPES = (torch.float16, torch.bfloat16)
+BLOCK_M = 64  # query rows per consumer warpgroup
+# (NUM_CONSUMERS, BLOCK_N, NUM_STAGES, PINGPONG, PERSISTENT) per head_dim, from `python -m bench.fa3_variants` on
+# the H200; PERSISTENT: one CTA per SM looping over tiles, else one CTA per tile.
+# NUM_CONSUMERS x 64 x D Q tiles plus two NUM_STAGES x BLOCK_N x D rings must fit the 227 KiB of shared memory
+# (overflow is only caught at launch).
+CONFIGS = {64: (3, 128, 2, True, True), 128: (2, 128, 2, False, True)}
+
+
+def triton_version() -> str:
+    return triton.__version__
+
+
+@functools.lru_cache(maxsize=None)
+def _gluon_module():
+    """The Gluon kernel module, or the reason it cannot be used with this Triton (a string)."""
+    version = triton_version()
+    if not any(version == v or version.startswith(v + ".") for v in GLUON_TRITON_VERSIONS):
+        return (f"triton {version} is not a version the Gluon kernel supports "
+                f"({', '.join(v + '.x' for v in GLUON_TRITON_VERSIONS)})")
+    try:
+        from . import fa3_hopper
+    except ImportError as e:  # a build of Triton without Gluon's Hopper API
+        return f"triton {version} has no usable Gluon Hopper API ({e})"
+    return fa3_hopper
+
+
+def gluon_unsupported_reason(q, k, v) -> str | None:
+    """Why the Gluon kernel cannot run these inputs (a short phrase), or None when it can."""
+    module = _gluon_module()
+    if isinstance(module, str):
+        return module
+    if q.dtype not in DTYPES:
+        return f"dtype {q.dtype} (the Gluon kernel takes float16 and bfloat16)"
+    if q.shape[-1] not in HEAD_DIMS:
+        return f"head_dim {q.shape[-1]} (the Gluon kernel takes {' and '.join(map(str, HEAD_DIMS))})"
+    if INTERPRET or not q.is_cuda:
+        return "no CUDA GPU (the Gluon kernel does not run under Triton's interpreter)"
+    capability = torch.cuda.get_device_capability(q.device)
+    if capability != (9, 0):
+        return f"GPU compute capability {capability[0]}.{capability[1]} is not 9.0 (Hopper)"
+    if not use_tma(q, k, v):
+        return "inputs TMA cannot address (16-byte aligned data and 16-byte multiple strides needed)"
+    return None
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_fallback(reason: str) -> None:
+    if reason in _WARNED:
+        return
+    _WARNED.add(reason)
+    warnings.warn(f"attn=fa3: running FA2's Triton forward instead of the Gluon FA3 kernel: {reason}",
+                  RuntimeWarning, stacklevel=4)
+
+
+def _launch(module, q, k, v, causal, softmax_scale):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    batch, n_heads, seqlen_q, head_dim = q.shape
+    n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    num_consumers, block_n, num_stages, pingpong, persistent = CONFIGS[head_dim]
+    o = empty_like_layout(q)
+    lse = torch.empty((batch, n_heads, seqlen_q), device=q.device, dtype=torch.float32)
+    q_layout, kv_layout = shared_layouts(q.dtype, head_dim, block_n)
+    # 4-D descriptors over the tensors as they are (any strides TMA takes), one (1, 1, rows, head_dim) box each
+    q_box, kv_box = shared_layouts(q.dtype, head_dim, block_n, rank=4)
+    desc = lambda t, rows, layout: TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, head_dim], layout)
+    n_tiles_m = triton.cdiv(seqlen_q, num_consumers * BLOCK_M)
+    n_tiles = n_tiles_m * batch * n_heads
+    grid = (min(n_tiles, _sm_count(q.device)) if persistent else n_tiles,)
+    module.fa3_fwd_kernel[grid](
+        desc(q, BLOCK_M, q_box), desc(k, block_n, kv_box), desc(v, block_n, kv_box), desc(o, BLOCK_M, q_box), lse,
+        n_heads, seqlen_q, seqlen_k, softmax_scale * fa2.LOG2E, n_tiles_m, n_tiles, batch * n_heads,
+        GROUP=n_heads // n_kv_heads, CAUSAL=causal, PINGPONG=pingpong, NUM_CONSUMERS=num_consumers,
+        HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=num_stages, Q_LAYOUT=q_layout,
+        KV_LAYOUT=kv_layout, num_warps=4,
+    )
+    return o, lse
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def shared_layouts(dtype, head_dim: int, block_n: int, rank: int = 2):
+    """NVMMA shared-memory layouts (what TMA and wgmma read) of the Q/O tiles and of the K/V tiles; rank 4 gives
+    the layouts of the descriptors' (1, 1, rows, head_dim) boxes, which have the same swizzle."""
+    from triton.experimental.gluon import language as gl
+
+    gl_dtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[dtype]
+    lead = [1] * (rank - 2)
+    return (gl.NVMMASharedLayout.get_default_for(lead + [BLOCK_M, head_dim], gl_dtype),
+            gl.NVMMASharedLayout.get_default_for(lead + [block_n, head_dim], gl_dtype))
+
+
+def forward(q, k, v, causal, softmax_scale):
+    """Same contract as `fa2.forward`: o (like q, in q's memory order) and the base-2 LSE, float32
+    (batch, n_heads, seqlen_q), +inf for rows that see no key."""
+    reason = gluon_unsupported_reason(q, k, v)
+    if reason is not None:
+        _warn_fallback(reason)
+        return fa2.forward(q, k, v, causal, softmax_scale)
+    return _launch(_gluon_module(), q, k, v, causal, softmax_scale)
+
+
+backward = fa2.backward
+
+
+def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1):
+    """Compile the Gluon forward for sm_90 without a GPU (catches Gluon API breaks on CPU-only machines).
+
+    Returns Triton's compiled kernel (`.asm` holds ttgir, ptx and cubin). Raises RuntimeError naming the
+    reason when this Triton is not one the kernel supports.
+    """
+    module = _gluon_module()
+    if isinstance(module, str):
+        raise RuntimeError(module)
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    num_consumers, block_n, num_stages, pingpong, _ = CONFIGS[head_dim]
+    q_layout, kv_layout = shared_layouts(dtype, head_dim, block_n)
+    q_box, kv_box = shared_layouts(dtype, head_dim, block_n, rank=4)
+    name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    tensordesc = lambda rows, layout: f"tensordesc<{name}[1, 1, {rows}, {head_dim}],{layout!r}>"
+    kernel = module.fa3_fwd_kernel
+    signature = {arg: "i32" for arg in kernel.arg_names}
+    signature.update(q_desc=tensordesc(BLOCK_M, q_box), o_desc=tensordesc(BLOCK_M, q_box),
+                     k_desc=tensordesc(block_n, kv_box), v_desc=tensordesc(block_n, kv_box),
+                     LSE="*fp32", qk_scale="fp32")
+    constexprs = dict(GROUP=group, CAUSAL=causal, PINGPONG=pingpong, NUM_CONSUMERS=num_consumers, HEAD_DIM=head_dim,
+                      BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=num_stages, Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout)
+    signature.update({arg: "constexpr" for arg in constexprs})
+    source = GluonASTSource(kernel, signature, constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})

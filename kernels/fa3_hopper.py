@@ -1,0 +1,304 @@
+"""FlashAttention-3-style forward for Hopper (sm_90), written in Gluon (`triton.experimental.gluon`, Triton 3.6).
+
+Source: Shah et al. 2024, "FlashAttention-3: Fast and Accurate Attention with Asynchrony and Low-precision",
+Section 3.1 (producer-consumer warp specialisation, ping-pong scheduling) and Algorithm 2 (intra-warpgroup
+overlap of the softmax with the two GEMMs). The arithmetic is FA2's (`kernels/fa2.py`): un-scaled
+accumulation, exp2 with log2(e) folded into `qk_scale`, a base-2 LSE with +inf for rows that see no key,
+causal masks aligned bottom-right, GQA by head index.
+
+A tile is NUM_CONSUMERS * BLOCK_M query rows of one (batch, head). The grid is persistent: CTA i runs tiles
+i, i + grid, ... (`_tile`: under causal the tiles with the most K/V blocks come first). Each CTA has
+NUM_CONSUMERS + 1 partitions (`gl.warp_specialize`):
+- producer (1 warp, few registers): per tile, TMA-loads the consumers' Q tiles (once the previous tile's QK
+  GEMMs are done with them: `q_empty`), then every K and V block of the tile's key range into a
+  NUM_STAGES-deep shared-memory ring. `k_ready`/`v_ready` mbarriers say a slot is full; `k_empty`/`v_empty`
+  (one arrival per consumer) say every consumer is done with it. The ring position runs on across tiles,
+  so the next tile's loads overlap this tile's last blocks and epilogue.
+- NUM_CONSUMERS (2 or 3) consumer warpgroups (4 warps each, most registers), one per BLOCK_M-row Q tile. Per
+  K/V block j a consumer issues S_j = Q K_j^T (wgmma, async), then O += P_{j-1} V_{j-1} (wgmma, async, P from
+  registers), waits for S_j only, runs the softmax of block j while the PV wgmma still runs, then waits for
+  it and rescales O (FA3 Algorithm 2). With PINGPONG the consumers take turns issuing their GEMMs (one
+  mbarrier each), so one warpgroup's softmax runs under the others' GEMMs. O leaves through its own shared
+  buffer and a TMA store that completes under the next tile.
+Every K/V block of [0, hi_free) is visible to every row of the tile and runs unmasked; the blocks of
+[hi_free, hi) are masked; blocks past hi are never loaded (FA2's causal stages [3]).
+
+q, k, v and o come through host-made 4-D TMA descriptors over (batch, heads, seqlen, HEAD_DIM) with the
+inputs' own strides, so any 16-byte-aligned layout with a unit last stride works (the model's (B, T, H, D)
+memory too); rows past seqlen read as 0 and are not written. Shared tiles are 2-D for wgmma and seen as
+(1, 1, rows, HEAD_DIM) by TMA (`_as_4d`: the same bytes and swizzle). This module is imported only on a
+Triton whose Gluon API it was written against (`kernels/fa3.py` decides).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
+
+
+@gluon.jit
+def _softmax_block(s, m_i, l_i, rows, start_n, seqlen_k, diag_offset, qk_scale,
+                   MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """Online softmax of one (BLOCK_M, BLOCK_N) score block (FA2 Algorithm 1, lines 8-9, base 2).
+
+    Returns p (float32, un-normalised), alpha = exp2(m_old - m_new) and the new m_i, l_i.
+    """
+    if MASKED:
+        cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        visible = gl.expand_dims(cols, 0) < seqlen_k
+        if CAUSAL:
+            visible = visible & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1) + diag_offset)
+        s = gl.where(visible, s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see no key yet stay finite
+        p = gl.exp2(s - gl.expand_dims(m_ref, 1))
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+        m_ref = m_new
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_ref, 1))
+    alpha = gl.exp2(m_i - m_ref)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _as_4d(tile, desc):
+    """A (rows, HEAD_DIM) shared tile as the (1, 1, rows, HEAD_DIM) box a 4-D descriptor copies."""
+    return tile._reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
+
+
+@gluon.jit
+def _tile(t, n_tiles_m, n_bh, n_heads, seqlen_q, seqlen_k,
+          CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Tile t -> (batch, head, first row, K/V blocks to visit, end of the unmasked key range hi_free).
+
+    Causal: ordered by query block, last (longest) first, all (batch, head)s of one block together.
+    Non-causal: the query blocks of one (batch, head) together, so they share its K/V in L2.
+    """
+    if CAUSAL:
+        pid_m = n_tiles_m - 1 - t // n_bh
+        bh = t % n_bh
+    else:
+        pid_m = t % n_tiles_m
+        bh = t // n_tiles_m
+    start_m = pid_m * ROWS
+    diag_offset = seqlen_k - seqlen_q
+    if CAUSAL:  # [3] keys [0, hi_free) are seen by every row of the tile, [hi_free, hi) only in part
+        hi = gl.minimum(start_m + ROWS + diag_offset, seqlen_k)
+        hi_free = (gl.maximum(start_m + diag_offset + 1, 0) // BLOCK_N) * BLOCK_N
+    else:
+        hi = seqlen_k
+        hi_free = (seqlen_k // BLOCK_N) * BLOCK_N
+    # At least one block, so every partition runs the same code; a tile whose rows see no key masks it all.
+    n_blocks = gl.maximum((hi + BLOCK_N - 1) // BLOCK_N, 1)
+    return bh // n_heads, bh % n_heads, bh, start_m, n_blocks, hi_free
+
+
+@gluon.jit
+def _consumer(q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars,
+              o_desc, LSE, n_tiles_m, n_tiles, n_bh, n_heads, seqlen_q, seqlen_k, qk_scale,
+              CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Consumer warpgroup CID: rows [start_m + CID * BLOCK_M, + BLOCK_M) of each of the CTA's tiles."""
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    NEXT: gl.constexpr = (CID + 1) % NUM_CONSUMERS  # whose turn follows ours under PINGPONG
+    q_tile = q_smem.index(CID)
+    o_tile = o_smem.index(CID)
+    diag_offset = seqlen_k - seqlen_q
+    kv_it = 0  # position in the K/V ring, running across tiles as in the producer
+    turn = 0  # PINGPONG turns taken
+    tile_count = 0
+    for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        off_b, off_h, bh, start_m, n_blocks, hi_free = _tile(t, n_tiles_m, n_bh, n_heads, seqlen_q, seqlen_k,
+                                                             CAUSAL, NUM_CONSUMERS * BLOCK_M, BLOCK_N)
+        row0 = start_m + CID * BLOCK_M
+        rows = row0 + gl.arange(0, BLOCK_M, layout=row_layout)
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_layout)
+        l_i = gl.full([BLOCK_M], 1.0, gl.float32, layout=row_layout)  # the first alpha = 0 clears it
+        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+        mbarrier.wait(q_bar.index(CID), tile_count & 1)
+
+        # Block 0: S_0 and its softmax (there is no PV GEMM to overlap yet).
+        slot = kv_it % NUM_STAGES
+        if PINGPONG:
+            mbarrier.wait(turn_bars.index(CID), turn & 1)
+            turn += 1
+        mbarrier.wait(k_ready.index(slot), (kv_it // NUM_STAGES) & 1)
+        s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)),
+                          gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn_bars.index(NEXT))
+        s = warpgroup_mma_wait(0, deps=(s,))
+        mbarrier.arrive(k_empty.index(slot))
+        if hi_free <= 0:
+            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, 0, seqlen_k, diag_offset, qk_scale,
+                                                True, CAUSAL, BLOCK_N, s_layout)
+        else:
+            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, 0, seqlen_k, diag_offset, qk_scale,
+                                                False, CAUSAL, BLOCK_N, s_layout)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+
+        for j in range(1, n_blocks):
+            slot = (kv_it + j) % NUM_STAGES
+            prev = (kv_it + j - 1) % NUM_STAGES
+            if PINGPONG:
+                mbarrier.wait(turn_bars.index(CID), turn & 1)
+                turn += 1
+            mbarrier.wait(k_ready.index(slot), ((kv_it + j) // NUM_STAGES) & 1)
+            s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)),
+                              gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout), use_acc=False,
+                              is_async=True)
+            mbarrier.wait(v_ready.index(prev), ((kv_it + j - 1) // NUM_STAGES) & 1)
+            acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn_bars.index(NEXT))
+            s = warpgroup_mma_wait(1, deps=(s,))  # S_j is done; the PV GEMM may still run
+            mbarrier.arrive(k_empty.index(slot))
+            start_n = j * BLOCK_N
+            if start_n >= hi_free:
+                p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, start_n, seqlen_k, diag_offset, qk_scale,
+                                                    True, CAUSAL, BLOCK_N, s_layout)
+            else:
+                p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, start_n, seqlen_k, diag_offset, qk_scale,
+                                                    False, CAUSAL, BLOCK_N, s_layout)
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+            mbarrier.arrive(v_empty.index(prev))
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+        mbarrier.arrive(q_empty.index(CID))  # every QK GEMM of the tile is done: the next Q may come in
+
+        last = (kv_it + n_blocks - 1) % NUM_STAGES
+        mbarrier.wait(v_ready.index(last), ((kv_it + n_blocks - 1) // NUM_STAGES) & 1)
+        acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+        mbarrier.arrive(v_empty.index(last))
+        if PINGPONG:  # one more turn, so every consumer takes n_blocks + 1 per tile
+            mbarrier.wait(turn_bars.index(CID), turn & 1)
+            turn += 1
+            mbarrier.arrive(turn_bars.index(NEXT))
+        kv_it += n_blocks
+        tile_count += 1
+
+        # One division at the end [1]. Rows that saw no key keep m_i = -inf: output 0, internal LSE +inf.
+        empty = m_i == float("-inf")
+        l_i = gl.where(empty, 1.0, l_i)
+        o = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
+        lse = gl.where(empty, float("inf"), m_i + gl.log2(l_i))
+        gl.store(LSE + bh.to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
+        tma.store_wait(0)  # the previous tile's O has left o_tile
+        o_tile.store(o.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [off_b, off_h, row0, 0], _as_4d(o_tile, o_desc))
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+              n_tiles_m, n_tiles, n_bh, n_heads, seqlen_q, seqlen_k,
+              GROUP: gl.constexpr, CAUSAL: gl.constexpr, NUM_CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """The TMA warp: per tile the consumers' Q tiles, then K_j and V_j into ring slot (position % NUM_STAGES)."""
+    kv_it = 0
+    tile_count = 0
+    for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        off_b, off_h, bh, start_m, n_blocks, hi_free = _tile(t, n_tiles_m, n_bh, n_heads, seqlen_q, seqlen_k,
+                                                             CAUSAL, NUM_CONSUMERS * BLOCK_M, BLOCK_N)
+        off_hk = off_h // GROUP  # GQA: GROUP query heads share one K/V head
+        for i in gl.static_range(NUM_CONSUMERS):
+            mbarrier.wait(q_empty.index(i), (tile_count & 1) ^ 1)  # a fresh barrier passes phase 1 at once
+            mbarrier.expect(q_bar.index(i), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m + i * BLOCK_M, 0], q_bar.index(i),
+                                            _as_4d(q_smem.index(i), q_desc))
+        for j in range(n_blocks):
+            slot = kv_it % NUM_STAGES
+            phase = (kv_it // NUM_STAGES) & 1
+            mbarrier.wait(k_empty.index(slot), phase ^ 1)
+            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [off_b, off_hk, j * BLOCK_N, 0], k_ready.index(slot),
+                                            _as_4d(k_smem.index(slot), k_desc))
+            mbarrier.wait(v_empty.index(slot), phase ^ 1)
+            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [off_b, off_hk, j * BLOCK_N, 0], v_ready.index(slot),
+                                            _as_4d(v_smem.index(slot), v_desc))
+            kv_it += 1
+        tile_count += 1
+
+
+@gluon.jit
+def fa3_fwd_kernel(
+    q_desc, k_desc, v_desc, o_desc, LSE,
+    n_heads, seqlen_q, seqlen_k, qk_scale, n_tiles_m, n_tiles, n_bh,
+    GROUP: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr,
+):
+    """Grid (min(n_tiles, CTAs that fit at once),): see the module docstring. n_tiles = n_tiles_m * n_bh."""
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BLOCK_M, HEAD_DIM], Q_LAYOUT)
+    o_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BLOCK_M, HEAD_DIM], Q_LAYOUT)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], KV_LAYOUT)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], KV_LAYOUT)
+    q_bar = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    turn_bars = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_CONSUMERS):
+        mbarrier.init(q_bar.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)
+        mbarrier.init(turn_bars.index(i), count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=NUM_CONSUMERS)  # one arrival per consumer
+        mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS)
+    if PINGPONG:  # consumer 0 takes the first turn
+        mbarrier.arrive(turn_bars.index(0))
+    fence_async_shared()
+
+    # Written out per partition: tuple concatenation inside a Gluon kernel turns constexprs into tensors.
+    # Registers: 24 for the producer warp, the rest shared by the consumer warpgroups.
+    if NUM_CONSUMERS == 2:
+        gl.warp_specialize(
+            [
+            (_consumer, (q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                         turn_bars, o_desc, LSE, n_tiles_m, n_tiles, n_bh, n_heads, seqlen_q, seqlen_k, qk_scale,
+                         0, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES)),
+            (_consumer, (q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                         turn_bars, o_desc, LSE, n_tiles_m, n_tiles, n_bh, n_heads, seqlen_q, seqlen_k, qk_scale,
+                         1, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
+                         k_empty, v_empty, n_tiles_m, n_tiles, n_bh, n_heads, seqlen_q, seqlen_k,
+                         GROUP, CAUSAL, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES)),
+            ],
+            [4, 1],
+            [240, 24],
+        )
+    else:
+        gl.warp_specialize(
+            [
+            (_consumer, (q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                         turn_bars, o_desc, LSE, n_tiles_m, n_tiles, n_bh, n_heads, seqlen_q, seqlen_k, qk_scale,
+                         0, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES)),
+            (_consumer, (q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                         turn_bars, o_desc, LSE, n_tiles_m, n_tiles, n_bh, n_heads, seqlen_q, seqlen_k, qk_scale,
+                         1, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES)),
+            (_consumer, (q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                         turn_bars, o_desc, LSE, n_tiles_m, n_tiles, n_bh, n_heads, seqlen_q, seqlen_k, qk_scale,
+                         2, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
+                         k_empty, v_empty, n_tiles_m, n_tiles, n_bh, n_heads, seqlen_q, seqlen_k,
+                         GROUP, CAUSAL, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES)),
+            ],
+            [4, 4, 1],
+            [160, 160, 24],
+        )

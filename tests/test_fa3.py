@@ -1,0 +1,109 @@
+"""fa3's dispatch: where the Gluon kernel runs, where FA2 stands in (with one warning naming the reason), and an
+sm_90 compile of the Gluon kernel on a CPU-only machine whenever the installed Triton is one it supports.
+
+The numerical matrix for fa3 (odd lengths, seqlen_q != seqlen_k, GQA, strided views, fully masked rows,
+determinism) is tests/test_attention.py's, which runs fa3 on a CUDA GPU.
+"""
+
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import fa2_attention, fa3, fa3_attention
+
+ROOT = Path(__file__).resolve().parents[1]
+SUPPORTED = isinstance(fa3._gluon_module(), type(fa3))  # the installed Triton is one the kernel supports
+
+
+@pytest.fixture
+def fresh_dispatch(monkeypatch):
+    """Forget the cached Gluon module and the warnings already given, so each test sees its own."""
+    cached = fa3._gluon_module  # tests may replace it; clear the real cache before and after
+    cached.cache_clear()
+    monkeypatch.setattr(fa3, "_WARNED", set())
+    yield
+    cached.cache_clear()
+
+
+def _qkv(dtype=torch.bfloat16, head_dim=64, device="cpu"):
+    return [torch.randn(1, 2, 24, head_dim, dtype=dtype, device=device) for _ in range(3)]
+
+
+def test_other_triton_versions_fall_back_with_one_warning(fresh_dispatch, monkeypatch):
+    monkeypatch.setattr(fa3, "triton_version", lambda: "9.1.0")
+    q, k, v = _qkv()
+    assert "triton 9.1.0 is not a version the Gluon kernel supports" in fa3.gluon_unsupported_reason(q, k, v)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        o = fa3_attention(q, k, v, causal=True)
+        fa3_attention(q, k, v, causal=True)
+    messages = [str(w.message) for w in caught if "attn=fa3" in str(w.message)]
+    assert len(messages) == 1 and "triton 9.1.0" in messages[0]
+    torch.testing.assert_close(o, fa2_attention(q, k, v, causal=True), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype,head_dim,reason", [
+    (torch.float32, 64, "dtype torch.float32"),
+    (torch.bfloat16, 80, "head_dim 80"),
+    (torch.float16, 256, "head_dim 256"),
+])
+def test_inputs_the_kernel_does_not_cover_are_named(fresh_dispatch, monkeypatch, dtype, head_dim, reason):
+    monkeypatch.setattr(fa3, "_gluon_module", lambda: fa3)  # as if the Triton were supported
+    assert reason in fa3.gluon_unsupported_reason(*_qkv(dtype, head_dim))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")
+def test_no_gpu_is_named(fresh_dispatch, monkeypatch):
+    monkeypatch.setattr(fa3, "_gluon_module", lambda: fa3)
+    assert "no CUDA GPU" in fa3.gluon_unsupported_reason(*_qkv())
+
+
+@pytest.mark.skipif(not SUPPORTED, reason=f"triton {fa3.triton_version()} is not a Gluon version the kernel supports")
+@pytest.mark.parametrize("dtype,head_dim,causal,group", [
+    (torch.bfloat16, 128, True, 1), (torch.float16, 64, False, 4),
+])
+def test_gluon_kernel_compiles_for_sm90(dtype, head_dim, causal, group):
+    """No GPU needed: Triton compiles for a named target. Catches Gluon API breaks before a user's GPU does.
+
+    Runs in a fresh process without TRITON_INTERPRET: under the interpreter Triton's own jitted helpers (the
+    reductions' combine functions) are interpreted objects a compiled kernel cannot reference.
+    """
+    code = (f"import torch; from kernels import fa3; k = fa3.compile_for_sm90(torch.{str(dtype)[6:]}, {head_dim}, "
+            f"{causal}, {group}); ptx = k.asm['ptx']; "
+            "print(k.metadata.shared, all(s in ptx for s in ('wgmma.mma_async', 'setmaxnreg', 'cp.async.bulk.tensor')))")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    shared, has_hopper_instructions = done.stdout.split()[-2:]
+    assert has_hopper_instructions == "True", "wgmma, setmaxnreg and TMA copies expected in the PTX"
+    assert int(shared) <= 232448, "more shared memory than an sm_90 block may have"
+
+
+@pytest.mark.skipif(SUPPORTED, reason="the installed Triton is supported: the compile test runs instead")
+def test_unsupported_triton_takes_the_fallback(fresh_dispatch):
+    q, k, v = _qkv()
+    reason = fa3.gluon_unsupported_reason(q, k, v)
+    assert reason.startswith(f"triton {fa3.triton_version()}")
+    with pytest.raises(RuntimeError, match="not a version the Gluon kernel supports"):
+        fa3.compile_for_sm90()
+    with pytest.warns(RuntimeWarning, match=f"triton {fa3.triton_version()}"):
+        fa3_attention(q, k, v, causal=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="needs an sm_90 GPU")
+@pytest.mark.skipif(not SUPPORTED, reason="the installed Triton is not one the Gluon kernel supports")
+def test_gluon_kernel_runs_on_hopper(fresh_dispatch):
+    q, k, v = (torch.randn(2, 4, 300, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    assert fa3.gluon_unsupported_reason(q, k, v) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning
+        o = fa3_attention(q, k, v, causal=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    assert ((o.float() - ref).norm() / ref.norm()).item() < 1e-2
