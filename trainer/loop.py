@@ -131,7 +131,8 @@ class Trainer:
         if dist.is_main:
             checkpoint.remove_orphans(run_dir)
         same_run = ckpt_path is not None and ckpt_path.resolve().parent == checkpoint.checkpoint_dir(run_dir).resolve()
-        self.logger = self._logger(ckpt["wandb_run_id"] if same_run else None, ckpt["step"] if ckpt else 0)
+        start_step = ckpt["step"] if ckpt is not None else 0
+        self.logger = self._logger(ckpt["wandb_run_id"] if same_run else None, start_step)
         self.summary = TrainSummary(run_dir, backend, 0, 0, "max_steps", wandb_run_id=self.logger.wandb_id,
                                     num_params=self.state.model.num_params(),
                                     tokens_per_step=self.throughput.tokens_per_step)
