@@ -13,7 +13,7 @@ time curves overlay in the W&B UI. Files go to runs/<name>/: throughput.csv, thr
 `--baseline` also runs, per backend and in the same process, the bare training loop of `bench.baseline` (same
 model, data, dtype, compile and optimizer; forward, backward, clip, step, zero_grad and nothing else) and reports
 the trainer's tokens/s and peak memory as ratios of the bare loop's (`vs bare tok/s`, `vs bare mem`): the
-framework's own cost. Bare rows have `loop` = `bare`.
+framework's own cost. Bare rows have `loop` = `bare`. The `--sweep` runs have no bare rows.
 
 `--sweep` repeats the comparison for each context length at a fixed number of tokens per step
 (`--sweep-tokens`; batch = tokens / context) into throughput_sweep.{csv,json,png}, to show where attention
