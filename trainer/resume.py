@@ -43,6 +43,8 @@ def refusal_for_overrides(overrides: list[str]) -> Optional[str]:
     Hydra then reports them itself, and ``train`` still refuses the run, after Hydra wrote its files)."""
     if any(a.startswith("-") or a.lstrip("+~").startswith("hydra.") for a in overrides):
         return None
+    if not any(a.lstrip("+").startswith("resume=") for a in overrides):  # the default, auto, refuses nothing
+        return None
     try:
         from trainer.config import compose_config
 
