@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from data.tokenizers import tokenizer_from_meta
+from model.attention import REGISTRY
 from model.gpt import GPT, GPTConfig
 from trainer.checkpoint import CheckpointError, clean_state_dict, latest_checkpoint, load_checkpoint
 
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-k", type=int, default=200, help="keep the k most likely tokens; 0 = all, 1 = greedy")
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    ap.add_argument("--attn", default="sdpa", choices=("sdpa", "fa1", "fa2"), help="attention backend")
+    ap.add_argument("--attn", default="sdpa", choices=list(REGISTRY), help="attention backend")
     ap.add_argument("--kv-cache", action=argparse.BooleanOptionalAction, default=True,
                     help="cache keys/values: prefill the prompt once, then one decode step per token")
     ap.add_argument("--compile", nargs="?", const=True, default=False, choices=(True, "cudagraphs"),

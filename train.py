@@ -30,6 +30,7 @@ from trainer import ConfigError, NonFiniteLossError, register_configs, train
 from trainer.checkpoint import CheckpointError
 from trainer.config import RUN_NAME_RULE, valid_run_name
 from trainer.distributed import destroy_process_group, torchrun_overrides
+from trainer.resume import refusal_for_overrides
 from trainer.runtime import DistInfo
 
 log = logging.getLogger("train")
@@ -68,8 +69,16 @@ def check_run_name(argv: list[str]) -> None:
             sys.exit(f"error: run.name={value!r}: {RUN_NAME_RULE}")
 
 
+def refuse_before_hydra(argv: list[str]) -> None:
+    """Exit if the resume policy refuses the run, before Hydra writes .hydra/ and train.log into its folder."""
+    reason = refusal_for_overrides(argv)
+    if reason:
+        sys.exit(f"error: {reason}")
+
+
 if __name__ == "__main__":
     check_run_name(sys.argv[1:])
     sys.argv[1:] = torchrun_overrides(sys.argv[1:])  # unchanged for one process
+    refuse_before_hydra(sys.argv[1:])
     main()
     destroy_process_group()  # torchrun: after every job of the process (Hydra multirun) finished

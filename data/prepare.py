@@ -14,10 +14,10 @@ Documents are concatenated (BPE: separated by the tokenizer's EOT token), as in 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from data.sources import DataError, load_documents, source_identity
 from data.tokenizers import CharTokenizer, TiktokenTokenizer, Tokenizer, tokenizer_from_meta
+from utils.atomic import atomic_path, atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -124,9 +125,8 @@ def _build(cfg, folder: Path) -> None:
     dtype = token_dtype(tokenizer.vocab_size)
 
     folder.mkdir(parents=True, exist_ok=True)
-    suffix = f".tmp-{os.getpid()}"
-    tmp = {s: folder / f"{s}.bin{suffix}" for s in ("train", "val")}
-    try:
+    with contextlib.ExitStack() as stack:  # both files are renamed only if both were written
+        tmp = {s: stack.enter_context(atomic_path(folder / f"{s}.bin")) for s in ("train", "val")}
         out = {s: np.memmap(tmp[s], dtype=dtype, mode="w+", shape=(n,)) for s, n in (("train", n_train), ("val", n_val))}
         pos = 0
         with tqdm(total=total, desc=f"writing {folder.name}", unit="tok", unit_scale=True) as bar:
@@ -145,37 +145,11 @@ def _build(cfg, folder: Path) -> None:
         for arr in out.values():
             arr.flush()
         out.clear()  # drop the memmaps before the files are synced and renamed
-        for s in ("train", "val"):
-            _fsync(tmp[s])
-            os.replace(tmp[s], folder / f"{s}.bin")
-        meta = {
-            "version": PREP_VERSION, "name": cfg.name, "source": source_identity(cfg), **tokenizer.meta(),
-            "dtype": dtype.name, "train_tokens": n_train, "val_tokens": n_val, "documents": len(docs),
-            "val_fraction": cfg.val_fraction,
-        }
-        write_text_atomic(folder / "meta.json", json.dumps(meta, indent=1))
-    finally:
-        for p in tmp.values():
-            p.unlink(missing_ok=True)
+    meta = {
+        "version": PREP_VERSION, "name": cfg.name, "source": source_identity(cfg), **tokenizer.meta(),
+        "dtype": dtype.name, "train_tokens": n_train, "val_tokens": n_val, "documents": len(docs),
+        "val_fraction": cfg.val_fraction,
+    }
+    atomic_write_text(folder / "meta.json", json.dumps(meta, indent=1))
     log.info("token cache ready: %s (%d train / %d val tokens, vocab %d)", folder, n_train, n_val, tokenizer.vocab_size)
 
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file + fsync + os.replace."""
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)

@@ -1,6 +1,6 @@
-"""The one attention registry: the model asks for a backend by name and gets a function.
+"""The one attention backend registry: the model asks for a backend by name and gets a function.
 
-Every backend computes causal scaled-dot-product attention
+Every backend computes scaled-dot-product attention, causal by default (``causal=False``: no mask)
 
     o = softmax(q @ k^T * softmax_scale + causal_mask) @ v,   softmax_scale = 1/sqrt(head_dim)
 
@@ -22,6 +22,11 @@ Backends:
   has no such kernel for the inputs (cuDNN: CUDA only).
 - ``auto``: ``fa2`` when a CUDA GPU is present, ``sdpa`` otherwise (see ``resolve_backend``).
 
+``REGISTRY`` holds one ``Backend`` entry per concrete backend: its kernel factory and what the rest of the
+code asks about it (needs CUDA, supports dropout, head_dim range). Config validation, ``sample.py --attn``,
+``bench/attention.py`` and the tests derive from it. A new backend = a kernel module, one entry here and a
+``conf/attn/<name>.yaml`` (``backend: <name>``).
+
 For generation with a KV cache, ``get_kv_backend`` gives the same backends for seqlen_q <= seqlen_k
 (new queries against the cached prefix), with the causal mask aligned bottom-right, and
 ``get_static_kv_backend`` the fixed-shape decode step (CUDA graphs) where a backend has one.
@@ -33,7 +38,8 @@ import importlib
 import logging
 import os
 import warnings
-from typing import Callable, Protocol
+from dataclasses import dataclass
+from typing import Callable, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -47,50 +53,52 @@ if not torch.cuda.is_available():
     # before fa1/fa2 is chosen (e.g. an sdpa job, then an fa2 job in one process). So set it now.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-BACKENDS = ("auto", "sdpa", "sdpa_flash", "sdpa_cudnn", "fa1", "fa2", "fa3")
-
 
 class AttentionFn(Protocol):
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor: ...
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                 causal: bool = True) -> torch.Tensor: ...
 
 
 class BackendUnavailableError(RuntimeError):
     """The requested attention backend cannot be loaded (e.g. the Triton kernels are missing)."""
 
 
-def resolve_backend(name: str) -> str:
-    """Map a configured backend name to a concrete one: 'auto' -> 'fa2' with CUDA, else 'sdpa'.
+@dataclass(frozen=True)
+class Backend:
+    """One registry entry. ``factory()`` returns the attention function (imports kernels lazily; raises
+    BackendUnavailableError if they cannot be loaded). ``head_dims()``, if given, returns the (min, max)
+    head_dim the kernel accepts (it may load the kernels); None means no limit."""
+    name: str
+    factory: Callable[[], AttentionFn]
+    description: str
+    needs_cuda: bool = False
+    supports_dropout: bool = False
+    head_dims: Optional[Callable[[], tuple[int, int]]] = None
 
-    Raises ValueError for a name outside ``BACKENDS``.
-    """
-    if name not in BACKENDS:
-        raise ValueError(f"attn={name!r} is not a known attention backend; accepted: {', '.join(BACKENDS)}")
-    if name == "auto":
-        return "fa2" if torch.cuda.is_available() else "sdpa"
-    return name
 
-
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+          causal: bool = True) -> torch.Tensor:
     return F.scaled_dot_product_attention(
-        q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
+        q, k, v, dropout_p=dropout_p, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1]
     )
 
 
 _LOADED: dict[str, Callable] = {}  # kernel functions already imported (warn once per backend)
 
 
-# SDPA pinned to one of PyTorch's kernels, by backend name (also used by bench/attention.py).
+# SDPA pinned to one of PyTorch's kernels, by backend name.
 SDPA_PINNED = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
 
 
 def _sdpa_pinned(name: str, sdpa: AttentionFn = _sdpa) -> AttentionFn:
     pinned = SDPA_PINNED[name]
 
-    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                  causal: bool = True) -> torch.Tensor:
         with sdpa_kernel(pinned):
-            return sdpa(q, k, v, dropout_p)
+            return sdpa(q, k, v, dropout_p, causal)
 
-    attention.__name__ = f"{name}_causal_attention" if sdpa is _sdpa else f"{name}_kv_attention"
+    attention.__name__ = f"{name}_attention" if sdpa is _sdpa else f"{name}_kv_attention"
     return attention
 
 
@@ -118,38 +126,81 @@ def _load_triton(name: str) -> Callable:
 def _triton_backend(name: str) -> AttentionFn:
     kernel = _load_triton(name)
 
-    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                  causal: bool = True) -> torch.Tensor:
         if dropout_p > 0.0:
             raise ValueError(f"attn={name} has no attention dropout (got dropout_p={dropout_p}); "
                              "use model.dropout=0.0 or attn=sdpa")
-        return kernel(q, k, v, causal=True)  # the kernels take GQA (fewer k/v heads) and strided views
+        return kernel(q, k, v, causal=causal)  # the kernels take GQA (fewer k/v heads) and strided views
 
-    attention.__name__ = f"{name}_causal_attention"
+    attention.__name__ = f"{name}_attention"
     return attention
 
 
+def _triton_head_dims(name: str) -> Callable[[], tuple[int, int]]:
+    def head_dims() -> tuple[int, int]:
+        _load_triton(name)  # raises BackendUnavailableError if the kernels cannot be loaded
+        frontend = importlib.import_module("kernels.frontend")
+        return frontend.MIN_HEAD_DIM, frontend.MAX_HEAD_DIM
+
+    return head_dims
+
+
+REGISTRY: dict[str, Backend] = {b.name: b for b in (
+    Backend("sdpa", lambda: _sdpa, "PyTorch SDPA, PyTorch picks the kernel", supports_dropout=True),
+    Backend("sdpa_flash", lambda: _sdpa_pinned("sdpa_flash"), "PyTorch SDPA pinned to its FlashAttention-2 kernel",
+            supports_dropout=True),
+    Backend("sdpa_cudnn", lambda: _sdpa_pinned("sdpa_cudnn"), "PyTorch SDPA pinned to cuDNN attention",
+            needs_cuda=True, supports_dropout=True),
+    Backend("fa1", lambda: _triton_backend("fa1"), "our Triton FlashAttention-1 kernel",
+            head_dims=_triton_head_dims("fa1")),
+    Backend("fa2", lambda: _triton_backend("fa2"), "our Triton FlashAttention-2 kernel",
+            head_dims=_triton_head_dims("fa2")),
+    Backend("fa3", lambda: _triton_backend("fa3"),
+            "our FlashAttention-3 forward (Gluon, Hopper) with FA2's backward; FA2 elsewhere",
+            head_dims=_triton_head_dims("fa3")),
+)}
+BACKENDS = ("auto", *REGISTRY)  # the values of attn.backend
+
+
+def resolve_backend(name: str) -> str:
+    """Map a configured backend name to a concrete one: 'auto' -> 'fa2' with CUDA, else 'sdpa'.
+
+    Raises ValueError for a name outside ``BACKENDS``.
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"attn={name!r} is not a known attention backend; accepted: {', '.join(BACKENDS)}")
+    if name == "auto":
+        return "fa2" if torch.cuda.is_available() else "sdpa"
+    return name
+
+
+def backend_info(name: str) -> Backend:
+    """The registry entry of ``name`` ('auto' resolved). Raises ValueError for an unknown name."""
+    return REGISTRY[resolve_backend(name)]
+
+
 def head_dim_limits(name: str) -> tuple[int, int] | None:
-    """(min, max) head_dim the backend accepts, or None when it has no limit (sdpa)."""
-    if resolve_backend(name) not in ("fa1", "fa2", "fa3"):
-        return None
-    get_backend(name)  # raises BackendUnavailableError if the kernels cannot be loaded
-    frontend = importlib.import_module("kernels.frontend")
-    return frontend.MIN_HEAD_DIM, frontend.MAX_HEAD_DIM
+    """(min, max) head_dim the backend accepts, or None when it has no limit (sdpa).
+    Raises BackendUnavailableError if the backend's kernels cannot be loaded."""
+    entry = backend_info(name)
+    return entry.head_dims() if entry.head_dims is not None else None
 
 
 def get_backend(name: str) -> AttentionFn:
-    """Return ``fn(q, k, v, dropout_p=0.0) -> o`` for backend ``name`` (see module docstring).
+    """Return ``fn(q, k, v, dropout_p=0.0, causal=True) -> o`` for backend ``name`` (see module docstring).
 
     ``name`` may be 'auto'; it is resolved with ``resolve_backend``. Raises ValueError for an
     unknown name and BackendUnavailableError when fa1/fa2 cannot be imported from ``kernels``.
     """
-    return _FACTORIES[resolve_backend(name)]()
+    return backend_info(name).factory()
 
 
-def _sdpa_bottom_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+def _sdpa_bottom_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                       causal: bool = True) -> torch.Tensor:
     Tq, Tk = q.shape[2], k.shape[2]
-    if Tq == Tk:  # a prefill from position 0: top-left and bottom-right alignment agree
-        return _sdpa(q, k, v, dropout_p)
+    if Tq == Tk or not causal:  # e.g. a prefill from position 0: top-left and bottom-right alignment agree
+        return _sdpa(q, k, v, dropout_p, causal)
     # SDPA's is_causal is aligned top-left (query i sees keys 0..i), wrong for new queries after a cached prefix.
     # One query (a decode step) sees every cached key: no mask, which also keeps SDPA's fastest kernels.
     mask = None if Tq == 1 else torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq)
@@ -160,10 +211,11 @@ def _sdpa_bottom_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropou
 def _split_kv(name: str) -> AttentionFn:
     forward, decode = get_backend(name), importlib.import_module("kernels.decode").fa2_decode
 
-    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
-        if q.shape[2] == 1 and dropout_p == 0.0:  # a decode step: keys split across programs
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                  causal: bool = True) -> torch.Tensor:
+        if q.shape[2] == 1 and dropout_p == 0.0:  # a decode step: keys split across programs (no mask needed)
             return decode(q, k, v)
-        return forward(q, k, v, dropout_p)
+        return forward(q, k, v, dropout_p, causal)
 
     attention.__name__ = f"{name}_split_kv_attention"
     return attention
@@ -195,8 +247,8 @@ def get_static_kv_backend(name: str) -> Callable | None:
 
 
 def get_kv_backend(name: str, split_kv: bool = False) -> AttentionFn:
-    """Like ``get_backend``, for attention over a KV cache: ``fn(q, k, v, dropout_p=0.0) -> o`` with
-    q (B, n_head, T_q, head_dim) the new tokens and k, v (B, n_kv_head, T_k, head_dim) every token so far,
+    """Like ``get_backend``, for attention over a KV cache: ``fn(q, k, v, dropout_p=0.0, causal=True) -> o``
+    with q (B, n_head, T_q, head_dim) the new tokens and k, v (B, n_kv_head, T_k, head_dim) every token so far,
     T_q <= T_k: query i sees key j iff j <= i + T_k - T_q (causal mask aligned bottom-right).
 
     fa1/fa2/fa3 are ``get_backend``'s functions (the kernels align the mask bottom-right already); sdpa gets no
@@ -213,15 +265,3 @@ def get_kv_backend(name: str, split_kv: bool = False) -> AttentionFn:
     if name not in ("sdpa", *SDPA_PINNED):
         return get_backend(name)
     return _sdpa_bottom_right if name == "sdpa" else _sdpa_pinned(name, _sdpa_bottom_right)
-
-
-# One entry per concrete backend (plus a conf/attn/<name>.yaml to expose it on the command line).
-_FACTORIES: dict[str, Callable[[], AttentionFn]] = {
-    "sdpa": lambda: _sdpa,
-    "sdpa_flash": lambda: _sdpa_pinned("sdpa_flash"),
-    "sdpa_cudnn": lambda: _sdpa_pinned("sdpa_cudnn"),
-    "fa1": lambda: _triton_backend("fa1"),
-    "fa2": lambda: _triton_backend("fa2"),
-    "fa3": lambda: _triton_backend("fa3"),
-}
-assert set(BACKENDS) == {"auto", *_FACTORIES}

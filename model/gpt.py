@@ -149,13 +149,17 @@ class GPT(nn.Module):
         c = self.config
         return 6 * self.num_params() + 12 * c.n_layer * c.n_head * c.head_dim * c.block_size
 
-    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None,
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None, return_logits: bool = True,
                 kv_cache: Optional[KVCache] = None, start_pos: int | torch.Tensor = 0):
         """idx: (B, T) int64 token ids, T <= block_size; targets: (B, T) int64 or None.
 
-        Returns (logits, loss): with targets, logits (B, T, vocab_size) and the mean
-        cross-entropy (float32 scalar; targets == -1 are ignored); without, logits of the last
-        position only, (B, 1, vocab_size), and loss None.
+        Returns (logits, loss):
+        - with targets: the mean cross-entropy (float32 scalar; targets == -1 are ignored) and the
+          logits (B, T, vocab_size), or None for them with ``return_logits=False``. Training and
+          evaluation pass False: returned logits stay alive until the caller drops them (through
+          the backward), which costs B * T * vocab_size activations of memory (6 GiB for GPT-2 at
+          B=32, T=1024 in bf16+fp32).
+        - without targets: the logits of the last position only, (B, 1, vocab_size), and None.
 
         With ``kv_cache`` (inference only, see ``_forward_cached``), idx holds the tokens at positions
         start_pos .. start_pos+T-1 and attention also sees the cached positions before them.
@@ -176,7 +180,7 @@ class GPT(nn.Module):
             return self.lm_head(x[:, [-1], :]), None
         logits = self.lm_head(x)
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
-        return logits, loss
+        return (logits if return_logits else None), loss
 
     def use_split_kv_decode(self, enabled: bool = True) -> None:
         """Run decode steps (one query per head against the KV cache) through the split-K/V kernel

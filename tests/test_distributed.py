@@ -221,3 +221,18 @@ def test_hydra_multirun_under_torchrun(base, tmp_path):
     for job, steps in (("0", 2), ("1", 3)):
         assert [r["step"] for r in read_jsonl(tmp_path / "sweep" / job / "metrics.jsonl")] == list(range(1, steps + 1))
     assert sorted(p.parent.name for p in (tmp_path / "sweep").rglob(".hydra")) == ["0", "1"]
+
+
+def test_torchrun_needs_no_grad_accum_flag(base, tmp_path):
+    """`torchrun --nproc_per_node=2 train.py trainer.device=cpu` with the default trainer.grad_accum=auto:
+    one micro-batch per process, so the global batch is 2 x batch_size."""
+    args = [a for a in base if not a.startswith(("trainer.grad_accum", "trainer.max_steps"))]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "train.py"),
+           *args, f"run.root={tmp_path}", "run.name=auto", "trainer.max_steps=2", "wandb.mode=disabled"]
+    out = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-5000:]
+    records = read_jsonl(tmp_path / "auto" / "metrics.jsonl")
+    assert [r["tokens_seen"] for r in records] == [2 * 4 * 32, 2 * 2 * 4 * 32]
+    assert "DDP: 2 processes (gloo), 1 micro-batch(es) of 4 sequences per process per step" in \
+        (tmp_path / "auto" / "train.log").read_text()

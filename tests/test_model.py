@@ -164,3 +164,20 @@ def test_triton_backend_rejects_dropout(monkeypatch):
     q = torch.randn(1, 2, 4, 16)
     with pytest.raises(ValueError, match="no attention dropout"):
         fn(q, q, q, dropout_p=0.1)
+
+
+def test_training_forward_can_skip_the_logits():
+    """return_logits=False: the same loss and gradients, and no (B, T, vocab) tensor handed back."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=2, n_head=4, n_embd=32))
+    idx = torch.randint(0, 50, (3, 16))
+    logits, loss = model(idx, idx)
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    none, loss_only = model(idx, idx, return_logits=False)
+    loss_only.backward()
+    assert none is None and logits.shape == (3, 16, 50) and torch.equal(loss, loss_only)
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, model.parameters()))
+    last, no_loss = model(idx, return_logits=False)  # generation: always the last position's logits
+    assert last.shape == (3, 1, 50) and no_loss is None

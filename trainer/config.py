@@ -10,7 +10,7 @@ they are tuned for the CPU default (``model=tiny``, ``data=shakespeare_char``).
 ``ConfigError`` naming each bad key and what is accepted.
 
 Batch semantics (the same for one process and for a torchrun job of N ranks): an optimizer step
-uses ``trainer.grad_accum`` micro-batches of ``trainer.batch_size`` sequences, so the global batch
+uses ``trainer.grad_accum`` micro-batches (default ``auto``: one per process) of ``trainer.batch_size`` sequences, so the global batch
 is ``batch_size * grad_accum`` sequences (``* model.block_size`` tokens) whatever N is. Each rank
 runs ``grad_accum / N`` of the micro-batches (N must divide grad_accum), and micro-batch k of a
 step always comes from the same data stream (``data.sampler.ShardedBatchSampler``): a 1-process run
@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from data.prepare import TOKENIZERS
 from data.sources import SOURCES
-from model.attention import BACKENDS, head_dim_limits, resolve_backend
+from model.attention import BACKENDS, REGISTRY, head_dim_limits, resolve_backend
 
 
 @dataclass
@@ -75,7 +75,8 @@ class TrainerConfig:
     dtype: str = "auto"                # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16
     max_steps: int = 1000              # optimizer steps
     batch_size: int = 32               # sequences per micro-batch (one forward/backward on one GPU)
-    grad_accum: int = 1                # micro-batches per optimizer step for the whole job; a multiple of the ranks
+    # micro-batches per optimizer step for the whole job: auto = one per process, or an int (a multiple of the ranks)
+    grad_accum: Any = "auto"
     compile: bool = False              # torch.compile the model
     peak_flops: Optional[float] = None  # FLOP/s of one GPU for MFU; None = look the GPU up in trainer.metrics
     dist_timeout_s: int = 1800         # torchrun: a collective waiting longer than this fails the job
@@ -210,18 +211,9 @@ def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -
     check(cfg.attn.backend in BACKENDS, "attn.backend", f"accepted: {', '.join(BACKENDS)} (command line: attn=...)")
     if cfg.attn.backend in BACKENDS:
         backend = resolve_backend(cfg.attn.backend)
-    if backend in ("fa1", "fa2", "fa3"):
-        check(m.dropout == 0.0, "model.dropout",
-              f"attn={backend} has no attention dropout; use model.dropout=0.0 or attn=sdpa")
-        if m.n_head >= 1 and m.n_embd % m.n_head == 0:
-            lo, hi = head_dim_limits(backend)  # raises BackendUnavailableError if the kernels are missing
-            head_dim = m.n_embd // m.n_head
-            check(lo <= head_dim <= hi, "model.n_embd",
-                  f"head_dim = n_embd / n_head = {head_dim}, but attn={backend} supports {lo} to {hi}")
-
     t = cfg.trainer
-    check(backend != "sdpa_cudnn" or (t.device != "cpu" and torch.cuda.is_available()), "attn.backend",
-          "attn=sdpa_cudnn needs a CUDA GPU (cuDNN attention); use attn=sdpa or attn=sdpa_flash")
+    if backend is not None:
+        _check_backend(check, backend, m, t)
     check(t.device in DEVICES, "trainer.device", f"accepted: {', '.join(DEVICES)}")
     check(t.device != "cuda" or torch.cuda.is_available(), "trainer.device", "no CUDA GPU is available; use auto or cpu")
     check(t.dtype in DTYPES, "trainer.dtype", f"accepted: {', '.join(DTYPES)}")
@@ -229,30 +221,16 @@ def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -
     check(t.dtype != "fp16" or on_cuda, "trainer.dtype", "fp16 (with a grad scaler) needs CUDA; on CPU use fp32 or bf16")
     if on_cuda and t.dtype == "bf16":
         check(torch.cuda.is_bf16_supported(), "trainer.dtype", "this GPU has no bf16; use fp16 or fp32")
-    for key in ("max_steps", "batch_size", "grad_accum", "dist_timeout_s"):
+    for key in ("max_steps", "batch_size", "dist_timeout_s"):
         check(t[key] >= 1, f"trainer.{key}", "must be a positive integer")
-    if t.grad_accum >= 1 and world_size > 1:
-        check(t.grad_accum % world_size == 0, "trainer.grad_accum",
-              f"must be a multiple of the number of processes ({world_size}, torchrun --nproc_per_node x nodes): "
-              f"it counts the micro-batches of one optimizer step for the whole job and each process runs "
-              f"grad_accum / {world_size} of them; e.g. trainer.grad_accum={world_size} "
-              f"(global batch = trainer.batch_size * trainer.grad_accum sequences)")
+    _check_grad_accum(check, t.grad_accum, world_size)
     if on_cuda and world_size > 1 and torch.cuda.is_available():
         check(local_rank < torch.cuda.device_count(), "trainer.device",
               f"torchrun started local rank {local_rank} but this machine has {torch.cuda.device_count()} "
               "CUDA GPU(s); use at most that many processes per node (--nproc_per_node), one per GPU")
     check(t.peak_flops is None or t.peak_flops > 0, "trainer.peak_flops", "must be positive or null")
 
-    o = cfg.optim
-    check(o.lr > 0, "optim.lr", "must be > 0")
-    check(0.0 <= o.min_lr_ratio <= 1.0, "optim.min_lr_ratio", "must be in [0, 1]")
-    check(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
-    check(o.decay_steps >= 0, "optim.decay_steps", "must be >= 0")
-    check(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
-    check(0.0 <= o.beta1 < 1.0, "optim.beta1", "must be in [0, 1)")
-    check(0.0 <= o.beta2 < 1.0, "optim.beta2", "must be in [0, 1)")
-    check(o.eps > 0, "optim.eps", "must be > 0")
-    check(o.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 = no clipping)")
+    _check_optim(check, cfg.optim)
 
     check(cfg.eval.interval >= 0, "eval.interval", "must be >= 0 (0 = only at the end)")
     check(cfg.eval.iters >= 1, "eval.iters", "must be a positive integer")
@@ -269,6 +247,48 @@ def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
 
 
+def _check_grad_accum(check, grad_accum, world_size: int) -> None:
+    explicit = grad_accum != "auto"
+    check(not explicit or (type(grad_accum) is int and grad_accum >= 1), "trainer.grad_accum",
+          "must be auto (one micro-batch per process) or a positive integer")
+    if explicit and type(grad_accum) is int and grad_accum >= 1 and world_size > 1:
+        check(grad_accum % world_size == 0, "trainer.grad_accum",
+              f"must be a multiple of the number of processes ({world_size}, torchrun --nproc_per_node x nodes): "
+              f"it counts the micro-batches of one optimizer step for the whole job and each process runs "
+              f"grad_accum / {world_size} of them; e.g. trainer.grad_accum={world_size} or auto "
+              f"(global batch = trainer.batch_size * trainer.grad_accum sequences)")
+
+
+def _check_optim(check, o) -> None:
+    check(o.lr > 0, "optim.lr", "must be > 0")
+    check(0.0 <= o.min_lr_ratio <= 1.0, "optim.min_lr_ratio", "must be in [0, 1]")
+    check(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+    check(o.decay_steps >= 0, "optim.decay_steps", "must be >= 0")
+    check(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+    check(0.0 <= o.beta1 < 1.0, "optim.beta1", "must be in [0, 1)")
+    check(0.0 <= o.beta2 < 1.0, "optim.beta2", "must be in [0, 1)")
+    check(o.eps > 0, "optim.eps", "must be > 0")
+    check(o.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 = no clipping)")
+
+
+def _check_backend(check, backend: str, m, t) -> None:
+    """What the backend's registry entry (model.attention.REGISTRY) says it needs."""
+    import torch
+
+    entry = REGISTRY[backend]
+    if not entry.supports_dropout:
+        with_dropout = ", ".join(f"attn={b.name}" for b in REGISTRY.values() if b.supports_dropout and not b.needs_cuda)
+        check(m.dropout == 0.0, "model.dropout",
+              f"attn={backend} has no attention dropout; use model.dropout=0.0 or {with_dropout}")
+    if entry.head_dims is not None and m.n_head >= 1 and m.n_embd % m.n_head == 0:
+        lo, hi = head_dim_limits(backend)  # raises BackendUnavailableError if the kernels are missing
+        head_dim = m.n_embd // m.n_head
+        check(lo <= head_dim <= hi, "model.n_embd",
+              f"head_dim = n_embd / n_head = {head_dim}, but attn={backend} supports {lo} to {hi}")
+    if entry.needs_cuda:
+        check(t.device != "cpu" and torch.cuda.is_available(), "attn.backend",
+              f"attn={backend} needs a CUDA GPU ({entry.description}); use attn=sdpa")
+
 def validate_against_data(cfg: DictConfig, train_tokens: int, val_tokens: int, data_vocab: int) -> None:
     """Checks that need the prepared data. Raises ConfigError naming the key."""
     errors = []
@@ -281,6 +301,12 @@ def validate_against_data(cfg: DictConfig, train_tokens: int, val_tokens: int, d
                       f"({data_vocab}); use model.vocab_size=null (= data vocabulary, padded) or a value >= {data_vocab}")
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+
+
+def resolved_grad_accum(cfg: DictConfig, world_size: int = 1) -> int:
+    """Micro-batches per optimizer step for the whole job: ``trainer.grad_accum``, or for ``auto``
+    one per process (``world_size``). Call after ``validate_config``."""
+    return world_size if cfg.trainer.grad_accum == "auto" else int(cfg.trainer.grad_accum)
 
 
 def padded_vocab_size(cfg: DictConfig, data_vocab: int) -> int:
