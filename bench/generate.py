@@ -155,7 +155,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    torch._dynamo.config.fail_on_recompile_limit_hit = True  # never time an eager fallback as "compiled"
+    # Each batch size and mode compiles the step again (a few graphs per backend): room for them, and an error
+    # rather than a silent eager fallback timed as "compiled" past the limit.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
     rows = []
     for backend in args.backends:
         # Fresh compile caches per backend: each model's code would otherwise count against dynamo's recompile
