@@ -90,8 +90,9 @@ def test_torchrun_matches_single_process(single, ddp):
 def test_torchrun_writes_one_run_folder_checkpoint_set_and_wandb_run(ddp):
     root, stdout = ddp
     folders = list((root / "runs").iterdir())
-    assert len(folders) == 1 and re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d", folders[0].name), folders
+    assert len(folders) == 1 and re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_[0-9a-f]{6}", folders[0].name), folders
     run_dir = folders[0]
+    assert (run_dir / ".lock").read_text() == ""  # rank 0 owned the folder (the ranks did not refuse each other)
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000005.pt", "step_00000010.pt"]
     assert [p.parent for p in root.rglob(".hydra")] == [run_dir]
     log = (run_dir / "train.log").read_text()

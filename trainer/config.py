@@ -19,7 +19,12 @@ and an N-rank run with the same settings see the same data and compute the same 
 
 from __future__ import annotations
 
+import datetime
+import functools
+import math
 import os
+import secrets
+import tempfile
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -29,6 +34,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from data.prepare import TOKENIZERS
 from data.sources import SOURCES
 from model.attention import BACKENDS, head_dim_limits, resolve_backend
+from trainer.runtime import NO_CUDA
 
 
 @dataclass
@@ -115,12 +121,12 @@ class WandbConfig:
     tags: List[str] = field(default_factory=list)
 
 
-RUN_NAME_FORMAT = "%Y-%m-%d_%H-%M-%S"  # default run.name: the launch time (torchrun: rank 0's)
+RUN_NAME_FORMAT = "%Y-%m-%d_%H-%M-%S"  # default run.name: launch time + random suffix (torchrun: rank 0's)
 
 
 @dataclass
 class RunConfig:
-    name: str = "${now:" + RUN_NAME_FORMAT + "}"   # runs/<name>/ holds everything of the run
+    name: str = "${default_run_name:}"  # runs/<name>/ holds everything of the run
     root: str = "runs"
 
 
@@ -139,23 +145,44 @@ class Config:
     resume: str = "auto"               # auto | never | <checkpoint path>
 
 
-RUN_NAME_RULE = "must be a non-empty folder name without path separators (not '.' or '..')"
+RUN_NAME_MAX = 128  # leaves room under the file-name limit (255 bytes) for what tools append
+RUN_NAME_RULE = (f"must be a non-empty folder name of at most {RUN_NAME_MAX} characters without path "
+                 "separators (not '.' or '..')")
 
 
 def valid_run_name(name: str) -> bool:
-    return bool(name) and "/" not in name and os.sep not in name and name not in (".", "..")
+    return (bool(name) and len(name) <= RUN_NAME_MAX and "/" not in name and os.sep not in name
+            and name not in (".", ".."))
+
+
+@functools.cache
+def default_run_name() -> str:
+    """The launch time plus a random suffix: processes started in the same second get different
+    folders. Once per process, so every job of a Hydra multirun shares it."""
+    return f"{datetime.datetime.now().strftime(RUN_NAME_FORMAT)}_{secrets.token_hex(3)}"
 
 
 def _run_dir(root: str, name: str) -> str:
-    """Resolver behind Hydra's run folder (conf/config.yaml): rejects a bad run.name before Hydra creates it."""
+    """Resolver behind Hydra's run folder (conf/config.yaml), run before Hydra creates it: a bad
+    run.name or an unusable run.root ends the program with one line (SystemExit passes through
+    Hydra's error handling, which would print a long traceback for any other exception)."""
     if not valid_run_name(str(name)):
-        raise ValueError(f"run.name={name!r}: {RUN_NAME_RULE}")
-    return os.path.join(str(root), str(name))
+        raise SystemExit(f"error: run.name={name!r}: {RUN_NAME_RULE}")
+    path = os.path.join(str(root), str(name))
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):  # writable (os.access says yes to root on a read-only mount)
+            pass
+    except OSError as e:
+        raise SystemExit(f"error: run.root={root!r}: cannot create or write the run folder {path} "
+                         f"({e.strerror or e})") from None
+    return path
 
 
 def register_configs() -> None:
     ConfigStore.instance().store(name="config_schema", node=Config)
     OmegaConf.register_new_resolver("run_dir", _run_dir, replace=True)
+    OmegaConf.register_new_resolver("default_run_name", default_run_name, replace=True)
 
 
 class ConfigError(ValueError):
@@ -223,7 +250,7 @@ def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -
     check(backend != "sdpa_cudnn" or (t.device != "cpu" and torch.cuda.is_available()), "attn.backend",
           "attn=sdpa_cudnn needs a CUDA GPU (cuDNN attention); use attn=sdpa or attn=sdpa_flash")
     check(t.device in DEVICES, "trainer.device", f"accepted: {', '.join(DEVICES)}")
-    check(t.device != "cuda" or torch.cuda.is_available(), "trainer.device", "no CUDA GPU is available; use auto or cpu")
+    check(t.device != "cuda" or torch.cuda.is_available(), "trainer.device", NO_CUDA)
     check(t.dtype in DTYPES, "trainer.dtype", f"accepted: {', '.join(DTYPES)}")
     on_cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
     check(t.dtype != "fp16" or on_cuda, "trainer.dtype", "fp16 (with a grad scaler) needs CUDA; on CPU use fp32 or bf16")
@@ -241,9 +268,11 @@ def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -
         check(local_rank < torch.cuda.device_count(), "trainer.device",
               f"torchrun started local rank {local_rank} but this machine has {torch.cuda.device_count()} "
               "CUDA GPU(s); use at most that many processes per node (--nproc_per_node), one per GPU")
-    check(t.peak_flops is None or t.peak_flops > 0, "trainer.peak_flops", "must be positive or null")
+    check(t.peak_flops is None or 0 < t.peak_flops < math.inf, "trainer.peak_flops", "must be a finite number > 0 or null")
 
     o = cfg.optim
+    for key in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "eps", "grad_clip"):
+        check(math.isfinite(o[key]), f"optim.{key}", "must be a finite number (not inf or nan)")
     check(o.lr > 0, "optim.lr", "must be > 0")
     check(0.0 <= o.min_lr_ratio <= 1.0, "optim.min_lr_ratio", "must be in [0, 1]")
     check(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
