@@ -26,6 +26,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from data.prepare import PreparationInterrupted
 from data.sources import DataError
 from model.attention import BackendUnavailableError
 from trainer import ConfigError, NonFiniteLossError, register_configs, train
@@ -63,6 +64,9 @@ def run(cfg: DictConfig) -> float | None:
         # Expected user-facing failures: one clear message, no traceback.
         log.error("%s", e)
         sys.exit(1)
+    except PreparationInterrupted as e:  # Ctrl-C or SIGTERM while the token cache was written
+        log.error("%s", e)
+        sys.exit(128 + e.signum)
     except KeyboardInterrupt:  # a second Ctrl-C: abort now, without saving; the last checkpoint stays the latest
         log.error("aborted by a second Ctrl-C; this step was not saved (resume continues from the last checkpoint)")
         sys.exit(128 + signal.SIGINT)
