@@ -104,12 +104,27 @@ def test_invalid_values_name_the_key(overrides, key):
     assert f"{key}=" in str(e.value)
 
 
-def test_cuda_device_without_gpu_is_rejected(monkeypatch):
+def test_cuda_device_without_gpu_is_rejected(monkeypatch, capsys):
     import torch
 
+    import sample
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(ConfigError, match="trainer.device='cuda': no CUDA GPU"):
+    with pytest.raises(ConfigError, match="trainer.device='cuda': no CUDA GPU is available; use auto or cpu"):
         validate_config(compose_config(["trainer.device=cuda"]))
+    # D17: sample.py gives the same message (it was torch's 'Found no NVIDIA driver' traceback).
+    with pytest.raises(SystemExit) as e:
+        sample.main(["--run", "any", "--device", "cuda"])
+    assert e.value.code == 2 and "--device cuda: no CUDA GPU is available; use auto or cpu" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("key", ["optim.lr", "optim.weight_decay", "optim.eps", "optim.grad_clip",
+                                 "trainer.peak_flops"])
+@pytest.mark.parametrize("value", ["inf", "nan"])
+def test_non_finite_numbers_are_rejected(key, value):
+    """D21: optim.lr=inf and optim.weight_decay=inf were accepted (the NaN stop came at step 2)."""
+    with pytest.raises(ConfigError, match=rf"{key}={value}: must be a finite number"):
+        validate_config(compose_config(["trainer.device=cpu", f"{key}={value}"]))
 
 
 def test_dropout_with_triton_backend_is_rejected(monkeypatch):
