@@ -108,7 +108,7 @@ def prepare_data(cfg) -> PreparedData:
             return load_prepared(folder)
         except (ValueError, OSError, KeyError) as e:  # a derived cache: rebuild rather than fail
             log.warning("token cache %s is unusable (%s); rebuilding it", folder, e)
-            meta_path.unlink()  # the folder counts as incomplete until the rebuild writes a new one
+            meta_path.unlink(missing_ok=True)  # the folder counts as incomplete until the rebuild writes a new one
     log.info("preparing token cache %s (first use of this data config)", folder)
     created = not folder.exists()
     try:

@@ -35,6 +35,7 @@ class RunFolderBusy(RuntimeError):
 def own_run_folder(run_dir: str | Path) -> Iterator[None]:
     """Hold the run folder's lock for the ``with`` block; raise RunFolderBusy naming the owner."""
     path = Path(run_dir) / LOCK_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
