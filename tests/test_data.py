@@ -6,6 +6,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -172,6 +173,7 @@ def test_changed_bytes_in_a_cache_file_are_detected_and_rebuilt(make_cfg):
     expected = np.array(data.train)
     path = data.dir / "train.bin"
     del data
+    time.sleep(0.05)  # a later write: the file's mtime moves on (it is what makes the loader read the checksum)
     with open(path, "r+b") as f:
         f.seek(100)
         f.write(bytes(random.Random(0).getrandbits(8) for _ in range(64)))
