@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from trainer.checkpoint import list_checkpoints
+from trainer.run_lock import RunFolderBusy, own_run_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -129,3 +130,24 @@ def test_unusable_run_root_is_one_line(args, tmp_path):
     text = out.stdout + out.stderr
     assert out.returncode == 1 and f"run.root='{blocker}': cannot create or write the run folder" in text, text
     assert "Traceback" not in text and len(text.strip().splitlines()) == 1, text
+
+
+def test_lock_in_process(tmp_path, monkeypatch, caplog):
+    """The lock is per open file: a second acquisition is refused even in the same process, naming its PID;
+    on a file system without locks the run goes on with a warning."""
+    with own_run_folder(tmp_path / "r"):
+        with pytest.raises(RunFolderBusy, match=f"run folder {tmp_path / 'r'} is in use by PID {os.getpid()}"):
+            with own_run_folder(tmp_path / "r"):
+                pass
+    with own_run_folder(tmp_path / "r"):  # released
+        pass
+
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with own_run_folder(tmp_path / "r"):
+        pass
+    assert "cannot lock run folder" in caplog.text and "No locks available" in caplog.text

@@ -44,6 +44,9 @@ def own_run_folder(run_dir: str | Path) -> Iterator[None]:
             raise RunFolderBusy(
                 f"run folder {Path(run_dir)} is in use by {_owner(fd, wait=True) or 'another process'} (lock "
                 f"{path}); wait for it to finish or stop it, or choose another run.name") from None
+        except OSError as e:  # a file system without locks (some network or FUSE mounts): train, unguarded
+            log.warning("cannot lock run folder %s (%s): make sure no other process trains in it", run_dir,
+                        e.strerror or e)
         stale = _owner(fd)
         if stale:  # we hold the lock, so its last owner died without releasing it (kill -9, power loss)
             log.warning("run folder %s was owned by %s, which is no longer running; taking it over", run_dir, stale)
