@@ -173,6 +173,11 @@ def check_meta(meta) -> None:
 
     need(isinstance(meta, dict), "<root>", "a JSON object")
     need(meta.get("version") == PREP_VERSION, "version", str(PREP_VERSION))
+    need(isinstance(meta.get("name"), str), "name", "the data.name string")
+    need(isinstance(meta.get("source"), dict), "source", "an object describing the source")
+    need(isinstance(meta.get("documents"), int) and meta["documents"] >= 0, "documents", "an integer >= 0")
+    need(isinstance(meta.get("val_fraction"), float) and 0 < meta["val_fraction"] < 1, "val_fraction",
+         "a number in (0, 1)")
     need(meta.get("tokenizer") in TOKENIZERS, "tokenizer", " or ".join(TOKENIZERS))
     need(count(meta.get("vocab_size")), "vocab_size", "a positive integer")
     if meta["tokenizer"] == "char":

@@ -189,6 +189,8 @@ def test_changed_bytes_in_a_cache_file_are_detected_and_rebuilt(make_cfg):
     (lambda m: {**m, "train_tokens": "many"}, "'train_tokens'"),
     (lambda m: {**m, "vocab_size": m["vocab_size"] + 1}, "'chars'"),
     (lambda m: {k: v for k, v in m.items() if k != "files"}, "'files'"),
+    (lambda m: {**m, "source": None}, "'source'"),
+    (lambda m: {**m, "val_fraction": 2.0}, "'val_fraction'"),
 ])
 def test_an_unusable_meta_json_means_rebuild(make_cfg, caplog, edit, field):
     """D13: meta.json edited (dtype float16 read every token as 0) or replaced by [] / null (TypeError)."""
