@@ -20,6 +20,7 @@ Documents are concatenated (BPE: separated by the tokenizer's EOT token), as in 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -127,19 +128,49 @@ def remove_orphan_temp_files(folder: Path) -> None:
     Temporary files of live processes (another run preparing the same cache) are left alone."""
     for path in Path(folder).glob("*.tmp-*"):
         pid = path.name.rpartition(".tmp-")[2]
-        if pid.isdigit() and not _process_alive(int(pid)):
+        if pid.isdigit() and _abandoned(path, int(pid)):
             path.unlink(missing_ok=True)
             log.info("removed %s, left by process %s, which was stopped while writing it", path, pid)
 
 
-def _process_alive(pid: int) -> bool:
+@contextlib.contextmanager
+def _held_while_written(paths: list[Path]):
+    """Create ``paths`` and hold an flock on each while they are written: the PID in a temporary
+    file's name says nothing about a writer on another host sharing the cache folder, its lock does."""
+    fds = []
+    try:
+        for path in paths:
+            fds.append(os.open(path, os.O_RDWR | os.O_CREAT, 0o644))
+            with contextlib.suppress(OSError):  # no file locks here: the PID check is all there is
+                fcntl.flock(fds[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
+        yield
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _abandoned(path: Path, pid: int) -> bool:
+    """No live writer: process ``pid`` is not running here and nobody holds the file's lock."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
         return False
     except PermissionError:  # exists, owned by another user
+        return False
+    except ProcessLookupError:
+        pass
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
-    return True
+    except BlockingIOError:  # written by a live process elsewhere
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
 
 
 def load_prepared(folder: Path) -> PreparedData:
@@ -254,36 +285,39 @@ def _build(cfg, folder: Path) -> None:
     suffix = f".tmp-{os.getpid()}"
     tmp = {s: folder / f"{s}.bin{suffix}" for s in ("train", "val")}
     try:
-        out = {s: np.memmap(tmp[s], dtype=dtype, mode="w+", shape=(n,)) for s, n in (("train", n_train), ("val", n_val))}
-        pos = 0
-        with tqdm(total=total, desc=f"writing {folder.name}", unit="tok", unit_scale=True) as bar:
-            for batch in tokens.iter(batch_size=1024):
-                ids = np.concatenate([np.asarray(x, dtype=dtype) for x in batch["ids"]]) if batch["ids"] else np.empty(0, dtype)
-                # The stream's first n_train tokens go to train.bin, the rest to val.bin.
-                a = ids[: max(0, n_train - pos)]
-                b = ids[len(a):]
-                if len(a):
-                    out["train"][pos: pos + len(a)] = a
-                if len(b):
-                    start = pos + len(a) - n_train
-                    out["val"][start: start + len(b)] = b
-                pos += len(ids)
-                bar.update(len(ids))
-        for arr in out.values():
-            arr.flush()
-        out.clear()  # drop the memmaps before the files are synced and renamed
-        files = {}
-        for s in ("train", "val"):
-            _fsync(tmp[s])
-            st = tmp[s].stat()
-            files[f"{s}.bin"] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": file_sha256(tmp[s])}
-            os.replace(tmp[s], folder / f"{s}.bin")  # keeps the mtime
-        meta = {
-            "version": PREP_VERSION, "name": cfg.name, "source": source_identity(cfg), **tokenizer.meta(),
-            "dtype": dtype.name, "train_tokens": n_train, "val_tokens": n_val, "documents": len(docs),
-            "val_fraction": cfg.val_fraction, "files": files,
-        }
-        write_text_atomic(folder / "meta.json", json.dumps(meta, indent=1))
+        with _held_while_written(list(tmp.values())):  # created here, locked while written
+            out = {s: np.memmap(tmp[s], dtype=dtype, mode="w+", shape=(n,))
+                   for s, n in (("train", n_train), ("val", n_val))}
+            pos = 0
+            with tqdm(total=total, desc=f"writing {folder.name}", unit="tok", unit_scale=True) as bar:
+                for batch in tokens.iter(batch_size=1024):
+                    ids = (np.concatenate([np.asarray(x, dtype=dtype) for x in batch["ids"]]) if batch["ids"]
+                           else np.empty(0, dtype))
+                    # The stream's first n_train tokens go to train.bin, the rest to val.bin.
+                    a = ids[: max(0, n_train - pos)]
+                    b = ids[len(a):]
+                    if len(a):
+                        out["train"][pos: pos + len(a)] = a
+                    if len(b):
+                        start = pos + len(a) - n_train
+                        out["val"][start: start + len(b)] = b
+                    pos += len(ids)
+                    bar.update(len(ids))
+            for arr in out.values():
+                arr.flush()
+            out.clear()  # drop the memmaps before the files are synced and renamed
+            files = {}
+            for s in ("train", "val"):
+                _fsync(tmp[s])
+                st = tmp[s].stat()
+                files[f"{s}.bin"] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": file_sha256(tmp[s])}
+                os.replace(tmp[s], folder / f"{s}.bin")  # keeps the mtime
+            meta = {
+                "version": PREP_VERSION, "name": cfg.name, "source": source_identity(cfg), **tokenizer.meta(),
+                "dtype": dtype.name, "train_tokens": n_train, "val_tokens": n_val, "documents": len(docs),
+                "val_fraction": cfg.val_fraction, "files": files,
+            }
+            write_text_atomic(folder / "meta.json", json.dumps(meta, indent=1))
     finally:
         for p in tmp.values():
             p.unlink(missing_ok=True)
@@ -302,7 +336,7 @@ def write_text_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` via a temporary file + fsync + os.replace."""
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "w") as f:
+        with _held_while_written([tmp]), open(tmp, "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

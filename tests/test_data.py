@@ -155,15 +155,19 @@ def test_temporary_files_of_dead_processes_are_removed_at_start(make_cfg):
     dead.wait()
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     orphan, live = folder / f"train.bin.tmp-{dead.pid}", folder / f"val.bin.tmp-{alive.pid}"
+    # A writer on another host sharing the folder: its PID means nothing here, but it holds the file's lock.
+    remote = folder / f"meta.json.tmp-{dead.pid}"
     orphan.write_bytes(b"x" * 100)
     live.write_bytes(b"y")
     try:
-        prepare_data(cfg)
-        assert not orphan.exists() and live.exists()
+        with prep._held_while_written([remote]):
+            prepare_data(cfg)
+            assert not orphan.exists() and live.exists() and remote.exists()
     finally:
         alive.kill()
         alive.wait()
         live.unlink()
+        remote.unlink()
 
 
 def test_changed_bytes_in_a_cache_file_are_detected_and_rebuilt(make_cfg):
