@@ -156,6 +156,19 @@ def test_error_on_one_rank_ends_the_job_with_its_message(base, tmp_path):
     assert list_checkpoints(tmp_path / "crash") == []
 
 
+def test_torchrun_job_on_a_folder_another_process_owns_is_refused(base, tmp_path):
+    """#16 D2 under torchrun: rank 0 takes the run folder's lock for the job, so a folder owned by another
+    process (here this test) stops the job with the owner's PID, and nothing is written there."""
+    from trainer.run_lock import own_run_folder
+
+    with own_run_folder(tmp_path / "owned"):
+        out = torchrun(base + [f"run.root={tmp_path}", "run.name=owned"], timeout=120)
+    assert out.returncode != 0
+    assert f"run folder {tmp_path / 'owned'} is in use by PID {os.getpid()}" in out.stdout, out.stdout[-3000:]
+    # Hydra opens train.log before the job starts (it stays empty); nothing else appears.
+    assert {p.name: p.stat().st_size for p in (tmp_path / "owned").iterdir() if p.name != ".lock"} == {"train.log": 0}
+
+
 def test_nan_on_one_rank_stops_every_rank_at_that_step(base, tmp_path):
     out = torchrun(base + [f"run.root={tmp_path}", "run.name=nan"], timeout=120,
                    TEST_FAIL_RANK="1", TEST_FAIL_FORWARD="13", TEST_FAIL_KIND="nan")  # step 7, 2 forwards a step
