@@ -20,6 +20,7 @@ from data.tokenizers import tokenizer_from_meta
 from model.attention import REGISTRY
 from model.gpt import GPT, GPTConfig
 from trainer.checkpoint import CheckpointError, clean_state_dict, latest_checkpoint, load_checkpoint
+from trainer.runtime import NO_CUDA
 
 
 def find_checkpoint(run: str, runs_root: str = "runs") -> Path:
@@ -80,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
                      ("--temperature", args.temperature > 0), ("--top-k", args.top_k >= 0)):
         if not ok:
             ap.error(f"{name}={getattr(args, name[2:].replace('-', '_'))} is out of range")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device cuda: {NO_CUDA}")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     try:
         ckpt_path = find_checkpoint(args.run, args.runs_root)

@@ -35,7 +35,6 @@ For generation with a KV cache, ``get_kv_backend`` gives the same backends for s
 from __future__ import annotations
 
 import importlib
-import logging
 import os
 import warnings
 from dataclasses import dataclass
@@ -45,7 +44,6 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-log = logging.getLogger(__name__)
 
 if not torch.cuda.is_available():
     # Without a GPU the Triton kernels only run under Triton's interpreter, which Triton switches on when
@@ -110,7 +108,6 @@ def _load_triton(name: str) -> Callable:
         msg = (f"attn={name}: no CUDA GPU, running the Triton kernels under the Triton interpreter "
                "(TRITON_INTERPRET=1); this is very slow and meant for testing only")
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
-        log.warning(msg)
     try:
         kernels = importlib.import_module("kernels")
         fn = getattr(kernels, fn_name)

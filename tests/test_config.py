@@ -106,12 +106,27 @@ def test_invalid_values_name_the_key(overrides, key):
     assert f"{key}=" in str(e.value)
 
 
-def test_cuda_device_without_gpu_is_rejected(monkeypatch):
+def test_cuda_device_without_gpu_is_rejected(monkeypatch, capsys):
     import torch
 
+    import sample
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(ConfigError, match="trainer.device='cuda': no CUDA GPU"):
+    with pytest.raises(ConfigError, match="trainer.device='cuda': no CUDA GPU is available; use auto or cpu"):
         validate_config(compose_config(["trainer.device=cuda"]))
+    # D17: sample.py gives the same message (it was torch's 'Found no NVIDIA driver' traceback).
+    with pytest.raises(SystemExit) as e:
+        sample.main(["--run", "any", "--device", "cuda"])
+    assert e.value.code == 2 and "--device cuda: no CUDA GPU is available; use auto or cpu" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("key", ["optim.lr", "optim.weight_decay", "optim.eps", "optim.grad_clip",
+                                 "trainer.peak_flops"])
+@pytest.mark.parametrize("value", ["inf", "nan"])
+def test_non_finite_numbers_are_rejected(key, value):
+    """D21: optim.lr=inf and optim.weight_decay=inf were accepted (the NaN stop came at step 2)."""
+    with pytest.raises(ConfigError, match=rf"{key}={value}: must be a finite number"):
+        validate_config(compose_config(["trainer.device=cpu", f"{key}={value}"]))
 
 
 def test_dropout_with_triton_backend_is_rejected(monkeypatch):
@@ -184,3 +199,30 @@ def test_missing_mandatory_values_are_named():
     OmegaConf.update(cfg, "model.n_layer", "???")  # as if a custom model file left it out
     with pytest.raises(ConfigError, match=r"model.n_layer: has no value"):
         validate_config(cfg)
+
+
+def test_help_lists_every_key_with_its_meaning():
+    """`python train.py --help` was Hydra's generic key list: now the option table, generated from trainer/config.py."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "train.py", "--help", "optim.lr=0.01"], cwd=root, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = {line.split()[0]: line for line in out.stdout.splitlines() if line.startswith("  ") and line.split()}
+    keys = [k for k in _leaf_keys(OmegaConf.to_container(compose_config([]), resolve=False))]
+    assert keys and all(k in lines for k in keys), sorted(set(keys) - set(lines))
+    assert lines["optim.lr"].split()[1] == "0.01" and "peak learning rate" in lines["optim.lr"]
+    assert "<computed>" in lines["run.name"] and "model: baby, gpt2, tiny" in out.stdout
+
+
+def _leaf_keys(d, prefix=""):
+    for k, v in d.items():
+        if isinstance(v, dict):
+            yield from _leaf_keys(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}"

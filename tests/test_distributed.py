@@ -90,8 +90,9 @@ def test_torchrun_matches_single_process(single, ddp):
 def test_torchrun_writes_one_run_folder_checkpoint_set_and_wandb_run(ddp):
     root, stdout = ddp
     folders = list((root / "runs").iterdir())
-    assert len(folders) == 1 and re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d", folders[0].name), folders
+    assert len(folders) == 1 and re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_[0-9a-f]{6}", folders[0].name), folders
     run_dir = folders[0]
+    assert (run_dir / ".lock").read_text() == ""  # rank 0 owned the folder (the ranks did not refuse each other)
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000005.pt", "step_00000010.pt"]
     assert [p.parent for p in root.rglob(".hydra")] == [run_dir]
     log = (run_dir / "train.log").read_text()
@@ -153,6 +154,19 @@ def test_error_on_one_rank_ends_the_job_with_its_message(base, tmp_path):
     assert out.returncode != 0
     assert "Root Cause" in out.stdout and "RuntimeError: injected failure on rank 1 in training forward 5" in out.stdout
     assert list_checkpoints(tmp_path / "crash") == []
+
+
+def test_torchrun_job_on_a_folder_another_process_owns_is_refused(base, tmp_path):
+    """#16 D2 under torchrun: rank 0 takes the run folder's lock for the job, so a folder owned by another
+    process (here this test) stops the job with the owner's PID, and nothing is written there."""
+    from trainer.run_lock import own_run_folder
+
+    with own_run_folder(tmp_path / "owned"):
+        out = torchrun(base + [f"run.root={tmp_path}", "run.name=owned"], timeout=120)
+    assert out.returncode != 0
+    assert f"run folder {tmp_path / 'owned'} is in use by PID {os.getpid()}" in out.stdout, out.stdout[-3000:]
+    # Hydra opens train.log before the job starts (it stays empty); nothing else appears.
+    assert {p.name: p.stat().st_size for p in (tmp_path / "owned").iterdir() if p.name != ".lock"} == {"train.log": 0}
 
 
 def test_nan_on_one_rank_stops_every_rank_at_that_step(base, tmp_path):

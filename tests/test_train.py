@@ -228,6 +228,9 @@ def test_cli_entry_point(tiny_overrides, tmp_path):
     assert (run_dir / ".hydra" / "config.yaml").exists() and (run_dir / "train.log").exists()
     log = (run_dir / "train.log").read_text()
     assert "attention backend: sdpa" in log and "final val loss" in log
+    # A finished run says how to continue it, as an interrupted one does.
+    assert "finished at step 2; to continue this run, run the same command with run.name=cli " \
+           "trainer.max_steps=<more than 2>" in log
     assert [p.name for p in list_checkpoints(run_dir)] == ["step_00000002.pt"]
     bad = subprocess.run([sys.executable, "train.py", *args, "model.n_embd=30"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)

@@ -1,6 +1,8 @@
 """Training components (one job per module) and the loop that orchestrates them.
 
 config       structured Hydra configs (ConfigStore) and validation
+config_help  the option table of `python train.py --help`, from config's dataclasses
+run_lock     one live process per run folder (lock file naming the owner)
 lr_schedule  linear warm-up + cosine decay
 optim        AdamW parameter groups
 runtime      rank/world size, device, dtype/autocast, seeding, RNG state

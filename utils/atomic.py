@@ -1,7 +1,9 @@
 """Atomic file writes: a temporary file next to the target, fsync, then ``os.replace``.
 
 A reader never sees a half-written file under the final name; a crash leaves at most a
-``<name>.tmp-<pid>`` file, which ``remove_stale_temp_files`` deletes once that process is gone.
+``<name>.tmp-<pid>`` file, which ``remove_stale_temp_files`` deletes once no process writes it: the pid is
+not running here and nobody holds the flock the writer keeps on the file while writing it (the pid says
+nothing about a writer on another host sharing the folder; its lock does).
 
     atomic_write(path, lambda f: torch.save(state, f))      # f: a binary file object
     atomic_write_text(path, text)
@@ -13,6 +15,7 @@ A reader never sees a half-written file under the final name; a crash leaves at 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import re
 from pathlib import Path
@@ -35,12 +38,25 @@ def atomic_path(path: Path) -> Iterator[Path]:
     path = Path(path)
     tmp = temp_path(path)
     try:
-        yield tmp
+        with _held_while_written(tmp):
+            yield tmp
         _fsync_file(tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)
+
+
+@contextlib.contextmanager
+def _held_while_written(tmp: Path):
+    """Create ``tmp`` and hold an flock on it until the block ends (see ``remove_stale_temp_files``)."""
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        with contextlib.suppress(OSError):  # a file system without locks: the pid test is all there is
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        yield
+    finally:
+        os.close(fd)
 
 
 def atomic_write(path: Path, write_fn: Callable, mode: str = "wb") -> Path:
@@ -57,17 +73,17 @@ def atomic_write_text(path: Path, text: str) -> Path:
 
 
 def remove_stale_temp_files(folder: Path, name_glob: str = "*") -> list[Path]:
-    """Delete ``<name>.tmp-<pid>`` files in ``folder`` whose process no longer runs (left by a killed
-    writer; ``name_glob`` matches ``<name>``). Returns the removed paths. Temporary files of live
-    processes, this one included, are kept. The pid test is per machine: on a folder shared by
-    several nodes, call it from one node only."""
+    """Delete ``<name>.tmp-<pid>`` files in ``folder`` that no process writes any more (left by a killed
+    writer; ``name_glob`` matches ``<name>``): the pid is not running here and the file's flock is free.
+    Returns the removed paths. Temporary files of live writers, this process and other hosts included,
+    are kept."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
     removed = []
     for p in sorted(folder.glob(f"{name_glob}.tmp-*")):
         m = _TEMP.match(p.name)
-        if m and p.is_file() and not _alive(int(m.group("pid"))):
+        if m and p.is_file() and not _alive(int(m.group("pid"))) and not _locked(p):
             p.unlink(missing_ok=True)
             removed.append(p)
     return removed
@@ -83,6 +99,23 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # exists, owned by another user
         return True
     return True
+
+
+def _locked(path: Path) -> bool:
+    """Whether a writer (of any host sharing the file system) holds the file's flock."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return True  # gone already: nothing to remove
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:  # no file locks here
+        return False
+    finally:
+        os.close(fd)
 
 
 def _fsync_file(path: Path) -> None:
