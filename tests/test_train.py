@@ -41,9 +41,11 @@ def test_short_run_writes_checkpoints_metrics_and_offline_wandb(make_cfg):
         assert r["perf/tokens_per_s"] == pytest.approx(s.tokens_per_step / (r["perf/step_time_ms"] / 1e3))
         assert r["perf/tokens_per_s_per_gpu"] == r["perf/tokens_per_s"]  # one process
         assert r["perf/mfu"] is None and r["perf/mfu_per_gpu"] is None and r["perf/peak_mem_gib"] is None  # CPU
-    # Every step is charged its own time, evaluation steps (3, 6, 7) included: none near zero.
+    # Every step is charged its own time, evaluation steps (3, 6, 7) included: none near zero. (A step charged
+    # nothing measures ~1e-3 of the median; the margin is wide because other processes on a loaded 2-core
+    # machine stretch single steps by 5x and more.)
     median = statistics.median(r["perf/step_time_ms"] for r in records)
-    assert all(r["perf/step_time_ms"] > median / 4 for r in records[1:]), [r["perf/step_time_ms"] for r in records]
+    assert all(r["perf/step_time_ms"] > median / 20 for r in records[1:]), [r["perf/step_time_ms"] for r in records]
     assert [r["step"] for r in records if "val/loss" in r] == [3, 6, 7]
     assert s.final_val_loss == records[-1]["val/loss"] and s.tokens_per_step == 4 * 32
     assert records[-1]["tokens_seen"] == 7 * 4 * 32
