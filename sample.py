@@ -84,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error(f"--device cuda: {NO_CUDA}")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if device == "cpu" and REGISTRY[args.attn].needs_cuda:
+        ap.error(f"--attn {args.attn} needs a CUDA GPU; use --attn sdpa (or fa2/fa3 under Triton's interpreter)")
+    if device == "cpu" and args.compile == "cudagraphs":
+        ap.error("--compile cudagraphs needs a CUDA GPU (CUDA graphs); use --compile, or no --compile, on the CPU")
     try:
         ckpt_path = find_checkpoint(args.run, args.runs_root)
         model, tokenizer, ckpt = load_model(ckpt_path, device, args.attn)

@@ -55,9 +55,10 @@ def run(cfg: DictConfig) -> float | None:
     try:
         # The job's rank 0 owns the run folder; its other ranks write nothing there.
         with own_run_folder(run_dir) if dist.is_main else contextlib.nullcontext():
-            if dist.is_main:
-                save_hydra_files(cfg, run_dir)
-            summary = train(cfg, run_dir=run_dir)
+            # Hydra's record of the run is written only once train() accepted it: a refused run (bad value,
+            # incompatible resume) leaves an existing run's .hydra/ as it was.
+            on_accept = (lambda: save_hydra_files(cfg, run_dir)) if dist.is_main else None
+            summary = train(cfg, run_dir=run_dir, on_accept=on_accept)
     except RunFolderBusy as e:
         detach_log_files()  # the owner's train.log is not ours to write
         log.error("%s", e)
@@ -74,8 +75,9 @@ def run(cfg: DictConfig) -> float | None:
         sys.exit(128 + signal.SIGINT)
     if summary.stop_reason == "interrupted":  # saved and resumable, but not finished: say so to the caller
         sys.exit(128 + summary.stop_signal)
-    log.info("finished at step %d; to continue this run, run the same command with run.name=%s "
-             "trainer.max_steps=<more than %d>", summary.step, cfg.run.name, summary.step)
+    log.info("finished at step %d; to continue this run: python train.py run.name=%s trainer.max_steps=<more than %d> "
+             "(with the same settings, and resume=auto, the default, in place of any resume=<file>)",
+             summary.step, cfg.run.name, summary.step)
     return summary.final_val_loss  # the value a Hydra sweeper would optimise
 
 

@@ -118,6 +118,13 @@ def test_cuda_device_without_gpu_is_rejected(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         sample.main(["--run", "any", "--device", "cuda"])
     assert e.value.code == 2 and "--device cuda: no CUDA GPU is available; use auto or cpu" in capsys.readouterr().err
+    # A GPU-only backend or CUDA graphs on the CPU: one line, not a traceback from inside SDPA.
+    with pytest.raises(SystemExit) as e:
+        sample.main(["--run", "any", "--attn", "sdpa_cudnn"])
+    assert e.value.code == 2 and "--attn sdpa_cudnn needs a CUDA GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        sample.main(["--run", "any", "--compile", "cudagraphs"])
+    assert e.value.code == 2 and "--compile cudagraphs needs a CUDA GPU" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("key", ["optim.lr", "optim.weight_decay", "optim.eps", "optim.grad_clip",
@@ -226,3 +233,11 @@ def _leaf_keys(d, prefix=""):
             yield from _leaf_keys(v, f"{prefix}{k}.")
         else:
             yield f"{prefix}{k}"
+
+
+@pytest.mark.parametrize("override,key", [("+trainer.max_stepz=5", "trainer.max_stepz"), ("+foo=1", "foo"),
+                                          ("+optim.lrr=0.1", "optim.lrr")])
+def test_keys_added_with_plus_are_rejected(override, key):
+    """Hydra's own error for an unknown key suggests '+key=value', which it then accepts; nothing reads the key."""
+    with pytest.raises(ConfigError, match=f"{key}: not a config key"):
+        validate_config(compose_config([override]))

@@ -207,6 +207,12 @@ def test_context_longer_than_data_is_rejected_before_training(make_cfg, tmp_path
         train(make_cfg("model.vocab_size=8"))
 
 
+def test_a_val_fraction_that_starves_the_train_split_is_blamed(make_cfg):
+    """Enough tokens overall, but data.val_fraction leaves train shorter than a context: name data.val_fraction."""
+    with pytest.raises(ConfigError, match=r"data.val_fraction=0.99999: leaves a split too short"):
+        train(make_cfg("data.val_fraction=0.99999"))
+
+
 def test_sample_generates_text(make_cfg, capsys):
     import sample
 
@@ -231,13 +237,16 @@ def test_cli_entry_point(tiny_overrides, tmp_path):
     log = (run_dir / "train.log").read_text()
     assert "attention backend: sdpa" in log and "final val loss" in log
     # A finished run says how to continue it, as an interrupted one does.
-    assert "finished at step 2; to continue this run, run the same command with run.name=cli " \
+    assert "finished at step 2; to continue this run: python train.py run.name=cli " \
            "trainer.max_steps=<more than 2>" in log
     assert [p.name for p in list_checkpoints(run_dir)] == ["step_00000002.pt"]
+    record = {p.name: p.read_text() for p in (run_dir / ".hydra").iterdir()}
     bad = subprocess.run([sys.executable, "train.py", *args, "model.n_embd=30"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and "model.n_embd=30: must be divisible by model.n_head=4" in bad.stdout + bad.stderr
     assert "Traceback" not in bad.stdout + bad.stderr
+    # The refused run left the record of the run that made the checkpoints as it was.
+    assert {p.name: p.read_text() for p in (run_dir / ".hydra").iterdir()} == record
     for name in ("..", "a/b"):  # rejected before Hydra makes any folder
         bad = subprocess.run([sys.executable, "train.py", *args, f"run.name={name}"], cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=300)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import dataclasses
 import math
 import os
 import secrets
@@ -61,7 +62,7 @@ class DataConfig:
     files: Optional[str] = None        # glob (source=local_text)
     dataset: Optional[str] = None      # hub dataset name (source=hub)
     dataset_config: Optional[str] = None  # hub dataset config name
-    split: str = "train"               # hub split; slicing works, e.g. "train[:10%]"
+    split: str = "train"               # hub split; slicing works, quoted for Hydra: "data.split='train[:10%]'"
     text_column: str = "text"          # hub dataset column holding the text
     val_fraction: float = 0.1          # the last fraction of the token stream
     cache_dir: str = "cache"           # token caches: <cache_dir>/<name>-<tokenizer>-<hash>/
@@ -211,6 +212,10 @@ def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -
     if missing:  # '???' in a group file: the user must give these
         raise ConfigError("invalid config:\n  " + "\n  ".join(
             f"{k}: has no value; set it on the command line ({k}=...)" for k in missing))
+    unknown = unknown_keys(cfg)
+    if unknown:  # Hydra's '+key=value' adds keys even to a structured config; nothing would read them
+        raise ConfigError("invalid config:\n  " + "\n  ".join(
+            f"{k}: not a config key (a typo?); `python train.py --help` lists them all" for k in unknown))
     errors: list[str] = []
 
     def check(ok: bool, key: str, msg: str) -> None:
@@ -326,13 +331,31 @@ def validate_against_data(cfg: DictConfig, train_tokens: int, val_tokens: int, d
     errors = []
     T = cfg.model.block_size
     if T + 1 > min(train_tokens, val_tokens):
-        errors.append(f"model.block_size={T}: longer than the data allows; the {cfg.data.name!r} splits have "
-                      f"{train_tokens} train / {val_tokens} val tokens and need at least block_size + 1")
+        splits = (f"the {cfg.data.name!r} splits have {train_tokens} train / {val_tokens} val tokens and need at "
+                  f"least block_size + 1 = {T + 1}")
+        if T + 1 <= (train_tokens + val_tokens) // 10:  # a 90/10 split would fit: data.val_fraction is the cause
+            errors.append(f"data.val_fraction={cfg.data.val_fraction}: leaves a split too short; {splits}")
+        else:
+            errors.append(f"model.block_size={T}: longer than the data allows; {splits}")
     if cfg.model.vocab_size is not None and cfg.model.vocab_size < data_vocab:
         errors.append(f"model.vocab_size={cfg.model.vocab_size}: smaller than the tokenizer's vocabulary "
                       f"({data_vocab}); use model.vocab_size=null (= data vocabulary, padded) or a value >= {data_vocab}")
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+
+
+def unknown_keys(cfg: DictConfig) -> list[str]:
+    """Keys of ``cfg`` that the ``Config`` dataclasses do not define (e.g. added with Hydra's ``+``)."""
+    sections = {f.name: f.default_factory for f in dataclasses.fields(Config)}
+    out = []
+    for name in cfg.keys():
+        factory = sections.get(name, None)
+        if name not in sections:
+            out.append(str(name))
+        elif dataclasses.is_dataclass(factory):
+            known = {f.name for f in dataclasses.fields(factory)}
+            out += [f"{name}.{key}" for key in cfg[name].keys() if key not in known]
+    return sorted(out)
 
 
 def resolved_grad_accum(cfg: DictConfig, world_size: int = 1) -> int:

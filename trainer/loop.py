@@ -79,11 +79,13 @@ class QueuedStep:
 
 
 def train(cfg: DictConfig, run_dir: Optional[Path] = None,
-          on_step: Optional[Callable[[dict], None]] = None) -> TrainSummary:
+          on_step: Optional[Callable[[dict], None]] = None,
+          on_accept: Optional[Callable[[], None]] = None) -> TrainSummary:
     """Train (or resume) the run described by ``cfg`` (the composed config, see conf/config.yaml).
 
     run_dir: the run folder; default ``<run.root>/<run.name>``. on_step: called with each per-step
-    record. Raises ConfigError for invalid values (before any data or model work), CheckpointError
+    record. on_accept: called once the config, the data and any checkpoint to resume have passed every
+    check, before anything is written into the run folder (train.py writes Hydra's record of the run then). Raises ConfigError for invalid values (before any data or model work), CheckpointError
     for a missing/corrupt checkpoint or a failed checkpoint write, NonFiniteLossError for a NaN/inf
     loss (the previous checkpoint is left as the latest). Give ``run.name`` explicitly when calling
     this several times in one process: the default name is a timestamp resolved once per process.
@@ -105,14 +107,15 @@ def train(cfg: DictConfig, run_dir: Optional[Path] = None,
     name, folder = broadcast_object((cfg.run.name, None if run_dir is None else str(run_dir)), dist)
     cfg.run.name = name
     run_dir = Path(folder) if folder is not None else Path(cfg.run.root) / cfg.run.name
-    return Trainer(cfg, run_dir, dist, device, dtype, backend, on_step).fit()
+    return Trainer(cfg, run_dir, dist, device, dtype, backend, on_step, on_accept).fit()
 
 
 class Trainer:
     """One run: builds data, model, optimizer and logger from the config, resumes if asked, trains."""
 
     def __init__(self, cfg: DictConfig, run_dir: Path, dist: DistInfo, device: torch.device, dtype: torch.dtype,
-                 backend: str, on_step: Optional[Callable[[dict], None]] = None):
+                 backend: str, on_step: Optional[Callable[[dict], None]] = None,
+                 on_accept: Optional[Callable[[], None]] = None):
         self.cfg, self.run_dir, self.dist, self.device, self.dtype = cfg, run_dir, dist, device, dtype
         self.on_step = on_step
         ckpt, ckpt_path = find_checkpoint(cfg.resume, run_dir)  # every rank reads it, onto the CPU
@@ -121,6 +124,8 @@ class Trainer:
         self.model_args = model_config(cfg, self.data.vocab_size, backend)
         if ckpt is not None:
             check_compatible(ckpt, self.model_args, self.data.meta, cfg)
+        if on_accept is not None:
+            on_accept()
         self.grad_accum = resolved_grad_accum(cfg, dist.world_size)
         self.micro_steps = self.grad_accum // dist.world_size  # micro-batches per step on this rank
         self.state = self._build_state()

@@ -17,7 +17,8 @@ log = logging.getLogger(__name__)
 
 # Config keys a resumed run may change without a warning (run length, bookkeeping, where it writes).
 MAY_CHANGE = frozenset({"trainer.max_steps", "resume", "run.name", "run.root", "ckpt.interval", "ckpt.keep_last",
-                        "wandb.mode", "trainer.dist_timeout_s"})
+                        "wandb.mode", "wandb.project", "wandb.group", "wandb.tags", "trainer.dist_timeout_s",
+                        "eval.interval", "eval.iters", "data.cache_dir", "data.num_proc"})
 
 
 def refusal(resume: str, run_dir: Path) -> Optional[str]:
