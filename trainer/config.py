@@ -48,7 +48,7 @@ class ModelConfig:
     n_embd: int = MISSING              # width; head_dim = n_embd / n_head
     block_size: int = MISSING          # context length (tokens)
     vocab_size: Optional[int] = None   # None = the data's vocabulary, rounded up to vocab_multiple
-    vocab_multiple: int = 64
+    vocab_multiple: int = 64           # vocab_size=null pads the tokenizer's vocabulary to a multiple of this
     dropout: float = 0.0               # > 0 only with attn=sdpa
     bias: bool = False                 # biases in linear layers and layer norms
 
@@ -82,8 +82,7 @@ class TrainerConfig:
     dtype: str = "auto"                # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16
     max_steps: int = 1000              # optimizer steps
     batch_size: int = 32               # sequences per micro-batch (one forward/backward on one GPU)
-    # micro-batches per optimizer step for the whole job: auto = one per process, or an int (a multiple of the ranks)
-    grad_accum: Any = "auto"
+    grad_accum: Any = "auto"           # micro-batches per optimizer step, whole job: auto = one per process, or an int (multiple of the ranks)
     compile: bool = False              # torch.compile the model
     peak_flops: Optional[float] = None  # FLOP/s of one GPU for MFU; None = look the GPU up in trainer.metrics
     dist_timeout_s: int = 1800         # torchrun: a collective waiting longer than this fails the job
@@ -96,9 +95,9 @@ class OptimConfig:
     warmup_steps: int = 100            # linear warm-up
     decay_steps: int = 900             # cosine decay after warm-up; its own key so max_steps can change
     weight_decay: float = 0.1          # AdamW, on matrices only
-    beta1: float = 0.9                 # AdamW betas and eps
-    beta2: float = 0.99
-    eps: float = 1e-8
+    beta1: float = 0.9                 # AdamW beta1
+    beta2: float = 0.99                # AdamW beta2
+    eps: float = 1e-8                  # AdamW eps
     grad_clip: float = 1.0             # max global grad norm; 0 = no clipping
 
 
