@@ -8,10 +8,10 @@ Algorithm 1 (forward) and Algorithm 2 (backward), as moved from an FA1 Triton ke
       divided by l once, after the loop;
   [2] exp2: log2(e) is folded into the softmax scale once (`qk_scale`); the LSE is kept in base 2 and the
       front end returns it in natural log; m_i starts at -inf and l_i at 1.0, so the first alpha is 0;
-  [3] causal in stages (`MASKED` is a tl.constexpr): K/V blocks entirely left of the diagonal run with no
-      mask (the write-up's STAGE 1), only the diagonal blocks are masked (STAGE 2), blocks entirely in the
-      future are never visited; non-causal runs one unmasked stage (STAGE 3) plus a masked block only where
-      seqlen_k ends inside a block;
+  [3] masks in stages (`MASKED` is a tl.constexpr): K/V blocks every row of a Q block sees whole run with no
+      mask (the write-up's STAGE 1 / STAGE 3), only the edge blocks are masked (STAGE 2: the causal diagonal,
+      a sliding window's two edges, the block in which seqlen_k ends), blocks no row sees are never visited
+      (`_stages`; the dK/dV kernel limits its loop over Q blocks the same way);
   [4] tl.dot(a, b, acc) accumulates in place (forward and backward);
   [5] @triton.autotune over BLOCK_M, BLOCK_N, num_warps, num_stages, keyed on power-of-two length buckets.
 
@@ -20,7 +20,11 @@ blocks and the inner over Q blocks (and over the query heads that share a K/V he
 dQ with the outer loop over Q blocks and the inner over K/V blocks. No atomics: gradients are bit-identical
 from run to run.
 
-Causal masks are aligned bottom-right: query i sees key j iff j <= i + seqlen_k - seqlen_q (`diag_offset`).
+Masks follow flash-attn (>= 2.1): aligned bottom-right, query i sees key j iff
+i + diag_offset - window_left <= j <= i + diag_offset + window_right, diag_offset = seqlen_k - seqlen_q, a side
+without a limit is unchecked (constexprs LEFT / RIGHT), causal is RIGHT with window_right = 0. Packed
+variable-length sequences (VARLEN) are one (1, heads, total, head_dim) view; each program reads its sequence's
+rows from cu_seqlens and applies the same masks within it, so another sequence's keys are never visited.
 """
 
 import math
