@@ -501,3 +501,20 @@ def backward(do, q, k, v, o, lse, causal, softmax_scale, window_size=(-1, -1), c
     if varlen:
         return _packed(dq), _packed(dk), _packed(dv)
     return dq, dk, dv
+
+
+def compile_for_sm90(kernel, left=True, right=True, varlen=True, tma=True, head_dim=64, group=2):
+    """Compile one kernel ("fwd", "dkdv" or "dq") for sm_90 with bf16 inputs, without a GPU (catches what only
+    the GPU compiler rejects, which the interpreter runs). Call it without TRITON_INTERPRET; returns Triton's
+    compiled kernel."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = {"fwd": _fwd, "dkdv": _bwd_dkdv, "dq": _bwd_dq}[kernel].fn
+    constexprs = dict(GROUP=group, LEFT=left, RIGHT=right, VARLEN=varlen, HEAD_DIM=head_dim,
+                      BLOCK_D=block_d(head_dim), UPCAST=False, TMA_OK=tma, BLOCK_M=64, BLOCK_N=64, TMA=tma)
+    types = dict(LSE="*fp32", DELTA="*fp32", CU_Q="*i32", CU_K="*i32", qk_scale="fp32", softmax_scale="fp32")
+    signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "*bf16" if arg.isupper() else "i32")
+                 for arg in fn.arg_names}
+    source = ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
