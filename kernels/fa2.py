@@ -220,11 +220,12 @@ def _fwd(
     lo, lo_free, hi_free, hi = _stages(start_m, diag_offset, window_left, window_right, seqlen_k, LEFT, RIGHT,
                                        BLOCK_M, BLOCK_N)
     for stage in tl.static_range(3):  # masked [lo, lo_free), unmasked [lo_free, hi_free), masked [hi_free, hi)
-        acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, offs_m, offs_d,
-            (lo, lo_free, hi_free)[stage], (lo_free, hi_free, hi)[stage], seqlen_k, diag_offset, window_left,
-            window_right, qk_scale, stage != 1, LEFT, RIGHT, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST, TMA and TMA_OK,
-        )
+        if LEFT or stage != 0:  # only a left window has a left edge: don't compile an always-empty loop
+            acc, l_i, m_i = _fwd_inner(
+                acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, offs_m, offs_d,
+                (lo, lo_free, hi_free)[stage], (lo_free, hi_free, hi)[stage], seqlen_k, diag_offset, window_left,
+                window_right, qk_scale, stage != 1, LEFT, RIGHT, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST, TMA and TMA_OK,
+            )
 
     # [1] one division at the end. Rows that saw no key keep m_i = -inf: output 0, internal LSE +inf.
     empty = m_i == float("-inf")
@@ -342,7 +343,8 @@ def _bwd_dkdv(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, TMA_OK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
-    """One program = one BLOCK_N block of keys of one (sequence, kv head); grid (cdiv(max seqlen_k, BLOCK_N), B * H_kv)."""
+    """One program = one BLOCK_N block of keys of one (sequence, kv head);
+    grid (cdiv(max seqlen_k, BLOCK_N), B * H_kv)."""
     start_n = tl.program_id(0) * BLOCK_N
     n_kv_heads = n_heads // GROUP
     off_bhk = tl.program_id(1)
@@ -430,7 +432,8 @@ def _bwd_dq(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, TMA_OK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
-    """One program = one BLOCK_M block of queries of one (sequence, head); grid (cdiv(max seqlen_q, BLOCK_M), B * H)."""
+    """One program = one BLOCK_M block of queries of one (sequence, head);
+    grid (cdiv(max seqlen_q, BLOCK_M), B * H)."""
     if RIGHT:
         start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     else:
@@ -462,12 +465,13 @@ def _bwd_dq(
                                        BLOCK_M, BLOCK_N)  # as in the forward
     k_src = tile_source(k_base, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, TMA and TMA_OK)
     v_src = tile_source(v_base, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, TMA and TMA_OK)
-    for stage in tl.static_range(3):
-        dq = _bwd_dq_inner(
-            dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, offs_m, offs_d,
-            (lo, lo_free, hi_free)[stage], (lo_free, hi_free, hi)[stage], seqlen_k, diag_offset, window_left,
-            window_right, qk_scale, stage != 1, LEFT, RIGHT, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST, TMA and TMA_OK,
-        )
+    for stage in tl.static_range(3):  # as in the forward
+        if LEFT or stage != 0:
+            dq = _bwd_dq_inner(
+                dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, offs_m, offs_d,
+                (lo, lo_free, hi_free)[stage], (lo_free, hi_free, hi)[stage], seqlen_k, diag_offset, window_left,
+                window_right, qk_scale, stage != 1, LEFT, RIGHT, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST, TMA and TMA_OK,
+            )
     dq = dq * softmax_scale
     dq_base = head_ptr(DQ, off_b, stride_dqb, off_h, stride_dqh) + q_start.to(tl.int64) * stride_dqm
     store_tile(dq_base, dq.to(DQ.dtype.element_ty), offs_m, stride_dqm, seqlen_q, offs_d, HEAD_DIM, BLOCK_D)

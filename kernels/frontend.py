@@ -82,7 +82,8 @@ def check_window(window_size, name: str, supported: bool) -> tuple[int, int]:
         if w < -1:
             raise ValueError(f"window_size[{i}] = {w} is below -1; accepted: -1 (no limit) or a number of keys >= 0")
     if not supported and tuple(window_size) != (-1, -1):
-        raise ValueError(f"{name}_attention has no sliding window (window_size={tuple(window_size)}); use fa2_attention")
+        raise ValueError(f"{name}_attention has no sliding window (window_size={tuple(window_size)}); "
+                         "use fa2_attention")
     return window_size[0], window_size[1]
 
 
@@ -261,9 +262,10 @@ PUBLIC_DOC = """{title}
     Raises:
         TypeError: a non-tensor input, unsupported or mismatched dtypes, a non-bool causal, a window_size that is
             not a pair of ints.
-        ValueError: a window_size value below -1, wrong rank, mismatched batch / head_dim / device / k-v shapes, n_heads not a multiple of
-            n_kv_heads, head_dim outside 16..256, an empty dimension, a non-finite softmax_scale, or CPU tensors
-            when Triton's interpreter is off (use a CUDA GPU or set TRITON_INTERPRET=1 before importing kernels).
+        ValueError: a window_size value below -1 (or any window for fa1 / fa3), wrong rank, mismatched batch /
+            head_dim / device / k-v shapes, n_heads not a multiple of n_kv_heads, head_dim outside 16..256, an
+            empty dimension, a non-finite softmax_scale, or CPU tensors when Triton's interpreter is off (use a
+            CUDA GPU or set TRITON_INTERPRET=1 before importing kernels).
     """
 
 

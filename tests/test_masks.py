@@ -260,12 +260,14 @@ def _int32(values):
 
 
 BAD_VARLEN = [
-    (dict(cu_seqlens_q=cu_seqlens([4, 6]).long()), TypeError, "cu_seqlens_q has dtype torch.int64; accepted: torch.int32"),
+    (dict(cu_seqlens_q=cu_seqlens([4, 6]).long()), TypeError,
+     "cu_seqlens_q has dtype torch.int64; accepted: torch.int32"),
     (dict(cu_seqlens_k=[0, 5, 12]), TypeError, "cu_seqlens_k must be a torch.Tensor"),
     (dict(cu_seqlens_q=_int32([[0, 4, 10]])), ValueError, r"cu_seqlens_q must have shape \(batch \+ 1,\)"),
     (dict(cu_seqlens_q=_int32([0])), ValueError, r"cu_seqlens_q must have shape \(batch \+ 1,\)"),
     (dict(cu_seqlens_q=_int32([0, 10])), ValueError, "must have the same length"),
-    (dict(cu_seqlens_q=_int32([0, 11, 10]), max_seqlen_q=11), ValueError, r"cu_seqlens_q must be non-decreasing, but cu_seqlens_q\[2\] = 10 < cu_seqlens_q\[1\] = 11"),
+    (dict(cu_seqlens_q=_int32([0, 11, 10]), max_seqlen_q=11), ValueError,
+     r"cu_seqlens_q must be non-decreasing, but cu_seqlens_q\[2\] = 10 < cu_seqlens_q\[1\] = 11"),
     (dict(cu_seqlens_k=_int32([0, 9, 5])), ValueError, r"cu_seqlens_k must be non-decreasing"),
     (dict(cu_seqlens_q=_int32([1, 4, 10])), ValueError, r"cu_seqlens_q\[0\] must be 0, got 1"),
     (dict(cu_seqlens_q=_int32([0, 4, 9])), ValueError, r"cu_seqlens_q\[-1\] = 9 must equal total_q = 10"),
