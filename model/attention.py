@@ -7,6 +7,10 @@ Every backend computes causal scaled-dot-product attention
 with q (B, n_head, T, head_dim) and k, v (B, n_kv_head, T, head_dim), n_head a multiple of
 n_kv_head (grouped-query attention: q head h reads k/v head h // (n_head // n_kv_head)).
 The output o has q's shape and dtype. Inputs may be float32, float16 or bfloat16.
+``window`` > 0 restricts each query to itself and the window - 1 keys before it (sliding-window
+attention; 0 = full causal): fa2 skips the key blocks outside the window, ``sdpa`` applies a dense
+boolean mask (correct, but off PyTorch's fast kernels; it warns once), the others refuse it
+(``supports_window``).
 
 Backends:
 - ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention(is_causal=True, enable_gqa=...)``,
@@ -47,7 +51,11 @@ BACKENDS = ("auto", "sdpa", "sdpa_flash", "sdpa_cudnn", "fa1", "fa2", "fa3")
 
 
 class AttentionFn(Protocol):
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor: ...
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                 window: int = 0) -> torch.Tensor: ...
+
+
+WINDOW_BACKENDS = ("sdpa", "fa2")  # the backends that take a sliding window (see supports_window)
 
 
 class BackendUnavailableError(RuntimeError):
@@ -66,10 +74,28 @@ def resolve_backend(name: str) -> str:
     return name
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, window: int = 0) -> torch.Tensor:
+    mask = None if window == 0 else _window_mask(q.shape[2], k.shape[2], window, q.device)
     return F.scaled_dot_product_attention(
-        q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None, enable_gqa=q.shape[1] != k.shape[1]
     )
+
+
+_WARNED_DENSE_MASK = []
+
+
+def _window_mask(seqlen_q: int, seqlen_k: int, window: int, device) -> torch.Tensor:
+    """(seqlen_q, seqlen_k) boolean mask, True = visible: key j for query i iff i - window < j <= i
+    (bottom-right aligned, as the kernels' window_size=(window - 1, 0))."""
+    if not _WARNED_DENSE_MASK and not torch.compiler.is_compiling():  # a warning would break the graph
+        _WARNED_DENSE_MASK.append(True)
+        msg = ("attn=sdpa with model.attn_window: a dense (T, T) mask, which takes SDPA off its fast kernels "
+               "(slow; attn=fa2 skips the key blocks outside the window)")
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        log.warning(msg)
+    i = torch.arange(seqlen_q, device=device)[:, None] + seqlen_k - seqlen_q
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    return (j <= i) & (j > i - window)
 
 
 _LOADED: dict[str, Callable] = {}  # kernel functions already imported (warn once per backend)
@@ -82,7 +108,9 @@ SDPA_PINNED = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBacken
 def _sdpa_pinned(name: str) -> AttentionFn:
     pinned = SDPA_PINNED[name]
 
-    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                  window: int = 0) -> torch.Tensor:
+        _refuse_window(name, window)
         with sdpa_kernel(pinned):
             return _sdpa(q, k, v, dropout_p)
 
@@ -114,14 +142,29 @@ def _load_triton(name: str) -> Callable:
 def _triton_backend(name: str) -> AttentionFn:
     kernel = _load_triton(name)
 
-    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                  window: int = 0) -> torch.Tensor:
         if dropout_p > 0.0:
             raise ValueError(f"attn={name} has no attention dropout (got dropout_p={dropout_p}); "
                              "use model.dropout=0.0 or attn=sdpa")
-        return kernel(q, k, v, causal=True)  # the kernels take GQA (fewer k/v heads) and strided views
+        if window == 0:
+            return kernel(q, k, v, causal=True)  # the kernels take GQA (fewer k/v heads) and strided views
+        _refuse_window(name, window)
+        return kernel(q, k, v, causal=True, window_size=(window - 1, 0))
 
     attention.__name__ = f"{name}_causal_attention"
     return attention
+
+
+def supports_window(name: str) -> bool:
+    """Whether backend ``name`` ('auto' resolved) takes ``window`` > 0 (model.attn_window)."""
+    return resolve_backend(name) in WINDOW_BACKENDS
+
+
+def _refuse_window(name: str, window: int) -> None:
+    if window and name not in WINDOW_BACKENDS:
+        raise ValueError(f"attn={name} has no sliding-window attention (model.attn_window={window}); "
+                         f"use one of: {', '.join(WINDOW_BACKENDS)}")
 
 
 def head_dim_limits(name: str) -> tuple[int, int] | None:

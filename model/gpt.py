@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn as nn
@@ -31,6 +31,12 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = False           # bias in Linear and LayerNorm layers
     attn: str = "sdpa"           # attention backend name, see model.attention
+    # Sliding-window attention: each token sees itself and the attn_window - 1 tokens before it; 0 = full causal.
+    # A list gives one value per layer (e.g. [128, 0] * 6: local and global layers alternate).
+    attn_window: Union[int, list[int]] = 0
+
+    def layer_window(self, layer: int) -> int:
+        return self.attn_window if isinstance(self.attn_window, int) else self.attn_window[layer]
 
     @property
     def kv_heads(self) -> int:
@@ -42,11 +48,16 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, layer: int = 0):
         super().__init__()
         if config.n_embd % config.n_head or config.n_head % config.kv_heads:
             raise ValueError(f"n_embd={config.n_embd} must be a multiple of n_head={config.n_head}, "
                              f"and n_head a multiple of n_kv_head={config.kv_heads}")
+        windows = [config.attn_window] if isinstance(config.attn_window, int) else config.attn_window
+        if len(windows) != (1 if isinstance(config.attn_window, int) else config.n_layer) or min(windows) < 0:
+            raise ValueError(f"attn_window={config.attn_window!r} must be an int >= 0 (0 = full attention) or a "
+                             f"list of n_layer={config.n_layer} of them")
+        self.window = config.layer_window(layer)
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.kv_heads, config.head_dim
         # q, k, v in one matmul: n_head q heads then n_kv_head k and v heads.
         self.c_attn = nn.Linear(config.n_embd, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=config.bias)
@@ -62,7 +73,7 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)      # (B, n_head, T, hs)
         k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)   # (B, n_kv_head, T, hs)
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        y = self.attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
+        y = self.attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, window=self.window)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -80,10 +91,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, layer: int = 0):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config, layer)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
@@ -100,7 +111,7 @@ class GPT(nn.Module):
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            h=nn.ModuleList([Block(config, layer) for layer in range(config.n_layer)]),
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
@@ -129,9 +140,11 @@ class GPT(nn.Module):
 
     def estimate_flops_per_token(self) -> float:
         """Training FLOPs per token (forward + backward), nanoGPT / PaLM appendix B:
-        6 N + 12 L H Q T, N non-embedding params, L layers, H q heads, Q head dim, T context."""
+        6 N + 12 L H Q T, N non-embedding params, L layers, H q heads, Q head dim, T context; a layer with a
+        sliding window w counts min(w, T) keys instead of T."""
         c = self.config
-        return 6 * self.num_params() + 12 * c.n_layer * c.n_head * c.head_dim * c.block_size
+        keys = sum(min(w, c.block_size) if (w := c.layer_window(layer)) else c.block_size for layer in range(c.n_layer))
+        return 6 * self.num_params() + 12 * c.n_head * c.head_dim * keys
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None):
         """idx: (B, T) int64 token ids, T <= block_size; targets: (B, T) int64 or None.

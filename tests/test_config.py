@@ -143,3 +143,24 @@ def test_missing_mandatory_values_are_named():
     OmegaConf.update(cfg, "model.n_layer", "???")  # as if a custom model file left it out
     with pytest.raises(ConfigError, match=r"model.n_layer: has no value"):
         validate_config(cfg)
+
+
+@pytest.mark.parametrize("window", ["5", "[8,0,8,0]", "0"])
+def test_attn_window_accepts_an_int_or_one_per_layer(window):
+    cfg = compose_config(["attn=sdpa", f"model.attn_window={window}"])
+    validate_config(cfg)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["attn=sdpa", "model.attn_window=-1"], "model.attn_window=-1: must be an int >= 0"),
+    (["attn=sdpa", "model.attn_window=[8,0]"], "a list of model.n_layer=4 of them"),
+    (["attn=sdpa", "model.attn_window=[8,0,8,x]"], "model.attn_window="),
+    (["attn=sdpa_flash", "model.attn_window=8"], "attn=sdpa_flash has no sliding-window attention; use attn=sdpa or attn=fa2"),
+    (["attn=fa1", "model.attn_window=[8,0,8,0]"], "attn=fa1 has no sliding-window attention"),
+])
+def test_bad_attn_window_is_refused_before_training(monkeypatch, overrides, message):
+    import trainer.config as tc
+
+    monkeypatch.setattr(tc, "head_dim_limits", lambda name: (16, 256))  # no kernel import needed
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
+        validate_config(compose_config(["trainer.device=cpu"] + overrides))

@@ -1,6 +1,7 @@
 """GPT shapes, GQA, initialisation, FLOP count and the attention registry."""
 
 import math
+import warnings
 from pathlib import Path
 
 import pytest
@@ -164,3 +165,33 @@ def test_triton_backend_rejects_dropout(monkeypatch):
     q = torch.randn(1, 2, 4, 16)
     with pytest.raises(ValueError, match="no attention dropout"):
         fn(q, q, q, dropout_p=0.1)
+
+
+@pytest.mark.parametrize("window", [7, [5, 0]])
+def test_attn_window_fa2_matches_sdpa_mask(window):
+    """model.attn_window through fa2's window_size and through SDPA's dense mask give the same model, and the
+    window changes the output (rows past the window differ from full attention)."""
+    cfg = dict(block_size=40, vocab_size=50, n_layer=2, n_head=4, n_kv_head=2, n_embd=64)
+    sdpa = GPT(GPTConfig(**cfg, attn_window=window)).eval()
+    fa2 = GPT(GPTConfig(**cfg, attn="fa2", attn_window=window)).eval()
+    full = GPT(GPTConfig(**cfg)).eval()
+    fa2.load_state_dict(sdpa.state_dict())
+    full.load_state_dict(sdpa.state_dict())
+    idx = torch.randint(0, 50, (2, 37))
+    with warnings.catch_warnings():  # the interpreter (fa2) and the dense mask (sdpa) warn
+        warnings.simplefilter("ignore")
+        logits, _ = fa2(idx, idx)
+        logits_sdpa, _ = sdpa(idx, idx)
+    torch.testing.assert_close(logits, logits_sdpa, atol=1e-4, rtol=1e-4)
+    logits_full, _ = full(idx, idx)
+    torch.testing.assert_close(logits[:, :5], logits_full[:, :5], atol=1e-4, rtol=1e-4)  # inside every window
+    assert not torch.allclose(logits[:, 10:], logits_full[:, 10:], atol=1e-3)
+
+
+def test_attn_window_needs_a_backend_that_has_it():
+    with pytest.raises(ValueError, match="list of n_layer=2"):
+        GPT(GPTConfig(block_size=8, vocab_size=10, n_layer=2, n_head=2, n_embd=32, attn_window=[4]))
+    model = GPT(GPTConfig(block_size=8, vocab_size=10, n_layer=1, n_head=2, n_embd=32, attn="fa1", attn_window=4))
+    with pytest.raises(ValueError, match="attn=fa1 has no sliding-window attention"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model(torch.randint(0, 10, (1, 8)))

@@ -263,3 +263,18 @@ def test_wandb_online_without_login_is_a_clear_error(make_cfg, monkeypatch, tmp_
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
     with pytest.raises(ConfigError, match="wandb.mode='online': W&B could not start.*wandb login"):
         train(make_cfg("wandb.mode=online", "trainer.max_steps=1"))
+
+
+def test_attn_window_trains_on_fa2_like_sdpa_and_belongs_to_the_model(make_cfg):
+    """model.attn_window (here local then global layer) through fa2's kernel and SDPA's dense mask gives the same
+    losses; it is saved with the model, and resuming with another window is refused."""
+    micro = ("model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.n_kv_head=1", "model.block_size=16",
+             "model.attn_window=[4,0]", "trainer.batch_size=2", "trainer.max_steps=3", "eval.iters=1",
+             "ckpt.interval=0")
+    ref = train(make_cfg(*micro, "attn=sdpa", "run.name=window_ref"))
+    fa2 = train(make_cfg(*micro, "attn=fa2", "run.name=window_fa2"))
+    for a, b in zip(ref.records, fa2.records):
+        assert b["train/loss"] == pytest.approx(a["train/loss"], abs=1e-4)
+    assert load_checkpoint(fa2.checkpoint)["model_args"]["attn_window"] == [4, 0]
+    with pytest.raises(ConfigError, match=r"model.attn_window: checkpoint \[4, 0\], config 4"):
+        train(make_cfg(*micro, "attn=sdpa", "run.name=window_ref", "model.attn_window=4", "trainer.max_steps=4"))

@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from data.prepare import TOKENIZERS
 from data.sources import SOURCES
-from model.attention import BACKENDS, head_dim_limits, resolve_backend
+from model.attention import BACKENDS, WINDOW_BACKENDS, head_dim_limits, resolve_backend, supports_window
 
 
 @dataclass
@@ -44,6 +44,7 @@ class ModelConfig:
     vocab_multiple: int = 64
     dropout: float = 0.0
     bias: bool = False
+    attn_window: Any = 0               # tokens a query sees (itself included), 0 = all; or one per layer (a list)
 
 
 @dataclass
@@ -167,6 +168,14 @@ DTYPES = ("auto", "fp32", "bf16", "fp16")
 WANDB_MODES = ("offline", "online", "disabled")
 
 
+def attn_windows(m: DictConfig) -> Optional[list[int]]:
+    """model.attn_window as one int per layer, or None when it is neither an int >= 0 nor such a list of n_layer."""
+    w = m.attn_window
+    windows = [w] * m.n_layer if isinstance(w, int) else list(w) if OmegaConf.is_list(w) else []
+    ok = len(windows) == m.n_layer and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in windows)
+    return windows if ok else None
+
+
 def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -> None:
     """Check every value that composition cannot (ranges, divisibility, choices, device support).
 
@@ -196,6 +205,9 @@ def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -
         if m.n_kv_head:
             check(m.n_head % m.n_kv_head == 0, "model.n_kv_head", f"must divide model.n_head={m.n_head}")
     check(0.0 <= m.dropout < 1.0, "model.dropout", "must be in [0, 1)")
+    windows = attn_windows(m)
+    check(windows is not None, "model.attn_window",
+          f"must be an int >= 0 (0 = full attention) or a list of model.n_layer={m.n_layer} of them")
 
     d = cfg.data
     check(d.source in SOURCES, "data.source", f"accepted: {', '.join(SOURCES)}")
@@ -210,6 +222,9 @@ def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -
     check(cfg.attn.backend in BACKENDS, "attn.backend", f"accepted: {', '.join(BACKENDS)} (command line: attn=...)")
     if cfg.attn.backend in BACKENDS:
         backend = resolve_backend(cfg.attn.backend)
+    if backend is not None and windows and any(windows):
+        check(supports_window(backend), "model.attn_window",
+              f"attn={backend} has no sliding-window attention; use attn={' or attn='.join(WINDOW_BACKENDS)}")
     if backend in ("fa1", "fa2", "fa3"):
         check(m.dropout == 0.0, "model.dropout",
               f"attn={backend} has no attention dropout; use model.dropout=0.0 or attn=sdpa")

@@ -130,7 +130,8 @@ def _train(cfg: DictConfig, run_dir: Path, on_step: Optional[Callable[[dict], No
     model_args = GPTConfig(
         block_size=cfg.model.block_size, vocab_size=padded_vocab_size(cfg, data.vocab_size),
         n_layer=cfg.model.n_layer, n_head=cfg.model.n_head, n_kv_head=cfg.model.n_kv_head,
-        n_embd=cfg.model.n_embd, dropout=cfg.model.dropout, bias=cfg.model.bias, attn=backend)
+        n_embd=cfg.model.n_embd, dropout=cfg.model.dropout, bias=cfg.model.bias, attn=backend,
+        attn_window=OmegaConf.to_container(cfg.model)["attn_window"])  # an int or a plain list
     if ckpt is not None:
         _check_resume_compatible(ckpt, ckpt_path, model_args, data, cfg)
 
@@ -417,7 +418,8 @@ def _resume_checkpoint(cfg: DictConfig, run_dir: Path) -> tuple[Optional[dict], 
 
 def _check_resume_compatible(ckpt: dict, path: Path, model_args: GPTConfig, data: PreparedData,
                              cfg: DictConfig) -> None:
-    old = {k: v for k, v in ckpt["model_args"].items() if k != "attn"}
+    # A key an older checkpoint lacks (e.g. attn_window) had the default value then.
+    old = {k: v for k, v in {**dataclasses.asdict(GPTConfig()), **ckpt["model_args"]}.items() if k != "attn"}
     new = {k: v for k, v in dataclasses.asdict(model_args).items() if k != "attn"}
     diffs = [f"model.{k}: checkpoint {old.get(k)!r}, config {new[k]!r}" for k in new if old.get(k) != new[k]]
     old_meta = ckpt.get("data_meta", {})
