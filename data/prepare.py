@@ -4,6 +4,9 @@ Layout, one folder per (source, tokenizer, split) under ``data.cache_dir``::
 
     cache/<data.name>-<tokenizer>-<hash>/train.bin   flat token ids (uint16 if vocab < 65536 else uint32)
                                          val.bin     the last ``val_fraction`` of the token stream
+                                         train_docs.bin, val_docs.bin  int64 offsets in train.bin /
+                                                     val.bin where a document starts (0 first; val.bin
+                                                     may start inside one), for data.document_mask
                                          meta.json   vocab size, tokenizer, source, dtype, token counts
 
 Prepared once, on first use, then reused; the folder name hashes everything the tokens depend on.
@@ -29,7 +32,7 @@ from data.tokenizers import CharTokenizer, TiktokenTokenizer, Tokenizer, tokeniz
 
 log = logging.getLogger(__name__)
 
-PREP_VERSION = 1  # bump when the on-disk format or the text cleaning changes
+PREP_VERSION = 2  # bump when the on-disk format or the text cleaning changes (2: document starts)
 TOKENIZERS = ("char", "tiktoken")
 
 
@@ -40,6 +43,8 @@ class PreparedData:
     train: np.memmap     # 1-D token ids
     val: np.memmap
     tokenizer: Tokenizer
+    train_docs: np.ndarray  # int64 offsets in train where a document starts, ascending, from 0
+    val_docs: np.ndarray
 
     @property
     def vocab_size(self) -> int:
@@ -77,13 +82,16 @@ def load_prepared(folder: Path) -> PreparedData:
     meta = json.loads((folder / "meta.json").read_text())
     dtype = np.dtype(meta["dtype"])
     arrays = {}
-    for split in ("train", "val"):
-        path = folder / f"{split}.bin"
-        expected = meta[f"{split}_tokens"] * dtype.itemsize
+    for name, n, item in (("train", meta["train_tokens"], dtype), ("val", meta["val_tokens"], dtype),
+                          ("train_docs", meta["train_docs"], np.dtype(np.int64)),
+                          ("val_docs", meta["val_docs"], np.dtype(np.int64))):
+        path = folder / f"{name}.bin"
+        expected = n * item.itemsize
         if not path.exists() or path.stat().st_size != expected:
             raise ValueError(f"{path} is missing or has the wrong size (expected {expected} bytes)")
-        arrays[split] = np.memmap(path, dtype=dtype, mode="r")
-    return PreparedData(folder, meta, arrays["train"], arrays["val"], tokenizer_from_meta(meta))
+        arrays[name] = np.memmap(path, dtype=item, mode="r")
+    return PreparedData(folder, meta, arrays["train"], arrays["val"], tokenizer_from_meta(meta),
+                        arrays["train_docs"], arrays["val_docs"])
 
 
 class _Encode:
@@ -110,11 +118,11 @@ def _build_tokenizer(cfg, docs) -> Tokenizer:
 
 
 def _build(cfg, folder: Path) -> None:
-    docs = load_documents(cfg)
-    tokenizer = _build_tokenizer(cfg, docs)
+    texts = load_documents(cfg)
+    tokenizer = _build_tokenizer(cfg, texts)
     # Small corpora are tokenized in memory (no extra copy in the datasets cache); large ones on disk.
-    tokens = docs.map(_Encode(tokenizer), batched=True, remove_columns=docs.column_names,
-                      num_proc=cfg.num_proc, desc="tokenizing", keep_in_memory=docs.data.nbytes < 2**29)
+    tokens = texts.map(_Encode(tokenizer), batched=True, remove_columns=texts.column_names,
+                       num_proc=cfg.num_proc, desc="tokenizing", keep_in_memory=texts.data.nbytes < 2**29)
     total = int(np.sum(tokens["len"], dtype=np.int64))
     n_val = int(total * cfg.val_fraction)
     n_train = total - n_val
@@ -122,11 +130,18 @@ def _build(cfg, folder: Path) -> None:
         raise DataError(f"data {cfg.name!r} has {total} tokens: too few for a train/val split with "
                          f"data.val_fraction={cfg.val_fraction}")
     dtype = token_dtype(tokenizer.vocab_size)
+    # Where each document starts in the stream, then in each split (val.bin starts at 0, maybe mid-document).
+    starts = np.concatenate([[0], np.cumsum(np.asarray(tokens["len"], dtype=np.int64))[:-1]])
+    starts = starts[np.asarray(tokens["len"]) > 0]
+    docs = {"train": starts[starts < n_train],
+            "val": np.union1d([0], starts[starts >= n_train] - n_train).astype(np.int64)}
 
     folder.mkdir(parents=True, exist_ok=True)
     suffix = f".tmp-{os.getpid()}"
-    tmp = {s: folder / f"{s}.bin{suffix}" for s in ("train", "val")}
+    tmp = {s: folder / f"{s}.bin{suffix}" for s in ("train", "val", "train_docs", "val_docs")}
     try:
+        for s in ("train", "val"):
+            docs[s].tofile(tmp[f"{s}_docs"])
         out = {s: np.memmap(tmp[s], dtype=dtype, mode="w+", shape=(n,)) for s, n in (("train", n_train), ("val", n_val))}
         pos = 0
         with tqdm(total=total, desc=f"writing {folder.name}", unit="tok", unit_scale=True) as bar:
@@ -145,13 +160,13 @@ def _build(cfg, folder: Path) -> None:
         for arr in out.values():
             arr.flush()
         out.clear()  # drop the memmaps before the files are synced and renamed
-        for s in ("train", "val"):
+        for s in tmp:
             _fsync(tmp[s])
             os.replace(tmp[s], folder / f"{s}.bin")
         meta = {
             "version": PREP_VERSION, "name": cfg.name, "source": source_identity(cfg), **tokenizer.meta(),
-            "dtype": dtype.name, "train_tokens": n_train, "val_tokens": n_val, "documents": len(docs),
-            "val_fraction": cfg.val_fraction,
+            "dtype": dtype.name, "train_tokens": n_train, "val_tokens": n_val, "documents": len(texts),
+            "train_docs": len(docs["train"]), "val_docs": len(docs["val"]), "val_fraction": cfg.val_fraction,
         }
         write_text_atomic(folder / "meta.json", json.dumps(meta, indent=1))
     finally:

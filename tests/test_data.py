@@ -202,3 +202,32 @@ def test_hub_source_reads_the_text_column(make_cfg, tmp_path):
     assert tok.decode(np.concatenate([data.train, data.val]).tolist()) == "<|endoftext|>".join(docs) + "<|endoftext|>"
     with pytest.raises(DataError, match="data.text_column='text' is not a column.*content"):
         prepare_data(data_cfg(make_cfg, "data=hub", f"data.dataset={folder}", "data.name=hubtest2"))
+
+
+def test_cache_records_where_documents_start(make_cfg, corpus_dir):
+    """Each corpus file is one document; train_docs / val_docs hold their starts in each split."""
+    data = prepare_data(data_cfg(make_cfg, "data.name=doc_starts", "data.val_fraction=0.4"))
+    lengths = [len(p.read_text()) for p in sorted(corpus_dir.glob("*.txt"))]
+    starts = np.cumsum([0] + lengths[:-1])
+    n_train = len(data.train)
+    assert data.train_docs.tolist() == [s for s in starts if s < n_train]
+    assert data.val_docs.tolist() == sorted({0} | {s - n_train for s in starts if s >= n_train})
+    assert data.meta["train_docs"] == len(data.train_docs) and data.meta["documents"] == len(lengths)
+
+
+def test_sampler_cuts_windows_at_document_starts():
+    """Token value = its document's index, so every segment of cu_seqlens must hold one value, and neighbouring
+    segments of one window different ones."""
+    lengths = [random.randint(1, 12) for _ in range(60)]
+    tokens = np.repeat(np.arange(len(lengths)), lengths).astype(np.uint16)
+    doc_starts = np.cumsum([0] + lengths[:-1])
+    s = BatchSampler(tokens, block_size=16, batch_size=4, seed=random.randrange(2**32), doc_starts=doc_starts)
+    for _ in range(5):
+        x, y, cu = s.next_batch()
+        assert cu.dtype == torch.int32 and cu[0] == 0 and cu[-1] == x.numel() and (cu[1:] > cu[:-1]).all()
+        assert set(range(0, x.numel() + 1, 16)) <= set(cu.tolist())  # windows never share a segment
+        flat = x.flatten()
+        segments = [flat[a:b] for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]
+        assert all((seg == seg[0]).all() for seg in segments)
+        for (a, b), seg, nxt in zip(zip(cu[:-1].tolist(), cu[1:].tolist()), segments, segments[1:]):
+            assert b % 16 == 0 or seg[0] != nxt[0]
