@@ -8,9 +8,11 @@ with q (B, n_head, T, head_dim) and k, v (B, n_kv_head, T, head_dim), n_head a m
 n_kv_head (grouped-query attention: q head h reads k/v head h // (n_head // n_kv_head)).
 The output o has q's shape and dtype. Inputs may be float32, float16 or bfloat16.
 ``window`` > 0 restricts each query to itself and the window - 1 keys before it (sliding-window
-attention; 0 = full causal): fa2 skips the key blocks outside the window, ``sdpa`` applies a dense
-boolean mask (correct, but off PyTorch's fast kernels; it warns once), the others refuse it
-(``supports_window``).
+attention; 0 = full causal). ``docs`` (int32 cu_seqlens over the flattened (B * T) batch, from
+``data.sampler``) restricts each token to its own document segment. fa2 does both in the kernel
+(``fa2_varlen_attention`` for docs) and skips the key blocks outside them; ``sdpa`` applies a dense
+boolean mask (correct, but off PyTorch's fast kernels; it warns once); the others refuse them
+(``supports_window``, ``supports_docs``).
 
 Backends:
 - ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention(is_causal=True, enable_gqa=...)``,
@@ -33,7 +35,7 @@ import importlib
 import logging
 import os
 import warnings
-from typing import Callable, Protocol
+from typing import Callable, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -52,10 +54,10 @@ BACKENDS = ("auto", "sdpa", "sdpa_flash", "sdpa_cudnn", "fa1", "fa2", "fa3")
 
 class AttentionFn(Protocol):
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-                 window: int = 0) -> torch.Tensor: ...
+                 window: int = 0, docs: Optional[torch.Tensor] = None) -> torch.Tensor: ...
 
 
-WINDOW_BACKENDS = ("sdpa", "fa2")  # the backends that take a sliding window (see supports_window)
+WINDOW_BACKENDS = ("sdpa", "fa2")  # the backends that take a sliding window and document segments
 
 
 class BackendUnavailableError(RuntimeError):
@@ -74,8 +76,9 @@ def resolve_backend(name: str) -> str:
     return name
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, window: int = 0) -> torch.Tensor:
-    mask = None if window == 0 else _window_mask(q.shape[2], k.shape[2], window, q.device)
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, window: int = 0,
+          docs: Optional[torch.Tensor] = None) -> torch.Tensor:
+    mask = None if window == 0 and docs is None else _dense_mask(q.shape[0], q.shape[2], window, docs, q.device)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None, enable_gqa=q.shape[1] != k.shape[1]
     )
@@ -84,18 +87,23 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 
 _WARNED_DENSE_MASK = []
 
 
-def _window_mask(seqlen_q: int, seqlen_k: int, window: int, device) -> torch.Tensor:
-    """(seqlen_q, seqlen_k) boolean mask, True = visible: key j for query i iff i - window < j <= i
-    (bottom-right aligned, as the kernels' window_size=(window - 1, 0))."""
+def _dense_mask(batch: int, seqlen: int, window: int, docs: Optional[torch.Tensor], device) -> torch.Tensor:
+    """(batch or 1, 1, T, T) boolean mask, True = visible: key j for query i iff j <= i, i - window < j if
+    window > 0 (the kernels' window_size=(window - 1, 0)), and i, j in one segment of docs if given."""
     if not _WARNED_DENSE_MASK and not torch.compiler.is_compiling():  # a warning would break the graph
         _WARNED_DENSE_MASK.append(True)
-        msg = ("attn=sdpa with model.attn_window: a dense (T, T) mask, which takes SDPA off its fast kernels "
-               "(slow; attn=fa2 skips the key blocks outside the window)")
+        msg = ("attn=sdpa with model.attn_window or data.document_mask: a dense (T, T) mask, which takes SDPA off "
+               "its fast kernels (slow; attn=fa2 skips the key blocks outside the window and the documents)")
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
         log.warning(msg)
-    i = torch.arange(seqlen_q, device=device)[:, None] + seqlen_k - seqlen_q
-    j = torch.arange(seqlen_k, device=device)[None, :]
-    return (j <= i) & (j > i - window)
+    i = torch.arange(seqlen, device=device)[:, None]
+    j = torch.arange(seqlen, device=device)[None, :]
+    mask = (j <= i) & (j > i - window) if window else j <= i
+    if docs is not None:  # segment index of every token of the flattened batch
+        segment = torch.searchsorted(docs, torch.arange(batch * seqlen, device=device, dtype=docs.dtype), right=True)
+        segment = segment.view(batch, seqlen)
+        mask = mask & (segment[:, :, None] == segment[:, None, :])
+    return mask.view(-1, 1, seqlen, seqlen)
 
 
 _LOADED: dict[str, Callable] = {}  # kernel functions already imported (warn once per backend)
@@ -109,8 +117,8 @@ def _sdpa_pinned(name: str) -> AttentionFn:
     pinned = SDPA_PINNED[name]
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-                  window: int = 0) -> torch.Tensor:
-        _refuse_window(name, window)
+                  window: int = 0, docs: Optional[torch.Tensor] = None) -> torch.Tensor:
+        _refuse_masks(name, window, docs)
         with sdpa_kernel(pinned):
             return _sdpa(q, k, v, dropout_p)
 
@@ -118,10 +126,10 @@ def _sdpa_pinned(name: str) -> AttentionFn:
     return attention
 
 
-def _load_triton(name: str) -> Callable:
-    if name in _LOADED:
-        return _LOADED[name]
-    fn_name = f"{name}_attention"
+def _load_triton(name: str, fn_name: Optional[str] = None) -> Callable:
+    fn_name = fn_name or f"{name}_attention"
+    if fn_name in _LOADED:
+        return _LOADED[fn_name]
     if not torch.cuda.is_available():
         msg = (f"attn={name}: no CUDA GPU, running the Triton kernels under the Triton interpreter "
                "(TRITON_INTERPRET=1); this is very slow and meant for testing only")
@@ -135,7 +143,7 @@ def _load_triton(name: str) -> Callable:
             f"attn={name} is not available: could not load kernels.{fn_name} ({type(e).__name__}: {e}). "
             "The Triton kernels need the `triton` package (Linux); use attn=sdpa without it."
         ) from e
-    _LOADED[name] = fn
+    _LOADED[fn_name] = fn
     return fn
 
 
@@ -143,27 +151,39 @@ def _triton_backend(name: str) -> AttentionFn:
     kernel = _load_triton(name)
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-                  window: int = 0) -> torch.Tensor:
+                  window: int = 0, docs: Optional[torch.Tensor] = None) -> torch.Tensor:
         if dropout_p > 0.0:
             raise ValueError(f"attn={name} has no attention dropout (got dropout_p={dropout_p}); "
                              "use model.dropout=0.0 or attn=sdpa")
-        if window == 0:
+        if window == 0 and docs is None:
             return kernel(q, k, v, causal=True)  # the kernels take GQA (fewer k/v heads) and strided views
-        _refuse_window(name, window)
-        return kernel(q, k, v, causal=True, window_size=(window - 1, 0))
+        _refuse_masks(name, window, docs)
+        if docs is None:
+            return kernel(q, k, v, causal=True, window_size=(window - 1, 0))
+        # Documents: the batch flattened to one packed sequence of B * T tokens, cut at docs (views, no copies
+        # for the model's (B, T, H, D)-ordered q, k, v).
+        B, H, T, D = q.shape
+        packed = [t.transpose(1, 2).reshape(B * T, t.shape[1], D) for t in (q, k, v)]
+        o = _load_triton(name, f"{name}_varlen_attention")(*packed, docs, docs, T, T, causal=True,
+                                                           window_size=(window - 1, 0) if window else (-1, -1))
+        return o.view(B, T, H, D).transpose(1, 2)
 
     attention.__name__ = f"{name}_causal_attention"
     return attention
 
 
 def supports_window(name: str) -> bool:
-    """Whether backend ``name`` ('auto' resolved) takes ``window`` > 0 (model.attn_window)."""
+    """Whether backend ``name`` ('auto' resolved) takes ``window`` > 0 (model.attn_window) and ``docs``
+    (data.document_mask)."""
     return resolve_backend(name) in WINDOW_BACKENDS
 
 
-def _refuse_window(name: str, window: int) -> None:
+def _refuse_masks(name: str, window: int, docs: Optional[torch.Tensor]) -> None:
     if window and name not in WINDOW_BACKENDS:
         raise ValueError(f"attn={name} has no sliding-window attention (model.attn_window={window}); "
+                         f"use one of: {', '.join(WINDOW_BACKENDS)}")
+    if docs is not None and name not in WINDOW_BACKENDS:
+        raise ValueError(f"attn={name} has no document masks (data.document_mask); "
                          f"use one of: {', '.join(WINDOW_BACKENDS)}")
 
 

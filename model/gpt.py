@@ -66,14 +66,14 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
         self.attention = get_backend(config.attn)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, docs: Optional[torch.Tensor] = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(
             [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=2)
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)      # (B, n_head, T, hs)
         k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)   # (B, n_kv_head, T, hs)
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        y = self.attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, window=self.window)
+        y = self.attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, window=self.window, docs=docs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -98,8 +98,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, docs: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), docs)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -146,8 +146,10 @@ class GPT(nn.Module):
         keys = sum(min(w, c.block_size) if (w := c.layer_window(layer)) else c.block_size for layer in range(c.n_layer))
         return 6 * self.num_params() + 12 * c.n_head * c.head_dim * keys
 
-    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None):
-        """idx: (B, T) int64 token ids, T <= block_size; targets: (B, T) int64 or None.
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None, docs: Optional[torch.Tensor] = None):
+        """idx: (B, T) int64 token ids, T <= block_size; targets: (B, T) int64 or None; docs: the documents of
+        the flattened batch as int32 cu_seqlens (0 .. B * T, every multiple of T among them; ``data.sampler``):
+        attention stays within each document.
 
         Returns (logits, loss): with targets, logits (B, T, vocab_size) and the mean
         cross-entropy (float32 scalar; targets == -1 are ignored); without, logits of the last
@@ -159,7 +161,7 @@ class GPT(nn.Module):
         pos = torch.arange(T, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
-            x = block(x)
+            x = block(x, docs)
         x = self.transformer.ln_f(x)
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None

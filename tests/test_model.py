@@ -195,3 +195,33 @@ def test_attn_window_needs_a_backend_that_has_it():
     with pytest.raises(ValueError, match="attn=fa1 has no sliding-window attention"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model(torch.randint(0, 10, (1, 8)))
+
+
+@pytest.mark.parametrize("window", [0, 6])
+def test_document_mask_fa2_matches_sdpa_and_isolates_documents(window):
+    """docs (cu_seqlens of the flattened batch) through fa2's varlen kernel and SDPA's dense mask give the same
+    model; changing one document's tokens changes no other document's logits."""
+    cfg = dict(block_size=40, vocab_size=50, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, attn_window=window)
+    sdpa = GPT(GPTConfig(**cfg)).eval()
+    fa2 = GPT(GPTConfig(**cfg, attn="fa2")).eval()
+    fa2.load_state_dict(sdpa.state_dict())
+    idx = torch.randint(0, 50, (3, 37))
+    docs = torch.tensor([0, 5, 20, 37, 38, 74, 104, 111], dtype=torch.int32)  # a one-token document at 37
+    with warnings.catch_warnings():  # the interpreter (fa2) and the dense mask (sdpa) warn
+        warnings.simplefilter("ignore")
+        logits, _ = fa2(idx, idx, docs)
+        logits_sdpa, _ = sdpa(idx, idx, docs)
+        changed = idx.clone()
+        changed[0, 5:20] = (changed[0, 5:20] + 1) % 50
+        logits_changed, _ = fa2(changed, changed, docs)
+    torch.testing.assert_close(logits, logits_sdpa, atol=1e-4, rtol=1e-4)
+    assert torch.equal(logits_changed[0, :5], logits[0, :5]) and torch.equal(logits_changed[0, 20:], logits[0, 20:])
+    assert torch.equal(logits_changed[1:], logits[1:]) and not torch.allclose(logits_changed[0, 5:20], logits[0, 5:20])
+
+
+def test_document_mask_needs_a_backend_that_has_it():
+    model = GPT(GPTConfig(block_size=8, vocab_size=10, n_layer=1, n_head=2, n_embd=32, attn="fa1"))
+    docs = torch.tensor([0, 3, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="attn=fa1 has no document masks"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model(torch.randint(0, 10, (1, 8)), docs=docs)
