@@ -147,7 +147,7 @@ def test_missing_mandatory_values_are_named():
 
 @pytest.mark.parametrize("window", ["5", "[8,0,8,0]", "0"])
 def test_attn_window_accepts_an_int_or_one_per_layer(window):
-    cfg = compose_config(["attn=sdpa", f"model.attn_window={window}"])
+    cfg = compose_config(["attn=sdpa", f"model.attn_window={window}", "data.document_mask=true"])
     validate_config(cfg)
 
 
@@ -157,6 +157,7 @@ def test_attn_window_accepts_an_int_or_one_per_layer(window):
     (["attn=sdpa", "model.attn_window=[8,0,8,x]"], "model.attn_window="),
     (["attn=sdpa_flash", "model.attn_window=8"], "attn=sdpa_flash has no sliding-window attention; use attn=sdpa or attn=fa2"),
     (["attn=fa1", "model.attn_window=[8,0,8,0]"], "attn=fa1 has no sliding-window attention"),
+    (["attn=sdpa_flash", "data.document_mask=true"], "data.document_mask=True: attn=sdpa_flash has no document masks"),
 ])
 def test_bad_attn_window_is_refused_before_training(monkeypatch, overrides, message):
     import trainer.config as tc

@@ -61,6 +61,7 @@ class DataConfig:
     val_fraction: float = 0.1          # the last fraction of the token stream
     cache_dir: str = "cache"
     num_proc: Optional[int] = None     # tokenizer processes (datasets.map)
+    document_mask: bool = False        # attention stays within each document of a training window
 
 
 @dataclass
@@ -225,6 +226,9 @@ def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -
     if backend is not None and windows and any(windows):
         check(supports_window(backend), "model.attn_window",
               f"attn={backend} has no sliding-window attention; use attn={' or attn='.join(WINDOW_BACKENDS)}")
+    if backend is not None and cfg.data.document_mask:
+        check(supports_window(backend), "data.document_mask",
+              f"attn={backend} has no document masks; use attn={' or attn='.join(WINDOW_BACKENDS)}")
     if backend in ("fa1", "fa2", "fa3"):
         check(m.dropout == 0.0, "model.dropout",
               f"attn={backend} has no attention dropout; use model.dropout=0.0 or attn=sdpa")

@@ -145,7 +145,8 @@ def _train(cfg: DictConfig, run_dir: Path, on_step: Optional[Callable[[dict], No
     grad_accum = cfg.trainer.grad_accum
     micro_steps = grad_accum // dist.world_size  # micro-batches per step on this rank
     sampler = ShardedBatchSampler(data.train, cfg.model.block_size, cfg.trainer.batch_size, cfg.seed,
-                                  grad_accum, dist.rank, dist.world_size, device)
+                                  grad_accum, dist.rank, dist.world_size, device,
+                                  doc_starts=data.train_docs if cfg.data.document_mask else None)
     step, tokens_seen, best_val, wandb_id = 0, 0, None, None
     if ckpt is not None:
         model.load_state_dict(clean_state_dict(ckpt["model"]))
@@ -243,12 +244,12 @@ def _train(cfg: DictConfig, run_dir: Path, on_step: Optional[Callable[[dict], No
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=device)
-        for i, (x, y) in enumerate(sampler.next_batches()):
+        for i, (x, y, *docs) in enumerate(sampler.next_batches()):  # docs: [cu_seqlens] with data.document_mask
             # DDP all-reduces gradients in the backward of this rank's last micro-batch only.
             sync = dist.world_size == 1 or i == micro_steps - 1
             with contextlib.nullcontext() if sync else ddp_model.no_sync():
                 with autocast(device, dtype):
-                    _, loss = run_model(x, y)
+                    _, loss = run_model(x, y, *docs)
                 # DDP averages over ranks, so the gradient is the mean over all grad_accum micro-batches.
                 loss = loss / micro_steps
                 scaler.scale(loss).backward()
@@ -380,16 +381,16 @@ def evaluate(model: torch.nn.Module, data: PreparedData, cfg: DictConfig, device
     Under torchrun the batches are dealt out to the ranks (batch i to rank i % world_size) and the
     per-batch losses summed over ranks, so the value is the same for any number of processes."""
     sampler = BatchSampler(data.val, cfg.model.block_size, cfg.trainer.batch_size, cfg.seed + VAL_SEED_OFFSET,
-                           device=device)
+                           device=device, doc_starts=data.val_docs if cfg.data.document_mask else None)
     model.eval()
     losses = torch.zeros(cfg.eval.iters, device=device)
     for i in range(cfg.eval.iters):
         if i % dist.world_size != dist.rank:
             sampler.skip_batch()
             continue
-        x, y = sampler.next_batch()
+        x, y, *docs = sampler.next_batch()
         with autocast(device, dtype):
-            _, loss = model(x, y)
+            _, loss = model(x, y, *docs)
         losses[i] = loss.float()
     model.train()
     all_reduce_sum(losses, dist)  # each entry is non-zero on one rank only: the sum is exact
