@@ -88,8 +88,8 @@ def check_window(window_size, name: str, supported: bool) -> tuple[int, int]:
 
 
 def check_cu_seqlens_args(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
-    """The static part of the varlen contract (types, dtypes, shapes), which holds under torch.compile's tracing;
-    the offsets' values are checked by `check_cu_seqlens_values` when the op runs."""
+    """The static part of the varlen contract (types, dtypes, shapes), which torch.compile can trace; the offsets'
+    values are checked by `check_cu_seqlens_values`."""
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(cu, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
@@ -111,7 +111,7 @@ def check_cu_seqlens_args(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
 
 def check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k) -> None:
     """The offsets' values: start at 0, non-decreasing, end at the row count, no sequence above max_seqlen_*.
-    Runs inside the custom op (on real tensors, not under tracing); costs one device-to-host copy."""
+    Costs a device-to-host copy of the offsets (a host sync on a GPU)."""
     for side, cu, total, longest in (("q", cu_seqlens_q, total_q, max_seqlen_q),
                                      ("k", cu_seqlens_k, total_k, max_seqlen_k)):
         name, offsets = f"cu_seqlens_{side}", cu.tolist()
@@ -155,8 +155,6 @@ def make_attention(name: str, forward: ForwardLauncher, backward: BackwardLaunch
         max_seqlen_q: int = 0, max_seqlen_k: int = 0,
     ) -> tuple[Tensor, Tensor]:
         mask = mask_args(window_left, window_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        if cu_seqlens_q is not None:
-            check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
         return forward(q, k, v, causal, softmax_scale, *mask)
 
     @forward_op.register_fake
@@ -217,9 +215,12 @@ def make_varlen_attention(name: str, lse_log_base: float):
     to_natural = math.log(lse_log_base)
 
     def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
-                         softmax_scale=None, window_size=(-1, -1), return_lse=False):
+                         softmax_scale=None, window_size=(-1, -1), return_lse=False, *, check_offsets=True):
         validate(q, k, v, causal, softmax_scale, packed=True)
         check_cu_seqlens_args(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        # Reading the offsets' values syncs with the GPU, and torch.compile cannot trace it: eager calls only.
+        if check_offsets and not torch.compiler.is_compiling():
+            check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
         window = check_window(window_size, name, True)
         softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
         q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
@@ -286,6 +287,9 @@ VARLEN_DOC = """{title}
         max_seqlen_q, max_seqlen_k: ints >= the longest sequence's length (they size the launch grid).
         causal, softmax_scale, window_size: as in `fa2_attention`, per sequence.
         return_lse: also return the log-sum-exp of each query row's scaled scores.
+        check_offsets: check the values of cu_seqlens (below). That reads them on the host, a sync on a GPU;
+           pass False for offsets valid by construction (e.g. from data.sampler). Never done under
+           torch.compile, which cannot trace it: there invalid offsets give undefined results.
 
     Returns:
         o: (total_q, n_heads, head_dim), like q; or (o, lse) with lse (n_heads, total_q), float32, natural log,
@@ -298,6 +302,5 @@ VARLEN_DOC = """{title}
         ValueError: wrong ranks or shapes (as in `fa2_attention`), cu_seqlens not 1-D with >= 2 entries or of
             different lengths or on another device, not starting at 0, decreasing, or not ending at total_q /
             total_k, a sequence longer than max_seqlen_*, a window_size value below -1. The offsets' values are
-            checked when the op runs (one device-to-host copy of cu_seqlens per call), so under torch.compile
-            those errors surface at run time.
+            checked only with check_offsets and outside torch.compile.
     """
