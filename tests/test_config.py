@@ -155,7 +155,8 @@ def test_attn_window_accepts_an_int_or_one_per_layer(window):
     (["attn=sdpa", "model.attn_window=-1"], "model.attn_window=-1: must be an int >= 0"),
     (["attn=sdpa", "model.attn_window=[8,0]"], "a list of model.n_layer=4 of them"),
     (["attn=sdpa", "model.attn_window=[8,0,8,x]"], "model.attn_window="),
-    (["attn=sdpa_flash", "model.attn_window=8"], "attn=sdpa_flash has no sliding-window attention; use attn=sdpa or attn=fa2"),
+    (["attn=sdpa_flash", "model.attn_window=8"],
+     "attn=sdpa_flash has no sliding-window attention; use attn=sdpa or attn=fa2"),
     (["attn=fa1", "model.attn_window=[8,0,8,0]"], "attn=fa1 has no sliding-window attention"),
     (["attn=sdpa_flash", "data.document_mask=true"], "data.document_mask=True: attn=sdpa_flash has no document masks"),
 ])
