@@ -126,10 +126,10 @@ def _sdpa_pinned(name: str) -> AttentionFn:
     return attention
 
 
-def _load_triton(name: str, fn_name: Optional[str] = None) -> Callable:
-    fn_name = fn_name or f"{name}_attention"
-    if fn_name in _LOADED:
-        return _LOADED[fn_name]
+def _load_triton(name: str) -> Callable:
+    if name in _LOADED:
+        return _LOADED[name]
+    fn_name = f"{name}_attention"
     if not torch.cuda.is_available():
         msg = (f"attn={name}: no CUDA GPU, running the Triton kernels under the Triton interpreter "
                "(TRITON_INTERPRET=1); this is very slow and meant for testing only")
@@ -143,12 +143,14 @@ def _load_triton(name: str, fn_name: Optional[str] = None) -> Callable:
             f"attn={name} is not available: could not load kernels.{fn_name} ({type(e).__name__}: {e}). "
             "The Triton kernels need the `triton` package (Linux); use attn=sdpa without it."
         ) from e
-    _LOADED[fn_name] = fn
+    _LOADED[name] = fn
     return fn
 
 
 def _triton_backend(name: str) -> AttentionFn:
     kernel = _load_triton(name)
+    # Looked up now, not on first use: under torch.compile that would be traced (and break fullgraph).
+    varlen = getattr(importlib.import_module("kernels"), f"{name}_varlen_attention", None)
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
                   window: int = 0, docs: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -164,9 +166,8 @@ def _triton_backend(name: str) -> AttentionFn:
         # for the model's (B, T, H, D)-ordered q, k, v).
         B, H, T, D = q.shape
         packed = [t.transpose(1, 2).reshape(B * T, t.shape[1], D) for t in (q, k, v)]
-        o = _load_triton(name, f"{name}_varlen_attention")(*packed, docs, docs, T, T, causal=True,
-                                                           window_size=(window - 1, 0) if window else (-1, -1),
-                                                           check_offsets=False)  # the sampler's cuts are valid
+        o = varlen(*packed, docs, docs, T, T, causal=True, window_size=(window - 1, 0) if window else (-1, -1),
+                   check_offsets=False)  # the sampler's cuts are valid by construction
         return o.view(B, T, H, D).transpose(1, 2)
 
     attention.__name__ = f"{name}_causal_attention"

@@ -225,3 +225,18 @@ def test_document_mask_needs_a_backend_that_has_it():
     with pytest.raises(ValueError, match="attn=fa1 has no document masks"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model(torch.randint(0, 10, (1, 8)), docs=docs)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "fa2"])
+def test_document_mask_and_window_compile_in_one_graph(attn):
+    """trainer.compile with data.document_mask: the model with docs traces in one graph (also when the number of
+    documents changes between batches) and matches eager."""
+    model = GPT(GPTConfig(block_size=32, vocab_size=50, n_layer=1, n_head=2, n_embd=32, attn=attn, attn_window=[5]))
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for cuts in ([0, 5, 32, 40, 64], [0, 32, 33, 64]):
+            idx, docs = torch.randint(0, 50, (2, 32)), torch.tensor(cuts, dtype=torch.int32)
+            _, loss = compiled(idx, idx, docs)
+            loss.backward()
+            torch.testing.assert_close(loss, model(idx, idx, docs)[1], atol=1e-4, rtol=1e-4)
