@@ -93,6 +93,7 @@ def _stages(start, offset, before, after, n_inner, BEFORE: tl.constexpr, AFTER: 
     dK/dV: x = key, y = query row: the same band seen from the other side (offset negated, sides swapped).
     """
     end = start + BLOCK_OUTER - 1  # the block's last outer index
+    # Unlimited sides: whole range, as int32 tensors (start * 0) like the limited ones, whichever sides are set.
     lo = start * 0
     lo_free = start * 0
     hi = n_inner + start * 0
@@ -116,7 +117,7 @@ def _sequence(CU_Q, CU_K, off_b, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
     Varlen: the sequences lie back to back along the rows of a (1, heads, total, head_dim) view, so the batch
     stride is unused (index 0) and each sequence's rows come from cu_seqlens.
     """
-    if VARLEN:
+    if VARLEN:  # (off_b * 0: int32 tensors in both branches, like the loads)
         q_start = tl.load(CU_Q + off_b)
         k_start = tl.load(CU_K + off_b)
         seq_q = tl.load(CU_Q + off_b + 1) - q_start
