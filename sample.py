@@ -2,7 +2,10 @@
 
 Loads the run's latest checkpoint (or the given file) onto the chosen device, rebuilds the model
 and tokenizer from it (no data cache needed) and prints ``--num-samples`` continuations of
-``--prompt``. Sampling: logits / temperature, optional top-k, multinomial (nanoGPT's sample.py).
+``--prompt``, generated as one batch. Sampling: logits / temperature, optional top-k, multinomial
+(nanoGPT's sample.py); ``--top-k 1`` is greedy. With the KV cache (default) the prompt is run once and
+each new token is one decode step; ``--compile`` compiles that step, ``--compile cudagraphs`` (GPU, sdpa or
+fa2) makes it a CUDA graph.
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ from pathlib import Path
 import torch
 
 from data.tokenizers import tokenizer_from_meta
+from model.attention import REGISTRY
 from model.gpt import GPT, GPTConfig
 from trainer.checkpoint import CheckpointError, clean_state_dict, latest_checkpoint, load_checkpoint
+from trainer.runtime import NO_CUDA
 
 
 def find_checkpoint(run: str, runs_root: str = "runs") -> Path:
@@ -41,7 +46,7 @@ def load_model(ckpt_path: Path, device: str = "cpu", attn: str = "sdpa"):
 
 
 def sample(model: GPT, tokenizer, prompt: str, num_tokens: int, temperature: float, top_k: int | None,
-           num_samples: int = 1, seed: int = 1337) -> list[str]:
+           num_samples: int = 1, seed: int = 1337, kv_cache: bool = True, compile: bool | str = False) -> list[str]:
     device = next(model.parameters()).device
     ids = tokenizer.encode(prompt) if prompt else []
     if not ids:  # an empty prompt starts from a newline (char) or the document separator (BPE)
@@ -49,7 +54,7 @@ def sample(model: GPT, tokenizer, prompt: str, num_tokens: int, temperature: flo
     x = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     y = model.generate(x, num_tokens, temperature=temperature, top_k=top_k, generator=gen,
-                       num_tokens=tokenizer.vocab_size)
+                       num_tokens=tokenizer.vocab_size, kv_cache=kv_cache, compile=compile)
     return [tokenizer.decode(row[len(ids):].tolist()) for row in y]
 
 
@@ -59,17 +64,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs-root", default="runs", help="folder holding run folders (train.py's run.root)")
     ap.add_argument("--prompt", default="", help="text to continue (default: start of a document)")
     ap.add_argument("--num-tokens", type=int, default=500, help="tokens to generate per sample")
-    ap.add_argument("--num-samples", type=int, default=1)
+    ap.add_argument("--num-samples", type=int, default=1, help="samples, generated as one batch")
     ap.add_argument("--temperature", type=float, default=0.8, help="> 0; lower is more conservative")
-    ap.add_argument("--top-k", type=int, default=200, help="keep the k most likely tokens; 0 = all")
+    ap.add_argument("--top-k", type=int, default=200, help="keep the k most likely tokens; 0 = all, 1 = greedy")
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    ap.add_argument("--attn", default="sdpa", choices=("sdpa", "fa1", "fa2"), help="attention backend")
+    ap.add_argument("--attn", default="sdpa", choices=list(REGISTRY), help="attention backend")
+    ap.add_argument("--kv-cache", action=argparse.BooleanOptionalAction, default=True,
+                    help="cache keys/values: prefill the prompt once, then one decode step per token")
+    ap.add_argument("--compile", nargs="?", const=True, default=False, choices=(True, "cudagraphs"),
+                    metavar="cudagraphs",
+                    help="torch.compile the per-token step (the decode step with --kv-cache); '--compile cudagraphs' "
+                         "compiles a fixed-shape decode step into CUDA graphs (--kv-cache, sdpa or fa2)")
     args = ap.parse_args(argv)
     for name, ok in (("--num-tokens", args.num_tokens >= 1), ("--num-samples", args.num_samples >= 1),
                      ("--temperature", args.temperature > 0), ("--top-k", args.top_k >= 0)):
         if not ok:
             ap.error(f"{name}={getattr(args, name[2:].replace('-', '_'))} is out of range")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device cuda: {NO_CUDA}")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     try:
         ckpt_path = find_checkpoint(args.run, args.runs_root)
@@ -80,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {ckpt_path} (step {ckpt['step']})", file=sys.stderr)
     try:
         texts = sample(model, tokenizer, args.prompt, args.num_tokens, args.temperature, args.top_k or None,
-                       args.num_samples, args.seed)
+                       args.num_samples, args.seed, args.kv_cache, args.compile)
     except ValueError as e:  # e.g. a prompt character outside the char vocabulary
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -15,24 +15,29 @@ stderr (prefixed with their rank), and an unexpected error is recorded for torch
 (torch.distributed.elastic's ``record``), which then stops the other ranks.
 """
 
+import contextlib
 import logging
 import signal
 import sys
+from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from data.prepare import PreparationInterrupted
 from data.sources import DataError
 from model.attention import BackendUnavailableError
 from trainer import ConfigError, NonFiniteLossError, register_configs, train
 from trainer.checkpoint import CheckpointError
-from trainer.config import RUN_NAME_RULE, valid_run_name
 from trainer.distributed import destroy_process_group, torchrun_overrides
+from trainer.resume import refusal_for_overrides
+from trainer.run_lock import RunFolderBusy, own_run_folder
 from trainer.runtime import DistInfo
 
 log = logging.getLogger("train")
+logging.captureWarnings(True)  # warnings (e.g. a kernel fallback) reach train.log once, through logging
 register_configs()
 
 
@@ -46,30 +51,61 @@ def run(cfg: DictConfig) -> float | None:
     dist = DistInfo.from_env()
     if not dist.is_main:  # Hydra logging is off on these ranks (torchrun_overrides)
         logging.basicConfig(level=logging.WARNING, format=f"[rank {dist.rank}] %(levelname)s [%(name)s] %(message)s")
+    run_dir = HydraConfig.get().runtime.output_dir
     try:
-        summary = train(cfg, run_dir=HydraConfig.get().runtime.output_dir)
+        # The job's rank 0 owns the run folder; its other ranks write nothing there.
+        with own_run_folder(run_dir) if dist.is_main else contextlib.nullcontext():
+            if dist.is_main:
+                save_hydra_files(cfg, run_dir)
+            summary = train(cfg, run_dir=run_dir)
+    except RunFolderBusy as e:
+        detach_log_files()  # the owner's train.log is not ours to write
+        log.error("%s", e)
+        sys.exit(1)
     except (ConfigError, DataError, CheckpointError, BackendUnavailableError, NonFiniteLossError) as e:
         # Expected user-facing failures: one clear message, no traceback.
         log.error("%s", e)
         sys.exit(1)
+    except PreparationInterrupted as e:  # Ctrl-C or SIGTERM while the token cache was written
+        log.error("%s", e)
+        sys.exit(128 + e.signum)
     except KeyboardInterrupt:  # a second Ctrl-C: abort now, without saving; the last checkpoint stays the latest
         log.error("aborted by a second Ctrl-C; this step was not saved (resume continues from the last checkpoint)")
         sys.exit(128 + signal.SIGINT)
     if summary.stop_reason == "interrupted":  # saved and resumable, but not finished: say so to the caller
         sys.exit(128 + summary.stop_signal)
+    log.info("finished at step %d; to continue this run, run the same command with run.name=%s "
+             "trainer.max_steps=<more than %d>", summary.step, cfg.run.name, summary.step)
     return summary.final_val_loss  # the value a Hydra sweeper would optimise
 
 
-def check_run_name(argv: list[str]) -> None:
-    """Reject a bad run.name before Hydra creates its folder (the run_dir resolver is the backstop)."""
-    for arg in argv:
-        key, _, value = arg.partition("=")
-        if key.lstrip("+") == "run.name" and "," not in value and not valid_run_name(value):
-            sys.exit(f"error: run.name={value!r}: {RUN_NAME_RULE}")
+def save_hydra_files(cfg: DictConfig, run_dir: str) -> None:
+    """Hydra's .hydra/ files, written once the run folder is ours (conf/config.yaml tells Hydra not
+    to write them itself, before the lock, over another run's)."""
+    hydra_cfg = HydraConfig.get()
+    folder = Path(run_dir) / ".hydra"
+    folder.mkdir(exist_ok=True)
+    for name, node in (("config.yaml", cfg), ("hydra.yaml", OmegaConf.create({"hydra": hydra_cfg})),
+                       ("overrides.yaml", hydra_cfg.overrides.task)):
+        (folder / name).write_text(OmegaConf.to_yaml(node))
+
+
+def detach_log_files() -> None:
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if isinstance(h, logging.FileHandler)]:
+        root.removeHandler(handler)
+        handler.close()
+
+
+def refuse_before_hydra(argv: list[str]) -> None:
+    """Exit if the resume policy refuses the run, before Hydra writes train.log into its folder."""
+    reason = refusal_for_overrides(argv)
+    if reason:
+        sys.exit(f"error: {reason}")
 
 
 if __name__ == "__main__":
-    check_run_name(sys.argv[1:])
     sys.argv[1:] = torchrun_overrides(sys.argv[1:])  # unchanged for one process
+    refuse_before_hydra(sys.argv[1:])
     main()
     destroy_process_group()  # torchrun: after every job of the process (Hydra multirun) finished

@@ -16,42 +16,25 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+
+from model.attention import REGISTRY
 
 TOKENS = 16 * 1024
 WIDTH = 2048  # n_heads * head_dim
 
 
-def sdpa(backend=None):
-    """SDPA with the default dispatch, or pinned to a kernel of ``model.attention.SDPA_PINNED`` (sdpa_flash, sdpa_cudnn)."""
-    from torch.nn.attention import sdpa_kernel
-
-    from model.attention import SDPA_PINNED
-
-    def attention(q, k, v, causal):
-        if backend is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        with sdpa_kernel(SDPA_PINNED[backend]):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
-    return attention
-
-
 def backends(names):
-    from kernels import fa1_attention, fa2_attention, fa3_attention
+    """{name: attention(q, k, v, causal)} for backends of ``model.attention.REGISTRY``."""
+    from model.attention import get_backend
 
-    table = {
-        "fa3": lambda q, k, v, causal: fa3_attention(q, k, v, causal=causal),
-        "fa2": lambda q, k, v, causal: fa2_attention(q, k, v, causal=causal),
-        "fa1": lambda q, k, v, causal: fa1_attention(q, k, v, causal=causal),
-        "sdpa": sdpa(),
-        "sdpa_flash": sdpa("sdpa_flash"),
-        "sdpa_cudnn": sdpa("sdpa_cudnn"),
-    }
-    unknown = set(names) - set(table)
+    unknown = set(names) - set(REGISTRY)
     if unknown:
-        raise SystemExit(f"unknown backend(s) {sorted(unknown)}; choose from {sorted(table)}")
-    return {name: table[name] for name in names}
+        raise SystemExit(f"unknown backend(s) {sorted(unknown)}; choose from {sorted(REGISTRY)}")
+    chosen = {}
+    for name in names:
+        fn = get_backend(name)
+        chosen[name] = lambda q, k, v, causal, fn=fn: fn(q, k, v, causal=causal)
+    return chosen
 
 
 def flops(batch, n_heads, seqlen, head_dim, causal, direction):
@@ -130,7 +113,8 @@ def plot(rows, out_dir):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backends", default="fa3,fa2,fa1,sdpa,sdpa_flash,sdpa_cudnn")
+    parser.add_argument("--backends", default=",".join(reversed(REGISTRY)),  # the ratios are against the first
+                        help="from model.attention.REGISTRY")
     parser.add_argument("--head-dims", default="64,128")
     parser.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
     parser.add_argument("--causal", default="true,false", help="true, false or both")

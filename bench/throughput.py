@@ -10,6 +10,11 @@ tokens/s (tokens per step / median step time), median MFU, peak GPU memory, the 
 speed-up over `sdpa`. Each backend is its own W&B run in one W&B group (`wandb.group`), so the loss and step
 time curves overlay in the W&B UI. Files go to runs/<name>/: throughput.csv, throughput.json, throughput.png.
 
+`--baseline` also runs, per backend and in the same process, the bare training loop of `bench.baseline` (same
+model, data, dtype, compile and optimizer; forward, backward, clip, step, zero_grad and nothing else) and reports
+the trainer's tokens/s and peak memory as ratios of the bare loop's (`vs bare tok/s`, `vs bare mem`): the
+framework's own cost. Bare rows have `loop` = `bare`. The `--sweep` runs have no bare rows.
+
 `--sweep` repeats the comparison for each context length at a fixed number of tokens per step
 (`--sweep-tokens`; batch = tokens / context) into throughput_sweep.{csv,json,png}, to show where attention
 starts to dominate the step.
@@ -28,8 +33,9 @@ import torch
 from model.attention import BACKENDS
 
 log = logging.getLogger("bench.throughput")
-FIELDS = ["backend", "block_size", "batch_size", "tokens_per_step", "step_time_ms", "tokens_per_s", "mfu",
-          "peak_mem_gib", "final_train_loss", "speedup_vs_sdpa", "num_params"]
+FIELDS = ["backend", "loop", "block_size", "batch_size", "tokens_per_step", "step_time_ms", "tokens_per_s", "mfu",
+          "peak_mem_gib", "final_train_loss", "speedup_vs_sdpa", "tokens_per_s_vs_bare", "peak_mem_vs_bare",
+          "num_params"]
 
 
 def backend_config(overrides, backend, out_dir, label, warmup, steps):
@@ -43,43 +49,81 @@ def backend_config(overrides, backend, out_dir, label, warmup, steps):
     ])
 
 
+def fresh_device():
+    """Forget compiled graphs (each run compiles its own model; dynamo's recompile limit is per code object)
+    and CUDA memory statistics, so runs in one process do not influence each other's figures."""
+    torch._dynamo.reset()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def run_bare(overrides, backend, out_dir, label, warmup, steps):
+    """The bare loop (bench.baseline) on one backend's config; a row like run_backend's, loop='bare'."""
+    from bench.baseline import run_bare_loop
+    from trainer.metrics import peak_flops
+
+    cfg = backend_config(overrides, backend, out_dir, label, warmup, steps)
+    fresh_device()
+    bare = run_bare_loop(cfg, warmup, steps)
+    tokens_per_s = bare["tokens_per_step"] / bare["step_time_s"]
+    peak = peak_flops(torch.device("cuda" if torch.cuda.is_available() and cfg.trainer.device != "cpu" else "cpu"),
+                      cfg.trainer.peak_flops)
+    return dict(
+        backend=backend, loop="bare", block_size=cfg.model.block_size, batch_size=cfg.trainer.batch_size,
+        tokens_per_step=bare["tokens_per_step"], step_time_ms=bare["step_time_s"] * 1e3, tokens_per_s=tokens_per_s,
+        mfu=bare["flops_per_token"] * tokens_per_s / peak if peak else None, peak_mem_gib=bare["peak_mem_gib"],
+        final_train_loss=bare["losses"][-1], speedup_vs_sdpa=None, tokens_per_s_vs_bare=None, peak_mem_vs_bare=None,
+        num_params=bare["num_params"],
+    )
+
+
 def run_backend(overrides, backend, out_dir, label, warmup, steps):
     """Train one backend into out_dir/label and summarise its timed steps (those after the warm-up)."""
     from trainer import train
 
     cfg = backend_config(overrides, backend, out_dir, label, warmup, steps)
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+    fresh_device()
     summary = train(cfg)
     timed = summary.records[warmup:]
     step_ms = statistics.median(r["perf/step_time_ms"] for r in timed)
     mfus = [r["perf/mfu"] for r in timed if r["perf/mfu"] is not None]
     mems = [r["perf/peak_mem_gib"] for r in timed if r["perf/peak_mem_gib"] is not None]
     return dict(
-        backend=backend, block_size=cfg.model.block_size, batch_size=cfg.trainer.batch_size,
+        backend=backend, loop="trainer", block_size=cfg.model.block_size, batch_size=cfg.trainer.batch_size,
         tokens_per_step=summary.tokens_per_step, step_time_ms=step_ms,
         tokens_per_s=summary.tokens_per_step / (step_ms / 1e3),
         mfu=statistics.median(mfus) if mfus else None, peak_mem_gib=max(mems) if mems else None,
-        final_train_loss=summary.records[-1]["train/loss"], speedup_vs_sdpa=None, num_params=summary.num_params,
+        final_train_loss=summary.records[-1]["train/loss"], speedup_vs_sdpa=None, tokens_per_s_vs_bare=None,
+        peak_mem_vs_bare=None, num_params=summary.num_params,
     )
 
 
 def add_speedups(rows):
-    base = {r["block_size"]: r["tokens_per_s"] for r in rows if r["backend"] == "sdpa"}
-    for r in rows:
+    """speedup_vs_sdpa of trainer rows; for trainer rows with a bare row of the same backend and context,
+    tokens/s and peak memory as ratios of the bare loop's."""
+    trainer = [r for r in rows if r["loop"] == "trainer"]
+    base = {r["block_size"]: r["tokens_per_s"] for r in trainer if r["backend"] == "sdpa"}
+    bare = {(r["backend"], r["block_size"]): r for r in rows if r["loop"] == "bare"}
+    for r in trainer:
         if r["block_size"] in base:
             r["speedup_vs_sdpa"] = r["tokens_per_s"] / base[r["block_size"]]
+        b = bare.get((r["backend"], r["block_size"]))
+        if b is not None:
+            r["tokens_per_s_vs_bare"] = r["tokens_per_s"] / b["tokens_per_s"]
+            if r["peak_mem_gib"] and b["peak_mem_gib"]:
+                r["peak_mem_vs_bare"] = r["peak_mem_gib"] / b["peak_mem_gib"]
 
 
 def print_table(rows):
     cell = lambda x, f, width: format("-" if x is None else format(x, f), f">{width}")
-    print(f"{'backend':<11} {'context':>7} {'batch':>5} {'step ms':>9} {'tokens/s':>11} {'MFU %':>6} "
-          f"{'mem GiB':>8} {'loss':>7} {'vs sdpa':>7}")
+    print(f"{'backend':<11} {'loop':<7} {'context':>7} {'batch':>5} {'step ms':>9} {'tokens/s':>11} {'MFU %':>6} "
+          f"{'mem GiB':>8} {'loss':>7} {'vs sdpa':>7} {'vs bare tok/s':>13} {'vs bare mem':>11}")
     for r in rows:
-        print(f"{r['backend']:<11} {r['block_size']:>7} {r['batch_size']:>5} {r['step_time_ms']:>9.2f} "
+        print(f"{r['backend']:<11} {r['loop']:<7} {r['block_size']:>7} {r['batch_size']:>5} {r['step_time_ms']:>9.2f} "
               f"{r['tokens_per_s']:>11,.0f} {cell(r['mfu'] and 100 * r['mfu'], '.1f', 6)} "
-              f"{cell(r['peak_mem_gib'], '.2f', 8)} {r['final_train_loss']:>7.4f} {cell(r['speedup_vs_sdpa'], '.2f', 7)}")
+              f"{cell(r['peak_mem_gib'], '.2f', 8)} {r['final_train_loss']:>7.4f} {cell(r['speedup_vs_sdpa'], '.2f', 7)} "
+              f"{cell(r['tokens_per_s_vs_bare'], '.3f', 13)} {cell(r['peak_mem_vs_bare'], '.3f', 11)}")
 
 
 def write(rows, out_dir, stem, meta):
@@ -98,13 +142,14 @@ def plot(rows, path, meta):
     import matplotlib.pyplot as plt
 
     contexts = sorted({r["block_size"] for r in rows})
-    backends = list(dict.fromkeys(r["backend"] for r in rows))
+    series = lambda r: r["backend"] if r["loop"] == "trainer" else f"{r['backend']} (bare loop)"  # noqa: E731
+    backends = list(dict.fromkeys(series(r) for r in rows))
     fig, ax = plt.subplots(figsize=(max(5, 1.6 * len(contexts) * len(backends) / 2), 4))
     width = 0.8 / len(backends)
     for i, backend in enumerate(backends):
         xs, ys = [], []
         for j, context in enumerate(contexts):
-            r = next((r for r in rows if r["backend"] == backend and r["block_size"] == context), None)
+            r = next((r for r in rows if series(r) == backend and r["block_size"] == context), None)
             if r:
                 xs.append(j + (i - (len(backends) - 1) / 2) * width)
                 ys.append(r["tokens_per_s"])
@@ -124,6 +169,8 @@ def main(argv=None):
     parser.add_argument("--backends", default="fa1,fa2,sdpa", help=f"comma-separated, from {', '.join(BACKENDS[1:])}")
     parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per backend")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps first (compile, autotune)")
+    parser.add_argument("--baseline", action="store_true",
+                        help="also run the bare training loop (bench.baseline) per backend; report ratios to it")
     parser.add_argument("--sweep", default="", help="context lengths for the sweep, e.g. 1024,2048,4096,8192")
     parser.add_argument("--sweep-tokens", type=int, default=32768, help="tokens per step in the sweep")
     parser.add_argument("--name", default=f"throughput_{time.strftime('%Y-%m-%d_%H-%M-%S')}",
@@ -167,7 +214,11 @@ def main(argv=None):
                 torch=torch.__version__, triton=__import__("triton").__version__,
                 date=time.strftime("%Y-%m-%d"), overrides=args.overrides, warmup=args.warmup, steps=args.steps)
 
-    rows = [run_backend(overrides, b, out_dir, label, args.warmup, args.steps) for overrides, b, label in jobs]
+    rows = []
+    for overrides, b, label in jobs:
+        if args.baseline:
+            rows.append(run_bare(overrides, b, out_dir, f"{label}_bare", args.warmup, args.steps))
+        rows.append(run_backend(overrides, b, out_dir, label, args.warmup, args.steps))
     add_speedups(rows)
     print_table(rows)
     write(rows, out_dir, "throughput", meta)

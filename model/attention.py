@@ -1,6 +1,6 @@
-"""The one attention registry: the model asks for a backend by name and gets a function.
+"""The one attention backend registry: the model asks for a backend by name and gets a function.
 
-Every backend computes causal scaled-dot-product attention
+Every backend computes scaled-dot-product attention, causal by default (``causal=False``: no mask)
 
     o = softmax(q @ k^T * softmax_scale + causal_mask) @ v,   softmax_scale = 1/sqrt(head_dim)
 
@@ -12,7 +12,7 @@ attention; 0 = full causal). ``docs`` (int32 cu_seqlens over the flattened (B * 
 ``data.sampler``) restricts each token to its own document segment. fa2 does both in the kernel
 (``fa2_varlen_attention`` for docs) and skips the key blocks outside them; ``sdpa`` applies a dense
 boolean mask (correct, but off PyTorch's fast kernels; it warns once); the others refuse them
-(``supports_window``, ``supports_docs``).
+(the ``Backend`` fields ``supports_window``, ``supports_docs``).
 
 Backends:
 - ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention(is_causal=True, enable_gqa=...)``,
@@ -27,21 +27,29 @@ Backends:
   (``torch.nn.attention.sdpa_kernel``), for comparing against a known kernel; fails where PyTorch
   has no such kernel for the inputs (cuDNN: CUDA only).
 - ``auto``: ``fa2`` when a CUDA GPU is present, ``sdpa`` otherwise (see ``resolve_backend``).
+
+``REGISTRY`` holds one ``Backend`` entry per concrete backend: its kernel factory and what the rest of the
+code asks about it (needs CUDA, dropout, windows, documents, head_dim range). Config validation,
+``sample.py --attn``, ``bench/attention.py`` and the tests derive from it. A new backend = a kernel module,
+one entry here and a ``conf/attn/<name>.yaml`` (``backend: <name>``).
+
+For generation with a KV cache, ``get_kv_backend`` gives the same backends for seqlen_q <= seqlen_k
+(new queries against the cached prefix), with the causal mask aligned bottom-right, and
+``get_static_kv_backend`` the fixed-shape decode step (CUDA graphs) where a backend has one.
 """
 
 from __future__ import annotations
 
 import importlib
-import logging
 import os
 import warnings
+from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-log = logging.getLogger(__name__)
 
 if not torch.cuda.is_available():
     # Without a GPU the Triton kernels only run under Triton's interpreter, which Triton switches on when
@@ -49,38 +57,37 @@ if not torch.cuda.is_available():
     # before fa1/fa2 is chosen (e.g. an sdpa job, then an fa2 job in one process). So set it now.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-BACKENDS = ("auto", "sdpa", "sdpa_flash", "sdpa_cudnn", "fa1", "fa2", "fa3")
-
 
 class AttentionFn(Protocol):
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-                 window: int = 0, docs: Optional[torch.Tensor] = None) -> torch.Tensor: ...
-
-
-WINDOW_BACKENDS = ("sdpa", "fa2")  # the backends that take a sliding window and document segments
+                 causal: bool = True, window: int = 0, docs: Optional[torch.Tensor] = None) -> torch.Tensor: ...
 
 
 class BackendUnavailableError(RuntimeError):
     """The requested attention backend cannot be loaded (e.g. the Triton kernels are missing)."""
 
 
-def resolve_backend(name: str) -> str:
-    """Map a configured backend name to a concrete one: 'auto' -> 'fa2' with CUDA, else 'sdpa'.
+@dataclass(frozen=True)
+class Backend:
+    """One registry entry. ``factory()`` returns the attention function (imports kernels lazily; raises
+    BackendUnavailableError if they cannot be loaded). ``head_dims()``, if given, returns the (min, max)
+    head_dim the kernel accepts (it may load the kernels); None means no limit."""
+    name: str
+    factory: Callable[[], AttentionFn]
+    description: str
+    needs_cuda: bool = False
+    supports_dropout: bool = False
+    head_dims: Optional[Callable[[], tuple[int, int]]] = None
+    supports_window: bool = False  # window > 0 (model.attn_window)
+    supports_docs: bool = False  # docs (data.document_mask)
 
-    Raises ValueError for a name outside ``BACKENDS``.
-    """
-    if name not in BACKENDS:
-        raise ValueError(f"attn={name!r} is not a known attention backend; accepted: {', '.join(BACKENDS)}")
-    if name == "auto":
-        return "fa2" if torch.cuda.is_available() else "sdpa"
-    return name
 
-
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, window: int = 0,
-          docs: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, causal: bool = True,
+          window: int = 0, docs: Optional[torch.Tensor] = None) -> torch.Tensor:
     mask = None if window == 0 and docs is None else _dense_mask(q.shape[0], q.shape[2], window, docs, q.device)
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None, enable_gqa=q.shape[1] != k.shape[1]
+    return F.scaled_dot_product_attention(  # a window or docs mask is causal
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal and mask is None,
+        enable_gqa=q.shape[1] != k.shape[1]
     )
 
 
@@ -95,7 +102,6 @@ def _dense_mask(batch: int, seqlen: int, window: int, docs: Optional[torch.Tenso
         msg = ("attn=sdpa with model.attn_window or data.document_mask: a dense (T, T) mask, which takes SDPA off "
                "its fast kernels (slow; attn=fa2 skips the key blocks outside the window and the documents)")
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
-        log.warning(msg)
     i = torch.arange(seqlen, device=device)[:, None]
     j = torch.arange(seqlen, device=device)[None, :]
     mask = (j <= i) & (j > i - window) if window else j <= i
@@ -109,20 +115,20 @@ def _dense_mask(batch: int, seqlen: int, window: int, docs: Optional[torch.Tenso
 _LOADED: dict[str, Callable] = {}  # kernel functions already imported (warn once per backend)
 
 
-# SDPA pinned to one of PyTorch's kernels, by backend name (also used by bench/attention.py).
+# SDPA pinned to one of PyTorch's kernels, by backend name.
 SDPA_PINNED = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
 
 
-def _sdpa_pinned(name: str) -> AttentionFn:
+def _sdpa_pinned(name: str, sdpa: AttentionFn = _sdpa) -> AttentionFn:
     pinned = SDPA_PINNED[name]
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-                  window: int = 0, docs: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  causal: bool = True, window: int = 0, docs: Optional[torch.Tensor] = None) -> torch.Tensor:
         _refuse_masks(name, window, docs)
         with sdpa_kernel(pinned):
-            return _sdpa(q, k, v, dropout_p)
+            return sdpa(q, k, v, dropout_p, causal)
 
-    attention.__name__ = f"{name}_causal_attention"
+    attention.__name__ = f"{name}_attention" if sdpa is _sdpa else f"{name}_kv_attention"
     return attention
 
 
@@ -134,7 +140,6 @@ def _load_triton(name: str) -> Callable:
         msg = (f"attn={name}: no CUDA GPU, running the Triton kernels under the Triton interpreter "
                "(TRITON_INTERPRET=1); this is very slow and meant for testing only")
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
-        log.warning(msg)
     try:
         kernels = importlib.import_module("kernels")
         fn = getattr(kernels, fn_name)
@@ -153,12 +158,12 @@ def _triton_backend(name: str) -> AttentionFn:
     varlen = getattr(importlib.import_module("kernels"), f"{name}_varlen_attention", None)
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-                  window: int = 0, docs: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  causal: bool = True, window: int = 0, docs: Optional[torch.Tensor] = None) -> torch.Tensor:
         if dropout_p > 0.0:
             raise ValueError(f"attn={name} has no attention dropout (got dropout_p={dropout_p}); "
                              "use model.dropout=0.0 or attn=sdpa")
         if window == 0 and docs is None:
-            return kernel(q, k, v, causal=True)  # the kernels take GQA (fewer k/v heads) and strided views
+            return kernel(q, k, v, causal=causal)  # the kernels take GQA (fewer k/v heads) and strided views
         _refuse_masks(name, window, docs)
         if docs is None:
             return kernel(q, k, v, causal=True, window_size=(window - 1, 0))
@@ -170,50 +175,152 @@ def _triton_backend(name: str) -> AttentionFn:
                    check_offsets=False)  # the sampler's cuts are valid by construction
         return o.view(B, T, H, D).transpose(1, 2)
 
-    attention.__name__ = f"{name}_causal_attention"
+    attention.__name__ = f"{name}_attention"
     return attention
 
 
-def supports_window(name: str) -> bool:
-    """Whether backend ``name`` ('auto' resolved) takes ``window`` > 0 (model.attn_window) and ``docs``
-    (data.document_mask)."""
-    return resolve_backend(name) in WINDOW_BACKENDS
+def _triton_head_dims(name: str) -> Callable[[], tuple[int, int]]:
+    def head_dims() -> tuple[int, int]:
+        _load_triton(name)  # raises BackendUnavailableError if the kernels cannot be loaded
+        frontend = importlib.import_module("kernels.frontend")
+        return frontend.MIN_HEAD_DIM, frontend.MAX_HEAD_DIM
+
+    return head_dims
 
 
 def _refuse_masks(name: str, window: int, docs: Optional[torch.Tensor]) -> None:
-    if window and name not in WINDOW_BACKENDS:
+    entry = REGISTRY[name]
+    if window and not entry.supports_window:
         raise ValueError(f"attn={name} has no sliding-window attention (model.attn_window={window}); "
-                         f"use one of: {', '.join(WINDOW_BACKENDS)}")
-    if docs is not None and name not in WINDOW_BACKENDS:
+                         f"use one of: {', '.join(mask_backends('window'))}")
+    if docs is not None and not entry.supports_docs:
         raise ValueError(f"attn={name} has no document masks (data.document_mask); "
-                         f"use one of: {', '.join(WINDOW_BACKENDS)}")
+                         f"use one of: {', '.join(mask_backends('docs'))}")
+
+
+REGISTRY: dict[str, Backend] = {b.name: b for b in (
+    Backend("sdpa", lambda: _sdpa, "PyTorch SDPA, PyTorch picks the kernel", supports_dropout=True,
+            supports_window=True, supports_docs=True),
+    Backend("sdpa_flash", lambda: _sdpa_pinned("sdpa_flash"), "PyTorch SDPA pinned to its FlashAttention-2 kernel",
+            supports_dropout=True),
+    Backend("sdpa_cudnn", lambda: _sdpa_pinned("sdpa_cudnn"), "PyTorch SDPA pinned to cuDNN attention",
+            needs_cuda=True, supports_dropout=True),
+    Backend("fa1", lambda: _triton_backend("fa1"), "our Triton FlashAttention-1 kernel",
+            head_dims=_triton_head_dims("fa1")),
+    Backend("fa2", lambda: _triton_backend("fa2"), "our Triton FlashAttention-2 kernel",
+            head_dims=_triton_head_dims("fa2"), supports_window=True, supports_docs=True),
+    Backend("fa3", lambda: _triton_backend("fa3"),
+            "our FlashAttention-3 forward (Gluon, Hopper) with FA2's backward; FA2 elsewhere",
+            head_dims=_triton_head_dims("fa3")),
+)}
+BACKENDS = ("auto", *REGISTRY)  # the values of attn.backend
+
+
+def resolve_backend(name: str) -> str:
+    """Map a configured backend name to a concrete one: 'auto' -> 'fa2' with CUDA, else 'sdpa'.
+
+    Raises ValueError for a name outside ``BACKENDS``.
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"attn={name!r} is not a known attention backend; accepted: {', '.join(BACKENDS)}")
+    if name == "auto":
+        return "fa2" if torch.cuda.is_available() else "sdpa"
+    return name
+
+
+def backend_info(name: str) -> Backend:
+    """The registry entry of ``name`` ('auto' resolved). Raises ValueError for an unknown name."""
+    return REGISTRY[resolve_backend(name)]
+
+
+def mask_backends(kind: str) -> list[str]:
+    """The backends with ``supports_window`` (kind 'window') or ``supports_docs`` (kind 'docs')."""
+    return [b.name for b in REGISTRY.values() if getattr(b, f"supports_{kind}")]
 
 
 def head_dim_limits(name: str) -> tuple[int, int] | None:
-    """(min, max) head_dim the backend accepts, or None when it has no limit (sdpa)."""
-    if resolve_backend(name) not in ("fa1", "fa2", "fa3"):
-        return None
-    get_backend(name)  # raises BackendUnavailableError if the kernels cannot be loaded
-    frontend = importlib.import_module("kernels.frontend")
-    return frontend.MIN_HEAD_DIM, frontend.MAX_HEAD_DIM
+    """(min, max) head_dim the backend accepts, or None when it has no limit (sdpa).
+    Raises BackendUnavailableError if the backend's kernels cannot be loaded."""
+    entry = backend_info(name)
+    return entry.head_dims() if entry.head_dims is not None else None
 
 
 def get_backend(name: str) -> AttentionFn:
-    """Return ``fn(q, k, v, dropout_p=0.0) -> o`` for backend ``name`` (see module docstring).
+    """Return ``fn(q, k, v, dropout_p=0.0, causal=True, window=0, docs=None) -> o`` for backend ``name``
+    (see module docstring).
 
     ``name`` may be 'auto'; it is resolved with ``resolve_backend``. Raises ValueError for an
     unknown name and BackendUnavailableError when fa1/fa2 cannot be imported from ``kernels``.
     """
-    return _FACTORIES[resolve_backend(name)]()
+    return backend_info(name).factory()
 
 
-# One entry per concrete backend (plus a conf/attn/<name>.yaml to expose it on the command line).
-_FACTORIES: dict[str, Callable[[], AttentionFn]] = {
-    "sdpa": lambda: _sdpa,
-    "sdpa_flash": lambda: _sdpa_pinned("sdpa_flash"),
-    "sdpa_cudnn": lambda: _sdpa_pinned("sdpa_cudnn"),
-    "fa1": lambda: _triton_backend("fa1"),
-    "fa2": lambda: _triton_backend("fa2"),
-    "fa3": lambda: _triton_backend("fa3"),
-}
-assert set(BACKENDS) == {"auto", *_FACTORIES}
+def _sdpa_bottom_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                       causal: bool = True) -> torch.Tensor:
+    Tq, Tk = q.shape[2], k.shape[2]
+    if Tq == Tk or not causal:  # e.g. a prefill from position 0: top-left and bottom-right alignment agree
+        return _sdpa(q, k, v, dropout_p, causal)
+    # SDPA's is_causal is aligned top-left (query i sees keys 0..i), wrong for new queries after a cached prefix.
+    # One query (a decode step) sees every cached key: no mask, which also keeps SDPA's fastest kernels.
+    mask = None if Tq == 1 else torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _split_kv(name: str) -> AttentionFn:
+    forward, decode = get_backend(name), importlib.import_module("kernels.decode").fa2_decode
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                  causal: bool = True) -> torch.Tensor:
+        if q.shape[2] == 1 and dropout_p == 0.0:  # a decode step: keys split across programs (no mask needed)
+            return decode(q, k, v)
+        return forward(q, k, v, dropout_p, causal)
+
+    attention.__name__ = f"{name}_split_kv_attention"
+    return attention
+
+
+def _sdpa_static(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlen: torch.Tensor) -> torch.Tensor:
+    Tq, Tk = q.shape[2], k.shape[2]
+    # query i sits at position seqlen - Tq + i and sees the keys up to it; the rest of the buffer is masked
+    last = seqlen - Tq + torch.arange(Tq, device=q.device)
+    mask = torch.arange(Tk, device=q.device)[None, :] <= last[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def get_static_kv_backend(name: str) -> Callable | None:
+    """Attention over a whole preallocated KV cache, for decode steps with fixed shapes (CUDA graphs):
+    ``fn(q, k, v, seqlen) -> o`` with q (B, n_head, T_q, head_dim), k, v the cache buffers
+    (B, n_kv_head, block_size, head_dim) and seqlen a 0-dim integer tensor on the device: keys 0 .. seqlen-1
+    are filled, query i sees keys j <= seqlen - T_q + i. ``sdpa``: a boolean mask; ``fa2`` and ``fa3``:
+    ``kernels.decode.fa2_decode`` (T_q = 1 only). None for backends without one (fa1, pinned SDPA).
+    """
+    name = resolve_backend(name)
+    if name == "sdpa":
+        return _sdpa_static
+    if name in ("fa2", "fa3"):
+        get_backend(name)  # the interpreter warning and the clear error if the kernels cannot be loaded
+        decode = importlib.import_module("kernels.decode").fa2_decode
+        return lambda q, k, v, seqlen: decode(q, k, v, seqlen=seqlen)
+    return None
+
+
+def get_kv_backend(name: str, split_kv: bool = False) -> AttentionFn:
+    """Like ``get_backend``, for attention over a KV cache: ``fn(q, k, v, dropout_p=0.0, causal=True) -> o``
+    with q (B, n_head, T_q, head_dim) the new tokens and k, v (B, n_kv_head, T_k, head_dim) every token so far,
+    T_q <= T_k: query i sees key j iff j <= i + T_k - T_q (causal mask aligned bottom-right).
+
+    fa1/fa2/fa3 are ``get_backend``'s functions (the kernels align the mask bottom-right already); sdpa gets no
+    mask for T_q == 1, ``is_causal`` for T_q == T_k and an explicit boolean mask otherwise, which
+    ``sdpa_flash`` does not accept. ``split_kv`` (fa2, fa3) sends single-query calls (decode steps) to the
+    split-K/V kernel ``kernels.decode.fa2_decode`` (flash-decoding). Raises as ``get_backend``, and
+    ValueError for ``split_kv`` with another backend.
+    """
+    name = resolve_backend(name)
+    if split_kv:
+        if name not in ("fa2", "fa3"):
+            raise ValueError(f"split_kv decode is for fa2 and fa3; attn={name} has none")
+        return _split_kv(name)
+    if name not in ("sdpa", *SDPA_PINNED):
+        return get_backend(name)
+    return _sdpa_bottom_right if name == "sdpa" else _sdpa_pinned(name, _sdpa_bottom_right)

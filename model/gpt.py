@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.attention import get_backend
+from model.attention import get_backend, get_kv_backend, get_static_kv_backend
+from model.kv_cache import KVCache, LayerKVCache
 
 
 @dataclass
@@ -65,15 +66,30 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
         self.dropout = config.dropout
         self.attention = get_backend(config.attn)
+        self.kv_attention = get_kv_backend(config.attn)  # new queries against a KV cache (generation)
+        self.static_kv_attention = get_static_kv_backend(config.attn)  # the same with fixed shapes, or None
+        self.attn_name = config.attn
 
-    def forward(self, x: torch.Tensor, docs: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: Optional[LayerKVCache] = None,
+                start_pos: int | torch.Tensor = 0, docs: Optional[torch.Tensor] = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(
             [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=2)
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)      # (B, n_head, T, hs)
         k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)   # (B, n_kv_head, T, hs)
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        y = self.attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, window=self.window, docs=docs)
+        if kv_cache is not None and isinstance(start_pos, torch.Tensor):  # fixed shapes: the whole cache, masked
+            if self.static_kv_attention is None:
+                raise ValueError(f"attn={self.attn_name} has no static-shape decode (CUDA graphs); "
+                                 "use sdpa, fa2 or fa3")
+            k, v = kv_cache.update(start_pos, k, v)
+            y = self.static_kv_attention(q, k, v, start_pos + T)
+        elif kv_cache is not None:  # attend over every cached position 0 .. start_pos+T-1
+            k, v = kv_cache.update(start_pos, k, v)
+            y = self.kv_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
+        else:
+            y = self.attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, window=self.window,
+                               docs=docs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -98,8 +114,9 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, docs: Optional[torch.Tensor] = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), docs)
+    def forward(self, x: torch.Tensor, kv_cache: Optional[LayerKVCache] = None,
+                start_pos: int | torch.Tensor = 0, docs: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), kv_cache, start_pos, docs)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -146,45 +163,157 @@ class GPT(nn.Module):
         keys = sum(min(w, c.block_size) if (w := c.layer_window(layer)) else c.block_size for layer in range(c.n_layer))
         return 6 * self.num_params() + 12 * c.n_head * c.head_dim * keys
 
-    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None, docs: Optional[torch.Tensor] = None):
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None, return_logits: bool = True,
+                kv_cache: Optional[KVCache] = None, start_pos: int | torch.Tensor = 0,
+                docs: Optional[torch.Tensor] = None):
         """idx: (B, T) int64 token ids, T <= block_size; targets: (B, T) int64 or None; docs: the documents of
         the flattened batch as int32 cu_seqlens (0 .. B * T, every multiple of T among them; ``data.sampler``):
-        attention stays within each document.
+        attention stays within each document (not with ``kv_cache``).
 
-        Returns (logits, loss): with targets, logits (B, T, vocab_size) and the mean
-        cross-entropy (float32 scalar; targets == -1 are ignored); without, logits of the last
-        position only, (B, 1, vocab_size), and loss None.
+        Returns (logits, loss):
+        - with targets: the mean cross-entropy (float32 scalar; targets == -1 are ignored) and the
+          logits (B, T, vocab_size), or None for them with ``return_logits=False``. Training and
+          evaluation pass False: returned logits stay alive until the caller drops them (through
+          the backward), which costs B * T * vocab_size activations of memory (6 GiB for GPT-2 at
+          B=32, T=1024 in bf16+fp32).
+        - without targets: the logits of the last position only, (B, 1, vocab_size), and None.
+
+        With ``kv_cache`` (inference only, see ``_forward_cached``), idx holds the tokens at positions
+        start_pos .. start_pos+T-1 and attention also sees the cached positions before them.
         """
+        if kv_cache is not None:
+            if targets is not None or docs is not None:
+                raise ValueError("kv_cache is for inference: pass targets=None and docs=None")
+            return self._forward_cached(idx, kv_cache, start_pos)
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size={self.config.block_size}")
         pos = torch.arange(T, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
-            x = block(x, docs)
+            x = block(x, docs=docs)
         x = self.transformer.ln_f(x)
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None
         logits = self.lm_head(x)
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
-        return logits, loss
+        return (logits if return_logits else None), loss
+
+    def use_split_kv_decode(self, enabled: bool = True) -> None:
+        """Run decode steps (one query per head against the KV cache) through the split-K/V kernel
+        ``kernels.decode.fa2_decode`` (flash-decoding) instead of the backend's forward kernel, or back.
+        Raises ValueError unless the model's attention backend is fa2 or fa3 (``attn='auto'`` on a GPU included)."""
+        kv_attention = get_kv_backend(self.config.attn, split_kv=enabled)
+        for block in self.transformer.h:
+            block.attn.kv_attention = kv_attention
+
+    def _forward_cached(self, idx: torch.Tensor, kv_cache: KVCache, start_pos: int | torch.Tensor):
+        """idx (B, T) int64 at positions start_pos .. start_pos+T-1 -> (logits (B, 1, vocab_size), None).
+
+        Writes the tokens' keys and values into ``kv_cache`` and attends over positions 0 .. start_pos+T-1.
+        Raises ValueError when the cache was made for another batch size or model, with model.attn_window, or when
+        start_pos + T > block_size (there are no position embeddings beyond it).
+
+        A 0-dim integer tensor start_pos (on the model's device) keeps every shape fixed from step to step,
+        so a compiled step can be a CUDA graph: attention reads the whole cache with the positions past
+        start_pos+T-1 masked (sdpa, and fa2/fa3 for T = 1; others raise ValueError). Its range is not checked.
+        """
+        if any(self.config.layer_window(layer) for layer in range(self.config.n_layer)):
+            raise ValueError(f"the KV cache has no sliding window (model.attn_window={self.config.attn_window}); "
+                             "generate with kv_cache=False (sample.py --no-kv-cache)")
+        B, T = idx.shape
+        if B != kv_cache.batch or len(kv_cache.layers) != self.config.n_layer:
+            raise ValueError(f"kv_cache holds {kv_cache.batch} sequences for {len(kv_cache.layers)} layers; "
+                             f"got a batch of {B} for {self.config.n_layer} layers")
+        if isinstance(start_pos, torch.Tensor):
+            pos = start_pos + torch.arange(T, dtype=torch.long, device=idx.device)
+        elif start_pos < 0 or start_pos + T > self.config.block_size:
+            raise ValueError(f"positions {start_pos}..{start_pos + T - 1} exceed block_size={self.config.block_size}")
+        else:
+            pos = torch.arange(start_pos, start_pos + T, dtype=torch.long, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block, layer_cache in zip(self.transformer.h, kv_cache.layers):
+            x = block(x, layer_cache, start_pos)
+        return self.lm_head(self.transformer.ln_f(x[:, [-1], :])), None
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: Optional[int] = None, generator: Optional[torch.Generator] = None,
-                 num_tokens: Optional[int] = None) -> torch.Tensor:
+                 num_tokens: Optional[int] = None, kv_cache: bool = False,
+                 compile: bool | str = False) -> torch.Tensor:
         """Autoregressive sampling: idx (B, T) int64 -> (B, T + max_new_tokens).
-        temperature > 0 divides the logits; top_k keeps only the k most likely tokens;
-        num_tokens (the tokenizer's vocabulary) excludes the padding ids >= num_tokens."""
+        temperature > 0 divides the logits; top_k keeps only the k most likely tokens (top_k=1 is greedy,
+        argmax); num_tokens (the tokenizer's vocabulary) excludes the padding ids >= num_tokens.
+
+        kv_cache=False reruns the model over the last block_size tokens for every new token (nanoGPT).
+        kv_cache=True prefills a ``KVCache`` with the prompt (its last block_size tokens) and then runs one
+        token per step; when the cache is full it re-prefills the most recent block_size // 2 tokens.
+        compile=True runs the per-token step through ``torch.compile`` (the decode step with the cache, the
+        whole forward without); the first steps compile. compile="cudagraphs" (with kv_cache; sdpa, fa2, fa3)
+        compiles a decode step of fixed shapes (the position as a device tensor, attention over the whole
+        cache, masked) with mode="reduce-overhead", so that on a GPU each step replays one CUDA graph.
+        Raises ValueError for temperature <= 0, an empty prompt, max_new_tokens < 0 or an unknown compile.
+        """
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
-        for _ in range(max_new_tokens):
-            idx_cond = idx[:, -self.config.block_size:]
-            logits, _ = self(idx_cond)
+        if idx.dim() != 2 or idx.size(1) == 0:
+            raise ValueError(f"idx must be (batch, T) token ids with T >= 1, got shape {tuple(idx.shape)}")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if compile not in (False, True, "cudagraphs") or (compile == "cudagraphs" and not kv_cache):
+            raise ValueError(f"compile must be False, True or 'cudagraphs' (with kv_cache=True), got {compile!r}")
+
+        def pick(logits: torch.Tensor) -> torch.Tensor:  # (B, 1, vocab) -> (B, 1) next token ids
             logits = logits[:, -1, :num_tokens].float() / temperature
+            if top_k == 1:
+                return logits.argmax(-1, keepdim=True)
             if top_k is not None:
                 v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
                 logits[logits < v[:, [-1]]] = -float("inf")
-            probs = F.softmax(logits, dim=-1)
-            idx = torch.cat((idx, torch.multinomial(probs, 1, generator=generator)), dim=1)
+            return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+
+        if kv_cache:
+            return self._generate_cached(idx, max_new_tokens, pick, compile)
+        forward = torch.compile(self) if compile else self
+        for _ in range(max_new_tokens):
+            logits, _ = forward(idx[:, -self.config.block_size:])
+            idx = torch.cat((idx, pick(logits)), dim=1)
+        return idx
+
+    def _generate_cached(self, idx: torch.Tensor, max_new_tokens: int, pick: Callable[[torch.Tensor], torch.Tensor],
+                         compile: bool | str) -> torch.Tensor:
+        block_size = self.config.block_size
+        cache = KVCache.for_model(self, idx.size(0))
+        # Only the per-token step is compiled; prefills (one per block_size // 2 tokens at most) stay eager.
+        decode = torch.compile(self._forward_cached) if compile is True else self._forward_cached
+        position = None  # with CUDA graphs: the decode position, a device tensor updated in place
+        if compile == "cudagraphs":
+            if self.transformer.h[0].attn.static_kv_attention is None:
+                raise ValueError(f"compile='cudagraphs': attn={self.config.attn} has no static-shape decode")
+            for layer in cache.layers:  # fixed addresses: the graphs write into these buffers
+                torch._dynamo.mark_static_address(layer.k)
+                torch._dynamo.mark_static_address(layer.v)
+            decode = torch.compile(self._forward_cached, mode="reduce-overhead")
+            position = torch.zeros((), dtype=torch.long, device=idx.device)
+        context = idx[:, -block_size:]
+        logits, _ = self(context, kv_cache=cache, start_pos=0)  # prefill
+        pos = context.size(1)  # tokens in the cache
+        for i in range(max_new_tokens):
+            token = pick(logits)
+            idx = torch.cat((idx, token), dim=1)
+            if i == max_new_tokens - 1:
+                break
+            if pos < block_size:  # decode: one token against the cache
+                if position is not None:
+                    torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are consumed
+                logits, _ = decode(token, cache, pos if position is None else position.fill_(pos))
+                pos += 1
+            else:
+                # The position embeddings are learned for 0..block_size-1 only, so the cache cannot slide:
+                # keys cached at one position cannot be reused at another. Restart from the most recent half
+                # of the context instead, at positions 0.., which leaves block_size // 2 cheap decode steps
+                # before the next re-prefill (prefill work amortised over many tokens).
+                context = idx[:, -max(1, block_size // 2):]
+                logits, _ = self(context, kv_cache=cache, start_pos=0)
+                pos = context.size(1)
         return idx

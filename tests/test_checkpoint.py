@@ -1,5 +1,6 @@
 """Checkpoint files: atomic replacement, pruning, corrupt/missing files, unwrapped weights, RNG state."""
 
+import os
 import random
 
 import numpy as np
@@ -108,3 +109,74 @@ def test_rng_state_survives_a_checkpoint(tmp_path):
     set_rng_state(load_checkpoint(latest_checkpoint(tmp_path))["rng"])
     got = (random.random(), np.random.rand(), torch.rand(3))
     assert got[0] == expected[0] and got[1] == expected[1] and torch.equal(got[2], expected[2])
+
+
+def test_a_failed_write_is_one_error_naming_the_path(tmp_path, monkeypatch):
+    from trainer.checkpoint import CheckpointWriteError
+
+    save_checkpoint(fake_state(1), tmp_path, 1, keep_last=1)
+
+    def too_large(obj, f):
+        raise OSError(27, "File too large")
+
+    monkeypatch.setattr("trainer.checkpoint.torch.save", too_large)
+    with pytest.raises(CheckpointWriteError) as e:
+        save_checkpoint(fake_state(2), tmp_path, 2, keep_last=1)
+    path = tmp_path / "checkpoints" / "step_00000002.pt"
+    assert str(e.value) == f"could not write checkpoint {path}: [Errno 27] File too large; the older checkpoints are intact"
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_00000001.pt"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_a_read_only_checkpoint_folder_is_one_error(tmp_path):
+    save_checkpoint(fake_state(1), tmp_path, 1, keep_last=1)
+    folder = tmp_path / "checkpoints"
+    folder.chmod(0o555)
+    try:
+        with pytest.raises(CheckpointError, match=r"could not write checkpoint .*step_00000002.pt: \[Errno 13\]"):
+            save_checkpoint(fake_state(2), tmp_path, 2, keep_last=1)
+    finally:
+        folder.chmod(0o755)
+    assert [p.name for p in folder.iterdir()] == ["step_00000001.pt"]
+
+
+def test_orphan_temporaries_of_killed_saves_are_removed_with_a_warning(tmp_path, caplog):
+    import subprocess
+    import sys
+
+    from trainer.checkpoint import remove_orphans
+
+    save_checkpoint(fake_state(1), tmp_path, 1, keep_last=3)
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    orphan = tmp_path / "checkpoints" / f"step_00000002.pt.tmp-{proc.pid}"
+    orphan.write_bytes(b"\x80\x02half a pickle")
+    assert remove_orphans(tmp_path) == [orphan] and not orphan.exists()
+    assert f"removed 1 unfinished checkpoint file(s) of a killed earlier save: {orphan}" in caplog.text
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000001.pt"]
+
+
+def test_files_that_are_not_checkpoints_say_so(tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_text("ROMEO: but soft\n")
+    pickled = tmp_path / "model.pt"
+    torch.save(torch.nn.Linear(2, 2), pickled)  # a whole module: not loadable with weights_only
+    for path in (text, pickled):
+        with pytest.raises(CheckpointError) as e:
+            load_checkpoint(path)
+        assert str(e.value).startswith(f"not a checkpoint file: {path}")
+        assert "weights_only" not in str(e.value) and "issue" not in str(e.value)
+
+
+def test_a_missing_or_malformed_key_names_file_and_key(tmp_path):
+    path = save_checkpoint({k: v for k, v in fake_state(1).items()}, tmp_path, 1, keep_last=1)
+    ckpt = load_checkpoint(path)
+    assert ckpt.version == 1 or ckpt.version == 0
+    with pytest.raises(CheckpointError, match=f"checkpoint {path} has no 'scaler' entry"):
+        ckpt["scaler"]
+    bad = save_checkpoint({**fake_state(2), "step": "2"}, tmp_path, 2, keep_last=2)
+    with pytest.raises(CheckpointError, match=f"checkpoint {bad}: 'step' is a str, expected int"):
+        load_checkpoint(bad)["step"]
+    newer = save_checkpoint({**fake_state(3), "format_version": 99}, tmp_path, 3, keep_last=3)
+    with pytest.raises(CheckpointError, match="format version 99; this code reads up to 1"):
+        load_checkpoint(newer)

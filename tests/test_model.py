@@ -209,11 +209,11 @@ def test_document_mask_fa2_matches_sdpa_and_isolates_documents(window):
     docs = torch.tensor([0, 5, 20, 37, 38, 74, 104, 111], dtype=torch.int32)  # a one-token document at 37
     with warnings.catch_warnings():  # the interpreter (fa2) and the dense mask (sdpa) warn
         warnings.simplefilter("ignore")
-        logits, _ = fa2(idx, idx, docs)
-        logits_sdpa, _ = sdpa(idx, idx, docs)
+        logits, _ = fa2(idx, idx, docs=docs)
+        logits_sdpa, _ = sdpa(idx, idx, docs=docs)
         changed = idx.clone()
         changed[0, 5:20] = (changed[0, 5:20] + 1) % 50
-        logits_changed, _ = fa2(changed, changed, docs)
+        logits_changed, _ = fa2(changed, changed, docs=docs)
     torch.testing.assert_close(logits, logits_sdpa, atol=1e-4, rtol=1e-4)
     assert torch.equal(logits_changed[0, :5], logits[0, :5]) and torch.equal(logits_changed[0, 20:], logits[0, 20:])
     assert torch.equal(logits_changed[1:], logits[1:]) and not torch.allclose(logits_changed[0, 5:20], logits[0, 5:20])
@@ -237,6 +237,40 @@ def test_document_mask_and_window_compile_in_one_graph(attn):
         warnings.simplefilter("ignore")
         for cuts in ([0, 5, 32, 40, 64], [0, 32, 33, 64]):
             idx, docs = torch.randint(0, 50, (2, 32)), torch.tensor(cuts, dtype=torch.int32)
-            _, loss = compiled(idx, idx, docs)
+            _, loss = compiled(idx, idx, docs=docs)
             loss.backward()
-            torch.testing.assert_close(loss, model(idx, idx, docs)[1], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(loss, model(idx, idx, docs=docs)[1], atol=1e-4, rtol=1e-4)
+
+
+def test_training_forward_can_skip_the_logits():
+    """return_logits=False: the same loss and gradients, and no (B, T, vocab) tensor handed back."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=2, n_head=4, n_embd=32))
+    idx = torch.randint(0, 50, (3, 16))
+    logits, loss = model(idx, idx)
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    none, loss_only = model(idx, idx, return_logits=False)
+    loss_only.backward()
+    assert none is None and logits.shape == (3, 16, 50) and torch.equal(loss, loss_only)
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, model.parameters()))
+    last, no_loss = model(idx, return_logits=False)  # generation: always the last position's logits
+    assert last.shape == (3, 1, 50) and no_loss is None
+
+
+@pytest.mark.parametrize("name", ["fa1", "fa3", "sdpa_flash"])
+def test_backends_without_windows_refuse_them_by_their_registry_entry(name):
+    """fa3 (FA2's backward, no window) and the others without supports_window / supports_docs: a clear ValueError."""
+    from model.attention import REGISTRY, get_backend
+
+    assert not REGISTRY[name].supports_window and not REGISTRY[name].supports_docs
+    q = torch.randn(1, 2, 8, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fn = get_backend(name)
+        refusal = rf"attn={name} has no sliding-window attention \(model.attn_window=4\); use one of: sdpa, fa2"
+        with pytest.raises(ValueError, match=refusal):
+            fn(q, q, q, window=4)
+        with pytest.raises(ValueError, match=f"attn={name} has no document masks"):
+            fn(q, q, q, docs=torch.tensor([0, 3, 8], dtype=torch.int32))

@@ -79,3 +79,53 @@ def test_bad_names_and_configs_are_refused_before_anything_is_written(flags, bad
         throughput.main([*flags, *overrides, f"run.root={root}", *bad])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
     assert not root.exists() and not (ROOT / "escape").exists()
+
+
+def test_bare_loop_computes_what_the_trainer_computes(make_cfg):
+    """Same model, data, optimizer and LR schedule: the bare loop's losses are the trainer's (fp32 CPU)."""
+    from bench.baseline import run_bare_loop
+    from trainer import train
+
+    cfg = make_cfg("trainer.max_steps=4", "trainer.grad_accum=2", "eval.interval=0", "ckpt.interval=0",
+                   "run.name=ref", "model.dropout=0.1")
+    bare = run_bare_loop(cfg, warmup=1, steps=3)
+    ref = train(cfg)
+    assert bare["losses"] == [r["train/loss"] for r in ref.records]
+    assert bare["step_time_s"] > 0 and bare["peak_mem_gib"] is None and bare["tokens_per_step"] == ref.tokens_per_step
+
+
+def test_baseline_rows_and_ratios(tmp_path, tiny_overrides, capsys):
+    overrides = [o for o in tiny_overrides if not o.startswith(("run.", "attn=", "trainer.max_steps"))]
+    overrides += [f"run.root={tmp_path}", "model.n_layer=1", "model.block_size=16", "trainer.batch_size=2"]
+    rows = throughput.main(["--backends", "sdpa", "--baseline", "--steps", "2", "--warmup", "1", "--name", "base",
+                            *overrides])
+    assert [(r["backend"], r["loop"]) for r in rows] == [("sdpa", "bare"), ("sdpa", "trainer")]
+    bare, trainer = rows
+    assert trainer["tokens_per_s_vs_bare"] == pytest.approx(trainer["tokens_per_s"] / bare["tokens_per_s"])
+    assert trainer["peak_mem_vs_bare"] is None  # CPU: no CUDA memory figures
+    assert bare["tokens_per_s_vs_bare"] is None and bare["speedup_vs_sdpa"] is None
+    assert bare["final_train_loss"] == trainer["final_train_loss"]  # the same computation
+    assert "vs bare tok/s" in capsys.readouterr().out
+    table = json.loads((tmp_path / "base" / "throughput.json").read_text())["rows"]
+    assert table == rows and (tmp_path / "base" / "throughput.png").stat().st_size > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("compile_", ["false", "true"])
+def test_trainer_peak_memory_is_within_5_percent_of_the_bare_loop(make_cfg, compile_):
+    """The issue-13 memory target on a vocabulary-heavy small model (logits dominate), bf16 autocast."""
+    from bench.baseline import run_bare_loop
+    from trainer import train
+
+    cfg = make_cfg("trainer.device=cuda", "trainer.dtype=bf16", f"trainer.compile={compile_}", "model.vocab_size=16384",
+                   "model.block_size=256", "model.n_embd=128", "trainer.batch_size=16", "trainer.max_steps=4",
+                   "eval.interval=0", "ckpt.interval=0", "run.name=mem")
+    torch._dynamo.reset()
+    bare = run_bare_loop(cfg, warmup=1, steps=3)
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    records = train(cfg).records
+    peak = max(r["perf/peak_mem_gib"] for r in records)
+    assert peak <= 1.05 * bare["peak_mem_gib"], (peak, bare["peak_mem_gib"])

@@ -41,9 +41,11 @@ def test_short_run_writes_checkpoints_metrics_and_offline_wandb(make_cfg):
         assert r["perf/tokens_per_s"] == pytest.approx(s.tokens_per_step / (r["perf/step_time_ms"] / 1e3))
         assert r["perf/tokens_per_s_per_gpu"] == r["perf/tokens_per_s"]  # one process
         assert r["perf/mfu"] is None and r["perf/mfu_per_gpu"] is None and r["perf/peak_mem_gib"] is None  # CPU
-    # Every step is charged its own time, evaluation steps (3, 6, 7) included: none near zero.
+    # Every step is charged its own time, evaluation steps (3, 6, 7) included: none near zero. (A step charged
+    # nothing would read near 0; the margin is wide because other processes on a loaded 2-core
+    # machine stretch single steps by 5x and more.)
     median = statistics.median(r["perf/step_time_ms"] for r in records)
-    assert all(r["perf/step_time_ms"] > median / 4 for r in records[1:]), [r["perf/step_time_ms"] for r in records]
+    assert all(r["perf/step_time_ms"] > median / 20 for r in records[1:]), [r["perf/step_time_ms"] for r in records]
     assert [r["step"] for r in records if "val/loss" in r] == [3, 6, 7]
     assert s.final_val_loss == records[-1]["val/loss"] and s.tokens_per_step == 4 * 32
     assert records[-1]["tokens_seen"] == 7 * 4 * 32
@@ -175,8 +177,8 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(make_cfg, monkeypatch):
     real_forward = GPT.forward
     calls = {"n": 0}
 
-    def forward(self, idx, targets=None):
-        logits, loss = real_forward(self, idx, targets)
+    def forward(self, idx, targets=None, **kwargs):
+        logits, loss = real_forward(self, idx, targets, **kwargs)
         if targets is not None and self.training:
             calls["n"] += 1
             if calls["n"] == 5:  # the 5th training forward = step 5
@@ -228,6 +230,9 @@ def test_cli_entry_point(tiny_overrides, tmp_path):
     assert (run_dir / ".hydra" / "config.yaml").exists() and (run_dir / "train.log").exists()
     log = (run_dir / "train.log").read_text()
     assert "attention backend: sdpa" in log and "final val loss" in log
+    # A finished run says how to continue it, as an interrupted one does.
+    assert "finished at step 2; to continue this run, run the same command with run.name=cli " \
+           "trainer.max_steps=<more than 2>" in log
     assert [p.name for p in list_checkpoints(run_dir)] == ["step_00000002.pt"]
     bad = subprocess.run([sys.executable, "train.py", *args, "model.n_embd=30"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
@@ -303,3 +308,112 @@ def test_document_mask_trains_on_fa2_like_sdpa(make_cfg, tmp_path):
     assert [r["train/loss"] for r in plain.records] != [r["train/loss"] for r in ref.records]
     with pytest.raises(ConfigError, match="data.document_mask=True: attn=fa1 has no document masks"):
         train(make_cfg(*micro, *masked, "attn=fa1", "run.name=docs_fa1"))
+
+
+# Keys of the checkpoints written before the format had a version (format 0, until 2026-12-01).
+FORMAT_0_KEYS = {"model", "optimizer", "scaler", "step", "tokens_seen", "best_val_loss", "world_size", "rng", "sampler",
+                 "config", "model_args", "data_meta", "attn_backend", "wandb_run_id", "torch_version"}
+
+
+def test_a_checkpoint_of_the_version_less_format_resumes_exactly(make_cfg):
+    """Today's files have no format_version: rewritten so, a checkpoint still resumes bit-exactly."""
+    common = ("eval.interval=0", "ckpt.interval=0", "model.dropout=0.1")
+    straight = train(make_cfg(*common, "run.name=straight", "trainer.max_steps=6"))
+    first = train(make_cfg(*common, "run.name=old", "trainer.max_steps=3"))
+    state = torch.load(first.checkpoint, weights_only=True)
+    assert state.pop("format_version") == 1 and set(state) == FORMAT_0_KEYS
+    torch.save(state, first.checkpoint)
+    assert load_checkpoint(first.checkpoint).version == 0
+    second = train(make_cfg(*common, "run.name=old", "trainer.max_steps=6"))
+    assert second.start_step == 3
+    same = lambda recs: [(r["step"], r["train/loss"], r["train/grad_norm"]) for r in recs]  # noqa: E731
+    assert same(second.records) == same(straight.records[3:])
+
+
+def test_changed_settings_on_resume_are_a_warning_listing_the_keys(make_cfg, caplog):
+    train(make_cfg("run.name=mixed", "trainer.max_steps=3"))
+    caplog.clear()
+    train(make_cfg("run.name=mixed", "trainer.max_steps=4", "attn=sdpa_flash", "optim.lr=0.001"))
+    warnings = "\n".join(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    assert "resuming" in warnings and "with changed settings" in warnings
+    assert "attn.backend: 'sdpa' -> 'sdpa_flash'" in warnings and "optim.lr: 0.002 -> 0.001" in warnings
+    assert "attention backend (resolved): sdpa -> sdpa_flash" in warnings
+    assert "trainer.max_steps" not in warnings  # meant to change on resume
+
+
+def test_resuming_past_max_steps_says_so(make_cfg, caplog):
+    caplog.set_level("INFO", logger="trainer.loop")
+    train(make_cfg("run.name=long", "trainer.max_steps=6"))
+    again = train(make_cfg("run.name=long", "trainer.max_steps=3"))
+    assert again.start_step == again.step == 6 and again.records == []
+    assert "the run is at step 6 >= trainer.max_steps=3: nothing to train" in caplog.text
+
+
+def test_a_failed_checkpoint_write_is_one_line_without_traceback(tiny_overrides, make_cfg, tmp_path):
+    """A file-size limit (`ulimit -f`) below a checkpoint's size: exit 1, one line naming the path and the
+    cause, no traceback, and no partial file left (older checkpoints: tests/test_checkpoint.py)."""
+    import resource
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    args = [a for a in tiny_overrides if not a.startswith(("run.", "trainer.max_steps"))] + [
+        f"run.root={tmp_path}", "run.name=full", "trainer.max_steps=2", "ckpt.interval=1"]
+    limit = 64 * 1024  # the tiny model's checkpoint is larger; logs and the token cache are smaller
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    train(make_cfg("run.name=cache", "trainer.max_steps=1"))  # the token cache, prepared without the limit
+    proc = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300, preexec_fn=small_files)
+    out = proc.stdout + proc.stderr
+    path = tmp_path / "full" / "checkpoints" / "step_00000001.pt"
+    assert proc.returncode == 1, out[-3000:]
+    assert f"could not write checkpoint {path}: [Errno 27] File too large" in out and "Traceback" not in out
+    assert list((tmp_path / "full" / "checkpoints").iterdir()) == []
+
+
+def test_a_refused_run_leaves_the_run_folder_untouched(tiny_overrides, tmp_path):
+    """resume=never on a folder with checkpoints (and resume=<older step> into it) exits before Hydra
+    rewrites that run's .hydra/config.yaml or appends to its train.log."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    args = [a for a in tiny_overrides if not a.startswith(("run.", "trainer.max_steps"))] + [
+        f"run.root={tmp_path}", "run.name=kept", "ckpt.interval=1", "ckpt.keep_last=3"]
+    ok = subprocess.run([sys.executable, "train.py", *args, "trainer.max_steps=2"], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    run_dir = tmp_path / "kept"
+    before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in run_dir.rglob("*") if p.is_file()}
+    older = run_dir / "checkpoints" / "step_00000001.pt"
+    for extra, message in ((["resume=never"], "resume=never: run folder"),
+                           ([f"resume={older}"], "has newer checkpoints (step_00000002.pt)")):
+        bad = subprocess.run([sys.executable, "train.py", *args, "trainer.max_steps=5", *extra], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert bad.returncode == 1 and message in bad.stderr, bad.stderr[-3000:]
+        assert "Traceback" not in bad.stderr
+        assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in run_dir.rglob("*") if p.is_file()} == before
+
+
+def test_orphans_of_a_killed_save_are_removed_when_the_run_starts(make_cfg, caplog):
+    first = train(make_cfg("run.name=orphans", "trainer.max_steps=3"))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphan = first.checkpoint.with_name(f"step_00000004.pt.tmp-{dead.pid}")  # as `kill -9` mid-save leaves it
+    orphan.write_bytes(b"\x80\x02half a pickle")
+    second = train(make_cfg("run.name=orphans", "trainer.max_steps=4"))
+    assert second.start_step == 3 and not orphan.exists()
+    assert f"removed 1 unfinished checkpoint file(s) of a killed earlier save: {orphan}" in caplog.text
+    assert sorted(p.name for p in orphan.parent.iterdir()) == ["step_00000003.pt", "step_00000004.pt"]
+
+
+def test_a_checkpoint_from_before_the_attention_window_resumes(make_cfg, caplog):
+    """model_args without attn_window and a config without model.attn_window / data.document_mask /
+    data.split_scenes (checkpoints written before them) resume with their defaults, without a warning."""
+    first = train(make_cfg("run.name=prewindow", "trainer.max_steps=2", "ckpt.interval=0"))
+    state = torch.load(first.checkpoint, weights_only=True)
+    del state["model_args"]["attn_window"], state["config"]["model"]["attn_window"]
+    del state["config"]["data"]["document_mask"], state["config"]["data"]["split_scenes"]
+    torch.save(state, first.checkpoint)
+    assert load_checkpoint(first.checkpoint)["model_args"]["attn_window"] == 0
+    caplog.clear()
+    second = train(make_cfg("run.name=prewindow", "trainer.max_steps=3", "ckpt.interval=0"))
+    assert second.start_step == 2 and "changed settings" not in caplog.text

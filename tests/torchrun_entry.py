@@ -31,8 +31,8 @@ if os.environ.get("TEST_FAIL_RANK") == str(rank):
     real_forward = GPT.forward
     forwards = {"n": 0}
 
-    def forward(self, idx, targets=None):
-        logits, loss = real_forward(self, idx, targets)
+    def forward(self, idx, targets=None, **kwargs):
+        logits, loss = real_forward(self, idx, targets, **kwargs)
         if targets is not None and self.training:
             forwards["n"] += 1
             if forwards["n"] == fail_at:

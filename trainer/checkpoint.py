@@ -1,30 +1,112 @@
-"""Checkpoint files: atomic writes, keep-last-N pruning, latest lookup, checked loading.
+"""The checkpoint format, alone: file names, atomic save, keep-last, latest lookup, checked load.
 
-Files are ``<run_dir>/checkpoints/step_<step:08d>.pt``. A save writes ``<name>.tmp-<pid>`` in the
-same folder, flushes and fsyncs it, then ``os.replace``s it onto the final name (atomic on POSIX)
-and fsyncs the folder: a crash at any point leaves either the old set of checkpoints or the old set
-plus the complete new one, never a half file under a checkpoint name. Temporary files are ignored
-when looking for the latest checkpoint. Loading uses ``map_location="cpu"`` and
-``weights_only=True`` (checkpoints hold only tensors and plain Python values).
+A checkpoint is ``<run folder>/checkpoints/step_<8 digits>.pt``, a ``torch.save`` dict read back
+with ``weights_only=True`` (tensors and plain Python values only). Format version 1 (``FORMAT_VERSION``)
+holds, besides ``format_version``:
+
+    model          unwrapped state dict (no ``_orig_mod.`` / ``module.`` prefixes)
+    optimizer      optimizer state dict;  scaler: GradScaler state dict
+    step, tokens_seen (int, whole job), best_val_loss (float or None), wandb_run_id (str or None)
+    world_size     processes of the job that wrote it
+    rng            [trainer.runtime.rng_state() of rank 0, of rank 1, ...]
+    sampler        data.sampler.ShardedBatchSampler.merge_states(...) of all ranks
+    config         the resolved config (dict);  model_args: model.gpt.GPTConfig as a dict
+    data_meta      the token cache's meta.json (tokenizer);  attn_backend: resolved backend name
+    torch_version  str
+
+Files written before versions existed (format 0) have the same keys without ``format_version`` and load
+unchanged. Keys added inside ``model_args`` / ``config`` later (``ADDED_DEFAULTS``, e.g. the attention
+window) read as their default from a file written before them. ``load_checkpoint`` returns a ``Checkpoint``
+mapping whose lookups check the key's presence and type, so a missing or malformed key raises ``CheckpointError`` naming the file and the key.
 """
 
 from __future__ import annotations
 
 import logging
-import os
+import os  # noqa: F401  (tests patch os.replace through this module)
+import pickle
 import re
+import zipfile
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any, Iterator, Optional
 
 import torch
 
+from utils.atomic import atomic_write, remove_stale_temp_files
+
 log = logging.getLogger(__name__)
 
+FORMAT_VERSION = 1
 _NAME = re.compile(r"^step_(\d+)\.pt$")
 REQUIRED_KEYS = ("model", "optimizer", "step", "tokens_seen", "rng", "sampler", "config", "model_args")
+# Type of every key the trainer and sample.py read (a tuple: any of these).
+KEY_TYPES: dict[str, tuple] = {
+    "model": (dict,), "optimizer": (dict,), "scaler": (dict,), "step": (int,), "tokens_seen": (int,),
+    "best_val_loss": (float, type(None)), "wandb_run_id": (str, type(None)), "world_size": (int,),
+    "rng": (list, dict), "sampler": (dict,), "config": (dict,), "model_args": (dict,), "data_meta": (dict,),
+    "attn_backend": (str,), "torch_version": (str,), "format_version": (int,),
+}
+
+
+# Keys added to format 1 later, with the value a checkpoint written before them implies.
+ADDED_DEFAULTS: dict[str, dict] = {
+    "model_args": {"attn_window": 0},
+    "config": {"model": {"attn_window": 0}, "data": {"document_mask": False, "split_scenes": False}},
+}
+
+
+def _with_defaults(value: dict, defaults: dict) -> dict:
+    out = dict(value)
+    for k, d in defaults.items():
+        if k not in out:
+            out[k] = d
+        elif isinstance(d, dict) and isinstance(out[k], dict):
+            out[k] = _with_defaults(out[k], d)
+    return out
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint file is missing, unreadable or not a checkpoint of this trainer."""
+    """A checkpoint file is missing, unreadable, not a checkpoint of this trainer, or could not be written."""
+
+
+class CheckpointWriteError(CheckpointError, OSError):
+    """Writing a checkpoint failed (disk full, read-only folder, file-size limit); older ones are intact."""
+
+
+class Checkpoint(Mapping):
+    """A loaded checkpoint: ``ckpt[key]`` checks that the key exists and has its type (``KEY_TYPES``),
+    else raises CheckpointError naming the file and the key. ``version`` is its format version."""
+
+    def __init__(self, path: Path, data: dict):
+        self.path, self._data = Path(path), data
+        self.version = data.get("format_version", 0)
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self._data:
+            raise CheckpointError(f"checkpoint {self.path} has no {key!r} entry (format version {self.version}); "
+                                  "it was not written by this trainer, or is damaged")
+        value = self._data[key]
+        types = KEY_TYPES.get(key)
+        if types and not isinstance(value, types):
+            raise CheckpointError(f"checkpoint {self.path}: {key!r} is a {type(value).__name__}, expected "
+                                  f"{' or '.join(t.__name__ for t in types)}")
+        return _with_defaults(value, ADDED_DEFAULTS[key]) if key in ADDED_DEFAULTS else value
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self._data else default
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+def pack(state: dict, run_info: dict) -> dict:
+    """The dict to save: a TrainState's entries (model ... wandb_run_id, rng, sampler, world_size)
+    plus ``run_info`` (config, model_args, data_meta, attn_backend), version and torch version."""
+    return {"format_version": FORMAT_VERSION, **state, **run_info, "torch_version": str(torch.__version__)}
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -57,6 +139,15 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return ckpts[-1] if ckpts else None
 
 
+def remove_orphans(run_dir: Path) -> list[Path]:
+    """Delete ``step_*.pt.tmp-<pid>`` files of writers that died mid-save (e.g. ``kill -9``), with a warning."""
+    removed = remove_stale_temp_files(checkpoint_dir(run_dir), "step_*.pt")
+    if removed:
+        log.warning("removed %d unfinished checkpoint file(s) of a killed earlier save: %s",
+                    len(removed), ", ".join(str(p) for p in removed))
+    return removed
+
+
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     """The plain module under torch.compile (``_orig_mod``) and DDP/DataParallel (``module``) wrappers."""
     while True:
@@ -80,55 +171,85 @@ def clean_state_dict(state_dict: dict) -> dict:
 
 def save_checkpoint(state: dict, run_dir: Path, step: int, keep_last: int) -> Path:
     """Atomically write ``state`` as the checkpoint of ``step``, then keep only the newest
-    ``keep_last`` checkpoints. Returns the path. On any error the temporary file is removed and
-    existing checkpoints are untouched."""
+    ``keep_last`` checkpoints. Returns the path. A failed write raises CheckpointWriteError (an
+    OSError) naming the path and the cause; the temporary file is removed, existing checkpoints
+    are untouched and none is pruned."""
     path = checkpoint_path(run_dir, step)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, lambda f: _save(state, f))
+    except OSError as e:
+        cause = f"[Errno {e.errno}] {e.strerror}" if e.strerror else str(e)
+        raise CheckpointWriteError(f"could not write checkpoint {path}: {cause}; the older checkpoints "
+                                   "are intact") from e
     for old in list_checkpoints(run_dir)[:-keep_last]:
         old.unlink(missing_ok=True)
     return path
 
 
-def load_checkpoint(path: Path) -> dict:
-    """Load a checkpoint onto the CPU. Raises CheckpointError naming ``path`` if the file is
-    missing, unreadable (truncated, corrupt, not a torch file) or lacks trainer keys."""
+class _KeepWriteError:
+    """A file whose write errors are kept: torch.save reports a failed write as a RuntimeError without the
+    cause ("unexpected pos ..."), so the OSError (disk full, file-size limit) is re-raised from here."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _save(state: dict, f) -> None:
+    out = _KeepWriteError(f)
+    try:
+        torch.save(state, out)
+        f.flush()  # a failure of the last buffered bytes shows here
+    except RuntimeError:
+        if out.error is not None:
+            raise out.error from None
+        raise
+
+
+def load_checkpoint(path: Path) -> Checkpoint:
+    """Load a checkpoint onto the CPU. Raises CheckpointError naming ``path`` if the file is missing,
+    not a checkpoint (another file type, or a torch file without the trainer's keys), corrupt
+    (truncated), or of a newer format than this code reads."""
     path = Path(path)
     if path.is_dir():
         raise CheckpointError(f"checkpoint {path} is a folder; give a checkpoint file (e.g. "
                               f"<run folder>/checkpoints/step_00000100.pt), or resume a run by its run.name")
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises several types for truncated / foreign files
-        raise CheckpointError(f"checkpoint {path} is corrupt or unreadable ({type(e).__name__}: {e}); "
-                              "it was left as is; move it out of the checkpoints folder to resume from the one "
-                              "before, or start a new run.name (resume=<path> of an older checkpoint works there too)"
-                              ) from e
+    state = _read(path)
     missing = [k for k in REQUIRED_KEYS if not isinstance(state, dict) or k not in state]
     if missing:
-        raise CheckpointError(f"checkpoint {path} is not a trainer checkpoint (missing {', '.join(missing)})")
-    return state
+        raise CheckpointError(f"not a checkpoint file: {path} (a torch file, but not a trainer checkpoint: "
+                              f"missing {', '.join(missing)})")
+    ckpt = Checkpoint(path, state)
+    if not isinstance(ckpt.version, int) or ckpt.version > FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {path} has format version {ckpt.version!r}; this code reads up to "
+                              f"{FORMAT_VERSION} (update the code)")
+    return ckpt
 
 
-def _fsync_dir(folder: Path) -> None:
+def _read(path: Path) -> Any:
+    if not zipfile.is_zipfile(path) and path.suffix not in (".pt", ".pth"):  # torch.save writes zip files
+        raise CheckpointError(f"not a checkpoint file: {path}")
     try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some file systems do not support fsync on directories
-    finally:
-        os.close(fd)
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises several types for truncated / foreign files
+        if isinstance(e, pickle.UnpicklingError) and "Weights only load failed" in str(e) \
+                and zipfile.is_zipfile(path):
+            raise CheckpointError(f"not a checkpoint file: {path} (a torch file holding Python objects, "
+                                  "not a trainer checkpoint)") from None
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CheckpointError(f"checkpoint {path} is corrupt or unreadable ({type(e).__name__}: {first_line}); "
+                              "it was left as is; move it out of the checkpoints folder to resume from the one "
+                              "before, or start a new run.name (resume=<path> of an older checkpoint works there too)"
+                              ) from None

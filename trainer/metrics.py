@@ -1,6 +1,7 @@
-"""Per-step metrics: one record dict per optimizer step, sent to W&B, ``metrics.jsonl`` and a tqdm bar.
+"""Per-step metrics: ``step_record`` builds the record of an optimizer step, ``StepTimer`` times steps on
+the device, ``MetricsLogger`` sends records to W&B, ``metrics.jsonl`` and a tqdm bar.
 
-Record keys (absent/None where not measured):
+Record keys (None where not measured; ``val/loss`` only at steps that evaluate, added by the trainer):
     step, tokens_seen (whole job), train/loss (mean over all micro-batches of all ranks),
     train/lr, train/grad_norm (after DDP's all-reduce, before clipping),
     perf/step_time_ms (from the end of the previous step to the end of this one on the device: CUDA events on a
@@ -21,11 +22,15 @@ import json
 import logging
 import math
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from tqdm.auto import tqdm
+
+from utils.atomic import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +56,57 @@ def peak_flops(device: torch.device, override: Optional[float] = None) -> Option
             return flops
     log.warning("no peak FLOP/s known for GPU %r: MFU is not reported (set trainer.peak_flops)", name)
     return None
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """What turns a step time into throughput and MFU: tokens_per_step (whole job), world_size,
+    flops_per_token (model.estimate_flops_per_token()), peak (this GPU's FLOP/s) and job_peak (summed
+    over all GPUs of the job); the peaks are None on CPU or an unknown GPU."""
+    tokens_per_step: int
+    world_size: int
+    flops_per_token: float
+    peak: Optional[float]
+    job_peak: Optional[float]
+
+
+def step_record(step: int, tokens_seen: int, loss: float, lr: float, grad_norm: float, step_time_s: float,
+                tp: Throughput, device: torch.device) -> dict:
+    """The record of one optimizer step (keys in the module docstring); step_time_s in seconds."""
+    tokens_per_s = tp.tokens_per_step / step_time_s
+    flops_per_s = tp.flops_per_token * tokens_per_s  # whole job
+    return {
+        "step": step, "tokens_seen": tokens_seen, "train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm,
+        "perf/step_time_ms": step_time_s * 1e3, "perf/tokens_per_s": tokens_per_s,
+        "perf/tokens_per_s_per_gpu": tokens_per_s / tp.world_size,
+        "perf/mfu": flops_per_s / tp.job_peak if tp.job_peak else None,
+        "perf/mfu_per_gpu": flops_per_s / tp.world_size / tp.peak if tp.peak else None,
+        "perf/peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+    }
+
+
+Mark = Union[float, "torch.cuda.Event"]
+
+
+class StepTimer:
+    """Marks when the device finishes the work queued so far: a CUDA event (no host sync), or the host
+    time on CPU (CPU work is synchronous). ``seconds(a, b)`` waits for mark b on CUDA."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> Mark:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start: Mark, end: Mark) -> float:
+        if not self.cuda:
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
 
 
 class MetricsLogger:
@@ -134,9 +190,7 @@ def _truncate_jsonl(path: Path, start_step: int) -> None:
     lines = path.read_text().splitlines(keepends=True)
     kept = [ln for ln in lines if _record_step(ln) <= start_step]
     if len(kept) != len(lines):
-        from data.prepare import write_text_atomic
-
-        write_text_atomic(path, "".join(kept))
+        atomic_write_text(path, "".join(kept))
 
 
 def _record_step(line: str) -> float:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+NO_CUDA = "no CUDA GPU is available; use auto or cpu"  # the message for device 'cuda' without one (train.py, sample.py)
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ def select_device(name: str, dist: DistInfo = DistInfo()) -> torch.device:
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError("trainer.device=cuda but no CUDA GPU is available; use trainer.device=auto or cpu")
+            raise RuntimeError(f"trainer.device=cuda: {NO_CUDA}")
         device = torch.device("cuda", dist.local_rank)
         torch.cuda.set_device(device)
         return device

@@ -1,0 +1,153 @@
+"""Run folders: default names that do not collide, one live owner per folder, bad run.name / run.root.
+
+Every test here starts real `python train.py` processes (the lock is per process)."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from trainer.checkpoint import list_checkpoints
+from trainer.run_lock import RunFolderBusy, own_run_folder
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+DEFAULT_NAME = r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_[0-9a-f]{6}"
+
+
+@pytest.fixture
+def args(tiny_overrides, tmp_path):
+    """tiny_overrides without run.*, for the CLI; run.root is tmp_path/runs."""
+    return [a for a in tiny_overrides if not a.startswith("run.")] + [f"run.root={tmp_path / 'runs'}"]
+
+
+def start(args, *extra, script="train.py"):
+    return subprocess.Popen([sys.executable, script, *args, *extra], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def cli(args, *extra):
+    return subprocess.run([sys.executable, "train.py", *args, *extra], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=300)
+
+
+def wait_for(path: Path, proc, timeout=120):
+    deadline = time.time() + timeout
+    while not (path.exists() and path.stat().st_size > 0):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.2)
+
+
+def test_runs_started_in_the_same_second_get_different_default_names(args, tmp_path):
+    """D1: two default-named runs launched together write two folders, each with its own steps once."""
+    procs = [start(args, "trainer.max_steps=2", f"optim.lr={lr}") for lr in (1e-3, 2e-3)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
+    folders = sorted((tmp_path / "runs").iterdir())
+    assert len(folders) == 2 and all(re.fullmatch(DEFAULT_NAME, f.name) for f in folders), folders
+    lrs = set()
+    for f in folders:
+        assert [json.loads(line)["step"] for line in (f / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+        lrs.add(re.search(r"lr: (\S+)", (f / ".hydra" / "config.yaml").read_text()).group(1))
+    assert lrs == {"0.001", "0.002"}
+
+
+def test_a_second_process_on_a_live_run_folder_is_refused(args, tmp_path):
+    """D2: while one run trains, a second one with the same run.name stops at once, naming the owner,
+    and touches nothing of the first run; the first finishes normally."""
+    first = start(args, "run.name=shared", "trainer.max_steps=100000", "ckpt.interval=0", "optim.lr=0.001")
+    run_dir = tmp_path / "runs" / "shared"
+    try:
+        wait_for(run_dir / "metrics.jsonl", first)
+        hydra_config = (run_dir / ".hydra" / "config.yaml").read_text()
+        log_before = (run_dir / "train.log").read_text()
+        second = cli(args, "run.name=shared", "trainer.max_steps=3", "optim.lr=0.002")
+        out = second.stdout + second.stderr
+        assert second.returncode == 1, out[-3000:]
+        assert f"run folder {run_dir} is in use by PID {first.pid}" in out and "Traceback" not in out, out[-3000:]
+        assert (run_dir / ".hydra" / "config.yaml").read_text() == hydra_config  # not rewritten
+        assert (run_dir / "train.log").read_text().startswith(log_before) and "in use by" not in (
+            run_dir / "train.log").read_text()
+        assert first.poll() is None
+    finally:
+        first.send_signal(signal.SIGTERM)
+        out = first.communicate(timeout=120)[0]
+    assert first.returncode == 128 + signal.SIGTERM, out[-3000:]
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, len(steps) + 1))  # each step once: only the first run wrote
+    assert len(list_checkpoints(run_dir)) == 1
+    assert (run_dir / ".lock").read_text() == ""  # released
+
+
+def test_a_lock_left_by_a_killed_process_is_taken_over(args, tmp_path):
+    """D2: a run killed with SIGKILL leaves its lock file; the next run on that folder takes it over, with a warning."""
+    run_dir = tmp_path / "runs" / "killed"
+    holder = start(args, "run.name=killed", "trainer.max_steps=100000", "ckpt.interval=0")
+    wait_for(run_dir / "metrics.jsonl", holder)
+    holder.kill()
+    holder.communicate(timeout=60)
+    assert (run_dir / ".lock").read_text().split()[0] == str(holder.pid)
+    again = cli(args, "run.name=killed", "trainer.max_steps=2", "resume=auto")
+    out = again.stdout + again.stderr
+    assert again.returncode == 0, out[-3000:]
+    assert f"owned by PID {holder.pid}, which is no longer running; taking it over" in out
+    assert (run_dir / ".lock").read_text() == ""
+
+
+def test_single_process_multirun_jobs_each_own_their_folder(args, tmp_path):
+    out = cli(["-m", *args, "run.name=sweep", "trainer.max_steps=1,2"])
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    for job in ("0", "1"):
+        assert (tmp_path / "runs" / "sweep" / job / ".hydra" / "config.yaml").exists()
+        assert (tmp_path / "runs" / "sweep" / job / ".lock").read_text() == ""
+
+
+@pytest.mark.parametrize("override, message", [
+    ("run.name=" + "x" * 300, "run.name='xxx.*': must be a non-empty folder name of at most 128 characters"),  # D14
+    ("run.name=${oc.env:HOME}", "run.name='/.*': must be a non-empty folder name"),  # D15
+    ("run.name=a/b", "run.name='a/b': must be a non-empty folder name"),
+])
+def test_bad_run_name_is_one_line(args, tmp_path, override, message):
+    out = cli(args, override)
+    text = out.stdout + out.stderr
+    assert out.returncode == 1 and re.search(message, text) and "Traceback" not in text, text[-3000:]
+    assert len(text.strip().splitlines()) == 1, text
+    assert not (tmp_path / "runs").exists()
+
+
+def test_unusable_run_root_is_one_line(args, tmp_path):
+    """D16: run.root that cannot hold run folders (here a file where the folder should be; tests run as root,
+    so permission bits would not stop them)."""
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("")
+    out = cli(args, f"run.root={blocker}", "run.name=x")
+    text = out.stdout + out.stderr
+    assert out.returncode == 1 and f"run.root='{blocker}': cannot create or write the run folder" in text, text
+    assert "Traceback" not in text and len(text.strip().splitlines()) == 1, text
+
+
+def test_lock_in_process(tmp_path, monkeypatch, caplog):
+    """The lock is per open file: a second acquisition is refused even in the same process, naming its PID;
+    on a file system without locks the run goes on with a warning."""
+    with own_run_folder(tmp_path / "r"):
+        with pytest.raises(RunFolderBusy, match=f"run folder {tmp_path / 'r'} is in use by PID {os.getpid()}"):
+            with own_run_folder(tmp_path / "r"):
+                pass
+    with own_run_folder(tmp_path / "r"):  # released
+        pass
+
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with own_run_folder(tmp_path / "r"):
+        pass
+    assert "cannot lock run folder" in caplog.text and "No locks available" in caplog.text

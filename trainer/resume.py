@@ -1,0 +1,112 @@
+"""The ``resume`` policy (auto / never / <path>) and the checks a checkpoint must pass to be resumed."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from model.gpt import GPTConfig
+from trainer.checkpoint import Checkpoint, latest_checkpoint, list_checkpoints, load_checkpoint, step_of
+from trainer.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+# Config keys a resumed run may change without a warning (run length, bookkeeping, where it writes).
+MAY_CHANGE = frozenset({"trainer.max_steps", "resume", "run.name", "run.root", "ckpt.interval", "ckpt.keep_last",
+                        "wandb.mode", "trainer.dist_timeout_s"})
+
+
+def refusal(resume: str, run_dir: Path) -> Optional[str]:
+    """Why the ``resume`` setting refuses ``run_dir`` from its file names alone (None if it does not):
+    resume=never on a folder with checkpoints, or resume=<step_N.pt> into a folder with newer ones.
+    Cheap (no file is read), so train.py asks before Hydra writes anything into the folder."""
+    existing = list_checkpoints(run_dir)
+    if resume == "never" and existing:
+        return (f"resume=never: run folder {run_dir} already has checkpoints ({existing[-1].name}); "
+                "use a new run.name, or resume=auto to continue it")
+    if resume not in ("never", "auto"):
+        try:
+            step = step_of(Path(resume))
+        except ValueError:
+            return None
+        return _newer_refusal(Path(resume), step, existing, run_dir)
+    return None
+
+
+def refusal_for_overrides(overrides: list[str]) -> Optional[str]:
+    """``refusal`` for the run that ``python train.py <overrides>`` would start, or None where that cannot be
+    told without Hydra (multirun, ``--help`` and other flags, ``hydra.*`` overrides, overrides Hydra rejects:
+    Hydra then reports them itself, and ``train`` still refuses the run, after Hydra wrote its files)."""
+    if any(a.startswith("-") or a.lstrip("+~").startswith("hydra.") for a in overrides):
+        return None
+    if not any(a.lstrip("+").startswith("resume=") for a in overrides):  # the default, auto, refuses nothing
+        return None
+    try:
+        from trainer.config import compose_config
+
+        cfg = compose_config(overrides)
+        return refusal(str(cfg.resume), Path(cfg.run.root) / str(cfg.run.name))
+    except Exception:  # noqa: BLE001 - Hydra will report bad overrides with its own message
+        return None
+
+
+def _newer_refusal(path: Path, step: int, existing: list[Path], run_dir: Path) -> Optional[str]:
+    newer = [p for p in existing if p.resolve() != path.resolve() and step_of(p) > step]
+    if newer:
+        return (f"resume={path}: run folder {run_dir} has newer checkpoints ({newer[-1].name}) that "
+                "resuming an older step would mix with; use a new run.name")
+    return None
+
+
+def find_checkpoint(resume: str, run_dir: Path) -> tuple[Optional[Checkpoint], Optional[Path]]:
+    """Apply the ``resume`` policy: auto (latest in the run folder, if any), never, or a file path.
+    Returns (checkpoint, path) or (None, None). Raises ConfigError or CheckpointError."""
+    reason = refusal(resume, run_dir)
+    if reason:
+        raise ConfigError(reason)
+    if resume == "never":
+        return None, None
+    if resume == "auto":
+        path = latest_checkpoint(run_dir)
+        return (load_checkpoint(path), path) if path is not None else (None, None)
+    path = Path(resume)
+    ckpt = load_checkpoint(path)
+    reason = _newer_refusal(path, ckpt["step"], list_checkpoints(run_dir), run_dir)  # files named otherwise
+    if reason:
+        raise ConfigError(reason)
+    return ckpt, path
+
+
+def check_compatible(ckpt: Checkpoint, model_args: GPTConfig, data_meta: dict, cfg: DictConfig) -> None:
+    """Refuse (ConfigError) a checkpoint of another model shape or tokenizer; warn, listing the keys,
+    when other settings changed (e.g. the attention backend), as a resumed run then mixes two setups."""
+    old = {k: v for k, v in ckpt["model_args"].items() if k != "attn"}
+    new = {k: v for k, v in dataclasses.asdict(model_args).items() if k != "attn"}
+    diffs = [f"model.{k}: checkpoint {old.get(k)!r}, config {new[k]!r}" for k in new if old.get(k) != new[k]]
+    old_meta = ckpt["data_meta"]
+    for k in ("tokenizer", "encoding", "chars", "vocab_size"):
+        if old_meta.get(k) != data_meta.get(k):
+            diffs.append(f"data tokenizer {k}: checkpoint {old_meta.get(k)!r}, config {data_meta.get(k)!r}")
+    if diffs:
+        raise ConfigError(f"cannot resume from {ckpt.path}: the model or tokenizer differs:\n  " + "\n  ".join(diffs))
+    changed = changed_settings(ckpt["config"], OmegaConf.to_container(cfg, resolve=True))
+    if ckpt["attn_backend"] != model_args.attn:
+        changed.append(f"attention backend (resolved): {ckpt['attn_backend']} -> {model_args.attn}")
+    if changed:
+        log.warning("resuming %s with changed settings (the run mixes both):\n  %s", ckpt.path, "\n  ".join(changed))
+
+
+def changed_settings(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """'key: old -> new' for every differing leaf key outside MAY_CHANGE."""
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += changed_settings(a, b, f"{prefix}{k}.")
+        elif a != b and f"{prefix}{k}" not in MAY_CHANGE:
+            out.append(f"{prefix}{k}: {a!r} -> {b!r}")
+    return out
