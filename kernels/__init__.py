@@ -1,5 +1,6 @@
 """Our FlashAttention kernels: `fa3_attention` (FlashAttention-3 forward in Gluon for Hopper, FA2's backward),
-`fa2_attention` (FlashAttention-2 in Triton) and `fa1_attention` (the FA1 baseline).
+`fa2_attention` / `fa2_varlen_attention` (FlashAttention-2 in Triton, with sliding windows and packed
+variable-length sequences) and `fa1_attention` (the FA1 baseline).
 
 To run them without a GPU, set TRITON_INTERPRET=1 before importing this package (slow; for tests).
 """
@@ -7,12 +8,17 @@ To run them without a GPU, set TRITON_INTERPRET=1 before importing this package 
 import math
 
 from . import fa1, fa2, fa3
-from .frontend import PUBLIC_DOC, make_attention
+from .frontend import PUBLIC_DOC, VARLEN_DOC, make_attention, make_varlen_attention
 
-fa2_attention = make_attention("fa2", fa2.forward, fa2.backward, lse_log_base=2.0)
+fa2_attention = make_attention("fa2", fa2.forward, fa2.backward, lse_log_base=2.0, masks=True)
 fa2_attention.__doc__ = PUBLIC_DOC.format(
     title="FlashAttention-2 (Triton): exact scaled dot-product attention, forward and backward.",
     source="Dao 2023, FlashAttention-2, Algorithm 1 (forward) and 2 (backward); see kernels/fa2.py.",
+)
+fa2_varlen_attention = make_varlen_attention("fa2", lse_log_base=2.0)
+fa2_varlen_attention.__doc__ = VARLEN_DOC.format(
+    title="FlashAttention-2 (Triton) over packed variable-length sequences: forward and backward.",
+    source="Dao 2023, FlashAttention-2, with flash-attn's varlen and window conventions; see kernels/fa2.py.",
 )
 fa1_attention = make_attention("fa1", fa1.forward, fa1.backward, lse_log_base=math.e)
 fa1_attention.__doc__ = PUBLIC_DOC.format(
@@ -30,4 +36,4 @@ fa3_attention.__doc__ = PUBLIC_DOC.format(
            "with a one-time RuntimeWarning naming the reason.",
 )
 
-__all__ = ["fa1_attention", "fa2_attention", "fa3_attention"]
+__all__ = ["fa1_attention", "fa2_attention", "fa2_varlen_attention", "fa3_attention"]

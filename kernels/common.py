@@ -79,12 +79,21 @@ def store_tile(base, x, rows, stride_row, n_rows, cols, HEAD_DIM: tl.constexpr, 
 
 
 @triton.jit
-def visible_mask(rows, cols, seqlen_k, diag_offset, CAUSAL: tl.constexpr):
-    """(rows, cols) mask of visible scores: key in range and, if CAUSAL, not in the future (bottom-right aligned:
-    key j is visible to query i iff j <= i + diag_offset, diag_offset = seqlen_k - seqlen_q)."""
-    visible = cols[None, :] < seqlen_k
-    if CAUSAL:
-        visible = visible & (cols[None, :] <= rows[:, None] + diag_offset)
+def visible_mask(rows, cols, seqlen_k, diag_offset, window_left, window_right, LEFT: tl.constexpr,
+                 RIGHT: tl.constexpr):
+    """Mask of visible scores for broadcastable query-row and key indices (rows[:, None] and cols[None, :] for an
+    S tile, rows[None, :] and cols[:, None] for S^T). Key j is visible to query i iff j < seqlen_k and
+
+        i + diag_offset - window_left <= j <= i + diag_offset + window_right,
+
+    each side checked only where it is limited (LEFT / RIGHT constexprs). diag_offset = seqlen_k - seqlen_q aligns
+    the window bottom-right, as flash-attn does; causal is RIGHT with window_right = 0.
+    """
+    visible = cols < seqlen_k
+    if RIGHT:
+        visible = visible & (cols <= rows + (diag_offset + window_right))
+    if LEFT:
+        visible = visible & (cols >= rows + (diag_offset - window_left))
     return visible
 
 

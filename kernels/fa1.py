@@ -61,7 +61,8 @@ def _fwd(
         cols = start_n + offs_n
         k = load_tile(k_base, cols, stride_kn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True)
         s = mma(q, tl.trans(k), None, UPCAST) * softmax_scale
-        s = tl.where(visible_mask(offs_m, cols, seqlen_k, diag_offset, CAUSAL), s, float("-inf"))
+        visible = visible_mask(offs_m[:, None], cols[None, :], seqlen_k, diag_offset, 0, 0, False, CAUSAL)
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see no key yet stay finite
         p = tl.exp(s - m_ref[:, None])
@@ -137,7 +138,8 @@ def _bwd_dkdv(
             lse = tl.load(LSE + off_bh.to(tl.int64) * seqlen_q + offs_m, mask=row_ok, other=float("inf"))
             delta = tl.load(DELTA + off_bh.to(tl.int64) * seqlen_q + offs_m, mask=row_ok, other=0.0)
             s = mma(q, tl.trans(k), None, UPCAST) * softmax_scale  # (BLOCK_M, BLOCK_N)
-            p = tl.where(visible_mask(offs_m, offs_n, seqlen_k, diag_offset, CAUSAL), tl.exp(s - lse[:, None]), 0.0)
+            visible = visible_mask(offs_m[:, None], offs_n[None, :], seqlen_k, diag_offset, 0, 0, False, CAUSAL)
+            p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
             dv += mma(tl.trans(p).to(do.dtype), do, None, UPCAST)
             dp = mma(do, tl.trans(v), None, UPCAST)
             ds = p * (dp - delta[:, None])
@@ -184,7 +186,8 @@ def _bwd_dq(
         k = load_tile(k_base, cols, stride_kn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True)
         v = load_tile(v_base, cols, stride_vn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True)
         s = mma(q, tl.trans(k), None, UPCAST) * softmax_scale
-        p = tl.where(visible_mask(offs_m, cols, seqlen_k, diag_offset, CAUSAL), tl.exp(s - lse[:, None]), 0.0)
+        visible = visible_mask(offs_m[:, None], cols[None, :], seqlen_k, diag_offset, 0, 0, False, CAUSAL)
+        p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
         dp = mma(do, tl.trans(v), None, UPCAST)
         ds = p * (dp - delta[:, None])
         dq += mma(ds.to(k.dtype), k, None, UPCAST)

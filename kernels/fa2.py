@@ -8,10 +8,10 @@ Algorithm 1 (forward) and Algorithm 2 (backward), as moved from an FA1 Triton ke
       divided by l once, after the loop;
   [2] exp2: log2(e) is folded into the softmax scale once (`qk_scale`); the LSE is kept in base 2 and the
       front end returns it in natural log; m_i starts at -inf and l_i at 1.0, so the first alpha is 0;
-  [3] causal in stages (`MASKED` is a tl.constexpr): K/V blocks entirely left of the diagonal run with no
-      mask (the write-up's STAGE 1), only the diagonal blocks are masked (STAGE 2), blocks entirely in the
-      future are never visited; non-causal runs one unmasked stage (STAGE 3) plus a masked block only where
-      seqlen_k ends inside a block;
+  [3] masks in stages (`MASKED` is a tl.constexpr): K/V blocks every row of a Q block sees whole run with no
+      mask (the write-up's STAGE 1 / STAGE 3), only the edge blocks are masked (STAGE 2: the causal diagonal,
+      a sliding window's two edges, the block in which seqlen_k ends), blocks no row sees are never visited
+      (`_stages`; the dK/dV kernel limits its loop over Q blocks the same way);
   [4] tl.dot(a, b, acc) accumulates in place (forward and backward);
   [5] @triton.autotune over BLOCK_M, BLOCK_N, num_warps, num_stages, keyed on power-of-two length buckets.
 
@@ -20,7 +20,11 @@ blocks and the inner over Q blocks (and over the query heads that share a K/V he
 dQ with the outer loop over Q blocks and the inner over K/V blocks. No atomics: gradients are bit-identical
 from run to run.
 
-Causal masks are aligned bottom-right: query i sees key j iff j <= i + seqlen_k - seqlen_q (`diag_offset`).
+Masks follow flash-attn (>= 2.1): aligned bottom-right, query i sees key j iff
+i + diag_offset - window_left <= j <= i + diag_offset + window_right, diag_offset = seqlen_k - seqlen_q, a side
+without a limit is unchecked (constexprs LEFT / RIGHT), causal is RIGHT with window_right = 0. Packed
+variable-length sequences (VARLEN) are one (1, heads, total, head_dim) view; each program reads its sequence's
+rows from cu_seqlens and applies the same masks within it, so another sequence's keys are never visited.
 """
 
 import math
@@ -60,7 +64,7 @@ def _prune(max_tile):
     return prune
 
 
-_KEY = ["M_BUCKET", "N_BUCKET", "HEAD_DIM", "CAUSAL", "GROUP", "TMA_OK"]
+_KEY = ["M_BUCKET", "N_BUCKET", "HEAD_DIM", "LEFT", "RIGHT", "VARLEN", "GROUP", "TMA_OK"]
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA): per kernel, the winners of `python -m bench.fa2_configs` on
 # the H200 (docs/hopper-notes.md); the last one fits every head dim. Few on purpose: every config is compiled
 # on the first use of a shape bucket.
@@ -71,30 +75,70 @@ _DQ_SHAPES = [(128, 64, 8, 3, False), (128, 64, 8, 3, True), (64, 64, 4, 2, Fals
 
 
 
-# ---------------------------------------------------------------------------------------------- forward
+# ---------------------------------------------------------------------------------------------- masks
 @triton.jit
-def _kv_stages(start_m, diag_offset, seqlen_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """K/V ranges of one Q block [3]: unmasked [0, hi_free), then masked [hi_free, hi); keys >= hi are skipped.
+def _stages(start, offset, before, after, n_inner, BEFORE: tl.constexpr, AFTER: tl.constexpr,
+            BLOCK_OUTER: tl.constexpr, BLOCK_INNER: tl.constexpr):
+    """Which inner blocks the outer block [start, start + BLOCK_OUTER) visits [3], when outer index x sees inner
+    index y iff 0 <= y < n_inner and
 
-    Causal: STAGE 1 is every whole block of keys that all rows of the block see (j <= start_m + diag_offset);
-    STAGE 2 the diagonal, up to the last key the last row sees. Non-causal: all whole blocks unmasked, then
-    the block in which seqlen_k ends, masked.
+        x + offset - before <= y <= x + offset + after      (a side is unlimited unless BEFORE / AFTER).
+
+    Returns block-aligned lo <= lo_free <= hi_free, and hi: masked [lo, lo_free) (the window's left edge),
+    unmasked [lo_free, hi_free) (every y seen by every x of the block: full inner blocks only), masked
+    [hi_free, hi) (the right edge: the causal diagonal, the window, or where n_inner ends inside a block).
+    Inner blocks outside [lo, hi) are never visited.
+
+    Forward and dQ: x = query row, y = key, offset = seqlen_k - seqlen_q, (before, after) = the window.
+    dK/dV: x = key, y = query row: the same band seen from the other side (offset negated, sides swapped).
     """
-    if CAUSAL:
-        hi_free = (tl.maximum(start_m + diag_offset + 1, 0) // BLOCK_N) * BLOCK_N
-        hi = tl.minimum(start_m + BLOCK_M + diag_offset, seqlen_k)
+    end = start + BLOCK_OUTER - 1  # the block's last outer index
+    # Unlimited sides: whole range, as int32 tensors (start * 0) like the limited ones, whichever sides are set.
+    lo = start * 0
+    lo_free = start * 0
+    hi = n_inner + start * 0
+    hi_free = (n_inner // BLOCK_INNER) * BLOCK_INNER + start * 0
+    if BEFORE:  # clamp at 0 before dividing: the GPU's integer division truncates toward 0
+        lo = (tl.maximum(start + offset - before, 0) // BLOCK_INNER) * BLOCK_INNER
+        lo_free = tl.cdiv(tl.maximum(end + offset - before, 0), BLOCK_INNER) * BLOCK_INNER
+    if AFTER:
+        hi = tl.minimum(end + offset + after + 1, n_inner)
+        hi_free = (tl.maximum(tl.minimum(start + offset + after + 1, n_inner), 0) // BLOCK_INNER) * BLOCK_INNER
+    # A band narrower than a block has no unmasked middle: both edges then share one masked range.
+    hi_free = tl.maximum(hi_free, lo)
+    lo_free = tl.minimum(tl.maximum(lo_free, lo), hi_free)
+    return lo, lo_free, hi_free, hi
+
+
+@triton.jit
+def _sequence(CU_Q, CU_K, off_b, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
+    """Where sequence off_b lies: (batch index for the strides, first query row, seqlen_q, first key row, seqlen_k).
+
+    Varlen: the sequences lie back to back along the rows of a (1, heads, total, head_dim) view, so the batch
+    stride is unused (index 0) and each sequence's rows come from cu_seqlens.
+    """
+    if VARLEN:  # (off_b * 0: int32 tensors in both branches, like the loads)
+        q_start = tl.load(CU_Q + off_b)
+        k_start = tl.load(CU_K + off_b)
+        seq_q = tl.load(CU_Q + off_b + 1) - q_start
+        seq_k = tl.load(CU_K + off_b + 1) - k_start
+        b = off_b * 0
     else:
-        hi_free = (seqlen_k // BLOCK_N) * BLOCK_N
-        hi = seqlen_k
-    return hi_free, hi
+        q_start = off_b * 0
+        k_start = off_b * 0
+        seq_q = seqlen_q + off_b * 0
+        seq_k = seqlen_k + off_b * 0
+        b = off_b
+    return b, q_start, seq_q, k_start, seq_k
 
 
+# ---------------------------------------------------------------------------------------------- forward
 @triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q,
     k_src, v_src, stride_kn, stride_vn,
-    offs_m, offs_d, lo, hi, seqlen_k, diag_offset, qk_scale,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    offs_m, offs_d, lo, hi, seqlen_k, diag_offset, window_left, window_right, qk_scale,
+    MASKED: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
     TMA: tl.constexpr,
 ):
@@ -105,8 +149,10 @@ def _fwd_inner(
         cols = start_n + offs_n
         k = load_rows(k_src, start_n, cols, stride_kn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, TMA)
         qk = mma(q, tl.trans(k), None, UPCAST)
-        if MASKED:  # [3] diagonal (or sequence-end) block: mask, and keep rows that see no key yet finite
-            s = tl.where(visible_mask(offs_m, cols, seqlen_k, diag_offset, CAUSAL), qk * qk_scale, float("-inf"))
+        if MASKED:  # [3] an edge block: mask, and keep rows that see no key yet finite
+            visible = visible_mask(offs_m[:, None], cols[None, :], seqlen_k, diag_offset, window_left, window_right,
+                                   LEFT, RIGHT)
+            s = tl.where(visible, qk * qk_scale, float("-inf"))
             m_ij = tl.maximum(m_i, tl.max(s, 1))
             m_ref = tl.where(m_ij == float("-inf"), 0.0, m_ij)
             p = tl.math.exp2(s - m_ref[:, None])
@@ -129,31 +175,38 @@ def _fwd_inner(
 )
 @triton.jit
 def _fwd(
-    Q, K, V, O, LSE,
+    Q, K, V, O, LSE, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
-    n_heads, seqlen_q, seqlen_k, qk_scale,
+    n_heads, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
     M_BUCKET, N_BUCKET,  # autotune key only
-    GROUP: tl.constexpr, CAUSAL: tl.constexpr,
+    GROUP: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, VARLEN: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, TMA_OK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
-    """One program = one BLOCK_M block of queries of one (batch, head); grid (cdiv(seqlen_q, BLOCK_M), B * H).
+    """One program = one BLOCK_M block of queries of one (sequence, head); grid (cdiv(max seqlen_q, BLOCK_M), B * H).
 
     qk_scale = softmax_scale * log2(e), folded once on the host [2]. K/V tiles come through TMA descriptors
-    when the config asks for it (TMA) and the inputs allow it (TMA_OK).
+    when the config asks for it (TMA) and the inputs allow it (TMA_OK). seqlen_q / seqlen_k are the tensors'
+    row counts (the totals under VARLEN, where each program reads its sequence's bounds from CU_Q / CU_K).
     """
-    if CAUSAL:  # longest rows first: the last Q blocks have the most K/V blocks to visit
+    if RIGHT:  # causal: longest rows first, the last Q blocks have the most K/V blocks to visit
         start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     else:
         start_m = tl.program_id(0) * BLOCK_M
     off_bh = tl.program_id(1)
-    off_b, off_h = off_bh // n_heads, off_bh % n_heads
+    off_h = off_bh % n_heads
     off_hk = off_h // GROUP  # GQA: GROUP query heads share one K/V head
-    q_base = head_ptr(Q, off_b, stride_qb, off_h, stride_qh)
-    k_base = head_ptr(K, off_b, stride_kb, off_hk, stride_kh)
-    v_base = head_ptr(V, off_b, stride_vb, off_hk, stride_vh)
-    o_base = head_ptr(O, off_b, stride_ob, off_h, stride_oh)
+    lse_rows = seqlen_q
+    off_b, q_start, seqlen_q, k_start, seqlen_k = _sequence(CU_Q, CU_K, off_bh // n_heads, seqlen_q, seqlen_k,
+                                                            VARLEN)
+    if start_m >= seqlen_q:  # varlen: a block past the end of a shorter sequence
+        return
+    q_base = head_ptr(Q, off_b, stride_qb, off_h, stride_qh) + q_start.to(tl.int64) * stride_qm
+    k_base = head_ptr(K, off_b, stride_kb, off_hk, stride_kh) + k_start.to(tl.int64) * stride_kn
+    v_base = head_ptr(V, off_b, stride_vb, off_hk, stride_vh) + k_start.to(tl.int64) * stride_vn
+    o_base = head_ptr(O, off_b, stride_ob, off_h, stride_oh) + q_start.to(tl.int64) * stride_om
+    lse_base = LSE + (off_b * n_heads + off_h).to(tl.int64) * lse_rows + q_start
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -165,15 +218,15 @@ def _fwd(
     k_src = tile_source(k_base, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, TMA and TMA_OK)
     v_src = tile_source(v_base, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, TMA and TMA_OK)
     diag_offset = seqlen_k - seqlen_q
-    hi_free, hi = _kv_stages(start_m, diag_offset, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
-    acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, offs_m, offs_d, 0, hi_free, seqlen_k,
-        diag_offset, qk_scale, False, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST, TMA and TMA_OK,
-    )
-    acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, offs_m, offs_d, hi_free, hi, seqlen_k,
-        diag_offset, qk_scale, True, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST, TMA and TMA_OK,
-    )
+    lo, lo_free, hi_free, hi = _stages(start_m, diag_offset, window_left, window_right, seqlen_k, LEFT, RIGHT,
+                                       BLOCK_M, BLOCK_N)
+    for stage in tl.static_range(3):  # masked [lo, lo_free), unmasked [lo_free, hi_free), masked [hi_free, hi)
+        if LEFT or stage != 0:  # only a left window has a left edge: don't compile an always-empty loop
+            acc, l_i, m_i = _fwd_inner(
+                acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, offs_m, offs_d,
+                (lo, lo_free, hi_free)[stage], (lo_free, hi_free, hi)[stage], seqlen_k, diag_offset, window_left,
+                window_right, qk_scale, stage != 1, LEFT, RIGHT, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST, TMA and TMA_OK,
+            )
 
     # [1] one division at the end. Rows that saw no key keep m_i = -inf: output 0, internal LSE +inf.
     empty = m_i == float("-inf")
@@ -181,23 +234,62 @@ def _fwd(
     o = acc / l_i[:, None]
     lse = tl.where(empty, float("inf"), m_i + tl.math.log2(l_i))  # [2] base 2
     store_tile(o_base, o.to(O.dtype.element_ty), offs_m, stride_om, seqlen_q, offs_d, HEAD_DIM, BLOCK_D)
-    tl.store(LSE + off_bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+    tl.store(lse_base + offs_m, lse, mask=offs_m < seqlen_q)
 
 
-def forward(q, k, v, causal, softmax_scale):
-    """Launch the forward kernel. Returns o (like q) and the base-2 LSE, float32 (batch, n_heads, seqlen_q)."""
-    batch, n_heads, seqlen_q, head_dim = q.shape
+def _mask_args(q, k, causal, window_size, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """What the kernels take for the mask, from (batch, heads, rows, head_dim) views of q and k: (batch, longest
+    seqlen_q, longest seqlen_k, runtime args (CU_Q, CU_K, window_left, window_right), constexprs)."""
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        batch, max_q, max_k = cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k
+        cu_q, cu_k = cu_seqlens_q, cu_seqlens_k
+    else:
+        batch, max_q, max_k = q.shape[0], q.shape[2], k.shape[2]
+        cu_q = cu_k = q  # never read
+    left, right = window_size
+    if causal:
+        right = 0
+    # A side wider than any sequence limits nothing: drop it (no masking cost, no int32 overflow in the kernel).
+    left = -1 if left >= max_k else left
+    right = -1 if right >= max_q else right
+    constexprs = dict(LEFT=left >= 0, RIGHT=right >= 0, VARLEN=varlen)
+    return batch, max_q, max_k, (cu_q, cu_k, max(left, 0), max(right, 0)), constexprs
+
+
+def _rows(t):
+    """(total, heads, head_dim) packed sequences as the (1, heads, total, head_dim) view the kernels take."""
+    return t.unsqueeze(0).transpose(1, 2)
+
+
+def _packed(t):
+    return t.transpose(1, 2).squeeze(0)
+
+
+def forward(q, k, v, causal, softmax_scale, window_size=(-1, -1), cu_seqlens_q=None, cu_seqlens_k=None,
+            max_seqlen_q=0, max_seqlen_k=0):
+    """Launch the forward kernel. Returns o (like q) and the base-2 LSE, float32: (batch, n_heads, seqlen_q) for
+    q (batch, n_heads, seqlen_q, head_dim); (n_heads, total_q) for packed q (total_q, n_heads, head_dim) with
+    cu_seqlens_q / cu_seqlens_k (int32, batch + 1) and the longest sequences' lengths (varlen)."""
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        q, k, v = _rows(q), _rows(k), _rows(v)
+    n_heads, seqlen_q, head_dim = q.shape[1:]
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    batch, max_q, max_k, mask, constexprs = _mask_args(q, k, causal, window_size, cu_seqlens_q, cu_seqlens_k,
+                                                       max_seqlen_q, max_seqlen_k)
     check_grid(batch, n_heads)
     o = empty_like_layout(q)
-    lse = torch.empty((batch, n_heads, seqlen_q), device=q.device, dtype=torch.float32)
-    grid = lambda meta: (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * n_heads)
+    lse = torch.empty((q.shape[0], n_heads, seqlen_q), device=q.device, dtype=torch.float32)
+    grid = lambda meta: (triton.cdiv(max_q, meta["BLOCK_M"]), batch * n_heads)
     _fwd[grid](
-        q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-        n_heads, seqlen_q, seqlen_k, softmax_scale * LOG2E, bucket(seqlen_q), bucket(seqlen_k),
-        GROUP=n_heads // n_kv_heads, CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
+        q, k, v, o, lse, mask[0], mask[1], *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+        n_heads, seqlen_q, seqlen_k, *mask[2:], softmax_scale * LOG2E, bucket(max_q), bucket(max_k),
+        GROUP=n_heads // n_kv_heads, **constexprs, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
         UPCAST=upcast_dot(q.dtype), TMA_OK=USE_TMA and use_tma(q, k, v),
     )
+    if varlen:
+        return _packed(o), lse[0]
     return o, lse
 
 
@@ -206,8 +298,8 @@ def forward(q, k, v, causal, softmax_scale):
 def _bwd_dkdv_inner(
     dk, dv, k, v,
     q_src, do_src, lse_base, delta_base, stride_qm, stride_dom,
-    offs_n, offs_d, lo, hi, seqlen_q, diag_offset, qk_scale,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    offs_n, offs_d, lo, hi, seqlen_q, seqlen_k, diag_offset, window_left, window_right, qk_scale,
+    MASKED: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
     """Inner loop over Q blocks [lo, hi) for one K/V block, computing S^T and P^T (Algorithm 2, lines 8-16)."""
@@ -221,8 +313,10 @@ def _bwd_dkdv_inner(
         else:
             lse = tl.load(lse_base + offs_m)
         p_t = tl.math.exp2(mma(k, tl.trans(q), None, UPCAST) * qk_scale - lse[None, :])
-        if MASKED and CAUSAL:
-            p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + diag_offset, p_t, 0.0)
+        if MASKED:  # keys past seqlen_k need no mask here: their dK/dV rows are never stored
+            visible = visible_mask(offs_m[None, :], offs_n[:, None], seqlen_k, diag_offset, window_left,
+                                   window_right, LEFT, RIGHT)
+            p_t = tl.where(visible, p_t, 0.0)
         do = load_rows(do_src, start_m, offs_m, stride_dom, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED, TMA)
         dv = mma(p_t.to(do.dtype), do, dv, UPCAST)  # dV_j += P^T dO
         if MASKED:
@@ -241,61 +335,59 @@ def _bwd_dkdv_inner(
 )
 @triton.jit
 def _bwd_dkdv(
-    Q, K, V, DO, DK, DV, LSE, DELTA,
+    Q, K, V, DO, DK, DV, LSE, DELTA, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-    n_heads, seqlen_q, seqlen_k, qk_scale, softmax_scale,
+    n_heads, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softmax_scale,
     M_BUCKET, N_BUCKET,  # autotune key only
-    GROUP: tl.constexpr, CAUSAL: tl.constexpr,
+    GROUP: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, VARLEN: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, TMA_OK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
-    """One program = one BLOCK_N block of keys of one (batch, kv head); grid (cdiv(seqlen_k, BLOCK_N), B * H_kv)."""
+    """One program = one BLOCK_N block of keys of one (sequence, kv head);
+    grid (cdiv(max seqlen_k, BLOCK_N), B * H_kv)."""
     start_n = tl.program_id(0) * BLOCK_N
     n_kv_heads = n_heads // GROUP
     off_bhk = tl.program_id(1)
-    off_b, off_hk = off_bhk // n_kv_heads, off_bhk % n_kv_heads
+    off_hk = off_bhk % n_kv_heads
+    lse_rows = seqlen_q
+    off_b, q_start, seqlen_q, k_start, seqlen_k = _sequence(CU_Q, CU_K, off_bhk // n_kv_heads, seqlen_q, seqlen_k,
+                                                            VARLEN)
+    if start_n >= seqlen_k:  # varlen: a block past the end of a shorter sequence
+        return
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    k_base = head_ptr(K, off_b, stride_kb, off_hk, stride_kh)
-    v_base = head_ptr(V, off_b, stride_vb, off_hk, stride_vh)
+    k_base = head_ptr(K, off_b, stride_kb, off_hk, stride_kh) + k_start.to(tl.int64) * stride_kn
+    v_base = head_ptr(V, off_b, stride_vb, off_hk, stride_vh) + k_start.to(tl.int64) * stride_vn
     k = load_tile(k_base, offs_n, stride_kn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True)
     v = load_tile(v_base, offs_n, stride_vn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
+    # Only the rows that can see this K/V block: key j is seen by rows j - diag_offset - window_right ..
+    # j - diag_offset + window_left, the forward's band from the other side.
     diag_offset = seqlen_k - seqlen_q
-    m_full = (seqlen_q // BLOCK_M) * BLOCK_M
-    m_end = tl.cdiv(seqlen_q, BLOCK_M) * BLOCK_M
-    if CAUSAL:
-        # Row i sees key j iff i >= j - diag_offset. Masked: from the first row that sees this block's first
-        # key to the first block in which every row sees all its keys; unmasked after that.
-        lo = (tl.maximum(start_n - diag_offset, 0) // BLOCK_M) * BLOCK_M
-        mid = tl.minimum(tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - diag_offset, 0), BLOCK_M) * BLOCK_M, m_end)
-    else:
-        lo = 0
-        mid = 0
-    tail = tl.maximum(mid, m_full)  # a Q block that ends past seqlen_q is checked row by row
+    lo, lo_free, hi_free, hi = _stages(start_n, -diag_offset, window_right, window_left, seqlen_q, RIGHT, LEFT,
+                                       BLOCK_N, BLOCK_M)
 
     for g in range(GROUP):  # every query head that reads this K/V head, in order: deterministic, no atomics
         off_h = off_hk * GROUP + g
-        off_bh = off_b * n_heads + off_h
-        q_src = tile_source(head_ptr(Q, off_b, stride_qb, off_h, stride_qh), seqlen_q, stride_qm, HEAD_DIM,
-                            BLOCK_M, BLOCK_D, TMA and TMA_OK)
-        do_src = tile_source(head_ptr(DO, off_b, stride_dob, off_h, stride_doh), seqlen_q, stride_dom, HEAD_DIM,
-                             BLOCK_M, BLOCK_D, TMA and TMA_OK)
-        lse_base = LSE + off_bh.to(tl.int64) * seqlen_q
-        delta_base = DELTA + off_bh.to(tl.int64) * seqlen_q
-        for stage in tl.static_range(3):  # masked [lo, mid), unmasked [mid, tail), masked [tail, m_end)
+        row0 = (off_b * n_heads + off_h).to(tl.int64) * lse_rows + q_start
+        q_base = head_ptr(Q, off_b, stride_qb, off_h, stride_qh) + q_start.to(tl.int64) * stride_qm
+        do_base = head_ptr(DO, off_b, stride_dob, off_h, stride_doh) + q_start.to(tl.int64) * stride_dom
+        q_src = tile_source(q_base, seqlen_q, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D, TMA and TMA_OK)
+        do_src = tile_source(do_base, seqlen_q, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D, TMA and TMA_OK)
+        for stage in tl.static_range(3):  # masked [lo, lo_free), unmasked [lo_free, hi_free), masked [hi_free, hi)
             dk, dv = _bwd_dkdv_inner(
-                dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qm, stride_dom, offs_n, offs_d,
-                (lo, mid, tail)[stage], (mid, tail, m_end)[stage], seqlen_q, diag_offset, qk_scale,
-                stage != 1, CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, UPCAST, TMA and TMA_OK,
+                dk, dv, k, v, q_src, do_src, LSE + row0, DELTA + row0, stride_qm, stride_dom, offs_n, offs_d,
+                (lo, lo_free, hi_free)[stage], (lo_free, hi_free, hi)[stage], seqlen_q, seqlen_k, diag_offset,
+                window_left, window_right, qk_scale, stage != 1, LEFT, RIGHT, BLOCK_M, HEAD_DIM, BLOCK_D, UPCAST,
+                TMA and TMA_OK,
             )
 
     dk = dk * softmax_scale
-    dk_base = head_ptr(DK, off_b, stride_dkb, off_hk, stride_dkh)
-    dv_base = head_ptr(DV, off_b, stride_dvb, off_hk, stride_dvh)
+    dk_base = head_ptr(DK, off_b, stride_dkb, off_hk, stride_dkh) + k_start.to(tl.int64) * stride_dkn
+    dv_base = head_ptr(DV, off_b, stride_dvb, off_hk, stride_dvh) + k_start.to(tl.int64) * stride_dvn
     store_tile(dk_base, dk.to(DK.dtype.element_ty), offs_n, stride_dkn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D)
     store_tile(dv_base, dv.to(DV.dtype.element_ty), offs_n, stride_dvn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D)
 
@@ -304,8 +396,8 @@ def _bwd_dkdv(
 def _bwd_dq_inner(
     dq, q, do, lse, delta,
     k_src, v_src, stride_kn, stride_vn,
-    offs_m, offs_d, lo, hi, seqlen_k, diag_offset, qk_scale,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    offs_m, offs_d, lo, hi, seqlen_k, diag_offset, window_left, window_right, qk_scale,
+    MASKED: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
     """Inner loop over K/V blocks [lo, hi) for one Q block (Algorithm 2, lines 11-21, dQ part)."""
@@ -317,7 +409,9 @@ def _bwd_dq_inner(
         v = load_rows(v_src, start_n, cols, stride_vn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, TMA)
         p = tl.math.exp2(mma(q, tl.trans(k), None, UPCAST) * qk_scale - lse[:, None])
         if MASKED:
-            p = tl.where(visible_mask(offs_m, cols, seqlen_k, diag_offset, CAUSAL), p, 0.0)
+            visible = visible_mask(offs_m[:, None], cols[None, :], seqlen_k, diag_offset, window_left, window_right,
+                                   LEFT, RIGHT)
+            p = tl.where(visible, p, 0.0)
         dp = mma(do, tl.trans(v), None, UPCAST)
         ds = p * (dp - delta[:, None])
         dq = mma(ds.to(k.dtype), k, dq, UPCAST)  # dQ_i += dS K (scaled after the loop)
@@ -330,68 +424,102 @@ def _bwd_dq_inner(
 )
 @triton.jit
 def _bwd_dq(
-    Q, K, V, DO, DQ, LSE, DELTA,
+    Q, K, V, DO, DQ, LSE, DELTA, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom, stride_dqb, stride_dqh, stride_dqm,
-    n_heads, seqlen_q, seqlen_k, qk_scale, softmax_scale,
+    n_heads, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softmax_scale,
     M_BUCKET, N_BUCKET,  # autotune key only
-    GROUP: tl.constexpr, CAUSAL: tl.constexpr,
+    GROUP: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, VARLEN: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, TMA_OK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
-    """One program = one BLOCK_M block of queries of one (batch, head); grid (cdiv(seqlen_q, BLOCK_M), B * H)."""
-    if CAUSAL:
+    """One program = one BLOCK_M block of queries of one (sequence, head);
+    grid (cdiv(max seqlen_q, BLOCK_M), B * H)."""
+    if RIGHT:
         start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     else:
         start_m = tl.program_id(0) * BLOCK_M
     off_bh = tl.program_id(1)
-    off_b, off_h = off_bh // n_heads, off_bh % n_heads
+    off_h = off_bh % n_heads
     off_hk = off_h // GROUP
+    lse_rows = seqlen_q
+    off_b, q_start, seqlen_q, k_start, seqlen_k = _sequence(CU_Q, CU_K, off_bh // n_heads, seqlen_q, seqlen_k,
+                                                            VARLEN)
+    if start_m >= seqlen_q:
+        return
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    q_base = head_ptr(Q, off_b, stride_qb, off_h, stride_qh)
-    do_base = head_ptr(DO, off_b, stride_dob, off_h, stride_doh)
-    k_base = head_ptr(K, off_b, stride_kb, off_hk, stride_kh)
-    v_base = head_ptr(V, off_b, stride_vb, off_hk, stride_vh)
+    q_base = head_ptr(Q, off_b, stride_qb, off_h, stride_qh) + q_start.to(tl.int64) * stride_qm
+    do_base = head_ptr(DO, off_b, stride_dob, off_h, stride_doh) + q_start.to(tl.int64) * stride_dom
+    k_base = head_ptr(K, off_b, stride_kb, off_hk, stride_kh) + k_start.to(tl.int64) * stride_kn
+    v_base = head_ptr(V, off_b, stride_vb, off_hk, stride_vh) + k_start.to(tl.int64) * stride_vn
     q = load_tile(q_base, offs_m, stride_qm, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
     do = load_tile(do_base, offs_m, stride_dom, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
     row_ok = offs_m < seqlen_q
-    lse = tl.load(LSE + off_bh.to(tl.int64) * seqlen_q + offs_m, mask=row_ok, other=float("inf"))
-    delta = tl.load(DELTA + off_bh.to(tl.int64) * seqlen_q + offs_m, mask=row_ok, other=0.0)
+    row0 = (off_b * n_heads + off_h).to(tl.int64) * lse_rows + q_start
+    lse = tl.load(LSE + row0 + offs_m, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + row0 + offs_m, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     diag_offset = seqlen_k - seqlen_q
-    hi_free, hi = _kv_stages(start_m, diag_offset, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)  # as in the forward
+    lo, lo_free, hi_free, hi = _stages(start_m, diag_offset, window_left, window_right, seqlen_k, LEFT, RIGHT,
+                                       BLOCK_M, BLOCK_N)  # as in the forward
     k_src = tile_source(k_base, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, TMA and TMA_OK)
     v_src = tile_source(v_base, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, TMA and TMA_OK)
-    dq = _bwd_dq_inner(
-        dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, offs_m, offs_d, 0, hi_free, seqlen_k,
-        diag_offset, qk_scale, False, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST, TMA and TMA_OK,
-    )
-    dq = _bwd_dq_inner(
-        dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, offs_m, offs_d, hi_free, hi, seqlen_k,
-        diag_offset, qk_scale, True, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST, TMA and TMA_OK,
-    )
+    for stage in tl.static_range(3):  # as in the forward
+        if LEFT or stage != 0:
+            dq = _bwd_dq_inner(
+                dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, offs_m, offs_d,
+                (lo, lo_free, hi_free)[stage], (lo_free, hi_free, hi)[stage], seqlen_k, diag_offset, window_left,
+                window_right, qk_scale, stage != 1, LEFT, RIGHT, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST, TMA and TMA_OK,
+            )
     dq = dq * softmax_scale
-    dq_base = head_ptr(DQ, off_b, stride_dqb, off_h, stride_dqh)
+    dq_base = head_ptr(DQ, off_b, stride_dqb, off_h, stride_dqh) + q_start.to(tl.int64) * stride_dqm
     store_tile(dq_base, dq.to(DQ.dtype.element_ty), offs_m, stride_dqm, seqlen_q, offs_d, HEAD_DIM, BLOCK_D)
 
 
-def backward(do, q, k, v, o, lse, causal, softmax_scale):
-    """Launch the three backward kernels. `lse` is the forward's base-2 LSE. Returns dq, dk, dv like q, k, v."""
-    batch, n_heads, seqlen_q, head_dim = q.shape
+def backward(do, q, k, v, o, lse, causal, softmax_scale, window_size=(-1, -1), cu_seqlens_q=None, cu_seqlens_k=None,
+             max_seqlen_q=0, max_seqlen_k=0):
+    """Launch the three backward kernels. `lse` is the forward's base-2 LSE; the mask arguments are the forward's.
+    Returns dq, dk, dv like q, k, v."""
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        do, q, k, v, o, lse = _rows(do), _rows(q), _rows(k), _rows(v), _rows(o), lse[None]
+    n_heads, seqlen_q, head_dim = q.shape[1:]
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    batch, max_q, max_k, mask, constexprs = _mask_args(q, k, causal, window_size, cu_seqlens_q, cu_seqlens_k,
+                                                       max_seqlen_q, max_seqlen_k)
     delta = bwd_preprocess(o, do)
     dq, dk, dv = empty_like_layout(q), empty_like_layout(k), empty_like_layout(v)
     common = dict(
-        GROUP=n_heads // n_kv_heads, CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
+        GROUP=n_heads // n_kv_heads, **constexprs, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
         UPCAST=upcast_dot(q.dtype), TMA_OK=USE_TMA and use_tma(q, k, v, do),
     )
-    sizes = (n_heads, seqlen_q, seqlen_k, softmax_scale * LOG2E, softmax_scale, bucket(seqlen_q), bucket(seqlen_k))
+    sizes = (n_heads, seqlen_q, seqlen_k, *mask[2:], softmax_scale * LOG2E, softmax_scale, bucket(max_q),
+             bucket(max_k))
     qkv_do_strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
-    grid_kv = lambda meta: (triton.cdiv(seqlen_k, meta["BLOCK_N"]), batch * n_kv_heads)
-    _bwd_dkdv[grid_kv](q, k, v, do, dk, dv, lse, delta, *qkv_do_strides, *dk.stride()[:3], *dv.stride()[:3], *sizes,
-                       **common)
-    grid_q = lambda meta: (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * n_heads)
-    _bwd_dq[grid_q](q, k, v, do, dq, lse, delta, *qkv_do_strides, *dq.stride()[:3], *sizes, **common)
+    grid_kv = lambda meta: (triton.cdiv(max_k, meta["BLOCK_N"]), batch * n_kv_heads)
+    _bwd_dkdv[grid_kv](q, k, v, do, dk, dv, lse, delta, *mask[:2], *qkv_do_strides, *dk.stride()[:3],
+                       *dv.stride()[:3], *sizes, **common)
+    grid_q = lambda meta: (triton.cdiv(max_q, meta["BLOCK_M"]), batch * n_heads)
+    _bwd_dq[grid_q](q, k, v, do, dq, lse, delta, *mask[:2], *qkv_do_strides, *dq.stride()[:3], *sizes, **common)
+    if varlen:
+        return _packed(dq), _packed(dk), _packed(dv)
     return dq, dk, dv
+
+
+def compile_for_sm90(kernel, left=True, right=True, varlen=True, tma=True, head_dim=64, group=2):
+    """Compile one kernel ("fwd", "dkdv" or "dq") for sm_90 with bf16 inputs, without a GPU (catches what only
+    the GPU compiler rejects, which the interpreter runs). Call it without TRITON_INTERPRET; returns Triton's
+    compiled kernel."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = {"fwd": _fwd, "dkdv": _bwd_dkdv, "dq": _bwd_dq}[kernel].fn
+    constexprs = dict(GROUP=group, LEFT=left, RIGHT=right, VARLEN=varlen, HEAD_DIM=head_dim,
+                      BLOCK_D=block_d(head_dim), UPCAST=False, TMA_OK=tma, BLOCK_M=64, BLOCK_N=64, TMA=tma)
+    types = dict(LSE="*fp32", DELTA="*fp32", CU_Q="*i32", CU_K="*i32", qk_scale="fp32", softmax_scale="fp32")
+    signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "*bf16" if arg.isupper() else "i32")
+                 for arg in fn.arg_names}
+    source = ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})

@@ -1,19 +1,23 @@
-"""The front end shared by the FA1 and FA2 kernels: input validation, layout handling, and registration as a
+"""The front end shared by the FA1, FA2 and FA3 kernels: input validation, layout handling, and registration as a
 differentiable `torch.library` custom op (so `torch.compile(..., fullgraph=True)` keeps it in one graph).
 
 A kernel module provides two launchers:
 
-    forward(q, k, v, causal, softmax_scale) -> (o, lse_internal)
-    backward(do, q, k, v, o, lse_internal, causal, softmax_scale) -> (dq, dk, dv)
+    forward(q, k, v, causal, softmax_scale, *mask) -> (o, lse_internal)
+    backward(do, q, k, v, o, lse_internal, causal, softmax_scale, *mask) -> (dq, dk, dv)
 
 `lse_internal` is float32 (batch, n_heads, seqlen_q) in the kernel's own log base (2 for FA2, e for FA1),
 with +inf for query rows that see no key, so the backward's `exp(s - lse)` is exactly 0 there.
+`mask` = (window_size, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), flash-attn's sliding window and
+packed variable-length sequences, is passed only to kernels registered with `masks=True` (FA2); for packed
+sequences q is (total_q, n_heads, head_dim) and lse_internal (n_heads, total_q).
 `make_attention` turns the pair into the public function `fa*_attention(q, k, v, causal, softmax_scale,
-return_lse)`. Everything that differs between FA1 and FA2 lives in their Triton kernels.
+return_lse, window_size)`, `make_varlen_attention` into `fa*_varlen_attention`. Everything that differs between
+the kernels lives in their Triton kernels.
 """
 
 import math
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -23,17 +27,19 @@ from .common import INTERPRET
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 
-ForwardLauncher = Callable[[Tensor, Tensor, Tensor, bool, float], tuple[Tensor, Tensor]]
-BackwardLauncher = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, bool, float], tuple[Tensor, Tensor, Tensor]]
+ForwardLauncher = Callable[..., tuple[Tensor, Tensor]]
+BackwardLauncher = Callable[..., tuple[Tensor, Tensor, Tensor]]
 
 
-def validate(q, k, v, causal, softmax_scale) -> None:
-    """Raise TypeError/ValueError naming the offending argument; see `make_attention` for the contract."""
+def validate(q, k, v, causal, softmax_scale, packed=False) -> None:
+    """Raise TypeError/ValueError naming the offending argument; see `make_attention` for the contract.
+    packed: q, k, v hold sequences back to back, (total, heads, head_dim) (`make_varlen_attention`)."""
+    ndim, dims = (3, "(total, heads, head_dim)") if packed else (4, "(batch, heads, seqlen, head_dim)")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must have 4 dims (batch, heads, seqlen, head_dim), got shape {tuple(t.shape)}")
+        if t.dim() != ndim:
+            raise ValueError(f"{name} must have {ndim} dims {dims}, got shape {tuple(t.shape)}")
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name} has dtype {t.dtype}; supported: float16, bfloat16, float32")
     if not isinstance(causal, bool):
@@ -51,7 +57,8 @@ def validate(q, k, v, causal, softmax_scale) -> None:
         raise ValueError(f"q, k, v are on {q.device}; supported: CUDA (or CPU under TRITON_INTERPRET=1)")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got k={tuple(k.shape)}, v={tuple(v.shape)}")
-    (batch, n_heads, seqlen_q, head_dim), (batch_k, n_kv_heads, seqlen_k, head_dim_k) = q.shape, k.shape
+    (batch, n_heads, seqlen_q, head_dim), (batch_k, n_kv_heads, seqlen_k, head_dim_k) = (
+        ((1, t.shape[1], t.shape[0], t.shape[2]) for t in (q, k)) if packed else (q.shape, k.shape))
     if batch_k != batch:
         raise ValueError(f"batch size differs: q has {batch}, k/v have {batch_k}")
     if head_dim_k != head_dim:
@@ -66,67 +73,168 @@ def validate(q, k, v, causal, softmax_scale) -> None:
         raise ValueError(f"softmax_scale must be a finite number or None, got {softmax_scale!r}")
 
 
+def check_window(window_size, name: str, supported: bool) -> tuple[int, int]:
+    """window_size as (left, right) ints; raise TypeError/ValueError naming what is wrong."""
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
+            and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
+        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
+    for i, w in enumerate(window_size):
+        if w < -1:
+            raise ValueError(f"window_size[{i}] = {w} is below -1; accepted: -1 (no limit) or a number of keys >= 0")
+    if not supported and tuple(window_size) != (-1, -1):
+        raise ValueError(f"{name}_attention has no sliding window (window_size={tuple(window_size)}); "
+                         "use fa2_attention")
+    return window_size[0], window_size[1]
+
+
+def check_cu_seqlens_args(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
+    """The static part of the varlen contract (types, dtypes, shapes), which torch.compile can trace; the offsets'
+    values are checked by `check_cu_seqlens_values`."""
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+        if cu.dtype != torch.int32:
+            raise TypeError(f"{name} has dtype {cu.dtype}; accepted: torch.int32 (as flash-attn)")
+        if cu.dim() != 1 or cu.shape[0] < 2:
+            raise ValueError(f"{name} must have shape (batch + 1,) with batch >= 1, got shape {tuple(cu.shape)}")
+        if cu.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {cu.device}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
+                         f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
+    for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(n, bool) or not isinstance(n, (int, torch.SymInt)):
+            raise TypeError(f"{name} must be an int, got {type(n).__name__}")
+        if n < 0:
+            raise ValueError(f"{name} must be >= 0, got {n}")
+
+
+def check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k) -> None:
+    """The offsets' values: start at 0, non-decreasing, end at the row count, no sequence above max_seqlen_*.
+    Costs a device-to-host copy of the offsets (a host sync on a GPU)."""
+    for side, cu, total, longest in (("q", cu_seqlens_q, total_q, max_seqlen_q),
+                                     ("k", cu_seqlens_k, total_k, max_seqlen_k)):
+        name, offsets = f"cu_seqlens_{side}", cu.tolist()
+        if offsets[0] != 0:
+            raise ValueError(f"{name}[0] must be 0, got {offsets[0]}")
+        lengths = [b - a for a, b in zip(offsets, offsets[1:])]
+        if min(lengths) < 0:
+            i = lengths.index(min(lengths))
+            raise ValueError(f"{name} must be non-decreasing, but {name}[{i + 1}] = {offsets[i + 1]} < "
+                             f"{name}[{i}] = {offsets[i]}")
+        if offsets[-1] != total:
+            raise ValueError(f"{name}[-1] = {offsets[-1]} must equal total_{side} = {total}, the rows of {side}")
+        if max(lengths) > longest:
+            raise ValueError(f"max_seqlen_{side} = {longest} is less than the longest sequence's length "
+                             f"{max(lengths)} in {name}")
+
+
 def last_dim_contiguous(t: Tensor) -> Tensor:
     """Views with a unit-stride last dim (e.g. x.view(B, T, H, D).transpose(1, 2)) pass as they are."""
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def make_attention(name: str, forward: ForwardLauncher, backward: BackwardLauncher, lse_log_base: float):
+def make_attention(name: str, forward: ForwardLauncher, backward: BackwardLauncher, lse_log_base: float,
+                   masks: bool = False):
     """Register `forward`/`backward` as the custom op `flashgpt::{name}_forward` with autograd, and return the
-    public attention function. `lse_log_base` is the base of the kernels' internal LSE (2 or e)."""
+    public attention function. `lse_log_base` is the base of the kernels' internal LSE (2 or e). masks: the
+    launchers take the window and varlen arguments (see the module docstring); otherwise they are refused."""
 
+    def mask_args(window_left, window_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+        if masks:
+            return (window_left, window_right), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
+        if (window_left, window_right) != (-1, -1) or cu_seqlens_q is not None:
+            raise ValueError(f"{name} has no sliding window or variable-length sequences; use fa2")
+        return ()
+
+    # One op for every mask: the window and the packed sequences only change the kernels' per-row key ranges.
     @torch.library.custom_op(f"flashgpt::{name}_forward", mutates_args=())
-    def forward_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float) -> tuple[Tensor, Tensor]:
-        return forward(q, k, v, causal, softmax_scale)
+    def forward_op(
+        q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float, window_left: int = -1,
+        window_right: int = -1, cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
+        max_seqlen_q: int = 0, max_seqlen_k: int = 0,
+    ) -> tuple[Tensor, Tensor]:
+        mask = mask_args(window_left, window_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        return forward(q, k, v, causal, softmax_scale, *mask)
 
     @forward_op.register_fake
-    def _(q, k, v, causal, softmax_scale):
-        return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    def _(q, k, v, causal, softmax_scale, window_left=-1, window_right=-1, cu_seqlens_q=None, *varlen):
+        lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else q.shape[:3]
+        return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
 
     @torch.library.custom_op(f"flashgpt::{name}_backward", mutates_args=())
     def backward_op(
-        do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, softmax_scale: float
+        do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, softmax_scale: float,
+        window_left: int = -1, window_right: int = -1, cu_seqlens_q: Optional[Tensor] = None,
+        cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        return backward(last_dim_contiguous(do), q, k, v, o, lse, causal, softmax_scale)
+        mask = mask_args(window_left, window_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        return backward(last_dim_contiguous(do), q, k, v, o, lse, causal, softmax_scale, *mask)
 
     @backward_op.register_fake
-    def _(do, q, k, v, o, lse, causal, softmax_scale):
+    def _(do, q, k, v, o, lse, *args):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     def setup_context(ctx, inputs, output):
-        q, k, v, causal, softmax_scale = inputs
+        q, k, v, causal, softmax_scale, *mask = inputs
         o, lse = output
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.softmax_scale = causal, softmax_scale
+        ctx.args = (causal, softmax_scale, *mask)
 
     def backward_rule(ctx, do, dlse):
         # The LSE output is returned detached (as in flash-attn); only o carries a gradient.
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = backward_op(do, q, k, v, o, lse, ctx.causal, ctx.softmax_scale)
-        return dq, dk, dv, None, None
+        dq, dk, dv = backward_op(do, q, k, v, o, lse, *ctx.args)
+        return dq, dk, dv, *(None for _ in ctx.args)
 
     forward_op.register_autograd(backward_rule, setup_context=setup_context)
     to_natural = math.log(lse_log_base)
 
-    def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False):
+    def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, window_size=(-1, -1)):
         validate(q, k, v, causal, softmax_scale)
-        if softmax_scale is None:
-            softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+        window = check_window(window_size, name, masks)
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
         q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
-        o, lse = forward_op(q, k, v, causal, float(softmax_scale))
-        if not return_lse:
-            return o
-        # Internal +inf marks rows that see no key; the log-sum-exp of an empty set is -inf.
-        lse = torch.where(torch.isinf(lse), float("-inf"), lse * to_natural).detach()
-        return o, lse
+        o, lse = forward_op(q, k, v, causal, float(softmax_scale), *window)
+        return natural_lse(o, lse, to_natural) if return_lse else o
 
     attention.__name__ = f"{name}_attention"
     return attention
 
 
+def natural_lse(o: Tensor, lse: Tensor, to_natural: float) -> tuple[Tensor, Tensor]:
+    """(o, lse in natural log, detached). Internal +inf marks rows that see no key; the log-sum-exp of an empty
+    set is -inf."""
+    return o, torch.where(torch.isinf(lse), float("-inf"), lse * to_natural).detach()
+
+
+def make_varlen_attention(name: str, lse_log_base: float):
+    """The public packed-sequence function `{name}_varlen_attention`, on the op `make_attention(name, ...,
+    masks=True)` registered."""
+    op = getattr(torch.ops.flashgpt, f"{name}_forward")
+    to_natural = math.log(lse_log_base)
+
+    def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
+                         softmax_scale=None, window_size=(-1, -1), return_lse=False, *, check_offsets=True):
+        validate(q, k, v, causal, softmax_scale, packed=True)
+        check_cu_seqlens_args(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        # Reading the offsets' values syncs with the GPU, and torch.compile cannot trace it: eager calls only.
+        if check_offsets and not torch.compiler.is_compiling():
+            check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+        window = check_window(window_size, name, True)
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+        q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
+        o, lse = op(q, k, v, causal, float(softmax_scale), *window, cu_seqlens_q.contiguous(),
+                    cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k)
+        return natural_lse(o, lse, to_natural) if return_lse else o
+
+    varlen_attention.__name__ = f"{name}_varlen_attention"
+    return varlen_attention
+
+
 PUBLIC_DOC = """{title}
 
-    Computes o = softmax(q k^T * softmax_scale [+ causal mask]) v for every (batch, head), without materialising
+    Computes o = softmax(q k^T * softmax_scale [+ mask]) v for every (batch, head), without materialising
     the (seqlen_q, seqlen_k) score matrix. Source: {source}
 
     Args:
@@ -142,14 +250,57 @@ PUBLIC_DOC = """{title}
            row that sees no key (possible when seqlen_q > seqlen_k) gets 0 output, 0 gradient and lse = -inf.
         softmax_scale: multiplier of q k^T; default 1 / sqrt(head_dim).
         return_lse: also return the log-sum-exp of each query row's scaled scores.
+        window_size: (left, right) ints, flash-attn's sliding window (fa2 only; the other kernels raise
+           ValueError for anything but (-1, -1)): query i sees key j only when
+           i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right; -1 = no limit on that side;
+           causal=True sets right to 0. Key blocks outside every row's window are skipped, so the cost scales
+           with the visible (query, key) pairs.
 
     Returns:
         o: like q in shape, dtype and device; or (o, lse) with lse (batch, n_heads, seqlen_q), float32, natural
         log (returned without gradient). Differentiable w.r.t. q, k and v; gradients are deterministic (no atomics).
 
     Raises:
-        TypeError: a non-tensor input, unsupported or mismatched dtypes, a non-bool causal.
-        ValueError: wrong rank, mismatched batch / head_dim / device / k-v shapes, n_heads not a multiple of
-            n_kv_heads, head_dim outside 16..256, an empty dimension, a non-finite softmax_scale, or CPU tensors
-            when Triton's interpreter is off (use a CUDA GPU or set TRITON_INTERPRET=1 before importing kernels).
+        TypeError: a non-tensor input, unsupported or mismatched dtypes, a non-bool causal, a window_size that is
+            not a pair of ints.
+        ValueError: a window_size value below -1 (or any window for fa1 / fa3), wrong rank, mismatched batch /
+            head_dim / device / k-v shapes, n_heads not a multiple of n_kv_heads, head_dim outside 16..256, an
+            empty dimension, a non-finite softmax_scale, or CPU tensors when Triton's interpreter is off (use a
+            CUDA GPU or set TRITON_INTERPRET=1 before importing kernels).
+    """
+
+
+VARLEN_DOC = """{title}
+
+    Attention over variable-length sequences packed back to back (flash-attn's `flash_attn_varlen_func`
+    convention): sequence b is rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and rows
+    cu_seqlens_k[b]:cu_seqlens_k[b + 1] of k and v, and no query sees another sequence's keys. The causal mask
+    and the window are aligned bottom-right per sequence (as in `fa2_attention` with that sequence's seqlen_q,
+    seqlen_k). Key blocks outside a row block's sequence or window are never visited. Source: {source}
+
+    Args:
+        q: (total_q, n_heads, head_dim), float16, bfloat16 or float32, on a CUDA device (or the CPU under
+           TRITON_INTERPRET=1).
+        k, v: (total_k, n_kv_heads, head_dim), same dtype and device; n_heads a multiple of n_kv_heads (GQA).
+        cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) on q's device: 0, then the cumulative sequence lengths,
+           ending at total_q / total_k. Empty sequences (equal neighbours) are allowed.
+        max_seqlen_q, max_seqlen_k: ints >= the longest sequence's length (they size the launch grid).
+        causal, softmax_scale, window_size: as in `fa2_attention`, per sequence.
+        return_lse: also return the log-sum-exp of each query row's scaled scores.
+        check_offsets: check the values of cu_seqlens (below). That reads them on the host, a sync on a GPU;
+           pass False for offsets valid by construction (e.g. from data.sampler). Never done under
+           torch.compile, which cannot trace it: there invalid offsets give undefined results.
+
+    Returns:
+        o: (total_q, n_heads, head_dim), like q; or (o, lse) with lse (n_heads, total_q), float32, natural log,
+        -inf for rows that see no key (their o and gradients are 0). Differentiable w.r.t. q, k and v;
+        deterministic gradients.
+
+    Raises:
+        TypeError: non-tensor inputs, unsupported or mismatched dtypes, cu_seqlens not int32, a non-int
+            max_seqlen, a window_size that is not a pair of ints.
+        ValueError: wrong ranks or shapes (as in `fa2_attention`), cu_seqlens not 1-D with >= 2 entries or of
+            different lengths or on another device, not starting at 0, decreasing, or not ending at total_q /
+            total_k, a sequence longer than max_seqlen_*, a window_size value below -1. The offsets' values are
+            checked only with check_offsets and outside torch.compile.
     """

@@ -7,6 +7,12 @@ Every backend computes scaled-dot-product attention, causal by default (``causal
 with q (B, n_head, T, head_dim) and k, v (B, n_kv_head, T, head_dim), n_head a multiple of
 n_kv_head (grouped-query attention: q head h reads k/v head h // (n_head // n_kv_head)).
 The output o has q's shape and dtype. Inputs may be float32, float16 or bfloat16.
+``window`` > 0 restricts each query to itself and the window - 1 keys before it (sliding-window
+attention; 0 = full causal). ``docs`` (int32 cu_seqlens over the flattened (B * T) batch, from
+``data.sampler``) restricts each token to its own document segment. fa2 does both in the kernel
+(``fa2_varlen_attention`` for docs) and skips the key blocks outside them; ``sdpa`` applies a dense
+boolean mask (correct, but off PyTorch's fast kernels; it warns once); the others refuse them
+(the ``Backend`` fields ``supports_window``, ``supports_docs``).
 
 Backends:
 - ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention(is_causal=True, enable_gqa=...)``,
@@ -23,9 +29,9 @@ Backends:
 - ``auto``: ``fa2`` when a CUDA GPU is present, ``sdpa`` otherwise (see ``resolve_backend``).
 
 ``REGISTRY`` holds one ``Backend`` entry per concrete backend: its kernel factory and what the rest of the
-code asks about it (needs CUDA, supports dropout, head_dim range). Config validation, ``sample.py --attn``,
-``bench/attention.py`` and the tests derive from it. A new backend = a kernel module, one entry here and a
-``conf/attn/<name>.yaml`` (``backend: <name>``).
+code asks about it (needs CUDA, dropout, windows, documents, head_dim range). Config validation,
+``sample.py --attn``, ``bench/attention.py`` and the tests derive from it. A new backend = a kernel module,
+one entry here and a ``conf/attn/<name>.yaml`` (``backend: <name>``).
 
 For generation with a KV cache, ``get_kv_backend`` gives the same backends for seqlen_q <= seqlen_k
 (new queries against the cached prefix), with the causal mask aligned bottom-right, and
@@ -54,7 +60,7 @@ if not torch.cuda.is_available():
 
 class AttentionFn(Protocol):
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-                 causal: bool = True) -> torch.Tensor: ...
+                 causal: bool = True, window: int = 0, docs: Optional[torch.Tensor] = None) -> torch.Tensor: ...
 
 
 class BackendUnavailableError(RuntimeError):
@@ -72,13 +78,38 @@ class Backend:
     needs_cuda: bool = False
     supports_dropout: bool = False
     head_dims: Optional[Callable[[], tuple[int, int]]] = None
+    supports_window: bool = False  # window > 0 (model.attn_window)
+    supports_docs: bool = False  # docs (data.document_mask)
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-          causal: bool = True) -> torch.Tensor:
-    return F.scaled_dot_product_attention(
-        q, k, v, dropout_p=dropout_p, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1]
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, causal: bool = True,
+          window: int = 0, docs: Optional[torch.Tensor] = None) -> torch.Tensor:
+    mask = None if window == 0 and docs is None else _dense_mask(q.shape[0], q.shape[2], window, docs, q.device)
+    return F.scaled_dot_product_attention(  # a window or docs mask is causal
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal and mask is None,
+        enable_gqa=q.shape[1] != k.shape[1]
     )
+
+
+_WARNED_DENSE_MASK = []
+
+
+def _dense_mask(batch: int, seqlen: int, window: int, docs: Optional[torch.Tensor], device) -> torch.Tensor:
+    """(batch or 1, 1, T, T) boolean mask, True = visible: key j for query i iff j <= i, i - window < j if
+    window > 0 (the kernels' window_size=(window - 1, 0)), and i, j in one segment of docs if given."""
+    if not _WARNED_DENSE_MASK and not torch.compiler.is_compiling():  # a warning would break the graph
+        _WARNED_DENSE_MASK.append(True)
+        msg = ("attn=sdpa with model.attn_window or data.document_mask: a dense (T, T) mask, which takes SDPA off "
+               "its fast kernels (slow; attn=fa2 skips the key blocks outside the window and the documents)")
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    i = torch.arange(seqlen, device=device)[:, None]
+    j = torch.arange(seqlen, device=device)[None, :]
+    mask = (j <= i) & (j > i - window) if window else j <= i
+    if docs is not None:  # segment index of every token of the flattened batch
+        segment = torch.searchsorted(docs, torch.arange(batch * seqlen, device=device, dtype=docs.dtype), right=True)
+        segment = segment.view(batch, seqlen)
+        mask = mask & (segment[:, :, None] == segment[:, None, :])
+    return mask.view(-1, 1, seqlen, seqlen)
 
 
 _LOADED: dict[str, Callable] = {}  # kernel functions already imported (warn once per backend)
@@ -92,7 +123,8 @@ def _sdpa_pinned(name: str, sdpa: AttentionFn = _sdpa) -> AttentionFn:
     pinned = SDPA_PINNED[name]
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-                  causal: bool = True) -> torch.Tensor:
+                  causal: bool = True, window: int = 0, docs: Optional[torch.Tensor] = None) -> torch.Tensor:
+        _refuse_masks(name, window, docs)
         with sdpa_kernel(pinned):
             return sdpa(q, k, v, dropout_p, causal)
 
@@ -122,13 +154,26 @@ def _load_triton(name: str) -> Callable:
 
 def _triton_backend(name: str) -> AttentionFn:
     kernel = _load_triton(name)
+    # Looked up now, not on first use: under torch.compile that would be traced (and break fullgraph).
+    varlen = getattr(importlib.import_module("kernels"), f"{name}_varlen_attention", None)
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-                  causal: bool = True) -> torch.Tensor:
+                  causal: bool = True, window: int = 0, docs: Optional[torch.Tensor] = None) -> torch.Tensor:
         if dropout_p > 0.0:
             raise ValueError(f"attn={name} has no attention dropout (got dropout_p={dropout_p}); "
                              "use model.dropout=0.0 or attn=sdpa")
-        return kernel(q, k, v, causal=causal)  # the kernels take GQA (fewer k/v heads) and strided views
+        if window == 0 and docs is None:
+            return kernel(q, k, v, causal=causal)  # the kernels take GQA (fewer k/v heads) and strided views
+        _refuse_masks(name, window, docs)
+        if docs is None:
+            return kernel(q, k, v, causal=True, window_size=(window - 1, 0))
+        # Documents: the batch flattened to one packed sequence of B * T tokens, cut at docs (views, no copies
+        # for the model's (B, T, H, D)-ordered q, k, v).
+        B, H, T, D = q.shape
+        packed = [t.transpose(1, 2).reshape(B * T, t.shape[1], D) for t in (q, k, v)]
+        o = varlen(*packed, docs, docs, T, T, causal=True, window_size=(window - 1, 0) if window else (-1, -1),
+                   check_offsets=False)  # the sampler's cuts are valid by construction
+        return o.view(B, T, H, D).transpose(1, 2)
 
     attention.__name__ = f"{name}_attention"
     return attention
@@ -143,8 +188,19 @@ def _triton_head_dims(name: str) -> Callable[[], tuple[int, int]]:
     return head_dims
 
 
+def _refuse_masks(name: str, window: int, docs: Optional[torch.Tensor]) -> None:
+    entry = REGISTRY[name]
+    if window and not entry.supports_window:
+        raise ValueError(f"attn={name} has no sliding-window attention (model.attn_window={window}); "
+                         f"use one of: {', '.join(mask_backends('window'))}")
+    if docs is not None and not entry.supports_docs:
+        raise ValueError(f"attn={name} has no document masks (data.document_mask); "
+                         f"use one of: {', '.join(mask_backends('docs'))}")
+
+
 REGISTRY: dict[str, Backend] = {b.name: b for b in (
-    Backend("sdpa", lambda: _sdpa, "PyTorch SDPA, PyTorch picks the kernel", supports_dropout=True),
+    Backend("sdpa", lambda: _sdpa, "PyTorch SDPA, PyTorch picks the kernel", supports_dropout=True,
+            supports_window=True, supports_docs=True),
     Backend("sdpa_flash", lambda: _sdpa_pinned("sdpa_flash"), "PyTorch SDPA pinned to its FlashAttention-2 kernel",
             supports_dropout=True),
     Backend("sdpa_cudnn", lambda: _sdpa_pinned("sdpa_cudnn"), "PyTorch SDPA pinned to cuDNN attention",
@@ -152,7 +208,7 @@ REGISTRY: dict[str, Backend] = {b.name: b for b in (
     Backend("fa1", lambda: _triton_backend("fa1"), "our Triton FlashAttention-1 kernel",
             head_dims=_triton_head_dims("fa1")),
     Backend("fa2", lambda: _triton_backend("fa2"), "our Triton FlashAttention-2 kernel",
-            head_dims=_triton_head_dims("fa2")),
+            head_dims=_triton_head_dims("fa2"), supports_window=True, supports_docs=True),
     Backend("fa3", lambda: _triton_backend("fa3"),
             "our FlashAttention-3 forward (Gluon, Hopper) with FA2's backward; FA2 elsewhere",
             head_dims=_triton_head_dims("fa3")),
@@ -177,6 +233,11 @@ def backend_info(name: str) -> Backend:
     return REGISTRY[resolve_backend(name)]
 
 
+def mask_backends(kind: str) -> list[str]:
+    """The backends with ``supports_window`` (kind 'window') or ``supports_docs`` (kind 'docs')."""
+    return [b.name for b in REGISTRY.values() if getattr(b, f"supports_{kind}")]
+
+
 def head_dim_limits(name: str) -> tuple[int, int] | None:
     """(min, max) head_dim the backend accepts, or None when it has no limit (sdpa).
     Raises BackendUnavailableError if the backend's kernels cannot be loaded."""
@@ -185,7 +246,8 @@ def head_dim_limits(name: str) -> tuple[int, int] | None:
 
 
 def get_backend(name: str) -> AttentionFn:
-    """Return ``fn(q, k, v, dropout_p=0.0, causal=True) -> o`` for backend ``name`` (see module docstring).
+    """Return ``fn(q, k, v, dropout_p=0.0, causal=True, window=0, docs=None) -> o`` for backend ``name``
+    (see module docstring).
 
     ``name`` may be 'auto'; it is resolved with ``resolve_backend``. Raises ValueError for an
     unknown name and BackendUnavailableError when fa1/fa2 cannot be imported from ``kernels``.

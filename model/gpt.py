@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -32,6 +32,12 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = False           # bias in Linear and LayerNorm layers
     attn: str = "sdpa"           # attention backend name, see model.attention
+    # Sliding-window attention: each token sees itself and the attn_window - 1 tokens before it; 0 = full causal.
+    # A list gives one value per layer (e.g. [128, 0] * 6: local and global layers alternate).
+    attn_window: Union[int, list[int]] = 0
+
+    def layer_window(self, layer: int) -> int:
+        return self.attn_window if isinstance(self.attn_window, int) else self.attn_window[layer]
 
     @property
     def kv_heads(self) -> int:
@@ -43,11 +49,16 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, layer: int = 0):
         super().__init__()
         if config.n_embd % config.n_head or config.n_head % config.kv_heads:
             raise ValueError(f"n_embd={config.n_embd} must be a multiple of n_head={config.n_head}, "
                              f"and n_head a multiple of n_kv_head={config.kv_heads}")
+        windows = [config.attn_window] if isinstance(config.attn_window, int) else config.attn_window
+        if len(windows) != (1 if isinstance(config.attn_window, int) else config.n_layer) or min(windows) < 0:
+            raise ValueError(f"attn_window={config.attn_window!r} must be an int >= 0 (0 = full attention) or a "
+                             f"list of n_layer={config.n_layer} of them")
+        self.window = config.layer_window(layer)
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.kv_heads, config.head_dim
         # q, k, v in one matmul: n_head q heads then n_kv_head k and v heads.
         self.c_attn = nn.Linear(config.n_embd, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=config.bias)
@@ -60,7 +71,7 @@ class CausalSelfAttention(nn.Module):
         self.attn_name = config.attn
 
     def forward(self, x: torch.Tensor, kv_cache: Optional[LayerKVCache] = None,
-                start_pos: int | torch.Tensor = 0) -> torch.Tensor:
+                start_pos: int | torch.Tensor = 0, docs: Optional[torch.Tensor] = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(
             [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=2)
@@ -77,7 +88,8 @@ class CausalSelfAttention(nn.Module):
             k, v = kv_cache.update(start_pos, k, v)
             y = self.kv_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
         else:
-            y = self.attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
+            y = self.attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, window=self.window,
+                               docs=docs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -95,16 +107,16 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, layer: int = 0):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config, layer)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, kv_cache: Optional[LayerKVCache] = None,
-                start_pos: int | torch.Tensor = 0) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), kv_cache, start_pos)
+                start_pos: int | torch.Tensor = 0, docs: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), kv_cache, start_pos, docs)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -116,7 +128,7 @@ class GPT(nn.Module):
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            h=nn.ModuleList([Block(config, layer) for layer in range(config.n_layer)]),
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
@@ -145,13 +157,18 @@ class GPT(nn.Module):
 
     def estimate_flops_per_token(self) -> float:
         """Training FLOPs per token (forward + backward), nanoGPT / PaLM appendix B:
-        6 N + 12 L H Q T, N non-embedding params, L layers, H q heads, Q head dim, T context."""
+        6 N + 12 L H Q T, N non-embedding params, L layers, H q heads, Q head dim, T context; a layer with a
+        sliding window w counts min(w, T) keys instead of T."""
         c = self.config
-        return 6 * self.num_params() + 12 * c.n_layer * c.n_head * c.head_dim * c.block_size
+        keys = sum(min(w, c.block_size) if (w := c.layer_window(layer)) else c.block_size for layer in range(c.n_layer))
+        return 6 * self.num_params() + 12 * c.n_head * c.head_dim * keys
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None, return_logits: bool = True,
-                kv_cache: Optional[KVCache] = None, start_pos: int | torch.Tensor = 0):
-        """idx: (B, T) int64 token ids, T <= block_size; targets: (B, T) int64 or None.
+                kv_cache: Optional[KVCache] = None, start_pos: int | torch.Tensor = 0,
+                docs: Optional[torch.Tensor] = None):
+        """idx: (B, T) int64 token ids, T <= block_size; targets: (B, T) int64 or None; docs: the documents of
+        the flattened batch as int32 cu_seqlens (0 .. B * T, every multiple of T among them; ``data.sampler``):
+        attention stays within each document (not with ``kv_cache``).
 
         Returns (logits, loss):
         - with targets: the mean cross-entropy (float32 scalar; targets == -1 are ignored) and the
@@ -165,8 +182,8 @@ class GPT(nn.Module):
         start_pos .. start_pos+T-1 and attention also sees the cached positions before them.
         """
         if kv_cache is not None:
-            if targets is not None:
-                raise ValueError("kv_cache is for inference: pass targets=None")
+            if targets is not None or docs is not None:
+                raise ValueError("kv_cache is for inference: pass targets=None and docs=None")
             return self._forward_cached(idx, kv_cache, start_pos)
         B, T = idx.shape
         if T > self.config.block_size:
@@ -174,7 +191,7 @@ class GPT(nn.Module):
         pos = torch.arange(T, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
-            x = block(x)
+            x = block(x, docs=docs)
         x = self.transformer.ln_f(x)
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None
@@ -194,13 +211,16 @@ class GPT(nn.Module):
         """idx (B, T) int64 at positions start_pos .. start_pos+T-1 -> (logits (B, 1, vocab_size), None).
 
         Writes the tokens' keys and values into ``kv_cache`` and attends over positions 0 .. start_pos+T-1.
-        Raises ValueError when the cache was made for another batch size or model, or when
+        Raises ValueError when the cache was made for another batch size or model, with model.attn_window, or when
         start_pos + T > block_size (there are no position embeddings beyond it).
 
         A 0-dim integer tensor start_pos (on the model's device) keeps every shape fixed from step to step,
         so a compiled step can be a CUDA graph: attention reads the whole cache with the positions past
         start_pos+T-1 masked (sdpa, and fa2/fa3 for T = 1; others raise ValueError). Its range is not checked.
         """
+        if any(self.config.layer_window(layer) for layer in range(self.config.n_layer)):
+            raise ValueError(f"the KV cache has no sliding window (model.attn_window={self.config.attn_window}); "
+                             "generate with kv_cache=False (sample.py --no-kv-cache)")
         B, T = idx.shape
         if B != kv_cache.batch or len(kv_cache.layers) != self.config.n_layer:
             raise ValueError(f"kv_cache holds {kv_cache.batch} sequences for {len(kv_cache.layers)} layers; "

@@ -34,17 +34,22 @@ def poisoned_allocations(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(empty_like(*a, **kw)))
 
 
-def reference(q, k, v, causal, softmax_scale):
-    """float64 attention with an explicit bottom-right causal mask; rows that see no key give 0 and lse -inf."""
+def reference(q, k, v, causal, softmax_scale, window_size=(-1, -1)):
+    """float64 attention with an explicit bottom-right mask: causal, and flash-attn's window (key j visible to
+    query i iff i + d - left <= j <= i + d + right, d = seqlen_k - seqlen_q, -1 = no limit, causal sets right
+    to 0); rows that see no key give 0 and lse -inf."""
     q, k, v = (t.double() for t in (q, k, v))
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     s = q @ k.transpose(-1, -2) * softmax_scale
     seqlen_q, seqlen_k = q.shape[2], k.shape[2]
-    if causal:
-        i = torch.arange(seqlen_q, device=q.device)[:, None]
-        j = torch.arange(seqlen_k, device=q.device)[None, :]
-        s = s.masked_fill(j > i + seqlen_k - seqlen_q, float("-inf"))
+    left, right = window_size[0], 0 if causal else window_size[1]
+    i = torch.arange(seqlen_q, device=q.device)[:, None] + seqlen_k - seqlen_q
+    j = torch.arange(seqlen_k, device=q.device)[None, :]
+    if right >= 0:
+        s = s.masked_fill(j > i + right, float("-inf"))
+    if left >= 0:
+        s = s.masked_fill(j < i - left, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
     return p @ v, lse
@@ -60,32 +65,37 @@ def randn(*shape, dtype):
     return torch.randn(*shape, device=DEVICE, dtype=dtype)
 
 
-def check(attention, q, k, v, causal, softmax_scale=None):
+def check(attention, q, k, v, causal, softmax_scale=None, window_size=None):
     """Run forward + backward and compare o, lse, dq, dk, dv with the float64 reference."""
     dtype = q.dtype
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    o, lse = attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
+    mask = {} if window_size is None else dict(window_size=window_size)
+    o, lse = attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True, **mask)
     do = torch.randn_like(o)
     o.backward(do)
 
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    o_ref, lse_ref = reference(q64, k64, v64, causal, scale)
+    o_ref, lse_ref = reference(q64, k64, v64, causal, scale, **mask)
     o_ref.backward(do.double())
+    compare(o, lse, (q.grad, k.grad, v.grad), o_ref, lse_ref, (q64.grad, k64.grad, v64.grad), dtype)
+    return o, (q.grad, k.grad, v.grad)
 
+
+def compare(o, lse, grads, o_ref, lse_ref, grads_ref, dtype):
+    """o, lse, (dq, dk, dv) against the float64 reference's; rows with lse_ref = -inf must give -inf."""
     tol = TOLERANCE[dtype]
-    assert o.shape == q.shape and o.dtype == dtype and lse.dtype == torch.float32
+    assert o.shape == o_ref.shape and o.dtype == dtype and lse.dtype == torch.float32
     assert rel_err(o, o_ref) < tol
     seen = torch.isfinite(lse_ref)
     assert torch.equal(torch.isfinite(lse), seen) and (lse[~seen] == float("-inf")).all()
     if seen.any():
         assert rel_err(lse[seen], lse_ref[seen]) < tol
-    for name, grad, grad_ref in (("dq", q.grad, q64.grad), ("dk", k.grad, k64.grad), ("dv", v.grad, v64.grad)):
+    for name, grad, grad_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
         if grad_ref.abs().max() == 0:  # e.g. seqlen_k = 1: softmax is constant; allow rounding, relative to dv
-            assert torch.isfinite(grad).all() and grad.double().norm() / v64.grad.norm() < tol, name
+            assert torch.isfinite(grad).all() and grad.double().norm() / grads_ref[2].norm() < tol, name
         else:
             assert rel_err(grad, grad_ref) < tol, name
-    return o, (q.grad, k.grad, v.grad)
 
 
 # (batch, n_heads, n_kv_heads, seqlen_q, seqlen_k, head_dim, causal, dtype)

@@ -153,7 +153,8 @@ def test_every_backend_is_validated_by_its_registry_entry(name, monkeypatch):
     entry = REGISTRY[name]
     monkeypatch.setattr(tc, "head_dim_limits", lambda name: (16, 256))  # no kernel import needed
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # pretend a GPU, so needs_cuda is not in the way
-    cfg = compose_config([f"attn={name}", "model.dropout=0.1", "model.n_embd=32", "model.n_head=4"])
+    cfg = compose_config([f"attn={name}", "model.dropout=0.1", "model.n_embd=32", "model.n_head=4",
+                          "model.attn_window=8", "data.document_mask=true"])
     errors = ""
     try:
         validate_config(cfg)
@@ -161,6 +162,8 @@ def test_every_backend_is_validated_by_its_registry_entry(name, monkeypatch):
         errors = str(e)
     assert (f"attn={name} has no attention dropout" in errors) == (not entry.supports_dropout)
     assert ("head_dim = n_embd / n_head = 8" in errors) == (entry.head_dims is not None)
+    assert (f"attn={name} has no sliding-window attention" in errors) == (not entry.supports_window)
+    assert (f"attn={name} has no document masks" in errors) == (not entry.supports_docs)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cfg = compose_config([f"attn={name}", "trainer.device=cpu", "model.n_embd=64", "model.n_head=4"])
     needs_gpu = False
@@ -206,6 +209,29 @@ def test_missing_mandatory_values_are_named():
     OmegaConf.update(cfg, "model.n_layer", "???")  # as if a custom model file left it out
     with pytest.raises(ConfigError, match=r"model.n_layer: has no value"):
         validate_config(cfg)
+
+
+@pytest.mark.parametrize("window", ["5", "[8,0,8,0]", "0"])
+def test_attn_window_accepts_an_int_or_one_per_layer(window):
+    cfg = compose_config(["attn=sdpa", f"model.attn_window={window}", "data.document_mask=true"])
+    validate_config(cfg)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["attn=sdpa", "model.attn_window=-1"], "model.attn_window=-1: must be an int >= 0"),
+    (["attn=sdpa", "model.attn_window=[8,0]"], "a list of model.n_layer=4 of them"),
+    (["attn=sdpa", "model.attn_window=[8,0,8,x]"], "model.attn_window="),
+    (["attn=sdpa_flash", "model.attn_window=8"],
+     "attn=sdpa_flash has no sliding-window attention; use attn=sdpa or attn=fa2"),
+    (["attn=fa1", "model.attn_window=[8,0,8,0]"], "attn=fa1 has no sliding-window attention"),
+    (["attn=sdpa_flash", "data.document_mask=true"], "data.document_mask=True: attn=sdpa_flash has no document masks"),
+])
+def test_bad_attn_window_is_refused_before_training(monkeypatch, overrides, message):
+    import trainer.config as tc
+
+    monkeypatch.setattr(tc, "head_dim_limits", lambda name: (16, 256))  # no kernel import needed
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
+        validate_config(compose_config(["trainer.device=cpu"] + overrides))
 
 
 def test_help_lists_every_key_with_its_meaning():

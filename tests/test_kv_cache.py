@@ -159,3 +159,13 @@ def test_cudagraphs_generation_matches_uncached(monkeypatch):
         model.generate(idx, 2, kv_cache=True, compile="max-autotune")
     with pytest.raises(ValueError, match="attn=fa1 has no static-shape decode"):
         tiny_gpt("fa1").generate(idx, 2, kv_cache=True, compile="cudagraphs")
+
+
+def test_kv_cache_refuses_a_sliding_window_and_generation_without_it_works():
+    """The KV cache has no window: a windowed model says so (sample.py --no-kv-cache) instead of ignoring it."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=20, n_layer=2, n_head=2, n_embd=32, attn_window=[4, 0])).eval()
+    idx = torch.randint(0, 20, (1, 5))
+    with pytest.raises(ValueError, match="KV cache has no sliding window"):
+        model.generate(idx, 3, kv_cache=True)
+    assert model.generate(idx, 3, kv_cache=False).shape == (1, 8)

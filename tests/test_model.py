@@ -1,6 +1,7 @@
 """GPT shapes, GQA, initialisation, FLOP count and the attention registry."""
 
 import math
+import warnings
 from pathlib import Path
 
 import pytest
@@ -166,6 +167,81 @@ def test_triton_backend_rejects_dropout(monkeypatch):
         fn(q, q, q, dropout_p=0.1)
 
 
+@pytest.mark.parametrize("window", [7, [5, 0]])
+def test_attn_window_fa2_matches_sdpa_mask(window):
+    """model.attn_window through fa2's window_size and through SDPA's dense mask give the same model, and the
+    window changes the output (rows past the window differ from full attention)."""
+    cfg = dict(block_size=40, vocab_size=50, n_layer=2, n_head=4, n_kv_head=2, n_embd=64)
+    sdpa = GPT(GPTConfig(**cfg, attn_window=window)).eval()
+    fa2 = GPT(GPTConfig(**cfg, attn="fa2", attn_window=window)).eval()
+    full = GPT(GPTConfig(**cfg)).eval()
+    fa2.load_state_dict(sdpa.state_dict())
+    full.load_state_dict(sdpa.state_dict())
+    idx = torch.randint(0, 50, (2, 37))
+    with warnings.catch_warnings():  # the interpreter (fa2) and the dense mask (sdpa) warn
+        warnings.simplefilter("ignore")
+        logits, _ = fa2(idx, idx)
+        logits_sdpa, _ = sdpa(idx, idx)
+    torch.testing.assert_close(logits, logits_sdpa, atol=1e-4, rtol=1e-4)
+    logits_full, _ = full(idx, idx)
+    torch.testing.assert_close(logits[:, :5], logits_full[:, :5], atol=1e-4, rtol=1e-4)  # inside every window
+    assert not torch.allclose(logits[:, 10:], logits_full[:, 10:], atol=1e-3)
+
+
+def test_attn_window_needs_a_backend_that_has_it():
+    with pytest.raises(ValueError, match="list of n_layer=2"):
+        GPT(GPTConfig(block_size=8, vocab_size=10, n_layer=2, n_head=2, n_embd=32, attn_window=[4]))
+    model = GPT(GPTConfig(block_size=8, vocab_size=10, n_layer=1, n_head=2, n_embd=32, attn="fa1", attn_window=4))
+    with pytest.raises(ValueError, match="attn=fa1 has no sliding-window attention"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model(torch.randint(0, 10, (1, 8)))
+
+
+@pytest.mark.parametrize("window", [0, 6])
+def test_document_mask_fa2_matches_sdpa_and_isolates_documents(window):
+    """docs (cu_seqlens of the flattened batch) through fa2's varlen kernel and SDPA's dense mask give the same
+    model; changing one document's tokens changes no other document's logits."""
+    cfg = dict(block_size=40, vocab_size=50, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, attn_window=window)
+    sdpa = GPT(GPTConfig(**cfg)).eval()
+    fa2 = GPT(GPTConfig(**cfg, attn="fa2")).eval()
+    fa2.load_state_dict(sdpa.state_dict())
+    idx = torch.randint(0, 50, (3, 37))
+    docs = torch.tensor([0, 5, 20, 37, 38, 74, 104, 111], dtype=torch.int32)  # a one-token document at 37
+    with warnings.catch_warnings():  # the interpreter (fa2) and the dense mask (sdpa) warn
+        warnings.simplefilter("ignore")
+        logits, _ = fa2(idx, idx, docs=docs)
+        logits_sdpa, _ = sdpa(idx, idx, docs=docs)
+        changed = idx.clone()
+        changed[0, 5:20] = (changed[0, 5:20] + 1) % 50
+        logits_changed, _ = fa2(changed, changed, docs=docs)
+    torch.testing.assert_close(logits, logits_sdpa, atol=1e-4, rtol=1e-4)
+    assert torch.equal(logits_changed[0, :5], logits[0, :5]) and torch.equal(logits_changed[0, 20:], logits[0, 20:])
+    assert torch.equal(logits_changed[1:], logits[1:]) and not torch.allclose(logits_changed[0, 5:20], logits[0, 5:20])
+
+
+def test_document_mask_needs_a_backend_that_has_it():
+    model = GPT(GPTConfig(block_size=8, vocab_size=10, n_layer=1, n_head=2, n_embd=32, attn="fa1"))
+    docs = torch.tensor([0, 3, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="attn=fa1 has no document masks"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model(torch.randint(0, 10, (1, 8)), docs=docs)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "fa2"])
+def test_document_mask_and_window_compile_in_one_graph(attn):
+    """trainer.compile with data.document_mask: the model with docs traces in one graph (also when the number of
+    documents changes between batches) and matches eager."""
+    model = GPT(GPTConfig(block_size=32, vocab_size=50, n_layer=1, n_head=2, n_embd=32, attn=attn, attn_window=[5]))
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for cuts in ([0, 5, 32, 40, 64], [0, 32, 33, 64]):
+            idx, docs = torch.randint(0, 50, (2, 32)), torch.tensor(cuts, dtype=torch.int32)
+            _, loss = compiled(idx, idx, docs=docs)
+            loss.backward()
+            torch.testing.assert_close(loss, model(idx, idx, docs=docs)[1], atol=1e-4, rtol=1e-4)
+
+
 def test_training_forward_can_skip_the_logits():
     """return_logits=False: the same loss and gradients, and no (B, T, vocab) tensor handed back."""
     torch.manual_seed(0)
@@ -181,3 +257,20 @@ def test_training_forward_can_skip_the_logits():
     assert all(torch.equal(a, p.grad) for a, p in zip(grads, model.parameters()))
     last, no_loss = model(idx, return_logits=False)  # generation: always the last position's logits
     assert last.shape == (3, 1, 50) and no_loss is None
+
+
+@pytest.mark.parametrize("name", ["fa1", "fa3", "sdpa_flash"])
+def test_backends_without_windows_refuse_them_by_their_registry_entry(name):
+    """fa3 (FA2's backward, no window) and the others without supports_window / supports_docs: a clear ValueError."""
+    from model.attention import REGISTRY, get_backend
+
+    assert not REGISTRY[name].supports_window and not REGISTRY[name].supports_docs
+    q = torch.randn(1, 2, 8, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fn = get_backend(name)
+        refusal = rf"attn={name} has no sliding-window attention \(model.attn_window=4\); use one of: sdpa, fa2"
+        with pytest.raises(ValueError, match=refusal):
+            fn(q, q, q, window=4)
+        with pytest.raises(ValueError, match=f"attn={name} has no document masks"):
+            fn(q, q, q, docs=torch.tensor([0, 3, 8], dtype=torch.int32))

@@ -279,6 +279,46 @@ def test_wandb_online_without_login_is_a_clear_error(make_cfg, monkeypatch, tmp_
         train(make_cfg("wandb.mode=online", "trainer.max_steps=1"))
 
 
+def test_attn_window_trains_on_fa2_like_sdpa_and_belongs_to_the_model(make_cfg):
+    """model.attn_window (here local then global layer) through fa2's kernel and SDPA's dense mask gives the same
+    losses; it is saved with the model, and resuming with another window is refused."""
+    micro = ("model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.n_kv_head=1", "model.block_size=16",
+             "model.attn_window=[4,0]", "trainer.batch_size=2", "trainer.max_steps=3", "eval.iters=1",
+             "ckpt.interval=0")
+    ref = train(make_cfg(*micro, "attn=sdpa", "run.name=window_ref"))
+    fa2 = train(make_cfg(*micro, "attn=fa2", "run.name=window_fa2"))
+    for a, b in zip(ref.records, fa2.records):
+        assert b["train/loss"] == pytest.approx(a["train/loss"], abs=1e-4)
+    assert load_checkpoint(fa2.checkpoint)["model_args"]["attn_window"] == [4, 0]
+    with pytest.raises(ConfigError, match=r"model.attn_window: checkpoint \[4, 0\], config 4"):
+        train(make_cfg(*micro, "attn=sdpa", "run.name=window_ref", "model.attn_window=4", "trainer.max_steps=4"))
+
+
+def test_document_mask_trains_on_fa2_like_sdpa(make_cfg, tmp_path):
+    """data.document_mask on a corpus of many short documents (one per file): fa2's varlen kernel and SDPA's dense
+    mask give the same losses, which differ from the unmasked run's (documents of 1-2 words, at most 12 characters,
+    so every window of 16 crosses one)."""
+    import random
+
+    from conftest import WORDS
+
+    rng = random.Random()
+    for i in range(80):
+        (tmp_path / f"doc{i:02d}.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 2))) + "\n")
+    micro = ("model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.n_kv_head=1", "model.block_size=16",
+             "trainer.batch_size=2", "trainer.max_steps=3", "eval.iters=1", "ckpt.interval=0",
+             f"data.files={tmp_path}/*.txt", "data.name=short_docs")
+    masked = ("data.document_mask=true",)
+    ref = train(make_cfg(*micro, *masked, "attn=sdpa", "run.name=docs_ref"))
+    fa2 = train(make_cfg(*micro, *masked, "attn=fa2", "run.name=docs_fa2"))
+    plain = train(make_cfg(*micro, "attn=sdpa", "run.name=docs_plain"))
+    for a, b in zip(ref.records, fa2.records):
+        assert b["train/loss"] == pytest.approx(a["train/loss"], abs=1e-4)
+    assert [r["train/loss"] for r in plain.records] != [r["train/loss"] for r in ref.records]
+    with pytest.raises(ConfigError, match="data.document_mask=True: attn=fa1 has no document masks"):
+        train(make_cfg(*micro, *masked, "attn=fa1", "run.name=docs_fa1"))
+
+
 # Keys of the checkpoints written before the format had a version (format 0, until 2026-12-01).
 FORMAT_0_KEYS = {"model", "optimizer", "scaler", "step", "tokens_seen", "best_val_loss", "world_size", "rng", "sampler",
                  "config", "model_args", "data_meta", "attn_backend", "wandb_run_id", "torch_version"}
@@ -372,3 +412,17 @@ def test_orphans_of_a_killed_save_are_removed_when_the_run_starts(make_cfg, capl
     assert second.start_step == 3 and not orphan.exists()
     assert f"removed 1 unfinished checkpoint file(s) of a killed earlier save: {orphan}" in caplog.text
     assert sorted(p.name for p in orphan.parent.iterdir()) == ["step_00000003.pt", "step_00000004.pt"]
+
+
+def test_a_checkpoint_from_before_the_attention_window_resumes(make_cfg, caplog):
+    """model_args without attn_window and a config without model.attn_window / data.document_mask /
+    data.split_scenes (checkpoints written before them) resume with their defaults, without a warning."""
+    first = train(make_cfg("run.name=prewindow", "trainer.max_steps=2", "ckpt.interval=0"))
+    state = torch.load(first.checkpoint, weights_only=True)
+    del state["model_args"]["attn_window"], state["config"]["model"]["attn_window"]
+    del state["config"]["data"]["document_mask"], state["config"]["data"]["split_scenes"]
+    torch.save(state, first.checkpoint)
+    assert load_checkpoint(first.checkpoint)["model_args"]["attn_window"] == 0
+    caplog.clear()
+    second = train(make_cfg("run.name=prewindow", "trainer.max_steps=3", "ckpt.interval=0"))
+    assert second.start_step == 2 and "changed settings" not in caplog.text

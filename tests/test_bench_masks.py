@@ -1,0 +1,55 @@
+"""bench.masks: its CPU-checkable parts (timing needs a GPU): the document draws, the visible-pair counts behind
+its FLOPs, and that every backend of a mode computes the same masked attention."""
+
+import random
+
+import pytest
+import torch
+
+from bench import masks
+
+
+def test_documents_fill_each_context_exactly():
+    rng = random.Random()
+    lengths = [n for _ in range(50) for n in masks.document_lengths(rng, 2048, median=600, sigma=1.0)]
+    documents = masks.packed_documents(3, 2048, 600, 1.0, seed=rng.randrange(2**32))
+    assert all(sum(context) == 2048 and min(context) >= 1 for context in documents)
+    cu = masks.cu_seqlens(documents, "cpu")
+    assert cu[0] == 0 and cu[-1] == 3 * 2048 and cu.dtype == torch.int32
+    whole = sorted(lengths)[len(lengths) // 2]  # cut last documents pull the median down a little
+    assert 250 < whole < 800
+
+
+@pytest.mark.parametrize("seqlen,window", [(1, 0), (10, 3), (40, 40), (100, 7)])
+def test_window_pairs_count_the_visible_pairs(seqlen, window):
+    i, j = torch.arange(seqlen)[:, None], torch.arange(seqlen)[None, :]
+    assert masks.window_pairs(seqlen, window) == ((j <= i) & (i - j <= window)).sum()
+
+
+def test_document_pairs_count_the_visible_pairs():
+    documents = masks.packed_documents(2, 50, 8, 1.0, seed=random.randrange(2**32))
+    doc = masks.document_ids(documents, "cpu")
+    i = torch.arange(len(doc))
+    assert masks.document_pairs(documents) == ((i[None, :] <= i[:, None]) & (doc[:, None] == doc[None, :])).sum()
+
+
+@pytest.mark.parametrize("mode", ["window", "varlen"])
+def test_backends_of_a_mode_compute_the_same_attention(mode):
+    """fa2 (the interpreter), FlexAttention (eager) and SDPA with the dense mask agree; forward only (Flex has no
+    CPU backward)."""
+    if mode == "window":
+        table, shape = masks.window_backends(48, 5, "cpu", compile_flex=False), (2, 48)
+        del table["fa2_full"]
+    else:
+        documents = masks.packed_documents(2, 40, 6, 1.0, seed=random.randrange(2**32))
+        table, shape = masks.varlen_backends(documents, "cpu", compile_flex=False), (1, 80)
+    q, k, v = (torch.randn(shape[0], 2, shape[1], 16) for _ in range(3))
+    ref = table.pop("sdpa_dense")(q, k, v)
+    for name, attention in table.items():
+        torch.testing.assert_close(attention(q, k, v), ref, atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_bench_masks_needs_a_gpu(monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        masks.main(["--mode", "window"])

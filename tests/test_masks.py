@@ -1,0 +1,305 @@
+"""Sliding windows and packed variable-length sequences in the FA2 kernels (`fa2_attention(window_size=...)`,
+`fa2_varlen_attention`) against the float64 reference of tests/test_attention.py with explicit masks.
+
+Same rules as there: Triton's interpreter without a GPU, fresh random inputs, NaN-poisoned outputs. Under the
+interpreter the tiles are 32x16 (forward, dQ) and 16x32 (dK/dV), so lengths and windows of a few dozen cross
+block edges in every way.
+"""
+
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from kernels import fa1_attention, fa2, fa2_attention, fa2_varlen_attention
+from test_attention import DEVICE, check, compare, poisoned_allocations, randn, reference  # noqa: F401 (fixture)
+
+# (batch, n_heads, n_kv_heads, seqlen_q, seqlen_k, head_dim, causal, window_size, dtype)
+WINDOW_CASES = [
+    # windows smaller than a block, on both sides and one side
+    (1, 2, 2, 70, 70, 32, False, (5, 3), torch.float16),
+    (1, 2, 2, 70, 70, 32, False, (0, 0), torch.bfloat16),
+    (1, 2, 2, 40, 77, 32, False, (-1, 9), torch.float16),
+    # the usual local attention: causal with a left window, one wider than a block
+    (2, 2, 2, 100, 100, 32, True, (20, -1), torch.bfloat16),
+    (1, 1, 1, 65, 65, 64, True, (40, 40), torch.float16),  # causal overrides the right side
+    # window + causal + seqlen_q != seqlen_k, both ways (q longer: the first rows see no key)
+    (1, 2, 2, 50, 90, 32, True, (10, -1), torch.float16),
+    (1, 2, 2, 90, 50, 32, True, (7, 5), torch.bfloat16),
+    (1, 1, 1, 60, 20, 32, False, (3, 2), torch.float16),
+    # GQA and MQA
+    (1, 4, 2, 48, 48, 32, True, (15, -1), torch.bfloat16),
+    (1, 4, 1, 33, 57, 16, False, (12, 6), torch.float16),
+    # windows wider than the sequences limit nothing; float32
+    (1, 1, 1, 33, 33, 32, True, (1000, 10**9), torch.float32),
+    (1, 2, 2, 45, 45, 32, False, (-1, 0), torch.float32),  # = causal
+]
+
+
+@pytest.mark.parametrize("batch,n_heads,n_kv_heads,seqlen_q,seqlen_k,head_dim,causal,window_size,dtype", WINDOW_CASES)
+def test_window_matches_reference(batch, n_heads, n_kv_heads, seqlen_q, seqlen_k, head_dim, causal, window_size,
+                                  dtype):
+    q = randn(batch, n_heads, seqlen_q, head_dim, dtype=dtype)
+    k = randn(batch, n_kv_heads, seqlen_k, head_dim, dtype=dtype)
+    v = randn(batch, n_kv_heads, seqlen_k, head_dim, dtype=dtype)
+    check(fa2_attention, q, k, v, causal, window_size=window_size)
+
+
+@pytest.mark.parametrize("case", [WINDOW_CASES[0], WINDOW_CASES[6], WINDOW_CASES[8]])
+def test_window_pointer_path(monkeypatch, case):
+    """The same masks through pointer loads instead of TMA descriptors."""
+    batch, n_heads, n_kv_heads, seqlen_q, seqlen_k, head_dim, causal, window_size, dtype = case
+    monkeypatch.setattr(fa2, "USE_TMA", False)
+    q = randn(batch, n_heads, seqlen_q, head_dim, dtype=dtype)
+    k, v = (randn(batch, n_kv_heads, seqlen_k, head_dim, dtype=dtype) for _ in range(2))
+    check(fa2_attention, q, k, v, causal, window_size=window_size)
+
+
+def test_key_blocks_outside_the_window_are_never_read():
+    """32 query rows with window (16, 0) see keys 80..127 of 128. Keys 0..63 (whole blocks for every kernel) are
+    NaN: any visit would spread NaN through a matmul (0 * NaN), so finite, correct results prove they are
+    skipped, in the forward, dQ and dK/dV; and their dK/dV come back exactly 0."""
+    q = randn(1, 2, 32, 32, dtype=torch.float16)
+    k, v = (randn(1, 2, 128, 32, dtype=torch.float16) for _ in range(2))
+    k[:, :, :64], v[:, :, :64] = float("nan"), float("nan")
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    o = fa2_attention(q, k, v, causal=True, window_size=(16, -1))
+    do = torch.randn_like(o)
+    o.backward(do)
+    assert (k.grad[:, :, :64] == 0).all() and (v.grad[:, :, :64] == 0).all()
+    o_ref, _ = reference(q.detach(), k.detach()[:, :, 64:], v.detach()[:, :, 64:], True, 32**-0.5, (16, -1))
+    assert torch.isfinite(o).all() and torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
+    assert (o.double() - o_ref).abs().max() < 1e-2
+
+
+def test_query_blocks_that_see_no_key_are_skipped_in_the_backward():
+    """128 query rows, 32 keys, window (2, 0): rows 0..95 see nothing. Their dO is NaN; dK/dV stay finite (the
+    dK/dV kernel's query loop starts at row 96) and their dQ is exactly 0."""
+    q = randn(1, 2, 128, 32, dtype=torch.bfloat16).requires_grad_()
+    k, v = (randn(1, 2, 32, 32, dtype=torch.bfloat16).requires_grad_() for _ in range(2))
+    o = fa2_attention(q, k, v, window_size=(2, 0))
+    assert (o[:, :, :96] == 0).all()
+    do = torch.randn_like(o)
+    do[:, :, :96] = float("nan")
+    o.backward(do)
+    assert (q.grad[:, :, :96] == 0).all() and torch.isfinite(q.grad).all()
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    reference(q64, k64, v64, False, 32**-0.5, (2, 0))[0].backward(do.double().nan_to_num(0.0))
+    for grad, grad_ref in ((k.grad, k64.grad), (v.grad, v64.grad)):
+        assert torch.isfinite(grad).all() and (grad.double() - grad_ref).norm() / grad_ref.norm() < 1e-2
+
+
+@triton.jit
+def _stages_probe(OUT, offset, before, after, n_inner, BEFORE: tl.constexpr, AFTER: tl.constexpr,
+                  BLOCK_OUTER: tl.constexpr, BLOCK_INNER: tl.constexpr):
+    pid = tl.program_id(0)
+    lo, lo_free, hi_free, hi = fa2._stages(pid * BLOCK_OUTER, offset, before, after, n_inner, BEFORE, AFTER,
+                                           BLOCK_OUTER, BLOCK_INNER)
+    tl.store(OUT + pid * 4, lo)
+    tl.store(OUT + pid * 4 + 1, lo_free)
+    tl.store(OUT + pid * 4 + 2, hi_free)
+    tl.store(OUT + pid * 4 + 3, hi)
+
+
+def test_stages_visit_exactly_the_needed_blocks():
+    """The kernels' block ranges (`fa2._stages`, used by all three kernels) against brute force, for random
+    lengths, windows and tile shapes: the visited inner blocks are exactly those holding a visible pair of some
+    row of the outer block, and the unmasked ones exactly those every row sees whole."""
+    rng = random.Random()
+    for _ in range(40):
+        block_outer, block_inner = rng.choice([16, 32]), rng.choice([16, 32])
+        n_outer, n_inner = rng.randint(1, 100), rng.randint(1, 100)
+        before, after = rng.choice([-1, 0, 3, 17, 40]), rng.choice([-1, 0, 5, 33])
+        offset = n_inner - n_outer  # bottom-right alignment, in both directions (forward and dK/dV)
+        n_blocks = triton.cdiv(n_outer, block_outer)
+        out = torch.empty(n_blocks * 4, dtype=torch.int32, device=DEVICE)
+        _stages_probe[(n_blocks,)](out, offset, max(before, 0), max(after, 0), n_inner, before >= 0, after >= 0,
+                                   block_outer, block_inner)
+        for block, (lo, lo_free, hi_free, hi) in enumerate(out.view(-1, 4).tolist()):
+            rows = range(block * block_outer, (block + 1) * block_outer)  # rows past n_outer too: the kernel's too
+            sees = lambda x, y: (0 <= y < n_inner and (before < 0 or y >= x + offset - before)
+                                 and (after < 0 or y <= x + offset + after))
+            blocks = range(0, n_inner, block_inner)
+            needed = {b for b in blocks if any(sees(x, y) for x in rows for y in range(b, b + block_inner))}
+            whole = {b for b in blocks if all(sees(x, y) for x in rows for y in range(b, b + block_inner))}
+            case = (block_outer, block_inner, n_outer, n_inner, before, after, block, (lo, lo_free, hi_free, hi))
+            assert lo <= lo_free <= hi_free and all(v % block_inner == 0 for v in (lo, lo_free, hi_free)), case
+            assert set(range(lo, max(hi, lo), block_inner)) == needed, case
+            assert set(range(lo_free, hi_free, block_inner)) == whole, case
+
+
+# ------------------------------------------------------------------------------------------ varlen
+def cu_seqlens(lengths):
+    return torch.tensor([0] + lengths, device=DEVICE).cumsum(0).to(torch.int32)
+
+
+def check_varlen(lengths_q, lengths_k, n_heads, n_kv_heads, head_dim, causal, window_size, dtype, max_extra=0):
+    """fa2_varlen_attention forward + backward against the reference run on each sequence on its own."""
+    total_q, total_k = sum(lengths_q), sum(lengths_k)
+    q = randn(total_q, n_heads, head_dim, dtype=dtype).requires_grad_()
+    k, v = (randn(total_k, n_kv_heads, head_dim, dtype=dtype).requires_grad_() for _ in range(2))
+    cu_q, cu_k = cu_seqlens(lengths_q), cu_seqlens(lengths_k)
+    o, lse = fa2_varlen_attention(q, k, v, cu_q, cu_k, max(lengths_q) + max_extra, max(lengths_k) + max_extra,
+                                  causal=causal, window_size=window_size, return_lse=True)
+    assert lse.shape == (n_heads, total_q)
+    do = torch.randn_like(o)
+    o.backward(do)
+
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    as_batch = lambda t: t.transpose(0, 1)[None]  # (len, heads, head_dim) -> (1, heads, len, head_dim)
+    outs, lses = [], []
+    for b in range(len(lengths_q)):
+        rows_q, rows_k = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        o_b, lse_b = reference(as_batch(q64[rows_q]), as_batch(k64[rows_k]), as_batch(v64[rows_k]), causal,
+                               1 / math.sqrt(head_dim), window_size)
+        outs.append(o_b[0].transpose(0, 1))
+        lses.append(lse_b[0])
+    o_ref, lse_ref = torch.cat(outs), torch.cat(lses, dim=1)
+    o_ref.backward(do.double())
+    compare(o, lse, (q.grad, k.grad, v.grad), o_ref, lse_ref, (q64.grad, k64.grad, v64.grad), dtype)
+
+
+# (lengths_q, lengths_k, n_heads, n_kv_heads, head_dim, causal, window_size, dtype)
+VARLEN_CASES = [
+    # documents that end inside a block, and a one-token document
+    ([5, 40, 17, 1, 30], None, 2, 2, 32, True, (-1, -1), torch.bfloat16),
+    ([5, 40, 17, 1, 30], None, 2, 2, 32, False, (-1, -1), torch.float16),
+    # many one-token documents
+    ([1, 1, 1, 1, 20, 1], None, 2, 1, 32, True, (-1, -1), torch.float16),
+    # empty sequences, and queries whose sequence has no keys (0 output, lse -inf)
+    ([0, 12, 0, 35, 0], None, 2, 2, 16, True, (-1, -1), torch.bfloat16),
+    ([10, 5, 8], [0, 20, 3], 2, 2, 32, False, (-1, -1), torch.float16),
+    # seqlen_q != seqlen_k per sequence: bottom-right causal alignment in each
+    ([3, 20, 7, 40], [10, 20, 30, 2], 2, 2, 32, True, (-1, -1), torch.bfloat16),
+    # windows (smaller than a block) with causal, and without
+    ([50, 9, 33], None, 2, 2, 32, True, (6, -1), torch.float16),
+    ([50, 9, 33], [20, 40, 33], 4, 2, 32, False, (4, 11), torch.bfloat16),
+    # GQA, float32, head_dim not a power of two
+    ([37, 26], None, 4, 2, 48, True, (-1, -1), torch.float32),
+]
+
+
+@pytest.mark.parametrize("lengths_q,lengths_k,n_heads,n_kv_heads,head_dim,causal,window_size,dtype", VARLEN_CASES)
+def test_varlen_matches_reference(lengths_q, lengths_k, n_heads, n_kv_heads, head_dim, causal, window_size, dtype):
+    check_varlen(lengths_q, lengths_k or lengths_q, n_heads, n_kv_heads, head_dim, causal, window_size, dtype)
+
+
+def test_varlen_pointer_path_and_loose_max_seqlen(monkeypatch):
+    """Pointer loads instead of TMA descriptors; max_seqlen above the longest sequence only adds idle programs."""
+    monkeypatch.setattr(fa2, "USE_TMA", False)
+    check_varlen([5, 40, 17, 1], [9, 40, 2, 30], 2, 1, 32, True, (8, -1), torch.float16, max_extra=20)
+
+
+def test_varlen_one_sequence_equals_dense():
+    q, k, v = (randn(1, 2, 45, 32, dtype=torch.float16) for _ in range(3))
+    dense = fa2_attention(q, k, v, causal=True, window_size=(9, -1))
+    packed = lambda t: t[0].transpose(0, 1)
+    cu = cu_seqlens([45])
+    varlen = fa2_varlen_attention(packed(q), packed(k), packed(v), cu, cu, 45, 45, causal=True, window_size=(9, -1))
+    assert torch.equal(varlen, packed(dense))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests run these kernels for real")
+def test_masked_kernels_compile_for_sm90():
+    """The interpreter runs code the GPU compiler may reject (early returns, integer types of the ranges): compile
+    the three kernels with every mask on for sm_90, without a GPU, in a process without TRITON_INTERPRET."""
+    code = ("from kernels import fa2; "
+            "print(all('ld.global' in fa2.compile_for_sm90(k).asm['ptx'] for k in ('fwd', 'dkdv', 'dq')))")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-1] == "True"
+
+
+# ------------------------------------------------------------------------------------------ torch.compile
+def test_window_and_varlen_compile_in_one_graph():
+    q, k, v = (randn(1, 2, 40, 16, dtype=torch.float16).requires_grad_() for _ in range(3))
+    cu = cu_seqlens([7, 0, 33])
+    packed = lambda t: t[0].transpose(0, 1)
+
+    def f(q, k, v):
+        dense = fa2_attention(q, k, v, causal=True, window_size=(8, -1))
+        varlen = fa2_varlen_attention(packed(q), packed(k), packed(v), cu, cu, 33, 33, causal=True,
+                                      window_size=(5, -1))
+        return dense.float().square().sum() + varlen.float().square().sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    loss = compiled(q, k, v)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
+    torch.testing.assert_close(loss, f(q.detach(), k.detach(), v.detach()), rtol=1e-3, atol=1e-3)
+
+
+def test_opcheck_with_masks():
+    op = torch.ops.flashgpt.fa2_forward
+    q, k, v = (randn(20, 2, 16, dtype=torch.float16).requires_grad_() for _ in range(3))
+    cu = cu_seqlens([3, 17])
+    torch.library.opcheck(op, (q, k, v, True, 0.25, 4, 0, cu, cu, 17, 17),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+# ------------------------------------------------------------------------------------------ bad input
+def _varlen_args(**overrides):
+    args = dict(q=randn(10, 4, 32, dtype=torch.float16), k=randn(12, 2, 32, dtype=torch.float16),
+                v=randn(12, 2, 32, dtype=torch.float16), cu_seqlens_q=cu_seqlens([4, 6]),
+                cu_seqlens_k=cu_seqlens([5, 7]), max_seqlen_q=6, max_seqlen_k=7)
+    args.update(overrides)
+    return args
+
+
+def _int32(values):
+    return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+
+BAD_VARLEN = [
+    (dict(cu_seqlens_q=cu_seqlens([4, 6]).long()), TypeError,
+     "cu_seqlens_q has dtype torch.int64; accepted: torch.int32"),
+    (dict(cu_seqlens_k=[0, 5, 12]), TypeError, "cu_seqlens_k must be a torch.Tensor"),
+    (dict(cu_seqlens_q=_int32([[0, 4, 10]])), ValueError, r"cu_seqlens_q must have shape \(batch \+ 1,\)"),
+    (dict(cu_seqlens_q=_int32([0])), ValueError, r"cu_seqlens_q must have shape \(batch \+ 1,\)"),
+    (dict(cu_seqlens_q=_int32([0, 10])), ValueError, "must have the same length"),
+    (dict(cu_seqlens_q=_int32([0, 11, 10]), max_seqlen_q=11), ValueError,
+     r"cu_seqlens_q must be non-decreasing, but cu_seqlens_q\[2\] = 10 < cu_seqlens_q\[1\] = 11"),
+    (dict(cu_seqlens_k=_int32([0, 9, 5])), ValueError, r"cu_seqlens_k must be non-decreasing"),
+    (dict(cu_seqlens_q=_int32([1, 4, 10])), ValueError, r"cu_seqlens_q\[0\] must be 0, got 1"),
+    (dict(cu_seqlens_q=_int32([0, 4, 9])), ValueError, r"cu_seqlens_q\[-1\] = 9 must equal total_q = 10"),
+    (dict(cu_seqlens_k=_int32([0, 5, 13])), ValueError, r"cu_seqlens_k\[-1\] = 13 must equal total_k = 12"),
+    (dict(max_seqlen_k=6), ValueError, "max_seqlen_k = 6 is less than the longest sequence's length 7"),
+    (dict(max_seqlen_q=6.0), TypeError, "max_seqlen_q must be an int"),
+    (dict(max_seqlen_q=-1), ValueError, "max_seqlen_q must be >= 0"),
+    (dict(q=randn(1, 10, 4, 32, dtype=torch.float16)), ValueError, r"q must have 3 dims \(total, heads, head_dim\)"),
+    (dict(window_size=(-2, 0)), ValueError, r"window_size\[0\] = -2 is below -1"),
+]
+
+
+@pytest.mark.parametrize("overrides,error,message", BAD_VARLEN)
+def test_bad_varlen_input_is_rejected(overrides, error, message):
+    with pytest.raises(error, match=message):
+        fa2_varlen_attention(**_varlen_args(**overrides))
+
+
+@pytest.mark.parametrize("window_size,error,message", [
+    ((-2, 0), ValueError, r"window_size\[0\] = -2 is below -1; accepted: -1 \(no limit\) or a number of keys >= 0"),
+    ((4, -5), ValueError, r"window_size\[1\] = -5 is below -1"),
+    ((4,), TypeError, r"window_size must be a pair of ints \(left, right\)"),
+    ((4.0, 0), TypeError, "window_size must be a pair of ints"),
+    (4, TypeError, "window_size must be a pair of ints"),
+])
+def test_bad_window_is_rejected(window_size, error, message):
+    q, k, v = (randn(1, 2, 16, 32, dtype=torch.float16) for _ in range(3))
+    with pytest.raises(error, match=message):
+        fa2_attention(q, k, v, window_size=window_size)
+
+
+def test_fa1_refuses_a_window():
+    q, k, v = (randn(1, 2, 16, 32, dtype=torch.float16) for _ in range(3))
+    with pytest.raises(ValueError, match="fa1_attention has no sliding window"):
+        fa1_attention(q, k, v, window_size=(4, 0))
