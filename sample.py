@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if device == "cpu" and REGISTRY[args.attn].needs_cuda:
         ap.error(f"--attn {args.attn} needs a CUDA GPU; use --attn sdpa (or fa2/fa3 under Triton's interpreter)")
-    if device == "cpu" and args.compile == "cudagraphs":
+    if device == "cpu" and args.compile == "cudagraphs" and args.kv_cache:  # without the cache: refused below
         ap.error("--compile cudagraphs needs a CUDA GPU (CUDA graphs); use --compile, or no --compile, on the CPU")
     try:
         ckpt_path = find_checkpoint(args.run, args.runs_root)
