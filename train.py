@@ -17,6 +17,7 @@ stderr (prefixed with their rank), and an unexpected error is recorded for torch
 
 import contextlib
 import logging
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -66,6 +67,8 @@ def run(cfg: DictConfig) -> float | None:
     except (ConfigError, DataError, CheckpointError, BackendUnavailableError, NonFiniteLossError) as e:
         # Expected user-facing failures: one clear message, no traceback.
         log.error("%s", e)
+        if dist.is_main:
+            discard_unused_default_folder(run_dir)
         sys.exit(1)
     except PreparationInterrupted as e:  # Ctrl-C or SIGTERM while the token cache was written
         log.error("%s", e)
@@ -90,6 +93,18 @@ def save_hydra_files(cfg: DictConfig, run_dir: str) -> None:
     for name, node in (("config.yaml", cfg), ("hydra.yaml", OmegaConf.create({"hydra": hydra_cfg})),
                        ("overrides.yaml", hydra_cfg.overrides.task)):
         (folder / name).write_text(OmegaConf.to_yaml(node))
+
+
+def discard_unused_default_folder(run_dir: str) -> None:
+    """Remove the folder of a refused run that holds nothing but its log and lock, when its name is the default
+    (timestamp + random suffix: no other process can use it), so a typo on the command line leaves no folder.
+    A folder named with run.name= is kept, whatever it holds."""
+    if any(o.split("=", 1)[0].lstrip("+~") == "run.name" for o in HydraConfig.get().overrides.task):
+        return
+    folder = Path(run_dir)
+    if folder.is_dir() and {p.name for p in folder.iterdir()} <= {"train.log", ".lock"}:
+        detach_log_files()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def detach_log_files() -> None:

@@ -247,6 +247,11 @@ def test_cli_entry_point(tiny_overrides, tmp_path):
     assert "Traceback" not in bad.stdout + bad.stderr
     # The refused run left the record of the run that made the checkpoints as it was.
     assert {p.name: p.read_text() for p in (run_dir / ".hydra").iterdir()} == record
+    # A refused run under a default name leaves no folder behind (a typo would otherwise add one per try).
+    unnamed = [a for a in args if not a.startswith("run.name=")] + ["optim.lr=-1"]
+    bad = subprocess.run([sys.executable, "train.py", *unnamed], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == 1 and "optim.lr=-1.0: must be > 0" in bad.stdout + bad.stderr
     for name in ("..", "a/b"):  # rejected before Hydra makes any folder
         bad = subprocess.run([sys.executable, "train.py", *args, f"run.name={name}"], cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=300)
