@@ -1,9 +1,12 @@
-"""FlashAttention-3 for Hopper: the Gluon forward of `kernels/fa3_hopper.py`, FA2's backward, and the fallback.
+"""FlashAttention-3 for Hopper: the Gluon forward (`kernels/fa3_hopper.py`) and backward
+(`kernels/fa3_hopper_bwd.py`), and the fallback to FA2's Triton kernels.
 
 `forward` runs the warp-specialised Gluon kernel where it applies and FA2's Triton forward everywhere else,
-warning once per reason (`gluon_unsupported_reason` names it). The backward is FA2's three-kernel,
-atomic-free backward (`kernels/fa2.py`): both forwards produce the same base-2 LSE, so either pairs with it,
-and gradients stay bit-reproducible (what `torch.use_deterministic_algorithms(True)` asks for).
+warning once per reason (`gluon_unsupported_reason` names it). Both forwards produce the same base-2 LSE, so
+either pairs with either backward. `backward` is FA2's three-kernel, atomic-free backward unless
+`GLUON_BACKWARD` is set: the Gluon backward is correct (tests/test_fa3.py) but measured slower than FA2's on
+the H200 (0.66-0.77x at N >= 2k, docs/benchmarks.md). It adds dQ up with float32 atomics, as FA3 does, so
+its dQ is not bit-reproducible; under `torch.use_deterministic_algorithms(True)` FA2's backward runs instead.
 
 The Gluon kernel applies to: an sm_90 GPU (H100/H200), Triton 3.6.x (Gluon is experimental and its API
 changes between releases; see `GLUON_TRITON_VERSIONS`), float16/bfloat16, head_dim 64 or 128, and inputs
@@ -11,6 +14,7 @@ whose data and strides TMA can address (16-byte aligned data, 16-byte multiple s
 """
 
 import functools
+import importlib
 import warnings
 
 import torch
@@ -29,6 +33,10 @@ BLOCK_M = 64  # query rows per consumer warpgroup
 # NUM_CONSUMERS x 64 x D Q tiles plus two NUM_STAGES x BLOCK_N x D rings must fit the 227 KiB of shared memory
 # (overflow is only caught at launch).
 CONFIGS = {64: (3, 128, 2, True, True), 128: (2, 128, 2, False, True)}
+# Backward: NUM_STAGES of the (Q_i, dO_i) ring per head_dim; 2 consumer warpgroups x 64 keys per CTA.
+BWD_STAGES = {64: 4, 128: 2}
+GLUON_BACKWARD = False  # FA2's backward measured faster (see the module docstring)
+BWD_CONSUMERS = 2
 
 
 def triton_version() -> str:
@@ -36,21 +44,22 @@ def triton_version() -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _gluon_module():
-    """The Gluon kernel module, or the reason it cannot be used with this Triton (a string)."""
+def _gluon_module(name: str = "fa3_hopper"):
+    """The Gluon kernel module `name` (forward: fa3_hopper, backward: fa3_hopper_bwd), or the reason it cannot
+    be used with this Triton (a string)."""
     version = triton_version()
     if not any(version == v or version.startswith(v + ".") for v in GLUON_TRITON_VERSIONS):
         return (f"triton {version} is not a version the Gluon kernel supports "
                 f"({', '.join(v + '.x' for v in GLUON_TRITON_VERSIONS)})")
     try:
-        from . import fa3_hopper
+        return importlib.import_module(f"{__package__}.{name}")
     except ImportError as e:  # a build of Triton without Gluon's Hopper API
         return f"triton {version} has no usable Gluon Hopper API ({e})"
-    return fa3_hopper
 
 
-def gluon_unsupported_reason(q, k, v) -> str | None:
-    """Why the Gluon kernel cannot run these inputs (a short phrase), or None when it can."""
+def gluon_unsupported_reason(q, k, v, *more) -> str | None:
+    """Why the Gluon kernels cannot run these inputs (a short phrase), or None when they can. `more`: other
+    (batch, heads, seqlen, head_dim) tensors the kernel reads through TMA (the backward's dO)."""
     module = _gluon_module()
     if isinstance(module, str):
         return module
@@ -63,7 +72,7 @@ def gluon_unsupported_reason(q, k, v) -> str | None:
     capability = torch.cuda.get_device_capability(q.device)
     if capability != (9, 0):
         return f"GPU compute capability {capability[0]}.{capability[1]} is not 9.0 (Hopper)"
-    if not use_tma(q, k, v):
+    if not use_tma(q, k, v, *more):
         return "inputs TMA cannot address (16-byte aligned data and 16-byte multiple strides needed)"
     return None
 
@@ -75,7 +84,7 @@ def _warn_fallback(reason: str) -> None:
     if reason in _WARNED:
         return
     _WARNED.add(reason)
-    warnings.warn(f"attn=fa3: running FA2's Triton forward instead of the Gluon FA3 kernel: {reason}",
+    warnings.warn(f"attn=fa3: running FA2's Triton kernels instead of the Gluon FA3 kernels: {reason}",
                   RuntimeWarning, stacklevel=4)
 
 
@@ -130,33 +139,93 @@ def forward(q, k, v, causal, softmax_scale):
     return _launch(_gluon_module(), q, k, v, causal, softmax_scale)
 
 
-backward = fa2.backward
+def _launch_backward(module, do, q, k, v, lse, delta, causal, softmax_scale):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    batch, n_heads, seqlen_q, head_dim = q.shape
+    n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    dq_acc = torch.zeros((batch, n_heads, seqlen_q, head_dim), device=q.device, dtype=torch.float32)
+    dk, dv = empty_like_layout(k), empty_like_layout(v)
+    q_layout, kv_layout, ds_layout = _bwd_layouts(q.dtype, head_dim)
+    box, _, _ = _bwd_layouts(q.dtype, head_dim, rank=4)
+    desc = lambda t: TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, BLOCK_M, head_dim], box)
+    grid = (triton.cdiv(seqlen_k, BWD_CONSUMERS * BLOCK_M), batch * n_kv_heads)
+    module.fa3_bwd_kernel[grid](
+        desc(q), desc(k), desc(v), desc(do), desc(dk), desc(dv), lse.contiguous(), delta, dq_acc,
+        n_heads, seqlen_q, seqlen_k, softmax_scale * fa2.LOG2E, softmax_scale,
+        GROUP=n_heads // n_kv_heads, CAUSAL=causal, NUM_CONSUMERS=BWD_CONSUMERS, HEAD_DIM=head_dim,
+        BLOCK_M=BLOCK_M, NUM_STAGES=BWD_STAGES[head_dim], Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout,
+        DS_LAYOUT=ds_layout, num_warps=4,
+    )
+    dq = empty_like_layout(q)
+    dq.copy_(dq_acc.mul_(softmax_scale))
+    return dq, dk, dv
 
 
-def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1):
-    """Compile the Gluon forward for sm_90 without a GPU (catches Gluon API breaks on CPU-only machines).
+def _bwd_layouts(dtype, head_dim: int, rank: int = 2):
+    """NVMMA shared layouts of the backward's (64, head_dim) Q/dO/K/V tiles (rank 4: the descriptors' boxes) and
+    of its (64, 64) dS^T tiles."""
+    from triton.experimental.gluon import language as gl
+
+    gl_dtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[dtype]
+    tile = gl.NVMMASharedLayout.get_default_for([1] * (rank - 2) + [BLOCK_M, head_dim], gl_dtype)
+    return tile, tile, gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_M], gl_dtype)
+
+
+def backward(do, q, k, v, o, lse, causal, softmax_scale):
+    """Same contract as `fa2.backward` (without masks): dq, dk, dv like q, k, v. `lse` is the forward's base-2
+    LSE. FA2's backward unless GLUON_BACKWARD is set (and not under deterministic algorithms)."""
+    if not GLUON_BACKWARD:
+        return fa2.backward(do, q, k, v, o, lse, causal, softmax_scale)
+    reason = gluon_unsupported_reason(q, k, v, do)
+    if reason is not None:
+        _warn_fallback(reason)
+        return fa2.backward(do, q, k, v, o, lse, causal, softmax_scale)
+    if torch.are_deterministic_algorithms_enabled():  # atomics-free, documented above: no warning
+        return fa2.backward(do, q, k, v, o, lse, causal, softmax_scale)
+    return _launch_backward(_gluon_module("fa3_hopper_bwd"), do, q, k, v, lse, fa2.bwd_preprocess(o, do), causal,
+                            softmax_scale)
+
+
+def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, kernel="fwd"):
+    """Compile the Gluon forward (kernel="fwd") or backward ("bwd") for sm_90 without a GPU (catches Gluon API
+    breaks on CPU-only machines).
 
     Returns Triton's compiled kernel (`.asm` holds ttgir, ptx and cubin). Raises RuntimeError naming the
-    reason when this Triton is not one the kernel supports.
+    reason when this Triton is not one the kernels support, ValueError for another `kernel`.
     """
-    module = _gluon_module()
+    if kernel not in ("fwd", "bwd"):
+        raise ValueError(f"kernel={kernel!r}: accepted 'fwd' and 'bwd'")
+    module = _gluon_module("fa3_hopper" if kernel == "fwd" else "fa3_hopper_bwd")
     if isinstance(module, str):
         raise RuntimeError(module)
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    num_consumers, block_n, num_stages, pingpong, _ = CONFIGS[head_dim]
-    q_layout, kv_layout = shared_layouts(dtype, head_dim, block_n)
-    q_box, kv_box = shared_layouts(dtype, head_dim, block_n, rank=4)
     name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
     tensordesc = lambda rows, layout: f"tensordesc<{name}[1, 1, {rows}, {head_dim}],{layout!r}>"
-    kernel = module.fa3_fwd_kernel
-    signature = {arg: "i32" for arg in kernel.arg_names}
-    signature.update(q_desc=tensordesc(BLOCK_M, q_box), o_desc=tensordesc(BLOCK_M, q_box),
-                     k_desc=tensordesc(block_n, kv_box), v_desc=tensordesc(block_n, kv_box),
-                     LSE="*fp32", qk_scale="fp32")
-    constexprs = dict(GROUP=group, CAUSAL=causal, PINGPONG=pingpong, NUM_CONSUMERS=num_consumers, HEAD_DIM=head_dim,
-                      BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=num_stages, Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout)
+    if kernel == "fwd":
+        num_consumers, block_n, num_stages, pingpong, _ = CONFIGS[head_dim]
+        q_layout, kv_layout = shared_layouts(dtype, head_dim, block_n)
+        q_box, kv_box = shared_layouts(dtype, head_dim, block_n, rank=4)
+        fn = module.fa3_fwd_kernel
+        descs = dict(q_desc=tensordesc(BLOCK_M, q_box), o_desc=tensordesc(BLOCK_M, q_box),
+                     k_desc=tensordesc(block_n, kv_box), v_desc=tensordesc(block_n, kv_box), LSE="*fp32",
+                     qk_scale="fp32")
+        constexprs = dict(GROUP=group, CAUSAL=causal, PINGPONG=pingpong, NUM_CONSUMERS=num_consumers,
+                          HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=num_stages,
+                          Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout)
+    else:
+        q_layout, kv_layout, ds_layout = _bwd_layouts(dtype, head_dim)
+        box = tensordesc(BLOCK_M, _bwd_layouts(dtype, head_dim, rank=4)[0])
+        fn = module.fa3_bwd_kernel
+        descs = dict(q_desc=box, k_desc=box, v_desc=box, do_desc=box, dk_desc=box, dv_desc=box, LSE="*fp32",
+                     DELTA="*fp32", DQ_ACC="*fp32", qk_scale="fp32", softmax_scale="fp32")
+        constexprs = dict(GROUP=group, CAUSAL=causal, NUM_CONSUMERS=BWD_CONSUMERS, HEAD_DIM=head_dim,
+                          BLOCK_M=BLOCK_M, NUM_STAGES=BWD_STAGES[head_dim], Q_LAYOUT=q_layout,
+                          KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout)
+    signature = {arg: "i32" for arg in fn.arg_names}
+    signature.update(descs)
     signature.update({arg: "constexpr" for arg in constexprs})
-    source = GluonASTSource(kernel, signature, constexprs)
+    source = GluonASTSource(fn, signature, constexprs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})

@@ -30,7 +30,7 @@ def fresh_dispatch(monkeypatch):
     cached.cache_clear()
 
 
-def _qkv(dtype=torch.bfloat16, head_dim=64, device="cpu"):
+def _qkv(dtype=torch.bfloat16, head_dim=64, device="cuda" if torch.cuda.is_available() else "cpu"):
     return [torch.randn(1, 2, 24, head_dim, dtype=dtype, device=device) for _ in range(3)]
 
 
@@ -64,17 +64,18 @@ def test_no_gpu_is_named(fresh_dispatch, monkeypatch):
 
 
 @pytest.mark.skipif(not SUPPORTED, reason=f"triton {fa3.triton_version()} is not a Gluon version the kernel supports")
+@pytest.mark.parametrize("kernel", ["fwd", "bwd"])
 @pytest.mark.parametrize("dtype,head_dim,causal,group", [
     (torch.bfloat16, 128, True, 1), (torch.float16, 64, False, 4),
 ])
-def test_gluon_kernel_compiles_for_sm90(dtype, head_dim, causal, group):
+def test_gluon_kernel_compiles_for_sm90(dtype, head_dim, causal, group, kernel):
     """No GPU needed: Triton compiles for a named target. Catches Gluon API breaks before a user's GPU does.
 
     Runs in a fresh process without TRITON_INTERPRET: under the interpreter Triton's own jitted helpers (the
     reductions' combine functions) are interpreted objects a compiled kernel cannot reference.
     """
     code = (f"import torch; from kernels import fa3; k = fa3.compile_for_sm90(torch.{str(dtype)[6:]}, {head_dim}, "
-            f"{causal}, {group}); ptx = k.asm['ptx']; "
+            f"{causal}, {group}, {kernel!r}); ptx = k.asm['ptx']; "
             "print(k.metadata.shared, all(s in ptx for s in ('wgmma.mma_async', 'setmaxnreg', 'cp.async.bulk.tensor')))")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -107,3 +108,54 @@ def test_gluon_kernel_runs_on_hopper(fresh_dispatch):
         o = fa3_attention(q, k, v, causal=True)
     ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
     assert ((o.float() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def _reference_grads(q, k, v, do, causal):
+    """float64 o and (dq, dk, dv) with a bottom-right causal mask and GQA by head index."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    s = q @ k.repeat_interleave(group, 1).transpose(-1, -2) / q.shape[-1] ** 0.5
+    if causal:
+        i = torch.arange(q.shape[2], device=q.device)[:, None] + k.shape[2] - q.shape[2]
+        s = s.masked_fill(torch.arange(k.shape[2], device=q.device)[None, :] > i, float("-inf"))
+    o = torch.softmax(s, dim=-1).nan_to_num(0.0) @ v.repeat_interleave(group, 1)
+    o.backward(do.double())
+    return o, (q.grad, k.grad, v.grad)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="needs an sm_90 GPU")
+@pytest.mark.skipif(not SUPPORTED, reason="the installed Triton is not one the Gluon kernel supports")
+@pytest.mark.parametrize("head_dim,causal,n_heads,n_kv_heads,seqlen_q,seqlen_k", [
+    (128, True, 4, 4, 333, 333), (64, True, 8, 2, 200, 455), (128, False, 2, 1, 517, 130), (64, False, 4, 4, 64, 64),
+])
+def test_gluon_backward_matches_float64(fresh_dispatch, monkeypatch, head_dim, causal, n_heads, n_kv_heads,
+                                        seqlen_q, seqlen_k):
+    """The Gluon backward (dQ through float32 atomics) against float64, in the model's (B, T, H, D) memory order;
+    under torch.use_deterministic_algorithms FA2's backward runs and repeats bit for bit."""
+    monkeypatch.setattr(fa3, "GLUON_BACKWARD", True)
+    def bthd(heads, seqlen):  # (B, H, T, D) views of (B, T, H, D) memory, as the model passes them
+        return torch.randn(2, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+
+    q, k, v = bthd(n_heads, seqlen_q), bthd(n_kv_heads, seqlen_k), bthd(n_kv_heads, seqlen_k)
+    do = bthd(n_heads, seqlen_q)
+    assert fa3.gluon_unsupported_reason(q, k, v, do) is None
+    o_ref, grads_ref = _reference_grads(q, k, v, do, causal)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning
+        fa3_attention(*leaves, causal=causal).backward(do)
+    for leaf, ref in zip(leaves, grads_ref):
+        err = ((leaf.grad.double() - ref).norm() / ref.norm()).item()
+        assert torch.isfinite(leaf.grad).all() and err < 1e-2, err
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = []
+        for _ in range(2):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            fa3_attention(*leaves, causal=causal).backward(do)
+            runs.append([t.grad for t in leaves])
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert all(torch.equal(a, b) for a, b in zip(*runs))

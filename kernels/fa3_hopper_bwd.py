@@ -1,0 +1,210 @@
+"""FlashAttention-3-style backward for Hopper (sm_90), written in Gluon (`triton.experimental.gluon`, Triton 3.6).
+
+Source: Shah et al. 2024, "FlashAttention-3", Section 3 and Appendix B.1 (the backward: producer-consumer
+warp specialisation, dK/dV accumulated in registers per key block, dQ accumulated in float32 through global
+atomics); the arithmetic is FA2's Algorithm 2 with the base-2 LSE of `kernels/fa2.py` (P = exp2(S * qk_scale
+- lse), dS = P * (dP - delta), delta = rowsum(dO * O)).
+
+One CTA owns NUM_CONSUMERS * 64 keys of one (batch, kv head) and loops over every query block (of every query
+head in its GQA group) that can see them. Partitions (`gl.warp_specialize`):
+- producer (1 warp): TMA-loads the CTA's K and V tiles once, then Q_i and dO_i of each query block into a
+  NUM_STAGES-deep ring (`ready` says a slot is full, `empty`, one arrival per consumer, that it may be reused).
+- NUM_CONSUMERS consumer warpgroups, one per 64 keys. Per query block a consumer issues S^T = K Q^T and
+  dP^T = V dO^T (async wgmmas), waits for S^T only, computes P^T while dP^T runs, issues dV += P^T dO (P^T
+  from registers), waits for dP^T, computes dS^T, issues dK += dS^T Q (dS^T from registers), stores dS^T to
+  shared memory and runs dQ_i += dS K (in 64-column halves at HEAD_DIM 128) whose float32 result goes to
+  DQ_ACC with `atomic_add`. dQ's order of additions varies, so it is not bit-reproducible (FA3's trade).
+Rows past seqlen_q read as 0 through TMA and carry lse = +inf, so their P is 0; keys past seqlen_k read as 0,
+so their dS adds nothing to dQ and their dK/dV rows are clipped by the TMA store. Only the causal band
+needs a mask (query blocks [lo, m_free)); blocks no query of which sees a key are never visited.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
+
+BLOCK_KEYS = gl.constexpr(64)  # keys per consumer warpgroup (a wgmma's 64 rows)
+
+
+@gluon.jit
+def _as_4d(tile, desc):
+    """A (rows, HEAD_DIM) shared tile as the (1, 1, rows, HEAD_DIM) box a 4-D descriptor copies."""
+    return tile._reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
+
+
+@gluon.jit
+def _query_range(start_n, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr):
+    """The query blocks that see keys [start_n, start_n + BLOCK_N): [lo, hi), masked while below m_free."""
+    hi = ((seqlen_q + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+    if CAUSAL:  # query m sees key n iff n <= m + seqlen_k - seqlen_q (bottom-right)
+        diag_offset = seqlen_k - seqlen_q
+        lo = (gl.maximum(start_n - diag_offset, 0) // BLOCK_M) * BLOCK_M
+        m_free = ((gl.maximum(start_n + BLOCK_N - 1 - diag_offset, 0) + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+        lo = gl.minimum(lo, hi)
+        m_free = gl.minimum(gl.maximum(m_free, lo), hi)
+    else:
+        lo = hi * 0
+        m_free = lo
+    return lo, m_free, (hi - lo) // BLOCK_M
+
+
+@gluon.jit
+def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, ready, empty, dk_desc, dv_desc,
+              LSE, DELTA, DQ_ACC, n_heads, seqlen_q, seqlen_k, qk_scale, softmax_scale,
+              CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
+              BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Consumer warpgroup CID: keys [start_n + 64 * CID, + 64) of the CTA's key block."""
+    dtype: gl.constexpr = q_smem.dtype
+    BLOCK_N: gl.constexpr = NUM_CONSUMERS * BLOCK_KEYS
+    DQ_N: gl.constexpr = 64  # dQ columns per wgmma (HEAD_DIM 128 in two halves: fewer live registers)
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DQ_N, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    start_n = gl.program_id(0) * BLOCK_N
+    bhk = gl.program_id(1)
+    n_kv_heads = n_heads // GROUP
+    off_b = bhk // n_kv_heads
+    off_hk = bhk % n_kv_heads
+    lo, m_free, n_m = _query_range(start_n, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
+    k_tile = k_smem.index(CID)
+    v_tile = v_smem.index(CID)
+    ds_tile = ds_smem.index(CID)
+    keys = start_n + CID * BLOCK_KEYS + gl.arange(0, BLOCK_KEYS, layout=gl.SliceLayout(1, s_layout))
+    diag_offset = seqlen_k - seqlen_q
+    dq_rows0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+    dq_cols = gl.arange(0, DQ_N, layout=gl.SliceLayout(0, dq_layout))
+
+    dk = gl.zeros([BLOCK_KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
+    dv = gl.zeros([BLOCK_KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
+    mbarrier.wait(kv_bar, 0)
+    for it in range(GROUP * n_m):
+        slot = it % NUM_STAGES
+        off_h = off_hk * GROUP + it // n_m
+        start_m = lo + (it % n_m) * BLOCK_M
+        row0 = (off_b * n_heads + off_h).to(gl.int64) * seqlen_q
+        q_tile = q_smem.index(slot)
+        do_tile = do_smem.index(slot)
+        mbarrier.wait(ready.index(slot), (it // NUM_STAGES) & 1)
+        s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)),
+                            gl.zeros([BLOCK_KEYS, BLOCK_M], gl.float32, layout=s_layout), use_acc=False,
+                            is_async=True)
+        dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)),
+                             gl.zeros([BLOCK_KEYS, BLOCK_M], gl.float32, layout=s_layout), use_acc=False,
+                             is_async=True)
+        cols = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
+        lse = gl.load(LSE + row0 + cols, mask=cols < seqlen_q, other=float("inf"))
+        delta = gl.load(DELTA + row0 + cols, mask=cols < seqlen_q, other=0.0)
+        s_t = warpgroup_mma_wait(1, deps=(s_t,))  # S^T is done; dP^T may still run
+        p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse, 0))
+        if CAUSAL:
+            if start_m < m_free:
+                visible = gl.expand_dims(keys, 1) <= gl.expand_dims(cols, 0) + diag_offset
+                p_t = gl.where(visible, p_t, 0.0)
+        p_op = gl.convert_layout(p_t.to(dtype), op_layout)
+        dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)  # dV += P^T dO
+        dp_t, p_op = warpgroup_mma_wait(1, deps=(dp_t, p_op))
+        ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
+        ds_op = gl.convert_layout(ds_t, op_layout)
+        dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)  # dK += dS^T Q (scaled at the end)
+        ds_tile.store(ds_t)
+        fence_async_shared()
+        dq_rows = start_m + dq_rows0
+        dq_ptrs = DQ_ACC + (row0 + gl.expand_dims(dq_rows, 1)) * HEAD_DIM + gl.expand_dims(dq_cols, 0)
+        dq_mask = gl.expand_dims(dq_rows < seqlen_q, 1)
+        for half in gl.static_range(HEAD_DIM // DQ_N):  # dQ_i += dS K, 64 columns at a time
+            dq = warpgroup_mma(ds_tile.permute((1, 0)), k_tile.slice(half * DQ_N, DQ_N, dim=1),
+                               gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout), use_acc=False,
+                               is_async=True)
+            dq = warpgroup_mma_wait(0, deps=(dq,))
+            gl.atomic_add(dq_ptrs + half * DQ_N, dq, mask=dq_mask, sem="relaxed")
+        dv, dk, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, ds_op))
+        mbarrier.arrive(empty.index(slot))  # every GEMM that reads Q_i and dO_i is done
+
+    # K and V are no longer read: their tiles stage dK and dV for the TMA stores.
+    k_tile.store((dk * softmax_scale).to(dtype))
+    v_tile.store(dv.to(dtype))
+    fence_async_shared()
+    row_k = start_n + CID * BLOCK_KEYS
+    tma.async_copy_shared_to_global(dk_desc, [off_b, off_hk, row_k, 0], _as_4d(k_tile, dk_desc))
+    tma.async_copy_shared_to_global(dv_desc, [off_b, off_hk, row_k, 0], _as_4d(v_tile, dv_desc))
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
+              n_heads, seqlen_q, seqlen_k, NUM_CONSUMERS: gl.constexpr, GROUP: gl.constexpr,
+              CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """The TMA warp: the CTA's K and V once, then (Q_i, dO_i) of every query block into the ring."""
+    BLOCK_N: gl.constexpr = NUM_CONSUMERS * BLOCK_KEYS
+    start_n = gl.program_id(0) * BLOCK_N
+    bhk = gl.program_id(1)
+    n_kv_heads = n_heads // GROUP
+    off_b = bhk // n_kv_heads
+    off_hk = bhk % n_kv_heads
+    mbarrier.expect(kv_bar, 2 * NUM_CONSUMERS * k_desc.block_type.nbytes)
+    for c in gl.static_range(NUM_CONSUMERS):
+        row = start_n + c * BLOCK_KEYS
+        tma.async_copy_global_to_shared(k_desc, [off_b, off_hk, row, 0], kv_bar, _as_4d(k_smem.index(c), k_desc))
+        tma.async_copy_global_to_shared(v_desc, [off_b, off_hk, row, 0], kv_bar, _as_4d(v_smem.index(c), v_desc))
+    lo, m_free, n_m = _query_range(start_n, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
+    for it in range(GROUP * n_m):
+        slot = it % NUM_STAGES
+        off_h = off_hk * GROUP + it // n_m
+        start_m = lo + (it % n_m) * BLOCK_M
+        mbarrier.wait(empty.index(slot), ((it // NUM_STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
+        mbarrier.expect(ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m, 0], ready.index(slot),
+                                        _as_4d(q_smem.index(slot), q_desc))
+        tma.async_copy_global_to_shared(do_desc, [off_b, off_h, start_m, 0], ready.index(slot),
+                                        _as_4d(do_smem.index(slot), do_desc))
+
+
+@gluon.jit
+def fa3_bwd_kernel(
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, DQ_ACC,
+    n_heads, seqlen_q, seqlen_k, qk_scale, softmax_scale,
+    GROUP: gl.constexpr, CAUSAL: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr,
+    DS_LAYOUT: gl.constexpr,
+):
+    """Grid (cdiv(seqlen_k, NUM_CONSUMERS * 64), batch * n_kv_heads): see the module docstring.
+    LSE, DELTA: float32 (batch, n_heads, seqlen_q); DQ_ACC: float32 (batch, n_heads, seqlen_q, HEAD_DIM), zeroed."""
+    dtype: gl.constexpr = q_desc.dtype
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BLOCK_KEYS, HEAD_DIM], KV_LAYOUT)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BLOCK_KEYS, HEAD_DIM], KV_LAYOUT)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], Q_LAYOUT)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], Q_LAYOUT)
+    ds_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BLOCK_KEYS, BLOCK_M], DS_LAYOUT)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=NUM_CONSUMERS)  # one arrival per consumer
+    fence_async_shared()
+
+    # Written out per partition: tuple concatenation inside a Gluon kernel turns constexprs into tensors.
+    gl.warp_specialize(
+        [
+        (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, ready, empty, dk_desc, dv_desc,
+                     LSE, DELTA, DQ_ACC, n_heads, seqlen_q, seqlen_k, qk_scale, softmax_scale,
+                     0, NUM_CONSUMERS, GROUP, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES)),
+        (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, ready, empty, dk_desc, dv_desc,
+                     LSE, DELTA, DQ_ACC, n_heads, seqlen_q, seqlen_k, qk_scale, softmax_scale,
+                     1, NUM_CONSUMERS, GROUP, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES)),
+        (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
+                     n_heads, seqlen_q, seqlen_k, NUM_CONSUMERS, GROUP, CAUSAL, BLOCK_M, NUM_STAGES)),
+        ],
+        [4, 1],
+        [240, 24],
+    )
