@@ -31,7 +31,8 @@ fa3_attention.__doc__ = PUBLIC_DOC.format(
     title="FlashAttention-3 forward (Gluon, Hopper) with FlashAttention-2's backward: exact scaled dot-product "
           "attention.",
     source="Shah et al. 2024, FlashAttention-3, Section 3.1 and Algorithm 2 (forward); FA2 Algorithm 2 "
-           "(backward); see kernels/fa3.py. Where the Gluon kernel does not apply (not an sm_90 GPU, head_dim "
+           "(backward; a Gluon FA3 backward is opt-in through kernels.fa3.GLUON_BACKWARD, measured slower); see "
+           "kernels/fa3.py. Where the Gluon kernel does not apply (not an sm_90 GPU, head_dim "
            "other than 64/128, float32, inputs TMA cannot address, a Triton other than 3.6) the forward is FA2's, "
            "with a one-time RuntimeWarning naming the reason.",
 )
