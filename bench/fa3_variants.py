@@ -1,8 +1,12 @@
-"""Check and time variants of the Gluon FA3 forward side by side in one process (H200, Triton 3.6).
+"""Check and time variants of the Gluon FA3 forward (or backward) side by side in one process (H200, Triton 3.6).
 
     python -m bench.fa3_variants --variants 2:128:2:1:1,2:128:2:1:0 --head-dims 128 --seqlens 4096,16384
+    python -m bench.fa3_variants --backward --variants 2:0,2:1 --head-dims 64,128 --seqlens 2048,8192
 
-A variant is NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT and replaces `kernels.fa3.CONFIGS[head_dim]`. Every variant is first
+Backward: a variant is NUM_STAGES:DEFER_ATOMICS (`kernels.fa3.BWD_CONFIGS[head_dim]`); each is checked
+against float32 gradients (dq, dk, dv by relative error) on the shapes below, then backward medians of the
+Gluon kernel are printed next to FA2's backward and cuDNN's on the same inputs (forward excluded).
+Forward: a variant is NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT and replaces `kernels.fa3.CONFIGS[head_dim]`. Every variant is first
 checked against a float32 reference (SDPA's math kernel on upcast inputs) on odd lengths, seqlen_q != seqlen_k
 both ways, GQA and strided views, with NaN-poisoned outputs; then forward medians (`triton.testing.do_bench`) are
 printed next to FA2's forward and SDPA's cuDNN kernel on the same inputs (B * N = 16k, H * D = 2048).
@@ -69,16 +73,85 @@ def check(head_dim, dtype):
     return worst
 
 
+def check_backward(head_dim, dtype):
+    """Worst relative error of the Gluon backward's dq, dk, dv against float32 autograd over CHECKS."""
+    worst = 0.0
+    for batch, n_heads, n_kv, seqlen_q, seqlen_k, causal, strided in CHECKS:
+        if seqlen_q * seqlen_k * n_heads * batch > 2**27:
+            continue  # keep the float32 reference small
+        def make(heads, seqlen):
+            if strided:
+                return torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=dtype).transpose(1, 2)
+            return torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=dtype)
+        q, k, v, do = make(n_heads, seqlen_q), make(n_kv, seqlen_k), make(n_kv, seqlen_k), make(n_heads, seqlen_q)
+        scale = 1 / math.sqrt(head_dim)
+        o, lse = fa3.forward(q, k, v, causal, scale)
+        dq, dk, dv = fa3.backward(do, q, k, v, o, lse, causal, scale)
+        leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+        group = n_heads // n_kv
+        s = leaves[0] @ leaves[1].repeat_interleave(group, 1).transpose(-1, -2) * scale
+        if causal:
+            i = torch.arange(seqlen_q, device="cuda")[:, None]
+            s = s.masked_fill(torch.arange(seqlen_k, device="cuda")[None, :] > i + seqlen_k - seqlen_q, float("-inf"))
+        (torch.softmax(s, -1).nan_to_num(0.0) @ leaves[2].repeat_interleave(group, 1)).backward(do.float())
+        for got, leaf in zip((dq, dk, dv), leaves):
+            assert torch.isfinite(got).all(), "non-finite gradient"
+            worst = max(worst, rel(got, leaf.grad))
+    assert worst < 1e-2, worst
+    return worst
+
+
+def main_backward(args, dtype):
+    from triton.testing import do_bench
+
+    fa3.GLUON_BACKWARD = True
+    for head_dim in map(int, args.head_dims.split(",")):
+        variants = [tuple(int(x) for x in v.split(":")) for v in args.variants.split(",")]
+        for variant in variants:
+            fa3.BWD_CONFIGS[head_dim] = (variant[0], bool(variant[1]))
+            try:
+                print(f"D={head_dim} bwd {variant}: max rel err {check_backward(head_dim, dtype):.2e}", flush=True)
+            except Exception as e:
+                print(f"D={head_dim} bwd {variant}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        for causal in (True, False):
+            for seqlen in map(int, args.seqlens.split(",")):
+                batch, n_heads = max(1, TOKENS // seqlen), WIDTH // head_dim
+                q, k, v, do = (torch.randn(batch, n_heads, seqlen, head_dim, device="cuda", dtype=dtype)
+                               for _ in range(4))
+                tf = lambda ms: flops(batch, n_heads, seqlen, head_dim, causal, "bwd") / ms / 1e9
+                o, lse = fa2.forward(q, k, v, causal, 0.1)
+                cells = {}
+                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    out = F.scaled_dot_product_attention(*leaves, is_causal=causal)
+                cells["cudnn"] = do_bench(lambda: out.backward(do, retain_graph=True), grad_to_none=leaves,
+                                          return_mode="median")
+                cells["fa2"] = do_bench(lambda: fa2.backward(do, q, k, v, o, lse, causal, 0.1), return_mode="median")
+                for variant in variants:
+                    fa3.BWD_CONFIGS[head_dim] = (variant[0], bool(variant[1]))
+                    try:
+                        cells[":".join(map(str, variant))] = do_bench(
+                            lambda: fa3.backward(do, q, k, v, o, lse, causal, 0.1), return_mode="median")
+                    except Exception as e:
+                        print(f"  {variant} failed: {type(e).__name__}: {str(e)[:200]}")
+                line = " ".join(f"{name}={tf(ms):.0f}" for name, ms in cells.items())
+                print(f"D={head_dim} causal={causal} N={seqlen} TFLOP/s bwd: {line} | /cudnn "
+                      + " ".join(f"{name}={cells['cudnn'] / ms:.3f}" for name, ms in cells.items()), flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", default="2:128:2:1:1,2:128:2:1:0")
     parser.add_argument("--head-dims", default="64,128")
     parser.add_argument("--seqlens", default="2048,8192")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--backward", action="store_true", help="check and time the Gluon backward instead")
     args = parser.parse_args()
     from triton.testing import do_bench
 
     dtype = getattr(torch, args.dtype)
+    if args.backward:
+        return main_backward(args, dtype)
     for head_dim in map(int, args.head_dims.split(",")):
         variants = [tuple(int(x) for x in v.split(":")) for v in args.variants.split(",")]
         for variant in variants:

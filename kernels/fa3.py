@@ -33,8 +33,8 @@ BLOCK_M = 64  # query rows per consumer warpgroup
 # NUM_CONSUMERS x 64 x D Q tiles plus two NUM_STAGES x BLOCK_N x D rings must fit the 227 KiB of shared memory
 # (overflow is only caught at launch).
 CONFIGS = {64: (3, 128, 2, True, True), 128: (2, 128, 2, False, True)}
-# Backward: NUM_STAGES of the (Q_i, dO_i) ring per head_dim; 2 consumer warpgroups x 64 keys per CTA.
-BWD_STAGES = {64: 4, 128: 2}
+# Backward per head_dim: (NUM_STAGES of the (Q_i, dO_i) ring, DEFER_ATOMICS); 2 consumer warpgroups x 64 keys.
+BWD_CONFIGS = {64: (4, False), 128: (2, False)}
 GLUON_BACKWARD = False  # FA2's backward measured faster (see the module docstring)
 BWD_CONSUMERS = 2
 
@@ -144,32 +144,38 @@ def _launch_backward(module, do, q, k, v, lse, delta, causal, softmax_scale):
 
     batch, n_heads, seqlen_q, head_dim = q.shape
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    dq_acc = torch.zeros((batch, n_heads, seqlen_q, head_dim), device=q.device, dtype=torch.float32)
+    seqlen_q_pad = triton.cdiv(seqlen_q, BLOCK_M) * BLOCK_M  # whole blocks: the kernel's atomics need no mask
+    dq_acc = torch.zeros((batch, n_heads, seqlen_q_pad, head_dim), device=q.device, dtype=torch.float32)
     dk, dv = empty_like_layout(k), empty_like_layout(v)
     q_layout, kv_layout, ds_layout = _bwd_layouts(q.dtype, head_dim)
-    box, _, _ = _bwd_layouts(q.dtype, head_dim, rank=4)
-    desc = lambda t: TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, BLOCK_M, head_dim], box)
+    box, k_box, _ = _bwd_layouts(q.dtype, head_dim, rank=4)
+    desc = lambda t, rows=BLOCK_M, layout=box: TensorDescriptor(t, list(t.shape), list(t.stride()),
+                                                                [1, 1, rows, head_dim], layout)
     grid = (triton.cdiv(seqlen_k, BWD_CONSUMERS * BLOCK_M), batch * n_kv_heads)
     module.fa3_bwd_kernel[grid](
-        desc(q), desc(k), desc(v), desc(do), desc(dk), desc(dv), lse.contiguous(), delta, dq_acc,
-        n_heads, seqlen_q, seqlen_k, softmax_scale * fa2.LOG2E, softmax_scale,
+        desc(q), desc(k, BWD_CONSUMERS * BLOCK_M, k_box), desc(v), desc(do), desc(dk), desc(dv), lse.contiguous(),
+        delta, dq_acc,
+        n_heads, seqlen_q, seqlen_k, seqlen_q_pad, softmax_scale * fa2.LOG2E, softmax_scale,
         GROUP=n_heads // n_kv_heads, CAUSAL=causal, NUM_CONSUMERS=BWD_CONSUMERS, HEAD_DIM=head_dim,
-        BLOCK_M=BLOCK_M, NUM_STAGES=BWD_STAGES[head_dim], Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout,
-        DS_LAYOUT=ds_layout, num_warps=4,
+        BLOCK_M=BLOCK_M, NUM_STAGES=BWD_CONFIGS[head_dim][0], SPLIT_DQ=head_dim == 128,
+        DEFER_ATOMICS=BWD_CONFIGS[head_dim][1], Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout,
+        num_warps=4,
     )
     dq = empty_like_layout(q)
-    dq.copy_(dq_acc.mul_(softmax_scale))
+    dq.copy_(dq_acc[:, :, :seqlen_q].mul_(softmax_scale))
     return dq, dk, dv
 
 
 def _bwd_layouts(dtype, head_dim: int, rank: int = 2):
-    """NVMMA shared layouts of the backward's (64, head_dim) Q/dO/K/V tiles (rank 4: the descriptors' boxes) and
-    of its (64, 64) dS^T tiles."""
+    """NVMMA shared layouts of the backward's (64, head_dim) Q/dO/V tiles, its (128, head_dim) K tile (rank 4:
+    the descriptors' boxes) and its (64, 64) dS^T tiles."""
     from triton.experimental.gluon import language as gl
 
     gl_dtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[dtype]
-    tile = gl.NVMMASharedLayout.get_default_for([1] * (rank - 2) + [BLOCK_M, head_dim], gl_dtype)
-    return tile, tile, gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_M], gl_dtype)
+    lead = [1] * (rank - 2)
+    return (gl.NVMMASharedLayout.get_default_for(lead + [BLOCK_M, head_dim], gl_dtype),
+            gl.NVMMASharedLayout.get_default_for(lead + [BWD_CONSUMERS * BLOCK_M, head_dim], gl_dtype),
+            gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_M], gl_dtype))
 
 
 def backward(do, q, k, v, o, lse, causal, softmax_scale):
@@ -217,13 +223,14 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
                           Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout)
     else:
         q_layout, kv_layout, ds_layout = _bwd_layouts(dtype, head_dim)
-        box = tensordesc(BLOCK_M, _bwd_layouts(dtype, head_dim, rank=4)[0])
+        box, k_box, _ = _bwd_layouts(dtype, head_dim, rank=4)
+        box, k_box = tensordesc(BLOCK_M, box), tensordesc(BWD_CONSUMERS * BLOCK_M, k_box)
         fn = module.fa3_bwd_kernel
-        descs = dict(q_desc=box, k_desc=box, v_desc=box, do_desc=box, dk_desc=box, dv_desc=box, LSE="*fp32",
+        descs = dict(q_desc=box, k_desc=k_box, v_desc=box, do_desc=box, dk_desc=box, dv_desc=box, LSE="*fp32",
                      DELTA="*fp32", DQ_ACC="*fp32", qk_scale="fp32", softmax_scale="fp32")
         constexprs = dict(GROUP=group, CAUSAL=causal, NUM_CONSUMERS=BWD_CONSUMERS, HEAD_DIM=head_dim,
-                          BLOCK_M=BLOCK_M, NUM_STAGES=BWD_STAGES[head_dim], Q_LAYOUT=q_layout,
-                          KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout)
+                          BLOCK_M=BLOCK_M, NUM_STAGES=BWD_CONFIGS[head_dim][0], SPLIT_DQ=head_dim == 128,
+                          DEFER_ATOMICS=BWD_CONFIGS[head_dim][1], Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout)
     signature = {arg: "i32" for arg in fn.arg_names}
     signature.update(descs)
     signature.update({arg: "constexpr" for arg in constexprs})

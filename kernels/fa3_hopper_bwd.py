@@ -52,14 +52,21 @@ def _query_range(start_n, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.
 
 
 @gluon.jit
-def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, ready, empty, dk_desc, dv_desc,
-              LSE, DELTA, DQ_ACC, n_heads, seqlen_q, seqlen_k, qk_scale, softmax_scale,
+def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, ready, empty, ds_ready, ds_free, dk_desc, dv_desc,
+              LSE, DELTA, DQ_ACC, n_heads, seqlen_q, seqlen_k, seqlen_q_pad, qk_scale, softmax_scale,
               CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-              BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """Consumer warpgroup CID: keys [start_n + 64 * CID, + 64) of the CTA's key block."""
+              BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT_DQ: gl.constexpr,
+              DEFER_ATOMICS: gl.constexpr):
+    """Consumer warpgroup CID: keys [start_n + 64 * CID, + 64) of the CTA's key block.
+
+    SPLIT_DQ (HEAD_DIM 128): the warpgroups share dS through shared memory and each computes HEAD_DIM /
+    NUM_CONSUMERS columns of dQ_i over all the CTA's keys (FA3's split: each dQ element is added once per CTA).
+    Otherwise each computes all of dQ_i over its own 64 keys.
+    DEFER_ATOMICS: block i's dQ atomics are issued after block i+1's first two GEMMs, so they run under them.
+    """
     dtype: gl.constexpr = q_smem.dtype
     BLOCK_N: gl.constexpr = NUM_CONSUMERS * BLOCK_KEYS
-    DQ_N: gl.constexpr = 64  # dQ columns per wgmma (HEAD_DIM 128 in two halves: fewer live registers)
+    DQ_N: gl.constexpr = HEAD_DIM // NUM_CONSUMERS if SPLIT_DQ else HEAD_DIM
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -75,22 +82,32 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, ready, empty, dk
     off_b = bhk // n_kv_heads
     off_hk = bhk % n_kv_heads
     lo, m_free, n_m = _query_range(start_n, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
-    k_tile = k_smem.index(CID)
+    # K is one (BLOCK_N, HEAD_DIM) tile: wider-than-swizzle tiles are stored in column panels, so two stacked
+    # (64, HEAD_DIM) tiles would not read as one (BLOCK_N, HEAD_DIM) tile for SPLIT_DQ.
+    k_tile = k_smem.slice(CID * BLOCK_KEYS, BLOCK_KEYS, dim=0)
     v_tile = v_smem.index(CID)
-    ds_tile = ds_smem.index(CID)
+    if SPLIT_DQ:
+        dq_b = k_smem.slice(CID * DQ_N, DQ_N, dim=1)  # dQ_i[:, cols] = dS_i K[:, cols]
+    else:
+        dq_b = k_tile
     keys = start_n + CID * BLOCK_KEYS + gl.arange(0, BLOCK_KEYS, layout=gl.SliceLayout(1, s_layout))
     diag_offset = seqlen_k - seqlen_q
-    dq_rows0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-    dq_cols = gl.arange(0, DQ_N, layout=gl.SliceLayout(0, dq_layout))
+    # dQ offsets inside one (BLOCK_M, HEAD_DIM) block of the row-padded accumulator: no mask needed
+    dq_offs = (gl.expand_dims(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout)), 1) * HEAD_DIM
+               + gl.expand_dims(gl.arange(0, DQ_N, layout=gl.SliceLayout(0, dq_layout)), 0))
+    if SPLIT_DQ:
+        dq_offs += CID * DQ_N
 
     dk = gl.zeros([BLOCK_KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
     dv = gl.zeros([BLOCK_KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
+    dq_prev = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)  # DEFER_ATOMICS: the first adds 0
+    prev_off = ((off_b * n_heads + off_hk * GROUP).to(gl.int64) * seqlen_q_pad + lo) * HEAD_DIM
     mbarrier.wait(kv_bar, 0)
     for it in range(GROUP * n_m):
         slot = it % NUM_STAGES
         off_h = off_hk * GROUP + it // n_m
         start_m = lo + (it % n_m) * BLOCK_M
-        row0 = (off_b * n_heads + off_h).to(gl.int64) * seqlen_q
+        bh = (off_b * n_heads + off_h).to(gl.int64)
         q_tile = q_smem.index(slot)
         do_tile = do_smem.index(slot)
         mbarrier.wait(ready.index(slot), (it // NUM_STAGES) & 1)
@@ -100,9 +117,11 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, ready, empty, dk
         dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)),
                              gl.zeros([BLOCK_KEYS, BLOCK_M], gl.float32, layout=s_layout), use_acc=False,
                              is_async=True)
+        if DEFER_ATOMICS:
+            gl.atomic_add(DQ_ACC + prev_off + dq_offs, dq_prev, sem="relaxed")
         cols = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
-        lse = gl.load(LSE + row0 + cols, mask=cols < seqlen_q, other=float("inf"))
-        delta = gl.load(DELTA + row0 + cols, mask=cols < seqlen_q, other=0.0)
+        lse = gl.load(LSE + bh * seqlen_q + cols, mask=cols < seqlen_q, other=float("inf"))
+        delta = gl.load(DELTA + bh * seqlen_q + cols, mask=cols < seqlen_q, other=0.0)
         s_t = warpgroup_mma_wait(1, deps=(s_t,))  # S^T is done; dP^T may still run
         p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse, 0))
         if CAUSAL:
@@ -115,27 +134,43 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, ready, empty, dk
         ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
         ds_op = gl.convert_layout(ds_t, op_layout)
         dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)  # dK += dS^T Q (scaled at the end)
-        ds_tile.store(ds_t)
-        fence_async_shared()
-        dq_rows = start_m + dq_rows0
-        dq_ptrs = DQ_ACC + (row0 + gl.expand_dims(dq_rows, 1)) * HEAD_DIM + gl.expand_dims(dq_cols, 0)
-        dq_mask = gl.expand_dims(dq_rows < seqlen_q, 1)
-        for half in gl.static_range(HEAD_DIM // DQ_N):  # dQ_i += dS K, 64 columns at a time
-            dq = warpgroup_mma(ds_tile.permute((1, 0)), k_tile.slice(half * DQ_N, DQ_N, dim=1),
-                               gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout), use_acc=False,
-                               is_async=True)
-            dq = warpgroup_mma_wait(0, deps=(dq,))
-            gl.atomic_add(dq_ptrs + half * DQ_N, dq, mask=dq_mask, sem="relaxed")
-        dv, dk, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, ds_op))
-        mbarrier.arrive(empty.index(slot))  # every GEMM that reads Q_i and dO_i is done
 
-    # K and V are no longer read: their tiles stage dK and dV for the TMA stores.
-    k_tile.store((dk * softmax_scale).to(dtype))
+        # dS^T to shared memory (double-buffered: the other warpgroup may still read the previous block's).
+        buf = it % 2
+        ds_all = ds_smem.index(buf)
+        mbarrier.wait(ds_free.index(buf), ((it // 2) & 1) ^ 1)  # a fresh barrier passes phase 1
+        ds_all.slice(CID * BLOCK_KEYS, BLOCK_KEYS, dim=0).store(ds_t)
+        fence_async_shared()
+        if SPLIT_DQ:
+            mbarrier.arrive(ds_ready.index(buf))
+            mbarrier.wait(ds_ready.index(buf), (it // 2) & 1)  # every warpgroup's dS^T is in
+            dq_a = ds_all.permute((1, 0))
+        else:
+            dq_a = ds_all.slice(CID * BLOCK_KEYS, BLOCK_KEYS, dim=0).permute((1, 0))
+        dq = warpgroup_mma(dq_a, dq_b, gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout), use_acc=False,
+                           is_async=True)
+        dv, dk, dq, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, ds_op))
+        mbarrier.arrive(ds_free.index(buf))
+        mbarrier.arrive(empty.index(slot))  # every GEMM that reads Q_i and dO_i is done
+        if DEFER_ATOMICS:
+            dq_prev = dq
+            prev_off = (bh * seqlen_q_pad + start_m) * HEAD_DIM
+        else:
+            gl.atomic_add(DQ_ACC + (bh * seqlen_q_pad + start_m) * HEAD_DIM + dq_offs, dq, sem="relaxed")
+
+    if DEFER_ATOMICS:
+        if GROUP * n_m > 0:
+            gl.atomic_add(DQ_ACC + prev_off + dq_offs, dq_prev, sem="relaxed")
+    # This warpgroup's V tile is no longer read (K is: the other warpgroup's dQ GEMM may still run under
+    # SPLIT_DQ): it stages dV, then dK, for the TMA stores.
+    row_k = start_n + CID * BLOCK_KEYS
     v_tile.store(dv.to(dtype))
     fence_async_shared()
-    row_k = start_n + CID * BLOCK_KEYS
-    tma.async_copy_shared_to_global(dk_desc, [off_b, off_hk, row_k, 0], _as_4d(k_tile, dk_desc))
     tma.async_copy_shared_to_global(dv_desc, [off_b, off_hk, row_k, 0], _as_4d(v_tile, dv_desc))
+    tma.store_wait(0)
+    v_tile.store((dk * softmax_scale).to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [off_b, off_hk, row_k, 0], _as_4d(v_tile, dk_desc))
     tma.store_wait(0)
 
 
@@ -150,10 +185,10 @@ def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, 
     n_kv_heads = n_heads // GROUP
     off_b = bhk // n_kv_heads
     off_hk = bhk % n_kv_heads
-    mbarrier.expect(kv_bar, 2 * NUM_CONSUMERS * k_desc.block_type.nbytes)
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + NUM_CONSUMERS * v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [off_b, off_hk, start_n, 0], kv_bar, _as_4d(k_smem, k_desc))
     for c in gl.static_range(NUM_CONSUMERS):
         row = start_n + c * BLOCK_KEYS
-        tma.async_copy_global_to_shared(k_desc, [off_b, off_hk, row, 0], kv_bar, _as_4d(k_smem.index(c), k_desc))
         tma.async_copy_global_to_shared(v_desc, [off_b, off_hk, row, 0], kv_bar, _as_4d(v_smem.index(c), v_desc))
     lo, m_free, n_m = _query_range(start_n, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
     for it in range(GROUP * n_m):
@@ -171,23 +206,30 @@ def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, 
 @gluon.jit
 def fa3_bwd_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, DQ_ACC,
-    n_heads, seqlen_q, seqlen_k, qk_scale, softmax_scale,
+    n_heads, seqlen_q, seqlen_k, seqlen_q_pad, qk_scale, softmax_scale,
     GROUP: gl.constexpr, CAUSAL: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr,
-    BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr,
-    DS_LAYOUT: gl.constexpr,
+    BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT_DQ: gl.constexpr, DEFER_ATOMICS: gl.constexpr,
+    Q_LAYOUT: gl.constexpr,
+    KV_LAYOUT: gl.constexpr, DS_LAYOUT: gl.constexpr,
 ):
-    """Grid (cdiv(seqlen_k, NUM_CONSUMERS * 64), batch * n_kv_heads): see the module docstring.
-    LSE, DELTA: float32 (batch, n_heads, seqlen_q); DQ_ACC: float32 (batch, n_heads, seqlen_q, HEAD_DIM), zeroed."""
+    """Grid (cdiv(seqlen_k, NUM_CONSUMERS * 64), batch * n_kv_heads): see the module docstring. LSE, DELTA:
+    float32 (batch, n_heads, seqlen_q); DQ_ACC: float32 (batch, n_heads, seqlen_q_pad, HEAD_DIM), zeroed, with
+    seqlen_q_pad = seqlen_q rounded up to BLOCK_M (whole blocks: the atomics need no mask)."""
     dtype: gl.constexpr = q_desc.dtype
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BLOCK_KEYS, HEAD_DIM], KV_LAYOUT)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS * BLOCK_KEYS, HEAD_DIM], KV_LAYOUT)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BLOCK_KEYS, HEAD_DIM], KV_LAYOUT)
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], Q_LAYOUT)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], Q_LAYOUT)
-    ds_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BLOCK_KEYS, BLOCK_M], DS_LAYOUT)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, NUM_CONSUMERS * BLOCK_KEYS, BLOCK_M], DS_LAYOUT)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(ds_ready.index(i), count=NUM_CONSUMERS)
+        mbarrier.init(ds_free.index(i), count=NUM_CONSUMERS)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=NUM_CONSUMERS)  # one arrival per consumer
@@ -196,12 +238,14 @@ def fa3_bwd_kernel(
     # Written out per partition: tuple concatenation inside a Gluon kernel turns constexprs into tensors.
     gl.warp_specialize(
         [
-        (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, ready, empty, dk_desc, dv_desc,
-                     LSE, DELTA, DQ_ACC, n_heads, seqlen_q, seqlen_k, qk_scale, softmax_scale,
-                     0, NUM_CONSUMERS, GROUP, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES)),
-        (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, ready, empty, dk_desc, dv_desc,
-                     LSE, DELTA, DQ_ACC, n_heads, seqlen_q, seqlen_k, qk_scale, softmax_scale,
-                     1, NUM_CONSUMERS, GROUP, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES)),
+        (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, ready, empty, ds_ready, ds_free, dk_desc,
+                     dv_desc, LSE, DELTA, DQ_ACC, n_heads, seqlen_q, seqlen_k, seqlen_q_pad, qk_scale,
+                     softmax_scale, 0, NUM_CONSUMERS, GROUP, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, SPLIT_DQ,
+                     DEFER_ATOMICS)),
+        (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, ready, empty, ds_ready, ds_free, dk_desc,
+                     dv_desc, LSE, DELTA, DQ_ACC, n_heads, seqlen_q, seqlen_k, seqlen_q_pad, qk_scale,
+                     softmax_scale, 1, NUM_CONSUMERS, GROUP, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, SPLIT_DQ,
+                     DEFER_ATOMICS)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
                      n_heads, seqlen_q, seqlen_k, NUM_CONSUMERS, GROUP, CAUSAL, BLOCK_M, NUM_STAGES)),
         ],
