@@ -349,9 +349,8 @@ class Trainer:
                 if self.last_saved != state.step:
                     self.save()
             exit_code = 0
-        except NonFiniteLossError as e:
-            log.error("%s", e)
-            agreed_failure = True  # raised by every rank at the same step
+        except NonFiniteLossError:
+            agreed_failure = True  # raised by every rank at the same step; its caller reports it (train.py logs it)
             raise
         finally:
             self._close(exit_code, agreed_failure)
