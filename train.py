@@ -17,6 +17,7 @@ stderr (prefixed with their rank), and an unexpected error is recorded for torch
 
 import contextlib
 import logging
+import logging.handlers
 import shutil
 import signal
 import sys
@@ -53,12 +54,14 @@ def run(cfg: DictConfig) -> float | None:
     if not dist.is_main:  # Hydra logging is off on these ranks (torchrun_overrides)
         logging.basicConfig(level=logging.WARNING, format=f"[rank {dist.rank}] %(levelname)s [%(name)s] %(message)s")
     run_dir = HydraConfig.get().runtime.output_dir
+    held: HeldRunLog | None = None
     try:
         # The job's rank 0 owns the run folder; its other ranks write nothing there.
         with own_run_folder(run_dir) if dist.is_main else contextlib.nullcontext():
-            # Hydra's record of the run is written only once train() accepted it: a refused run (bad value,
-            # incompatible resume) leaves an existing run's .hydra/ as it was.
-            on_accept = (lambda: save_hydra_files(cfg, run_dir)) if dist.is_main else None
+            # Hydra's record of the run and its train.log lines are written only once train() accepted it: a
+            # refused run (bad value, incompatible resume) leaves an existing run's .hydra/ and train.log as they were.
+            held = HeldRunLog() if dist.is_main else None
+            on_accept = (lambda: (save_hydra_files(cfg, run_dir), held.accept())) if dist.is_main else None
             summary = train(cfg, run_dir=run_dir, on_accept=on_accept)
     except RunFolderBusy as e:
         detach_log_files()  # the owner's train.log is not ours to write
@@ -66,14 +69,17 @@ def run(cfg: DictConfig) -> float | None:
         sys.exit(1)
     except (ConfigError, DataError, CheckpointError, BackendUnavailableError, NonFiniteLossError) as e:
         # Expected user-facing failures: one clear message, no traceback.
+        refused(held)
         log.error("%s", e)
         if dist.is_main:
             discard_unused_default_folder(run_dir)
         sys.exit(1)
     except PreparationInterrupted as e:  # Ctrl-C or SIGTERM while the token cache was written
+        refused(held)
         log.error("%s", e)
         sys.exit(128 + e.signum)
     except KeyboardInterrupt:  # a second Ctrl-C: abort now, without saving; the last checkpoint stays the latest
+        refused(held)
         log.error("aborted by a second Ctrl-C; this step was not saved (resume continues from the last checkpoint)")
         sys.exit(128 + signal.SIGINT)
     if summary.stop_reason == "interrupted":  # saved and resumable, but not finished: say so to the caller
@@ -105,6 +111,44 @@ def discard_unused_default_folder(run_dir: str) -> None:
     if folder.is_dir() and {p.name for p in folder.iterdir()} <= {"train.log", ".lock"}:
         detach_log_files()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+class HeldRunLog:
+    """Holds back the lines meant for the run folder's train.log (Hydra's file handler) until ``accept``: train()
+    accepted the run, and they are written in order. A run refused before that (``refused``) writes nothing
+    there, its error included (it still reaches the console), so an existing run's train.log stays as it was."""
+
+    def __init__(self):
+        self.root, self.accepted, self.pairs = logging.getLogger(), False, []
+        for handler in [h for h in self.root.handlers if isinstance(h, logging.FileHandler)]:
+            held = logging.handlers.MemoryHandler(capacity=sys.maxsize, flushLevel=logging.CRITICAL + 1,
+                                                  target=handler, flushOnClose=False)
+            held.setLevel(handler.level)
+            self.root.removeHandler(handler)
+            self.root.addHandler(held)
+            self.pairs.append((held, handler))
+
+    def accept(self) -> None:
+        for held, handler in self.pairs:
+            held.flush()
+            self.root.removeHandler(held)
+            self.root.addHandler(handler)
+            held.close()
+        self.accepted = True
+
+    def drop(self) -> None:
+        """Forget the held lines and close train.log."""
+        for held, handler in self.pairs:
+            self.root.removeHandler(held)
+            held.buffer.clear()
+            held.close()
+            handler.close()
+
+
+def refused(held: "HeldRunLog | None") -> None:
+    """A failure before train() accepted the run: nothing of it goes to train.log."""
+    if held is not None and not held.accepted:
+        held.drop()
 
 
 def detach_log_files() -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from bench import HelpFormatter
 from model.attention import REGISTRY
 
 TOKENS = 16 * 1024
@@ -112,13 +113,13 @@ def plot(rows, out_dir):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--backends", default=",".join(reversed(REGISTRY)),  # the ratios are against the first
-                        help="from model.attention.REGISTRY")
-    parser.add_argument("--head-dims", default="64,128")
-    parser.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
+                        help="comma-separated, from model.attention.REGISTRY; ratios are against the first")
+    parser.add_argument("--head-dims", default="64,128", help="comma-separated head dimensions D")
+    parser.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384", help="comma-separated sequence lengths N")
     parser.add_argument("--causal", default="true,false", help="true, false or both")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"], help="input dtype")
     parser.add_argument("--out", default="runs/bench_attention", help="folder for CSV, JSON and PNG files")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

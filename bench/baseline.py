@@ -6,11 +6,16 @@ optimizer step only what nanoGPT's loop does: forward and backward of each micro
 clipping, optimizer step, zero_grad. The micro-batches are drawn beforehand and already on the device;
 nothing is read back until the end. So the trainer's cost over this figure (metrics, DDP plumbing,
 host work, memory) is the framework's own. One process (no DDP), no evaluation, no checkpoints.
+
+Timing is the trainer's: a CUDA event (host time on the CPU) at the end of every step, and a step's time runs from
+the previous step's end to its own, so the two loops' per-step times and their medians compare like for like.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
+from typing import Callable, Optional
 
 import torch
 from omegaconf import DictConfig
@@ -27,10 +32,12 @@ from trainer.optim import build_optimizer
 from trainer.runtime import autocast, seed_everything, select_device, select_dtype
 
 
-def run_bare_loop(cfg: DictConfig, warmup: int, steps: int) -> dict:
+def run_bare_loop(cfg: DictConfig, warmup: int, steps: int, on_step: Optional[Callable[[int], None]] = None) -> dict:
     """Train ``warmup`` untimed then ``steps`` timed optimizer steps of ``cfg``'s model (one process).
 
-    Returns {"step_time_s": mean seconds per timed step (device time: CUDA events, else host time),
+    on_step: called with the 0-based step index once each step is queued (e.g. ``torch.profiler``'s ``step``).
+    Returns {"step_times_s": [seconds of each timed step, device time: end of the previous step to the end of
+    this one (CUDA events, else host time)], "step_time_s": their median, "step_time_mean_s": their mean,
     "peak_mem_gib": max CUDA memory allocated since the model was built (None on CPU),
     "losses": [float train loss of every step], "tokens_per_step": int, "num_params": int,
     "flops_per_token": float}. Raises ConfigError for an invalid config.
@@ -54,26 +61,30 @@ def run_bare_loop(cfg: DictConfig, warmup: int, steps: int) -> dict:
     o = cfg.optim
     lrs = [lr_at(s, o.lr, o.warmup_steps, o.decay_steps, o.min_lr_ratio) for s in range(warmup + steps)]
     max_norm = o.grad_clip if o.grad_clip > 0 else math.inf
-    timer, losses, start = StepTimer(device), [], None
+    timer, losses = StepTimer(device), []
+    marks = [timer.mark()] if warmup == 0 else []  # the end of the step before each timed step, then each one's end
     for step, micro_batches in enumerate(batches):
-        if step == warmup:
-            start = timer.mark()
         for group in optimizer.param_groups:
             group["lr"] = lrs[step]
-        loss_sum = 0.0
+        loss_sum = None
         for x, y, *docs in micro_batches:  # docs: [cu_seqlens] with data.document_mask
             with autocast(device, dtype):
                 _, loss = run_model(x, y, return_logits=False, docs=docs[0] if docs else None)
-            loss = loss / grad_accum
+            if grad_accum > 1:  # as the trainer: no division by 1
+                loss = loss / grad_accum
             loss.backward()
-            loss_sum = loss_sum + loss.detach()
+            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss_sum)
-    end = timer.mark()
-    return {"step_time_s": timer.seconds(start, end) / steps, "losses": torch.stack(losses).tolist(),
+        if step >= warmup - 1:
+            marks.append(timer.mark())
+        if on_step is not None:
+            on_step(step)
+    times = [timer.seconds(a, b) for a, b in zip(marks, marks[1:])]
+    return {"step_times_s": times, "step_time_s": statistics.median(times), "step_time_mean_s": statistics.mean(times),
+            "losses": torch.stack(losses).tolist(),
             "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
             "tokens_per_step": cfg.trainer.batch_size * grad_accum * cfg.model.block_size,
             "num_params": model.num_params(), "flops_per_token": model.estimate_flops_per_token()}
-

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from bench import HelpFormatter
 from bench.generate import DTYPES, csv_list, write_results
 
 BACKENDS = ("sdpa", "fa2", "fa2_splitkv", "fa3", "fa1")
@@ -48,14 +49,15 @@ def measure_us(fn) -> float:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--out", required=True, help="folder for decode.csv and decode.json")
-    ap.add_argument("--backends", type=csv_list(str, BACKENDS), default="sdpa,fa2,fa2_splitkv,fa3")
-    ap.add_argument("--batch", type=csv_list(int), default="1,8")
+    ap.add_argument("--backends", type=csv_list(str, BACKENDS), default="sdpa,fa2,fa2_splitkv,fa3",
+                    help="comma-separated")
+    ap.add_argument("--batch", type=csv_list(int), default="1,8", help="comma-separated batch sizes")
     ap.add_argument("--seqlens", type=csv_list(int), default="128,512,1024,4096,16384", help="cached keys N")
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
-    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--heads", type=int, default=12, help="query heads")
+    ap.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: --heads)")
+    ap.add_argument("--head-dim", type=int, default=64, help="head dimension D")
     ap.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
     args = ap.parse_args(argv)
     kv_heads = args.kv_heads or args.heads

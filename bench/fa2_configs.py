@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from bench import HelpFormatter
+
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); the first of each list is the config the others are held at.
 FWD = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2),
        (128, 128, 8, 2), (128, 128, 8, 4), (128, 64, 8, 4), (128, 64, 4, 4), (128, 64, 4, 2), (64, 128, 4, 3),
@@ -96,13 +98,14 @@ def _compile(job):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--head-dims", default="64,128")
-    parser.add_argument("--seqlens", default="1024,4096,16384")
-    parser.add_argument("--causal", default="true,false")
-    parser.add_argument("--kernels", default="fwd,dkdv,dq")
-    parser.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
-    parser.add_argument("--out", default="runs/fa2_configs")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--head-dims", default="64,128", help="comma-separated head dimensions D")
+    parser.add_argument("--seqlens", default="1024,4096,16384", help="comma-separated sequence lengths N")
+    parser.add_argument("--causal", default="true,false", help="true, false or both")
+    parser.add_argument("--kernels", default="fwd,dkdv,dq", help="FA2 kernels whose configs are timed")
+    parser.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)),
+                        help="processes compiling the configs first: CPU cores - 2, at most 14")
+    parser.add_argument("--out", default="runs/fa2_configs", help="folder for configs.csv")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.fa2_configs needs a CUDA GPU")

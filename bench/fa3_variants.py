@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from bench import HelpFormatter
 from bench.attention import TOKENS, WIDTH, flops
 from kernels import fa2, fa3
 
@@ -140,11 +141,13 @@ def main_backward(args, dtype):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variants", default="2:128:2:1:1,2:128:2:1:0")
-    parser.add_argument("--head-dims", default="64,128")
-    parser.add_argument("--seqlens", default="2048,8192")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--variants", default="2:128:2:1:1,2:128:2:1:0",
+                        help="comma-separated NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT "
+                             "(--backward: NUM_STAGES:DEFER_ATOMICS)")
+    parser.add_argument("--head-dims", default="64,128", help="comma-separated head dimensions D")
+    parser.add_argument("--seqlens", default="2048,8192", help="comma-separated sequence lengths N")
+    parser.add_argument("--dtype", default="bfloat16", help="input dtype (torch name)")
     parser.add_argument("--backward", action="store_true", help="check and time the Gluon backward instead")
     args = parser.parse_args()
     from triton.testing import do_bench

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from bench import HelpFormatter
 from model.attention import BACKENDS
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
@@ -129,21 +130,22 @@ def csv_list(kind, choices=None):
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--out", required=True, help="folder for generate.csv and generate.json")
     ap.add_argument("--model", default="gpt2", choices=sorted(p.stem for p in CONF.glob("*.yaml")),
                     help="shape from conf/model/<name>.yaml")
     ap.add_argument("--vocab-size", type=int, default=50304, help="GPT-2's 50257 padded to a multiple of 64")
-    ap.add_argument("--backends", type=csv_list(str, (*BACKENDS[1:], SPLIT_KV)), default="sdpa,fa2,fa3,fa1")
+    ap.add_argument("--backends", type=csv_list(str, (*BACKENDS[1:], SPLIT_KV)), default="sdpa,fa2,fa3,fa1",
+                    help="comma-separated; fa2_splitkv: fa2 with the split-K/V decode kernel")
     ap.add_argument("--batch", type=csv_list(int), default="1,8", help="batch sizes")
     ap.add_argument("--cache", type=csv_list(str, ("on", "off")), default="on,off", help="KV cache on / off")
     ap.add_argument("--modes", type=csv_list(str, MODES), default=",".join(MODES),
                     help="cudagraphs: the fixed-shape decode step as CUDA graphs (cache on; sdpa, fa2)")
-    ap.add_argument("--prompt-len", type=int, default=16)
-    ap.add_argument("--new-tokens", type=int, default=1000)
+    ap.add_argument("--prompt-len", type=int, default=16, help="random prompt tokens")
+    ap.add_argument("--new-tokens", type=int, default=1000, help="greedy tokens generated per case")
     ap.add_argument("--repeats", type=int, default=1, help="timed generations per case (the fastest counts)")
     ap.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
-    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA if available")
     args = ap.parse_args(argv)
     for name in ("vocab_size", "prompt_len", "new_tokens", "repeats"):
         if getattr(args, name) < 1:

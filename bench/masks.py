@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from bench import HelpFormatter
 from bench.attention import measure
 
 
@@ -151,19 +152,19 @@ def run(mode, names, args, dtype) -> list[dict]:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--mode", choices=("window", "varlen", "both"), default="both")
-    p.add_argument("--backends", default="fa2_full,fa2,flex,sdpa_dense")
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--n-heads", type=int, default=16)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--seqlen", type=int, default=8192)
-    p.add_argument("--window", type=int, default=1024)
-    p.add_argument("--median-doc", type=float, default=600)
-    p.add_argument("--sigma", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
-    p.add_argument("--out", default="runs/bench_masks")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--mode", choices=("window", "varlen", "both"), default="both", help="which benchmark")
+    p.add_argument("--backends", default="fa2_full,fa2,flex,sdpa_dense", help="comma-separated")
+    p.add_argument("--batch", type=int, default=2, help="B contexts")
+    p.add_argument("--n-heads", type=int, default=16, help="heads H")
+    p.add_argument("--head-dim", type=int, default=64, help="head dimension D")
+    p.add_argument("--seqlen", type=int, default=8192, help="tokens N per context")
+    p.add_argument("--window", type=int, default=1024, help="window mode: keys before each query")
+    p.add_argument("--median-doc", type=float, default=600, help="varlen mode: median document length")
+    p.add_argument("--sigma", type=float, default=1.0, help="varlen mode: sigma of the log-normal lengths")
+    p.add_argument("--seed", type=int, default=0, help="seed of the inputs and document lengths")
+    p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="input dtype")
+    p.add_argument("--out", default="runs/bench_masks", help="folder for masks.json")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.masks needs a CUDA GPU")

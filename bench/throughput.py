@@ -5,15 +5,22 @@
 
 Every backend trains the same model from the same seed (`train()` in-process, so every Hydra override of
 train.py applies) for `--warmup` + `--steps` optimizer steps; the warm-up steps, which include torch.compile
-and Triton autotuning, are left out of the statistics. Per backend it reports the median step time (ms),
-tokens/s (tokens per step / median step time), median MFU, peak GPU memory, the final train loss and the
-speed-up over `sdpa`. Each backend is its own W&B run in one W&B group (`wandb.group`), so the loss and step
-time curves overlay in the W&B UI. Files go to runs/<name>/: throughput.csv, throughput.json, throughput.png.
+and Triton autotuning, are left out of the statistics. A step's time is the device time from the end of the
+previous step to the end of this one (CUDA events; host time on the CPU). Per backend it reports the median
+step time (ms) and the mean, tokens/s (tokens per step / median step time), median MFU, peak GPU memory, the
+final train loss and the speed-up over `sdpa`. Each backend is its own W&B run in one W&B group (`wandb.group`),
+so the loss and step time curves overlay in the W&B UI. Files go to runs/<name>/: throughput.csv,
+throughput.json, throughput.png.
 
 `--baseline` also runs, per backend and in the same process, the bare training loop of `bench.baseline` (same
-model, data, dtype, compile and optimizer; forward, backward, clip, step, zero_grad and nothing else) and reports
-the trainer's tokens/s and peak memory as ratios of the bare loop's (`vs bare tok/s`, `vs bare mem`): the
-framework's own cost. Bare rows have `loop` = `bare`. The `--sweep` runs have no bare rows.
+model, data, dtype, compile and optimizer; forward, backward, clip, step, zero_grad and nothing else), timed the
+same way (per-step CUDA events, median), and reports the trainer's tokens/s and peak memory as ratios of the bare
+loop's: the framework's own cost. The bare loop runs before and after the trainer (bare, trainer, bare; with
+`--repeats N`: bare, then N times trainer, bare), so a drift of the GPU's speed over the run (clocks, power,
+temperature) shows as a difference between the bare figures instead of hiding in the ratio. Each trainer row has
+its ratio to the bare run just before it (`vs bare before`) and just after it (`vs bare after`); `vs bare tok/s`
+and `vs bare mem` are the ratios to the mean of those two. Rows have `loop` = `bare` or `trainer` and `run` = 1, 2,
+... in the order they ran per loop. The `--sweep` runs have no bare rows.
 
 `--sweep` repeats the comparison for each context length at a fixed number of tokens per step
 (`--sweep-tokens`; batch = tokens / context) into throughput_sweep.{csv,json,png}, to show where attention
@@ -30,12 +37,16 @@ from pathlib import Path
 
 import torch
 
+from bench import HelpFormatter
 from model.attention import BACKENDS
 
 log = logging.getLogger("bench.throughput")
-FIELDS = ["backend", "loop", "block_size", "batch_size", "tokens_per_step", "step_time_ms", "tokens_per_s", "mfu",
-          "peak_mem_gib", "final_train_loss", "speedup_vs_sdpa", "tokens_per_s_vs_bare", "peak_mem_vs_bare",
+FIELDS = ["backend", "loop", "run", "block_size", "batch_size", "tokens_per_step", "step_time_ms",
+          "step_time_mean_ms", "tokens_per_s", "mfu", "peak_mem_gib", "final_train_loss", "speedup_vs_sdpa",
+          "tokens_per_s_vs_bare", "tokens_per_s_vs_bare_before", "tokens_per_s_vs_bare_after", "peak_mem_vs_bare",
           "num_params"]
+RATIOS = dict(speedup_vs_sdpa=None, tokens_per_s_vs_bare=None, tokens_per_s_vs_bare_before=None,
+              tokens_per_s_vs_bare_after=None, peak_mem_vs_bare=None)  # filled in by add_speedups
 
 
 def backend_config(overrides, backend, out_dir, label, warmup, steps):
@@ -58,7 +69,7 @@ def fresh_device():
         torch.cuda.reset_peak_memory_stats()
 
 
-def run_bare(overrides, backend, out_dir, label, warmup, steps):
+def run_bare(overrides, backend, out_dir, label, warmup, steps, run=1):
     """The bare loop (bench.baseline) on one backend's config; a row like run_backend's, loop='bare'."""
     from bench.baseline import run_bare_loop
     from trainer.metrics import peak_flops
@@ -70,15 +81,15 @@ def run_bare(overrides, backend, out_dir, label, warmup, steps):
     peak = peak_flops(torch.device("cuda" if torch.cuda.is_available() and cfg.trainer.device != "cpu" else "cpu"),
                       cfg.trainer.peak_flops)
     return dict(
-        backend=backend, loop="bare", block_size=cfg.model.block_size, batch_size=cfg.trainer.batch_size,
-        tokens_per_step=bare["tokens_per_step"], step_time_ms=bare["step_time_s"] * 1e3, tokens_per_s=tokens_per_s,
+        backend=backend, loop="bare", run=run, block_size=cfg.model.block_size, batch_size=cfg.trainer.batch_size,
+        tokens_per_step=bare["tokens_per_step"], step_time_ms=bare["step_time_s"] * 1e3,
+        step_time_mean_ms=bare["step_time_mean_s"] * 1e3, tokens_per_s=tokens_per_s,
         mfu=bare["flops_per_token"] * tokens_per_s / peak if peak else None, peak_mem_gib=bare["peak_mem_gib"],
-        final_train_loss=bare["losses"][-1], speedup_vs_sdpa=None, tokens_per_s_vs_bare=None, peak_mem_vs_bare=None,
-        num_params=bare["num_params"],
+        final_train_loss=bare["losses"][-1], **RATIOS, num_params=bare["num_params"],
     )
 
 
-def run_backend(overrides, backend, out_dir, label, warmup, steps):
+def run_backend(overrides, backend, out_dir, label, warmup, steps, run=1):
     """Train one backend into out_dir/label and summarise its timed steps (those after the warm-up)."""
     from trainer import train
 
@@ -86,44 +97,60 @@ def run_backend(overrides, backend, out_dir, label, warmup, steps):
     fresh_device()
     summary = train(cfg)
     timed = summary.records[warmup:]
-    step_ms = statistics.median(r["perf/step_time_ms"] for r in timed)
+    step_ms = statistics.median(r["perf/step_time_ms"] for r in timed)  # the bare loop's statistic too
     mfus = [r["perf/mfu"] for r in timed if r["perf/mfu"] is not None]
     mems = [r["perf/peak_mem_gib"] for r in timed if r["perf/peak_mem_gib"] is not None]
     return dict(
-        backend=backend, loop="trainer", block_size=cfg.model.block_size, batch_size=cfg.trainer.batch_size,
+        backend=backend, loop="trainer", run=run, block_size=cfg.model.block_size, batch_size=cfg.trainer.batch_size,
         tokens_per_step=summary.tokens_per_step, step_time_ms=step_ms,
+        step_time_mean_ms=statistics.mean(r["perf/step_time_ms"] for r in timed),
         tokens_per_s=summary.tokens_per_step / (step_ms / 1e3),
         mfu=statistics.median(mfus) if mfus else None, peak_mem_gib=max(mems) if mems else None,
-        final_train_loss=summary.records[-1]["train/loss"], speedup_vs_sdpa=None, tokens_per_s_vs_bare=None,
-        peak_mem_vs_bare=None, num_params=summary.num_params,
+        final_train_loss=summary.records[-1]["train/loss"], **RATIOS, num_params=summary.num_params,
     )
 
 
 def add_speedups(rows):
-    """speedup_vs_sdpa of trainer rows; for trainer rows with a bare row of the same backend and context,
-    tokens/s and peak memory as ratios of the bare loop's."""
+    """speedup_vs_sdpa of trainer rows (over the mean tokens/s of the sdpa trainer runs at that context); for
+    trainer rows with bare runs of the same backend and context, tokens/s and peak memory as ratios of the bare
+    run just before and just after it (in row order), and of the mean of those two."""
     trainer = [r for r in rows if r["loop"] == "trainer"]
-    base = {r["block_size"]: r["tokens_per_s"] for r in trainer if r["backend"] == "sdpa"}
-    bare = {(r["backend"], r["block_size"]): r for r in rows if r["loop"] == "bare"}
+    sdpa = {}
     for r in trainer:
-        if r["block_size"] in base:
-            r["speedup_vs_sdpa"] = r["tokens_per_s"] / base[r["block_size"]]
-        b = bare.get((r["backend"], r["block_size"]))
-        if b is not None:
-            r["tokens_per_s_vs_bare"] = r["tokens_per_s"] / b["tokens_per_s"]
-            if r["peak_mem_gib"] and b["peak_mem_gib"]:
-                r["peak_mem_vs_bare"] = r["peak_mem_gib"] / b["peak_mem_gib"]
+        if r["backend"] == "sdpa":
+            sdpa.setdefault(r["block_size"], []).append(r["tokens_per_s"])
+    for i, r in enumerate(rows):
+        if r["loop"] != "trainer":
+            continue
+        if r["block_size"] in sdpa:
+            r["speedup_vs_sdpa"] = r["tokens_per_s"] / statistics.mean(sdpa[r["block_size"]])
+        key = (r["backend"], r["block_size"])
+        bare = [j for j, b in enumerate(rows) if b["loop"] == "bare" and (b["backend"], b["block_size"]) == key]
+        before = next((rows[j] for j in reversed(bare) if j < i), None)
+        after = next((rows[j] for j in bare if j > i), None)
+        bares = [b for b in (before, after) if b is not None]
+        if not bares:
+            continue
+        r["tokens_per_s_vs_bare_before"] = before and r["tokens_per_s"] / before["tokens_per_s"]
+        r["tokens_per_s_vs_bare_after"] = after and r["tokens_per_s"] / after["tokens_per_s"]
+        r["tokens_per_s_vs_bare"] = r["tokens_per_s"] / statistics.mean(b["tokens_per_s"] for b in bares)
+        if r["peak_mem_gib"] and all(b["peak_mem_gib"] for b in bares):
+            r["peak_mem_vs_bare"] = r["peak_mem_gib"] / statistics.mean(b["peak_mem_gib"] for b in bares)
 
 
 def print_table(rows):
-    cell = lambda x, f, width: format("-" if x is None else format(x, f), f">{width}")
-    print(f"{'backend':<11} {'loop':<7} {'context':>7} {'batch':>5} {'step ms':>9} {'tokens/s':>11} {'MFU %':>6} "
-          f"{'mem GiB':>8} {'loss':>7} {'vs sdpa':>7} {'vs bare tok/s':>13} {'vs bare mem':>11}")
+    cell = lambda x, f, width: format("-" if x is None else format(x, f), f">{width}")  # noqa: E731
+    print(f"{'backend':<11} {'loop':<9} {'context':>7} {'batch':>5} {'step ms':>9} {'mean ms':>9} {'tokens/s':>11} "
+          f"{'MFU %':>6} {'mem GiB':>8} {'loss':>7} {'vs sdpa':>7} {'vs bare tok/s':>13} {'before':>7} {'after':>7} "
+          f"{'vs bare mem':>11}")
     for r in rows:
-        print(f"{r['backend']:<11} {r['loop']:<7} {r['block_size']:>7} {r['batch_size']:>5} {r['step_time_ms']:>9.2f} "
-              f"{r['tokens_per_s']:>11,.0f} {cell(r['mfu'] and 100 * r['mfu'], '.1f', 6)} "
+        loop = f"{r['loop']} {r['run']}"
+        print(f"{r['backend']:<11} {loop:<9} {r['block_size']:>7} {r['batch_size']:>5} {r['step_time_ms']:>9.2f} "
+              f"{r['step_time_mean_ms']:>9.2f} {r['tokens_per_s']:>11,.0f} "
+              f"{cell(r['mfu'] and 100 * r['mfu'], '.1f', 6)} "
               f"{cell(r['peak_mem_gib'], '.2f', 8)} {r['final_train_loss']:>7.4f} {cell(r['speedup_vs_sdpa'], '.2f', 7)} "
-              f"{cell(r['tokens_per_s_vs_bare'], '.3f', 13)} {cell(r['peak_mem_vs_bare'], '.3f', 11)}")
+              f"{cell(r['tokens_per_s_vs_bare'], '.3f', 13)} {cell(r['tokens_per_s_vs_bare_before'], '.3f', 7)} "
+              f"{cell(r['tokens_per_s_vs_bare_after'], '.3f', 7)} {cell(r['peak_mem_vs_bare'], '.3f', 11)}")
 
 
 def write(rows, out_dir, stem, meta):
@@ -142,7 +169,10 @@ def plot(rows, path, meta):
     import matplotlib.pyplot as plt
 
     contexts = sorted({r["block_size"] for r in rows})
-    series = lambda r: r["backend"] if r["loop"] == "trainer" else f"{r['backend']} (bare loop)"  # noqa: E731
+    def series(r):
+        name = r["backend"] if r["loop"] == "trainer" else f"{r['backend']} (bare loop)"
+        return name if r["run"] == 1 else f"{name} #{r['run']}"
+
     backends = list(dict.fromkeys(series(r) for r in rows))
     fig, ax = plt.subplots(figsize=(max(5, 1.6 * len(contexts) * len(backends) / 2), 4))
     width = 0.8 / len(backends)
@@ -165,13 +195,17 @@ def plot(rows, path, meta):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--backends", default="fa1,fa2,sdpa", help=f"comma-separated, from {', '.join(BACKENDS[1:])}")
     parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per backend")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps first (compile, autotune)")
     parser.add_argument("--baseline", action="store_true",
-                        help="also run the bare training loop (bench.baseline) per backend; report ratios to it")
-    parser.add_argument("--sweep", default="", help="context lengths for the sweep, e.g. 1024,2048,4096,8192")
+                        help="also run the bare training loop (bench.baseline) per backend, before and after the "
+                             "trainer; report ratios to it")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="with --baseline: trainer runs per backend, each followed by a bare run")
+    parser.add_argument("--sweep", default="",
+                        help="context lengths for a sweep, e.g. 1024,2048,4096,8192 (none by default)")
     parser.add_argument("--sweep-tokens", type=int, default=32768, help="tokens per step in the sweep")
     parser.add_argument("--name", default=f"throughput_{time.strftime('%Y-%m-%d_%H-%M-%S')}",
                         help="run group: runs/<name>/<backend>, W&B group <name>")
@@ -180,9 +214,9 @@ def main(argv=None):
 
     backends = args.backends.split(",")
     bad = [b for b in backends if b not in BACKENDS or b == "auto"]
-    if bad or args.steps < 1 or args.warmup < 0:
+    if bad or args.steps < 1 or args.warmup < 0 or args.repeats < 1:
         parser.error(f"--backends: unknown {bad}; accepted {', '.join(BACKENDS[1:])}" if bad
-                     else "--steps must be >= 1 and --warmup >= 0")
+                     else "--steps and --repeats must be >= 1 and --warmup >= 0")
     sweep = [int(c) for c in args.sweep.split(",") if c]
     if any(c < 1 or args.sweep_tokens % c for c in sweep):
         parser.error(f"--sweep lengths must be positive divisors of --sweep-tokens={args.sweep_tokens}")
@@ -216,9 +250,14 @@ def main(argv=None):
 
     rows = []
     for overrides, b, label in jobs:
-        if args.baseline:
-            rows.append(run_bare(overrides, b, out_dir, f"{label}_bare", args.warmup, args.steps))
-        rows.append(run_backend(overrides, b, out_dir, label, args.warmup, args.steps))
+        if not args.baseline:
+            rows.append(run_backend(overrides, b, out_dir, label, args.warmup, args.steps))
+            continue
+        rows.append(run_bare(overrides, b, out_dir, f"{label}_bare", args.warmup, args.steps, run=1))
+        for k in range(1, args.repeats + 1):  # trainer, bare, trainer, bare, ...: order effects show in the bare runs
+            rows.append(run_backend(overrides, b, out_dir, label if k == 1 else f"{label}_{k}", args.warmup,
+                                    args.steps, run=k))
+            rows.append(run_bare(overrides, b, out_dir, f"{label}_bare", args.warmup, args.steps, run=k + 1))
     add_speedups(rows)
     print_table(rows)
     write(rows, out_dir, "throughput", meta)

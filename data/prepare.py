@@ -112,7 +112,9 @@ def prepare_data(cfg) -> PreparedData:
     for path in remove_stale_temp_files(folder):
         log.info("removed %s, left by a process that was stopped while writing it", path)
     meta_path = folder / "meta.json"
+    reason = "first use of this data config"
     if meta_path.exists():
+        reason = "rebuilding it"
         try:
             data = load_prepared(folder)
             if data.train_docs is not None or not cfg.get("document_mask"):
@@ -122,7 +124,7 @@ def prepare_data(cfg) -> PreparedData:
         except (ValueError, OSError, KeyError) as e:  # a derived cache: rebuild rather than fail
             log.warning("token cache %s is unusable (%s); rebuilding it", folder, e)
         meta_path.unlink(missing_ok=True)  # the folder counts as incomplete until the rebuild writes a new one
-    log.info("preparing token cache %s (first use of this data config)", folder)
+    log.info("preparing token cache %s (%s)", folder, reason)
     created = not folder.exists()
     try:
         with _sigterm_raises():

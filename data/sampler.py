@@ -41,6 +41,7 @@ class BatchSampler:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
         self.tokens, self.block_size, self.batch_size = tokens, block_size, batch_size
+        self._rows = tokens.view(np.ndarray)  # slices of a np.memmap are memmaps, each several us to make
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.device = torch.device(device)
         self.doc_starts = None if doc_starts is None else np.asarray(doc_starts, dtype=np.int64)
@@ -59,13 +60,19 @@ class BatchSampler:
         """(x, y), both int64 (batch_size, block_size) on ``device``; y is x shifted by one token.
         With doc_starts: (x, y, cu_seqlens), cu_seqlens int32 (see the module docstring)."""
         ix = self._offsets().tolist()
-        windows = np.stack([self.tokens[i: i + self.block_size + 1] for i in ix]).astype(np.int64)
+        T, pin = self.block_size, self.device.type == "cuda"
+        windows = np.empty((len(ix), T + 1), dtype=np.int64)
+        for b, i in enumerate(ix):  # row by row from a plain view: 2-4x less host time than np.stack + astype
+            windows[b] = self._rows[i: i + T + 1]
         w = torch.from_numpy(windows)
-        batch = [w[:, :-1].contiguous(), w[:, 1:].contiguous()]
+        # On CUDA x and y are written straight into pinned memory (no pageable copy first), then copied asynchronously.
+        batch = [torch.empty((len(ix), T), dtype=torch.int64, pin_memory=pin).copy_(part)
+                 for part in (w[:, :-1], w[:, 1:])]
         if self.doc_starts is not None:
-            batch.append(torch.from_numpy(self._cu_seqlens(ix)))
-        if self.device.type == "cuda":
-            batch = [t.pin_memory().to(self.device, non_blocking=True) for t in batch]
+            cu_seqlens = torch.from_numpy(self._cu_seqlens(ix))
+            batch.append(cu_seqlens.pin_memory() if pin else cu_seqlens)
+        if pin:
+            batch = [t.to(self.device, non_blocking=True) for t in batch]
         return tuple(batch)
 
     def _cu_seqlens(self, offsets: list[int]) -> np.ndarray:

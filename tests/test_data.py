@@ -109,14 +109,18 @@ def test_interrupted_preparation_leaves_no_files(make_cfg, monkeypatch):
     assert (data.dir / "meta.json").exists()
 
 
-def test_corrupt_cache_is_rebuilt(make_cfg):
+def test_corrupt_cache_is_rebuilt(make_cfg, caplog):
     cfg = data_cfg(make_cfg, "data.name=corrupt_cache")
     data = prepare_data(cfg)
     expected = np.array(data.train)
     with open(data.dir / "train.bin", "r+b") as f:  # truncate: a damaged cache file
         f.truncate(10)
+    caplog.set_level("INFO", logger="data.prepare")
     rebuilt = prepare_data(cfg)
     assert np.array_equal(rebuilt.train, expected)
+    # Said once, as a rebuild (it was also called the first use of the data config).
+    assert "is unusable" in caplog.text and f"preparing token cache {data.dir} (rebuilding it)" in caplog.text
+    assert "first use" not in caplog.text
 
 
 ROOT = Path(__file__).resolve().parents[1]

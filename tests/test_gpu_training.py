@@ -30,3 +30,30 @@ def test_fullgraph_compile_matches_eager(attn):
     torch.testing.assert_close(loss, loss_eager, rtol=2e-2, atol=2e-2)
     for p, g in zip(model.parameters(), grads_eager):
         assert ((p.grad - g).norm() / g.norm().clamp_min(1e-12)).item() < 5e-2
+
+
+def test_reading_a_step_waits_for_that_step_only(make_cfg):
+    """The one-step-late read: a step's numbers reach the host once that step is done, whatever was queued after it.
+    (Read with .tolist(), their copy was queued behind the next step, so the read waited for that one too and the
+    GPU idled while the host logged and queued the step after: ~0.9 ms a step of GPT-2 on the H200.)"""
+    import math
+    import time
+    from pathlib import Path
+
+    from trainer.loop import Trainer
+    from trainer.runtime import DistInfo
+    from trainer.stop import StopRequest
+
+    cfg = make_cfg("trainer.device=cuda", "trainer.dtype=bf16", "run.name=late_read")
+    trainer = Trainer(cfg, Path(cfg.run.root) / "late_read", DistInfo(), torch.device("cuda"), torch.bfloat16, "sdpa")
+    try:
+        start = trainer.timer.mark()
+        queued = trainer.train_step(StopRequest())
+        torch.cuda._sleep(2_000_000_000)  # about a second of GPU time, queued after the step
+        t0 = time.perf_counter()
+        record, _ = trainer.read(queued, start)
+        waited = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        assert waited < 0.3 and math.isfinite(record["train/loss"]), waited
+    finally:
+        trainer.logger.close()

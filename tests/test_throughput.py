@@ -2,6 +2,9 @@
 
 import csv
 import json
+import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -95,19 +98,48 @@ def test_bare_loop_computes_what_the_trainer_computes(make_cfg):
 
 
 def test_baseline_rows_and_ratios(tmp_path, tiny_overrides, capsys):
+    """The bare loop runs before and after each trainer run; a trainer row has its ratio to both and to their mean."""
     overrides = [o for o in tiny_overrides if not o.startswith(("run.", "attn=", "trainer.max_steps"))]
     overrides += [f"run.root={tmp_path}", "model.n_layer=1", "model.block_size=16", "trainer.batch_size=2"]
-    rows = throughput.main(["--backends", "sdpa", "--baseline", "--steps", "2", "--warmup", "1", "--name", "base",
-                            *overrides])
-    assert [(r["backend"], r["loop"]) for r in rows] == [("sdpa", "bare"), ("sdpa", "trainer")]
-    bare, trainer = rows
-    assert trainer["tokens_per_s_vs_bare"] == pytest.approx(trainer["tokens_per_s"] / bare["tokens_per_s"])
-    assert trainer["peak_mem_vs_bare"] is None  # CPU: no CUDA memory figures
-    assert bare["tokens_per_s_vs_bare"] is None and bare["speedup_vs_sdpa"] is None
-    assert bare["final_train_loss"] == trainer["final_train_loss"]  # the same computation
-    assert "vs bare tok/s" in capsys.readouterr().out
+    rows = throughput.main(["--backends", "sdpa", "--baseline", "--repeats", "2", "--steps", "3", "--warmup", "1",
+                            "--name", "base", *overrides])
+    assert [(r["loop"], r["run"]) for r in rows] == [("bare", 1), ("trainer", 1), ("bare", 2), ("trainer", 2),
+                                                     ("bare", 3)]
+    bare1, trainer1, bare2, trainer2, bare3 = rows
+    for trainer, before, after in ((trainer1, bare1, bare2), (trainer2, bare2, bare3)):
+        tps = trainer["tokens_per_s"]
+        assert trainer["tokens_per_s_vs_bare_before"] == pytest.approx(tps / before["tokens_per_s"])
+        assert trainer["tokens_per_s_vs_bare_after"] == pytest.approx(tps / after["tokens_per_s"])
+        mean_bare = (before["tokens_per_s"] + after["tokens_per_s"]) / 2
+        assert trainer["tokens_per_s_vs_bare"] == pytest.approx(tps / mean_bare)
+        assert trainer["peak_mem_vs_bare"] is None  # CPU: no CUDA memory figures
+        assert trainer["final_train_loss"] == before["final_train_loss"]  # the same computation
+    for r in rows:  # both loops: the median of per-step times, the mean beside it
+        assert r["step_time_ms"] > 0 and r["step_time_mean_ms"] > 0
+        assert r["tokens_per_s"] == pytest.approx(r["tokens_per_step"] / (r["step_time_ms"] / 1e3))
+    assert all(r["tokens_per_s_vs_bare"] is None and r["speedup_vs_sdpa"] is None for r in (bare1, bare2, bare3))
+    out = capsys.readouterr().out
+    assert "vs bare tok/s" in out and "before" in out and "bare 3" in out
     table = json.loads((tmp_path / "base" / "throughput.json").read_text())["rows"]
     assert table == rows and (tmp_path / "base" / "throughput.png").stat().st_size > 0
+
+
+def test_bare_loop_times_every_step_like_the_trainer(make_cfg):
+    from bench.baseline import run_bare_loop
+
+    steps_seen = []
+    bare = run_bare_loop(make_cfg("trainer.max_steps=5", "eval.interval=0", "ckpt.interval=0"), warmup=2, steps=3,
+                         on_step=steps_seen.append)
+    assert steps_seen == [0, 1, 2, 3, 4] and len(bare["step_times_s"]) == 3 and len(bare["losses"]) == 5
+    assert bare["step_time_s"] == statistics.median(bare["step_times_s"])
+    assert bare["step_time_mean_s"] == pytest.approx(statistics.mean(bare["step_times_s"]))
+
+
+def test_bench_help_shows_defaults():
+    for module in ("throughput", "masks", "profile_step"):
+        out = subprocess.run([sys.executable, "-m", f"bench.{module}", "--help"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0 and "(default: " in out.stdout, out.stderr[-2000:]
 
 
 @pytest.mark.gpu

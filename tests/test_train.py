@@ -388,7 +388,8 @@ def test_a_failed_checkpoint_write_is_one_line_without_traceback(tiny_overrides,
 
 def test_a_refused_run_leaves_the_run_folder_untouched(tiny_overrides, tmp_path):
     """resume=never on a folder with checkpoints (and resume=<older step> into it) exits before Hydra
-    rewrites that run's .hydra/config.yaml or appends to its train.log."""
+    rewrites that run's .hydra/config.yaml or appends to its train.log. A run train() refuses (a bad value, another
+    model shape than the checkpoint's) writes nothing into train.log either; only the lock file names the new PID."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     args = [a for a in tiny_overrides if not a.startswith(("run.", "trainer.max_steps"))] + [
         f"run.root={tmp_path}", "run.name=kept", "ckpt.interval=1", "ckpt.keep_last=3"]
@@ -405,6 +406,15 @@ def test_a_refused_run_leaves_the_run_folder_untouched(tiny_overrides, tmp_path)
         assert bad.returncode == 1 and message in bad.stderr, bad.stderr[-3000:]
         assert "Traceback" not in bad.stderr
         assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in run_dir.rglob("*") if p.is_file()} == before
+    before = {p: v for p, v in before.items() if p.name != ".lock"}
+    for extra, message in ((["optim.lr=-1"], "optim.lr=-1.0: must be > 0"),
+                           (["model.n_layer=3"], "the model or tokenizer differs")):
+        bad = subprocess.run([sys.executable, "train.py", *args, "trainer.max_steps=5", *extra], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=300)
+        out = bad.stdout + bad.stderr
+        assert bad.returncode == 1 and message in out and "Traceback" not in out, out[-3000:]
+        assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in run_dir.rglob("*")
+                if p.is_file() and p.name != ".lock"} == before
 
 
 def test_orphans_of_a_killed_save_are_removed_when_the_run_starts(make_cfg, caplog):

@@ -35,6 +35,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from data.prepare import TOKENIZERS
 from data.sources import SOURCES
 from model.attention import BACKENDS, REGISTRY, head_dim_limits, mask_backends, resolve_backend
+from trainer.config_help import option_table
 from trainer.runtime import NO_CUDA
 
 
@@ -187,9 +188,7 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="config_schema", node=Config)
     OmegaConf.register_new_resolver("run_dir", _run_dir, replace=True)
     OmegaConf.register_new_resolver("default_run_name", default_run_name, replace=True)
-    from trainer.config_help import option_table  # imports this module
-
-    OmegaConf.register_new_resolver("option_table", option_table, replace=True)
+    OmegaConf.register_new_resolver("option_table", functools.partial(option_table, schema=Config), replace=True)
 
 
 class ConfigError(ValueError):
@@ -310,17 +309,24 @@ def _check_grad_accum(check, grad_accum, world_size: int) -> None:
 
 
 def _check_optim(check, o) -> None:
-    for key in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "eps", "grad_clip"):
-        check(math.isfinite(o[key]), f"optim.{key}", "must be a finite number (not inf or nan)")
-    check(o.lr > 0, "optim.lr", "must be > 0")
-    check(0.0 <= o.min_lr_ratio <= 1.0, "optim.min_lr_ratio", "must be in [0, 1]")
-    check(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
-    check(o.decay_steps >= 0, "optim.decay_steps", "must be >= 0")
-    check(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
-    check(0.0 <= o.beta1 < 1.0, "optim.beta1", "must be in [0, 1)")
-    check(0.0 <= o.beta2 < 1.0, "optim.beta2", "must be in [0, 1)")
-    check(o.eps > 0, "optim.eps", "must be > 0")
-    check(o.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 = no clipping)")
+    non_finite = [key for key in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "eps", "grad_clip")
+                  if not math.isfinite(o[key])]
+    for key in non_finite:
+        check(False, f"optim.{key}", "must be a finite number (not inf or nan)")
+
+    def in_range(ok: bool, key: str, msg: str) -> None:  # one line per key: a non-finite value has had its own
+        if key not in non_finite:
+            check(ok, f"optim.{key}", msg)
+
+    in_range(o.lr > 0, "lr", "must be > 0")
+    in_range(0.0 <= o.min_lr_ratio <= 1.0, "min_lr_ratio", "must be in [0, 1]")
+    in_range(o.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+    in_range(o.decay_steps >= 0, "decay_steps", "must be >= 0")
+    in_range(o.weight_decay >= 0, "weight_decay", "must be >= 0")
+    in_range(0.0 <= o.beta1 < 1.0, "beta1", "must be in [0, 1)")
+    in_range(0.0 <= o.beta2 < 1.0, "beta2", "must be in [0, 1)")
+    in_range(o.eps > 0, "eps", "must be > 0")
+    in_range(o.grad_clip >= 0, "grad_clip", "must be >= 0 (0 = no clipping)")
 
 
 def _check_backend(check, backend: str, m, t) -> None:

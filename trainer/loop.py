@@ -70,7 +70,8 @@ class TrainSummary:
 
 @dataclass
 class QueuedStep:
-    """A step queued on the device, its numbers not read yet: stats = [loss, (DDP: stop votes,) grad norm]."""
+    """A step queued on the device, its numbers not read yet: stats = [loss, (DDP: stop votes,) grad norm], a
+    host tensor (on CUDA: pinned, filled by a copy queued right behind the step's work) valid once ``done`` is."""
     step: int
     tokens_seen: int
     lr: float
@@ -128,6 +129,10 @@ class Trainer:
             on_accept()
         self.grad_accum = resolved_grad_accum(cfg, dist.world_size)
         self.micro_steps = self.grad_accum // dist.world_size  # micro-batches per step on this rank
+        # Plain values for the per-step code: each OmegaConf lookup costs 10-20 us of host time.
+        o = cfg.optim
+        self.lr_args = (float(o.lr), int(o.warmup_steps), int(o.decay_steps), float(o.min_lr_ratio))
+        self.max_norm = o.grad_clip if o.grad_clip > 0 else math.inf
         self.state = self._build_state()
         self.run_model, self.eval_model = self._wrap(self.state.model)
         self.throughput = self._throughput()
@@ -209,8 +214,8 @@ class Trainer:
     def train_step(self, stop: StopRequest) -> QueuedStep:
         """Queue one optimizer step on the device (forward/backward of this rank's micro-batches, DDP
         all-reduce, clip, optimizer step); nothing waits for the device. Its numbers are read later."""
-        state, cfg = self.state, self.cfg
-        lr = lr_at(state.step, cfg.optim.lr, cfg.optim.warmup_steps, cfg.optim.decay_steps, cfg.optim.min_lr_ratio)
+        state = self.state
+        lr = lr_at(state.step, *self.lr_args)
         for group in state.optimizer.param_groups:
             group["lr"] = lr
         loss_sum = None
@@ -222,7 +227,8 @@ class Trainer:
                     # return_logits=False: no (B, T, vocab) logits kept alive
                     _, loss = self.run_model(x, y, return_logits=False, docs=docs[0] if docs else None)
                 # DDP averages over ranks, so the gradient is the mean over all grad_accum micro-batches.
-                loss = loss / self.micro_steps
+                if self.micro_steps > 1:  # (/ 1 would only add a kernel to the forward and one to the backward)
+                    loss = loss / self.micro_steps
                 state.scaler.scale(loss).backward()
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
         stats = [loss_sum]
@@ -231,28 +237,38 @@ class Trainer:
             reduced = torch.stack([loss_sum, stop_flag])
             all_reduce_sum(reduced, self.dist)
             stats = [reduced[0] / self.dist.world_size, reduced[1]]
-        state.scaler.unscale_(state.optimizer)
-        max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+        state.scaler.unscale_(state.optimizer)  # the scaler's calls return at once unless fp16 enabled it
         # After DDP's all-reduce the gradients, hence the norm, are the same on every rank.
-        grad_norm = torch.nn.utils.clip_grad_norm_(state.model.parameters(), max_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(state.model.parameters(), self.max_norm)
         state.scaler.step(state.optimizer)
         state.scaler.update()
         state.optimizer.zero_grad(set_to_none=True)
         state.step += 1
         state.tokens_seen += self.throughput.tokens_per_step
-        return QueuedStep(state.step, state.tokens_seen, lr, torch.stack([*stats, grad_norm.float()]), self.timer.mark())
+        stats = self._to_host(torch.stack([*stats, grad_norm.float()]))
+        return QueuedStep(state.step, state.tokens_seen, lr, stats, self.timer.mark())
+
+    def _to_host(self, stats: torch.Tensor) -> torch.Tensor:
+        """The step's stats on the host. On CUDA a non-blocking copy into pinned memory, queued now, right behind
+        this step's work: reading it later waits for this step only. (``stats.tolist()`` at read time would queue
+        its copy behind every step queued since, and wait for all of them: the device would then idle while the
+        host reads, logs and queues the next step.)"""
+        if self.device.type != "cuda":
+            return stats
+        return torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True).copy_(stats, non_blocking=True)
 
     def read(self, queued: QueuedStep, since) -> tuple[dict, bool]:
         """Wait for a queued step's numbers (the host sync) and build its record; also returns the DDP stop vote.
         Raises NonFiniteLossError (on every rank alike: the loss is the job's mean)."""
+        step_time_s = self.timer.seconds(since, queued.done)  # waits for the step's end (its stats copy included)
         train_loss, *stop_votes, grad_norm = queued.stats.tolist()
         if not math.isfinite(train_loss):
             raise NonFiniteLossError(
                 f"training loss is {train_loss} at step {queued.step}; stopped without saving this step. "
                 f"Last good checkpoint: {self.summary.checkpoint or 'none'}. Try a lower optim.lr, "
                 "more optim.warmup_steps, optim.grad_clip, or trainer.dtype=bf16/fp32.")
-        record = step_record(queued.step, queued.tokens_seen, train_loss, queued.lr, grad_norm,
-                             self.timer.seconds(since, queued.done), self.throughput, self.device)
+        record = step_record(queued.step, queued.tokens_seen, train_loss, queued.lr, grad_norm, step_time_s,
+                             self.throughput, self.device)
         return record, bool(stop_votes and stop_votes[0] > 0)
 
     def publish(self, record: dict) -> None:
@@ -293,7 +309,7 @@ class Trainer:
         evaluate, save or stop are read at once (they need the model as of that step). The step time runs
         from one step's end on the device to the next one's; evaluation and saving are not step time."""
         cfg, state, summary, single = self.cfg, self.state, self.summary, self.dist.world_size == 1
-        max_steps = cfg.trainer.max_steps
+        max_steps, eval_every, save_every = cfg.trainer.max_steps, cfg.eval.interval, cfg.ckpt.interval
         exit_code, agreed_failure = 1, False
         try:
             with StopRequest() as stop:
@@ -311,8 +327,8 @@ class Trainer:
                         self.publish(record)
                         last_done, pending = pending.done, None
                     stop_now = stop_vote or (single and stop.signum is not None)
-                    evaluate_now = state.step == max_steps or _every(cfg.eval.interval, state.step)
-                    save_now = _every(cfg.ckpt.interval, state.step)
+                    evaluate_now = state.step == max_steps or _every(eval_every, state.step)
+                    save_now = _every(save_every, state.step)
                     if not (stop_now or evaluate_now or save_now):
                         pending = queued
                         continue
@@ -333,9 +349,8 @@ class Trainer:
                 if self.last_saved != state.step:
                     self.save()
             exit_code = 0
-        except NonFiniteLossError as e:
-            log.error("%s", e)
-            agreed_failure = True  # raised by every rank at the same step
+        except NonFiniteLossError:
+            agreed_failure = True  # raised by every rank at the same step; its caller reports it (train.py logs it)
             raise
         finally:
             self._close(exit_code, agreed_failure)
