@@ -4,8 +4,8 @@ Loads the run's latest checkpoint (or the given file) onto the chosen device, re
 and tokenizer from it (no data cache needed) and prints ``--num-samples`` continuations of
 ``--prompt``, generated as one batch. Sampling: logits / temperature, optional top-k, multinomial
 (nanoGPT's sample.py); ``--top-k 1`` is greedy. With the KV cache (default) the prompt is run once and
-each new token is one decode step; ``--compile`` compiles that step, ``--compile cudagraphs`` (GPU, sdpa or
-fa2) makes it a CUDA graph.
+each new token is one decode step; ``--compile`` compiles that step, ``--cuda-graph`` (GPU; sdpa, fa2 or fa3)
+replays it as one CUDA graph, ``--compile --cuda-graph`` (or ``--compile cudagraphs``) both.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ def load_model(ckpt_path: Path, device: str = "cpu", attn: str = "sdpa"):
 
 
 def sample(model: GPT, tokenizer, prompt: str, num_tokens: int, temperature: float, top_k: int | None,
-           num_samples: int = 1, seed: int = 1337, kv_cache: bool = True, compile: bool | str = False) -> list[str]:
+           num_samples: int = 1, seed: int = 1337, kv_cache: bool = True, compile: bool | str = False,
+           cuda_graph: bool = False) -> list[str]:
     device = next(model.parameters()).device
     ids = tokenizer.encode(prompt) if prompt else []
     if not ids:  # an empty prompt starts from a newline (char) or the document separator (BPE)
@@ -54,7 +55,7 @@ def sample(model: GPT, tokenizer, prompt: str, num_tokens: int, temperature: flo
     x = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     y = model.generate(x, num_tokens, temperature=temperature, top_k=top_k, generator=gen,
-                       num_tokens=tokenizer.vocab_size, kv_cache=kv_cache, compile=compile)
+                       num_tokens=tokenizer.vocab_size, kv_cache=kv_cache, compile=compile, cuda_graph=cuda_graph)
     return [tokenizer.decode(row[len(ids):].tolist()) for row in y]
 
 
@@ -74,8 +75,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="cache keys/values: prefill the prompt once, then one decode step per token")
     ap.add_argument("--compile", nargs="?", const=True, default=False, choices=(True, "cudagraphs"),
                     metavar="cudagraphs",
-                    help="torch.compile the per-token step (the decode step with --kv-cache); '--compile cudagraphs' "
-                         "compiles a fixed-shape decode step into CUDA graphs (--kv-cache, sdpa or fa2)")
+                    help="torch.compile the transformer blocks of the per-token step (the fixed-shape decode step "
+                         "with --kv-cache); '--compile cudagraphs' = --compile --cuda-graph")
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="capture the fixed-shape decode step (eager, or compiled with --compile) as one CUDA graph "
+                         "and replay it per token (GPU, --kv-cache; sdpa, fa2 or fa3)")
     args = ap.parse_args(argv)
     for name, ok in (("--num-tokens", args.num_tokens >= 1), ("--num-samples", args.num_samples >= 1),
                      ("--temperature", args.temperature > 0), ("--top-k", args.top_k >= 0)):
@@ -86,8 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if device == "cpu" and REGISTRY[args.attn].needs_cuda:
         ap.error(f"--attn {args.attn} needs a CUDA GPU; use --attn sdpa (or fa2/fa3 under Triton's interpreter)")
-    if device == "cpu" and args.compile == "cudagraphs" and args.kv_cache:  # without the cache: refused below
-        ap.error("--compile cudagraphs needs a CUDA GPU (CUDA graphs); use --compile, or no --compile, on the CPU")
+    graphs = args.compile == "cudagraphs" or args.cuda_graph
+    if device == "cpu" and graphs and args.kv_cache:  # without the cache: refused below
+        flag = "--compile cudagraphs" if args.compile == "cudagraphs" else "--cuda-graph"
+        ap.error(f"{flag} needs a CUDA GPU (CUDA graphs); use --compile, or no --compile, on the CPU")
     try:
         ckpt_path = find_checkpoint(args.run, args.runs_root)
         model, tokenizer, ckpt = load_model(ckpt_path, device, args.attn)
@@ -97,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {ckpt_path} (step {ckpt['step']})", file=sys.stderr)
     try:
         texts = sample(model, tokenizer, args.prompt, args.num_tokens, args.temperature, args.top_k or None,
-                       args.num_samples, args.seed, args.kv_cache, args.compile)
+                       args.num_samples, args.seed, args.kv_cache, args.compile, args.cuda_graph)
     except ValueError as e:  # e.g. a prompt character outside the char vocabulary
         print(f"error: {e}", file=sys.stderr)
         return 1

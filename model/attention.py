@@ -282,9 +282,11 @@ def _split_kv(name: str) -> AttentionFn:
 
 def _sdpa_static(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlen: torch.Tensor) -> torch.Tensor:
     Tq, Tk = q.shape[2], k.shape[2]
-    # query i sits at position seqlen - Tq + i and sees the keys up to it; the rest of the buffer is masked
-    last = seqlen - Tq + torch.arange(Tq, device=q.device)
-    mask = torch.arange(Tk, device=q.device)[None, :] <= last[:, None]
+    if Tq == 1:  # a decode step: the keys 0 .. seqlen-1 (two kernels: a CUDA graph replays each one)
+        mask = (torch.arange(Tk, device=q.device) < seqlen)[None, :]
+    else:  # query i sits at position seqlen - Tq + i and sees the keys up to it; the rest of the buffer is masked
+        last = seqlen - Tq + torch.arange(Tq, device=q.device)
+        mask = torch.arange(Tk, device=q.device)[None, :] <= last[:, None]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 

@@ -207,7 +207,8 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             block.attn.kv_attention = kv_attention
 
-    def _forward_cached(self, idx: torch.Tensor, kv_cache: KVCache, start_pos: int | torch.Tensor):
+    def _forward_cached(self, idx: torch.Tensor, kv_cache: KVCache, start_pos: int | torch.Tensor,
+                        run_block: Optional[Callable] = None):
         """idx (B, T) int64 at positions start_pos .. start_pos+T-1 -> (logits (B, 1, vocab_size), None).
 
         Writes the tokens' keys and values into ``kv_cache`` and attends over positions 0 .. start_pos+T-1.
@@ -215,8 +216,9 @@ class GPT(nn.Module):
         start_pos + T > block_size (there are no position embeddings beyond it).
 
         A 0-dim integer tensor start_pos (on the model's device) keeps every shape fixed from step to step,
-        so a compiled step can be a CUDA graph: attention reads the whole cache with the positions past
-        start_pos+T-1 masked (sdpa, and fa2/fa3 for T = 1; others raise ValueError). Its range is not checked.
+        so a compiled step compiles once and a step can be a CUDA graph: attention reads the whole cache with the
+        positions past start_pos+T-1 masked (sdpa, and fa2/fa3 for T = 1; others raise ValueError). Its range is
+        not checked. ``run_block(block, x, layer_cache, start_pos)``, if given, runs each block (a compiled one).
         """
         if any(self.config.layer_window(layer) for layer in range(self.config.n_layer)):
             raise ValueError(f"the KV cache has no sliding window (model.attn_window={self.config.attn_window}); "
@@ -226,21 +228,35 @@ class GPT(nn.Module):
             raise ValueError(f"kv_cache holds {kv_cache.batch} sequences for {len(kv_cache.layers)} layers; "
                              f"got a batch of {B} for {self.config.n_layer} layers")
         if isinstance(start_pos, torch.Tensor):
-            pos = start_pos + torch.arange(T, dtype=torch.long, device=idx.device)
+            pos = start_pos.reshape(1) if T == 1 else start_pos + torch.arange(T, dtype=torch.long, device=idx.device)
         elif start_pos < 0 or start_pos + T > self.config.block_size:
             raise ValueError(f"positions {start_pos}..{start_pos + T - 1} exceed block_size={self.config.block_size}")
         else:
             pos = torch.arange(start_pos, start_pos + T, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block, layer_cache in zip(self.transformer.h, kv_cache.layers):
-            x = block(x, layer_cache, start_pos)
-        return self.lm_head(self.transformer.ln_f(x[:, [-1], :])), None
+            x = block(x, layer_cache, start_pos) if run_block is None else run_block(block, x, layer_cache, start_pos)
+        # a slice, not x[:, [-1], :]: a list index is a host tensor copied to the device at every call (not capturable)
+        return self.lm_head(self.transformer.ln_f(x[:, -1:, :])), None
+
+    def _last_logits(self, idx: torch.Tensor, run_block: Callable) -> torch.Tensor:
+        """``self(idx)[0]`` (no cache: logits (B, 1, vocab_size) of the last position), each block run through
+        ``run_block(block, x)``."""
+        pos = torch.arange(idx.size(1), dtype=torch.long, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = run_block(block, x)
+        return self.lm_head(self.transformer.ln_f(x[:, -1:, :]))
+
+    def release_decode_graph(self) -> None:
+        """Free the CUDA graph (and its KV cache) that ``generate(..., cuda_graph=True)`` keeps for the next call."""
+        self._decode_graph = None
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: Optional[int] = None, generator: Optional[torch.Generator] = None,
                  num_tokens: Optional[int] = None, kv_cache: bool = False,
-                 compile: bool | str = False) -> torch.Tensor:
+                 compile: bool | str = False, cuda_graph: bool = False) -> torch.Tensor:
         """Autoregressive sampling: idx (B, T) int64 -> (B, T + max_new_tokens).
         temperature > 0 divides the logits; top_k keeps only the k most likely tokens (top_k=1 is greedy,
         argmax); num_tokens (the tokenizer's vocabulary) excludes the padding ids >= num_tokens.
@@ -248,11 +264,22 @@ class GPT(nn.Module):
         kv_cache=False reruns the model over the last block_size tokens for every new token (nanoGPT).
         kv_cache=True prefills a ``KVCache`` with the prompt (its last block_size tokens) and then runs one
         token per step; when the cache is full it re-prefills the most recent block_size // 2 tokens.
-        compile=True runs the per-token step through ``torch.compile`` (the decode step with the cache, the
-        whole forward without); the first steps compile. compile="cudagraphs" (with kv_cache; sdpa, fa2, fa3)
-        compiles a decode step of fixed shapes (the position as a device tensor, attention over the whole
-        cache, masked) with mode="reduce-overhead", so that on a GPU each step replays one CUDA graph.
-        Raises ValueError for temperature <= 0, an empty prompt, max_new_tokens < 0 or an unknown compile.
+        Prefills run eager.
+
+        compile=True runs the transformer blocks of each step through ``torch.compile``, one block at a time
+        (regional compilation: all blocks share one compiled graph, so compiling costs one block, once per batch
+        size): with the cache, the fixed-shape decode step (the position a 0-dim device tensor, attention over
+        the whole cache with the unused part masked; sdpa, fa2, fa3), or for backends without one (fa1) the
+        decode step at an int position, compiled with dynamic shapes; without the cache, the whole context,
+        compiled with dynamic shapes (one graph for every length).
+        cuda_graph=True (with kv_cache; a CUDA device; sdpa, fa2, fa3) captures the fixed-shape decode step,
+        eager or compiled, as one CUDA graph at the first decode step and replays it for every token: a decode
+        step is launch-bound, and a replay is one launch. The graph and the cache it writes are kept on the
+        model (``release_decode_graph`` frees them) and reused by the next call with the same batch size and
+        mode, as long as the parameters stay where they are. compile="cudagraphs" is compile=True,
+        cuda_graph=True.
+        Raises ValueError for temperature <= 0, an empty prompt, max_new_tokens < 0, an unknown compile, or
+        cuda_graph without kv_cache, a static-shape decode or a CUDA device.
         """
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -260,8 +287,13 @@ class GPT(nn.Module):
             raise ValueError(f"idx must be (batch, T) token ids with T >= 1, got shape {tuple(idx.shape)}")
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if compile not in (False, True, "cudagraphs") or (compile == "cudagraphs" and not kv_cache):
+        if compile not in (False, True, "cudagraphs"):
             raise ValueError(f"compile must be False, True or 'cudagraphs' (with kv_cache=True), got {compile!r}")
+        if compile == "cudagraphs":
+            compile, cuda_graph = True, True
+        if cuda_graph and not kv_cache:
+            raise ValueError("CUDA graphs (cuda_graph=True or compile='cudagraphs') need the fixed shapes of the "
+                             "decode step: use them with kv_cache=True")
 
         def pick(logits: torch.Tensor) -> torch.Tensor:  # (B, 1, vocab) -> (B, 1) next token ids
             logits = logits[:, -1, :num_tokens].float() / temperature
@@ -273,28 +305,34 @@ class GPT(nn.Module):
             return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
 
         if kv_cache:
-            return self._generate_cached(idx, max_new_tokens, pick, compile)
-        forward = torch.compile(self) if compile else self
+            return self._generate_cached(idx, max_new_tokens, pick, bool(compile), cuda_graph)
+        run_block = compiled_block("forward") if compile else None
         for _ in range(max_new_tokens):
-            logits, _ = forward(idx[:, -self.config.block_size:])
+            context = idx[:, -self.config.block_size:]
+            logits = self(context)[0] if run_block is None else self._last_logits(context, run_block)
             idx = torch.cat((idx, pick(logits)), dim=1)
         return idx
 
     def _generate_cached(self, idx: torch.Tensor, max_new_tokens: int, pick: Callable[[torch.Tensor], torch.Tensor],
-                         compile: bool | str) -> torch.Tensor:
+                         compile: bool, cuda_graph: bool) -> torch.Tensor:
         block_size = self.config.block_size
-        cache = KVCache.for_model(self, idx.size(0))
-        # Only the per-token step is compiled; prefills (one per block_size // 2 tokens at most) stay eager.
-        decode = torch.compile(self._forward_cached) if compile is True else self._forward_cached
-        position = None  # with CUDA graphs: the decode position, a device tensor updated in place
-        if compile == "cudagraphs":
-            if self.transformer.h[0].attn.static_kv_attention is None:
-                raise ValueError(f"compile='cudagraphs': attn={self.config.attn} has no static-shape decode")
-            for layer in cache.layers:  # fixed addresses: the graphs write into these buffers
-                torch._dynamo.mark_static_address(layer.k)
-                torch._dynamo.mark_static_address(layer.v)
-            decode = torch.compile(self._forward_cached, mode="reduce-overhead")
-            position = torch.zeros((), dtype=torch.long, device=idx.device)
+        # Fixed shapes (the position a device tensor, the whole cache masked) where the backend has them, for
+        # compiled steps (one compile) and CUDA graphs; eager steps attend over the filled prefix only.
+        static = (compile or cuda_graph) and self.transformer.h[0].attn.static_kv_attention is not None
+        if cuda_graph and not static:
+            raise ValueError(f"CUDA graphs: attn={self.config.attn} has no static-shape decode; use sdpa, fa2 or fa3")
+        run_block = None if not compile else compiled_block("decode" if static else "decode_dynamic")
+        graph = None
+        if cuda_graph:
+            graph = self._reusable_decode_graph(idx.size(0), compile, idx.device)
+            cache = graph.cache
+        else:
+            cache = KVCache.for_model(self, idx.size(0))
+        position = torch.zeros((), dtype=torch.long, device=idx.device) if static and graph is None else None
+
+        def step(token: torch.Tensor, cache: KVCache, start_pos: int | torch.Tensor) -> torch.Tensor:
+            return self._forward_cached(token, cache, start_pos, run_block)[0]
+
         context = idx[:, -block_size:]
         logits, _ = self(context, kv_cache=cache, start_pos=0)  # prefill
         pos = context.size(1)  # tokens in the cache
@@ -304,9 +342,10 @@ class GPT(nn.Module):
             if i == max_new_tokens - 1:
                 break
             if pos < block_size:  # decode: one token against the cache
-                if position is not None:
-                    torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are consumed
-                logits, _ = decode(token, cache, pos if position is None else position.fill_(pos))
+                if graph is not None:
+                    logits = graph(token, pos, step)
+                else:
+                    logits = step(token, cache, pos if position is None else position.fill_(pos))
                 pos += 1
             else:
                 # The position embeddings are learned for 0..block_size-1 only, so the cache cannot slide:
@@ -317,3 +356,92 @@ class GPT(nn.Module):
                 logits, _ = self(context, kv_cache=cache, start_pos=0)
                 pos = context.size(1)
         return idx
+
+    def _reusable_decode_graph(self, batch: int, compiled: bool, device: torch.device) -> "DecodeGraph":
+        """The kept ``DecodeGraph`` if it was made for this batch size, mode, device, dtype and parameter
+        addresses (a graph reads the parameters where they were at capture), else a new one (replacing it)."""
+        key = (batch, compiled, device, next(self.parameters()).dtype, tuple(p.data_ptr() for p in self.parameters()))
+        kept = getattr(self, "_decode_graph", None)
+        if kept is None or kept[0] != key:
+            self._decode_graph = None  # free the old graph's memory first
+            self._decode_graph = (key, DecodeGraph(KVCache.for_model(self, batch)))
+        return self._decode_graph[1]
+
+
+class DecodeGraph:
+    """A decode step captured as one CUDA graph, with the buffers it reads at fixed addresses: the KV cache
+    (prefills write into it in place), the token (B, 1) and the position (a 0-dim tensor). Captured on the first
+    call; every call copies the token and the position in and replays."""
+
+    def __init__(self, cache: KVCache):
+        device = cache.layers[0].k.device
+        self.cache = cache
+        self.token = torch.zeros((cache.batch, 1), dtype=torch.long, device=device)
+        self.position = torch.zeros((), dtype=torch.long, device=device)
+        self.replay: Optional[Callable[[], torch.Tensor]] = None
+
+    def __call__(self, token: torch.Tensor, pos: int, step: Callable) -> torch.Tensor:
+        """logits (B, 1, vocab_size) of ``step(token, cache, position)`` at position ``pos``: a tensor of the
+        graph, overwritten by the next call."""
+        self.token.copy_(token)
+        self.position.fill_(pos)
+        if self.replay is None:
+            self.replay = capture_cuda_graph(lambda: step(self.token, self.cache, self.position), self.token.device)
+        return self.replay()
+
+
+def capture_cuda_graph(fn: Callable[[], torch.Tensor], device: torch.device, warmup: int = 2
+                       ) -> Callable[[], torch.Tensor]:
+    """Capture ``fn()`` as a CUDA graph; returns ``replay() -> out``, where out is the tensor fn returned during
+    the capture, overwritten by every replay. fn must read and write only tensors at fixed addresses, do the same
+    work every time, and be safe to repeat: it runs ``warmup`` times first (on a side stream, as
+    ``torch.cuda.graphs`` asks; compiling, autotuning and allocating happen there), then once in the capture,
+    which records its kernels without running them. Raises ValueError on a non-CUDA device."""
+    if torch.device(device).type != "cuda":
+        raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+
+    def replay() -> torch.Tensor:
+        graph.replay()
+        return out
+
+    return replay
+
+
+# Regional compilation for generation: one transformer block is compiled, and every block runs through that one
+# graph (the blocks share code and shapes, and their weights are inputs of the graph), so compiling costs one
+# block, not n_layer of them. One function per kind of step, as dynamo's compile cache (and its recompile limit)
+# is per function: the fixed-shape decode step (static shapes: one graph per batch size), the decode step at an
+# int position (dynamic shapes from the first call: the position is symbolic, so it does not compile for the
+# first position and again for the rest) and the uncached forward (dynamic shapes: one graph for every length).
+def _decode_block(block: Block, x: torch.Tensor, cache: LayerKVCache, start_pos: torch.Tensor) -> torch.Tensor:
+    return block(x, cache, start_pos)
+
+
+def _decode_block_dynamic(block: Block, x: torch.Tensor, cache: LayerKVCache, start_pos: int) -> torch.Tensor:
+    return block(x, cache, start_pos)
+
+
+def _forward_block(block: Block, x: torch.Tensor) -> torch.Tensor:
+    return block(x)
+
+
+_COMPILED: dict[str, Callable] = {}
+
+
+def compiled_block(kind: str) -> Callable:
+    """The compiled block function of ``kind``: 'decode' (fixed shapes), 'decode_dynamic' (int position) or
+    'forward' (no cache), made once per process."""
+    if kind not in _COMPILED:
+        fn, dynamic = {"decode": (_decode_block, False), "decode_dynamic": (_decode_block_dynamic, True),
+                       "forward": (_forward_block, True)}[kind]
+        _COMPILED[kind] = torch.compile(fn, dynamic=dynamic)
+    return _COMPILED[kind]

@@ -36,7 +36,8 @@ class LayerKVCache:
             raise ValueError(f"k/v of shape {tuple(k.shape)} do not fit a cache of shape {tuple(self.k.shape)} "
                              "(batch, n_kv_head, block_size, head_dim): batch size and heads must match")
         if isinstance(start_pos, torch.Tensor):
-            pos = start_pos + torch.arange(T, device=k.device)
+            # one token (a decode step): the position itself, a view, no kernel (a CUDA graph replays each one)
+            pos = start_pos.reshape(1) if T == 1 else start_pos + torch.arange(T, device=k.device)
             self.k.index_copy_(2, pos, k.to(self.k.dtype))
             self.v.index_copy_(2, pos, v.to(self.v.dtype))
             return self.k.to(k.dtype), self.v.to(k.dtype)

@@ -125,6 +125,9 @@ def test_cuda_device_without_gpu_is_rejected(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         sample.main(["--run", "any", "--compile", "cudagraphs"])
     assert e.value.code == 2 and "--compile cudagraphs needs a CUDA GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        sample.main(["--run", "any", "--compile", "--cuda-graph"])
+    assert e.value.code == 2 and "--cuda-graph needs a CUDA GPU" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("key", ["optim.lr", "optim.weight_decay", "optim.eps", "optim.grad_clip", "optim.beta1",

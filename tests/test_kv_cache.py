@@ -143,22 +143,103 @@ def test_static_shape_decode_matches_dynamic(attn):
     assert torch.equal(static.layers[0].k[:, :, :6], dynamic.layers[0].k[:, :, :6])  # layer 0: same inputs
 
 
-def test_cudagraphs_generation_matches_uncached(monkeypatch):
-    """compile='cudagraphs': the fixed-shape decode loop (torch.compile replaced by the identity here: on the CPU
-    there are no CUDA graphs, and test_compiled_decode_matches_uncached covers the compiler)."""
-    modes = []
-    monkeypatch.setattr(torch, "compile", lambda fn, mode=None: modes.append(mode) or fn)
+def fake_capture(captures):
+    """capture_cuda_graph for the CPU: 'replaying' runs the step again (it reads the same fixed buffers)."""
+    def capture(fn, device):
+        captures.append(device)
+        fn()  # the warm-up run of the real capture
+        return fn
+    return capture
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_cuda_graph_generation_matches_uncached(monkeypatch, compile):
+    """cuda_graph=True: the fixed-shape decode step, captured once at the first decode step, replayed per token from
+    fixed token / position buffers (the capture replaced by re-running the step: no CUDA graphs on the CPU)."""
+    import model.gpt
+
+    captures = []
+    monkeypatch.setattr(model.gpt, "capture_cuda_graph", fake_capture(captures))
+    gpt = tiny_gpt()
+    idx = torch.randint(0, 50, (2, 3))
+    expected = gpt.generate(idx, 10, top_k=1)
+    assert torch.equal(gpt.generate(idx, 10, top_k=1, kv_cache=True, compile=compile, cuda_graph=True), expected)
+    assert len(captures) == 1
+    # the next call with the same batch size and mode reuses the graph and its cache (another prompt: the cache is
+    # prefilled again in place)
+    idx2 = torch.randint(0, 50, (2, 5))
+    assert torch.equal(gpt.generate(idx2, 10, top_k=1, kv_cache=True, compile=compile, cuda_graph=True),
+                       gpt.generate(idx2, 10, top_k=1))
+    assert len(captures) == 1
+    # past block_size (re-prefills into the same cache) and with another batch size (a new graph)
+    idx3 = torch.randint(0, 50, (3, 4))
+    assert torch.equal(gpt.generate(idx3, 30, top_k=1, kv_cache=True, compile=compile, cuda_graph=True),
+                       gpt.generate(idx3, 30, top_k=1, kv_cache=True))
+    assert len(captures) == 2
+    gpt.release_decode_graph()
+    assert gpt._decode_graph is None
+
+
+def test_cuda_graph_is_recaptured_when_the_parameters_move(monkeypatch):
+    """A graph reads the parameters where they were at capture: a model moved (to float64 and back) gets a new one."""
+    import model.gpt
+
+    captures = []
+    monkeypatch.setattr(model.gpt, "capture_cuda_graph", fake_capture(captures))
+    gpt = tiny_gpt()
+    idx = torch.randint(0, 50, (1, 3))
+    first = gpt.generate(idx, 4, top_k=1, kv_cache=True, compile="cudagraphs")  # = compile=True, cuda_graph=True
+    gpt.double().float()
+    assert torch.equal(gpt.generate(idx, 4, top_k=1, kv_cache=True, compile="cudagraphs"), first)
+    assert len(captures) == 2
+
+
+def test_cuda_graph_refusals():
     model = tiny_gpt()
     idx = torch.randint(0, 50, (2, 3))
-    assert torch.equal(model.generate(idx, 10, top_k=1, kv_cache=True, compile="cudagraphs"),
-                       model.generate(idx, 10, top_k=1))
-    assert modes == ["reduce-overhead"]
     with pytest.raises(ValueError, match="with kv_cache=True"):
         model.generate(idx, 2, compile="cudagraphs")
+    with pytest.raises(ValueError, match="with kv_cache=True"):
+        model.generate(idx, 2, cuda_graph=True)
     with pytest.raises(ValueError, match="compile must be"):
         model.generate(idx, 2, kv_cache=True, compile="max-autotune")
     with pytest.raises(ValueError, match="attn=fa1 has no static-shape decode"):
-        tiny_gpt("fa1").generate(idx, 2, kv_cache=True, compile="cudagraphs")
+        tiny_gpt("fa1").generate(idx, 2, kv_cache=True, cuda_graph=True)
+    with pytest.raises(ValueError, match="need a CUDA device"):
+        model.generate(idx, 2, kv_cache=True, cuda_graph=True)  # the real capture, on the CPU
+
+
+def compiled_graphs():
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "fa1"])
+def test_compiled_decode_step_compiles_once(attn):
+    """compile=True with the cache: one compiled graph for a whole generation and for the next one, not one for the
+    first position and another for the rest (sdpa: the fixed-shape step; fa1, which has none: the int position
+    compiled with dynamic shapes); every block runs through it (regional compilation). Tokens as without the cache."""
+    torch._dynamo.reset()
+    model = tiny_gpt(attn, block_size=32)
+    idx = torch.randint(0, 50, (2, 3))
+    before = compiled_graphs()
+    out = model.generate(idx, 20, top_k=1, kv_cache=True, compile=True)
+    assert compiled_graphs() - before == 1
+    assert torch.equal(out, model.generate(idx, 20, top_k=1))
+    model.generate(torch.randint(0, 50, (2, 5)), 6, top_k=1, kv_cache=True, compile=True)  # another prompt length
+    assert compiled_graphs() - before == 1
+
+
+def test_compiled_generation_without_cache_compiles_once():
+    """compile=True without the cache: one graph (dynamic shapes) for every context length, up to and at block_size."""
+    torch._dynamo.reset()
+    model = tiny_gpt(block_size=16)
+    idx = torch.randint(0, 50, (2, 3))
+    before = compiled_graphs()
+    out = model.generate(idx, 20, top_k=1, compile=True)
+    assert compiled_graphs() - before == 1
+    assert torch.equal(out, model.generate(idx, 20, top_k=1))
 
 
 def test_kv_cache_refuses_a_sliding_window_and_generation_without_it_works():
@@ -169,3 +250,29 @@ def test_kv_cache_refuses_a_sliding_window_and_generation_without_it_works():
     with pytest.raises(ValueError, match="KV cache has no sliding window"):
         model.generate(idx, 3, kv_cache=True)
     assert model.generate(idx, 3, kv_cache=False).shape == (1, 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("attn", ["sdpa", "fa2"])
+def test_cuda_graph_decode_on_gpu(attn, compile):
+    """The real capture: a replay gives the logits of the fixed-shape step run without a graph, the graph is kept for
+    the next generation, and the compiled graph generates the compiled step's tokens."""
+    torch.manual_seed(0)
+    model = tiny_gpt(attn, block_size=64).cuda()
+    idx = torch.randint(0, 50, (2, 6), device="cuda")
+    tokens = model.generate(idx, 12, top_k=1, kv_cache=True, compile=compile, cuda_graph=True)
+    graph = model._decode_graph[1]
+    replay = graph.replay
+    assert replay is not None and tokens.shape == (2, 18)
+    if compile:  # the same compiled kernels without the graph
+        assert torch.equal(tokens, model.generate(idx, 12, top_k=1, kv_cache=True, compile=True))
+    again = model.generate(idx, 12, top_k=1, kv_cache=True, compile=compile, cuda_graph=True)
+    assert torch.equal(again, tokens) and model._decode_graph[1].replay is replay  # not captured again
+    reference = KVCache.for_model(model, 2)
+    for cache in (reference, graph.cache):
+        model(tokens[:, :16], kv_cache=cache, start_pos=0)
+    logits = graph(tokens[:, 16:17], 16, None)  # a replay (the step is only needed for a capture)
+    expected, _ = model(tokens[:, 16:17], kv_cache=reference, start_pos=torch.tensor(16, device="cuda"))
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
