@@ -5,7 +5,7 @@ import torch
 
 from model.gpt import GPT, GPTConfig
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("attn", ["fa2", "fa1"])
