@@ -43,22 +43,26 @@ def flops(batch, n_heads, seqlen, head_dim, causal, direction):
     return forward if direction == "fwd" else 2.5 * forward
 
 
-def measure(attention, batch, n_heads, seqlen, head_dim, causal, dtype):
-    """Median milliseconds of forward and of backward alone; None where the backend refuses the shape."""
+def measure(attention, batch, n_heads, seqlen, head_dim, causal, dtype, device="cuda"):
+    """Median milliseconds of forward and of backward alone; None where the backend refuses the shape.
+    The backward is timed by calling it repeatedly on one graph (retain_graph=True), compiled backends included."""
     from triton.testing import do_bench
 
-    q, k, v = (torch.randn(batch, n_heads, seqlen, head_dim, device="cuda", dtype=dtype, requires_grad=True)
-               for _ in range(3))
-    try:
+    # A compiled backward may reuse ("donate") the buffers saved for it, which forbids retain_graph=True: off for
+    # the graphs compiled in here.
+    with torch._functorch.config.patch(donated_buffer=False):
+        q, k, v = (torch.randn(batch, n_heads, seqlen, head_dim, device=device, dtype=dtype, requires_grad=True)
+                   for _ in range(3))
+        try:
+            o = attention(q, k, v, causal)
+            do = torch.randn_like(o)
+            o.backward(do)  # warm-up and autotuning of the backward kernels
+        except RuntimeError as err:  # e.g. an SDPA backend that does not support this shape or GPU
+            print(f"  skipped: {str(err).splitlines()[0][:100]}")
+            return None, None
+        fwd = do_bench(lambda: attention(q, k, v, causal), return_mode="median")
         o = attention(q, k, v, causal)
-        do = torch.randn_like(o)
-        o.backward(do)  # warm-up and autotuning of the backward kernels
-    except RuntimeError as err:  # e.g. an SDPA backend that does not support this shape or GPU
-        print(f"  skipped: {str(err).splitlines()[0][:100]}")
-        return None, None
-    fwd = do_bench(lambda: attention(q, k, v, causal), return_mode="median")
-    o = attention(q, k, v, causal)
-    bwd = do_bench(lambda: o.backward(do, retain_graph=True), grad_to_none=[q, k, v], return_mode="median")
+        bwd = do_bench(lambda: o.backward(do, retain_graph=True), grad_to_none=[q, k, v], return_mode="median")
     return fwd, bwd
 
 

@@ -10,9 +10,9 @@ The output o has q's shape and dtype. Inputs may be float32, float16 or bfloat16
 ``window`` > 0 restricts each query to itself and the window - 1 keys before it (sliding-window
 attention; 0 = full causal). ``docs`` (int32 cu_seqlens over the flattened (B * T) batch, from
 ``data.sampler``) restricts each token to its own document segment. fa2 does both in the kernel
-(``fa2_varlen_attention`` for docs) and skips the key blocks outside them; ``sdpa`` applies a dense
-boolean mask (correct, but off PyTorch's fast kernels; it warns once); the others refuse them
-(the ``Backend`` fields ``supports_window``, ``supports_docs``).
+(``fa2_varlen_attention`` for docs) and skips the key blocks outside them; ``flex`` through FlexAttention's
+block masks; ``sdpa`` applies a dense boolean mask (correct, but off PyTorch's fast kernels; it warns once);
+the others refuse them (the ``Backend`` fields ``supports_window``, ``supports_docs``).
 
 Backends:
 - ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention(is_causal=True, enable_gqa=...)``,
@@ -23,15 +23,18 @@ Backends:
   before anything imports triton), which is very slow.
   They have no attention dropout: ``dropout_p > 0`` raises ``ValueError`` (config validation
   rejects ``model.dropout > 0`` with these backends before training starts).
+- ``flex``: PyTorch FlexAttention (``torch.nn.attention.flex_attention``) with block masks for the causal
+  mask, windows and documents (``model/flex.py``); compiled on CUDA, PyTorch's eager (unfused, slow)
+  implementation on the CPU. No attention dropout.
 - ``sdpa_flash`` / ``sdpa_cudnn``: SDPA pinned to PyTorch's FlashAttention-2 or cuDNN kernel
   (``torch.nn.attention.sdpa_kernel``), for comparing against a known kernel; fails where PyTorch
   has no such kernel for the inputs (cuDNN: CUDA only).
 - ``auto``: ``fa2`` when a CUDA GPU is present, ``sdpa`` otherwise (see ``resolve_backend``).
 
 ``REGISTRY`` holds one ``Backend`` entry per concrete backend: its kernel factory and what the rest of the
-code asks about it (needs CUDA, dropout, windows, documents, head_dim range). Config validation,
-``sample.py --attn``, ``bench/attention.py`` and the tests derive from it. A new backend = a kernel module,
-one entry here and a ``conf/attn/<name>.yaml`` (``backend: <name>``).
+code asks about it (needs CUDA, dropout, windows, documents, head_dim range, torch.compile on the CPU). Config
+validation, ``sample.py --attn``, ``bench/attention.py`` and the tests derive from it. A new backend = a kernel
+module, one entry here and a ``conf/attn/<name>.yaml`` (``backend: <name>``).
 
 For generation with a KV cache, ``get_kv_backend`` gives the same backends for seqlen_q <= seqlen_k
 (new queries against the cached prefix), with the causal mask aligned bottom-right, and
@@ -80,6 +83,7 @@ class Backend:
     head_dims: Optional[Callable[[], tuple[int, int]]] = None
     supports_window: bool = False  # window > 0 (model.attn_window)
     supports_docs: bool = False  # docs (data.document_mask)
+    compiles_on_cpu: bool = True  # torch.compile (trainer.compile) can train the model on the CPU
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, causal: bool = True,
@@ -105,11 +109,17 @@ def _dense_mask(batch: int, seqlen: int, window: int, docs: Optional[torch.Tenso
     i = torch.arange(seqlen, device=device)[:, None]
     j = torch.arange(seqlen, device=device)[None, :]
     mask = (j <= i) & (j > i - window) if window else j <= i
-    if docs is not None:  # segment index of every token of the flattened batch
-        segment = torch.searchsorted(docs, torch.arange(batch * seqlen, device=device, dtype=docs.dtype), right=True)
-        segment = segment.view(batch, seqlen)
+    if docs is not None:
+        segment = segment_ids(docs, batch, seqlen)
         mask = mask & (segment[:, :, None] == segment[:, None, :])
     return mask.view(-1, 1, seqlen, seqlen)
+
+
+def segment_ids(docs: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
+    """(batch, seqlen) index of the segment of ``docs`` (int32 cu_seqlens of the flattened batch * seqlen tokens)
+    that each token lies in, same dtype and device as docs; two tokens may attend to each other only if equal."""
+    flat = torch.arange(batch * seqlen, device=docs.device, dtype=docs.dtype)
+    return torch.searchsorted(docs, flat, right=True).view(batch, seqlen)
 
 
 _LOADED: dict[str, Callable] = {}  # kernel functions already imported (warn once per backend)
@@ -188,6 +198,15 @@ def _triton_head_dims(name: str) -> Callable[[], tuple[int, int]]:
     return head_dims
 
 
+def _flex_backend() -> AttentionFn:
+    try:
+        flex = importlib.import_module("model.flex")
+    except ImportError as e:  # torch < 2.5 has no torch.nn.attention.flex_attention
+        raise BackendUnavailableError(f"attn=flex is not available with torch {torch.__version__} "
+                                      f"({type(e).__name__}: {e}); it needs torch >= 2.5") from e
+    return flex.factory()
+
+
 def _refuse_masks(name: str, window: int, docs: Optional[torch.Tensor]) -> None:
     entry = REGISTRY[name]
     if window and not entry.supports_window:
@@ -209,6 +228,8 @@ REGISTRY: dict[str, Backend] = {b.name: b for b in (
             head_dims=_triton_head_dims("fa1")),
     Backend("fa2", lambda: _triton_backend("fa2"), "our Triton FlashAttention-2 kernel",
             head_dims=_triton_head_dims("fa2"), supports_window=True, supports_docs=True),
+    Backend("flex", _flex_backend, "PyTorch FlexAttention with block masks (compiled on CUDA)",
+            supports_window=True, supports_docs=True, compiles_on_cpu=False),  # Inductor has no CPU Flex backward
     Backend("fa3", lambda: _triton_backend("fa3"),
             "our FlashAttention-3 forward (Gluon, Hopper) with FA2's backward; FA2 elsewhere",
             head_dims=_triton_head_dims("fa3")),
@@ -312,7 +333,7 @@ def get_kv_backend(name: str, split_kv: bool = False) -> AttentionFn:
     with q (B, n_head, T_q, head_dim) the new tokens and k, v (B, n_kv_head, T_k, head_dim) every token so far,
     T_q <= T_k: query i sees key j iff j <= i + T_k - T_q (causal mask aligned bottom-right).
 
-    fa1/fa2/fa3 are ``get_backend``'s functions (the kernels align the mask bottom-right already); sdpa gets no
+    fa1/fa2/fa3/flex are ``get_backend``'s functions (they align the mask bottom-right already); sdpa gets no
     mask for T_q == 1, ``is_causal`` for T_q == T_k and an explicit boolean mask otherwise, which
     ``sdpa_flash`` does not accept. ``split_kv`` (fa2, fa3) sends single-query calls (decode steps) to the
     split-K/V kernel ``kernels.decode.fa2_decode`` (flash-decoding). Raises as ``get_backend``, and

@@ -3,6 +3,9 @@
 Without a CUDA GPU the Triton kernels run through Triton's interpreter, which must be switched on before
 anything imports triton (Triton reads TRITON_INTERPRET when triton.language and the kernels are decorated).
 
+A test that needs a CUDA GPU is marked `gpu` and nothing else: the marker skips it without CUDA (below) and
+`python -m pytest -m gpu` selects every such test.
+
 Trainer tests: no network, every generated file in a temporary folder, tiny configs. The environment
 variables below are set at import, before wandb / datasets are imported by any test.
 """

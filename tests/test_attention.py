@@ -16,7 +16,7 @@ KERNELS = [
     pytest.param(fa2_attention, id="fa2"),
     pytest.param(fa1_attention, id="fa1"),
     # Without a GPU fa3 is FA2 (tests/test_fa3.py checks that fallback); the whole matrix runs it on a GPU.
-    pytest.param(fa3_attention, id="fa3", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")),
+    pytest.param(fa3_attention, id="fa3", marks=pytest.mark.gpu),
 ]
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-3}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -311,7 +311,7 @@ def test_cpu_tensors_without_interpreter_are_rejected(attention, monkeypatch):
         attention(q, k, v)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and a CPU tensor")
+@pytest.mark.gpu  # a CUDA tensor next to CPU ones
 @pytest.mark.parametrize("attention", KERNELS)
 def test_mixed_devices_are_rejected(attention):
     q = torch.randn(1, 2, 16, 32, dtype=torch.float16, device="cuda")
@@ -345,7 +345,6 @@ def _reference_fp32(q, k, v, causal):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("attention", KERNELS)
 @pytest.mark.parametrize("batch,n_heads,n_kv_heads,seqlen,head_dim,causal,dtype", GPU_CASES)
 def test_gpu_real_sizes(attention, batch, n_heads, n_kv_heads, seqlen, head_dim, causal, dtype):

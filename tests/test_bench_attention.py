@@ -17,6 +17,24 @@ def test_flop_count_follows_the_flashattention_convention():
     assert attention.flops(2, 16, 1024, 64, causal=False, direction="bwd") == 2.5 * forward
 
 
+def test_measure_times_a_compiled_backward_repeatedly(monkeypatch):
+    """A compiled backend (flex on the GPU) has its backward timed by repeated retain_graph=True calls on one graph,
+    which PyTorch refuses for a backward compiled with donated buffers; measure compiles without them."""
+    import torch
+
+    def do_bench(fn, grad_to_none=None, return_mode="median"):  # triton's needs a GPU; the calls are what matter
+        for _ in range(3):
+            fn()
+        return 1.0
+
+    monkeypatch.setattr("triton.testing.do_bench", do_bench)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: torch.softmax(q @ k.transpose(-1, -2), -1) @ v, backend="aot_eager")
+    fwd, bwd = attention.measure(lambda q, k, v, causal: compiled(q, k, v), 1, 2, 32, 16, True, torch.float32,
+                                 device="cpu")
+    assert (fwd, bwd) == (1.0, 1.0)
+
+
 def test_fa2_configs_candidates_cover_tma_on_and_off_and_sets_one_config():
     """bench.fa2_configs: every candidate tile is measured with TMA loads on and off, and set_config makes it the
     kernel's only autotune config (so the timing is that config's)."""

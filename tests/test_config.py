@@ -170,13 +170,15 @@ def test_every_backend_is_validated_by_its_registry_entry(name, monkeypatch):
     assert (f"attn={name} has no sliding-window attention" in errors) == (not entry.supports_window)
     assert (f"attn={name} has no document masks" in errors) == (not entry.supports_docs)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    cfg = compose_config([f"attn={name}", "trainer.device=cpu", "model.n_embd=64", "model.n_head=4"])
-    needs_gpu = False
+    cfg = compose_config([f"attn={name}", "trainer.device=cpu", "model.n_embd=64", "model.n_head=4",
+                          "trainer.compile=true"])
+    errors = ""
     try:
         validate_config(cfg)
     except ConfigError as e:
-        needs_gpu = f"attn={name} needs a CUDA GPU" in str(e)
-    assert needs_gpu == entry.needs_cuda
+        errors = str(e)
+    assert (f"attn={name} needs a CUDA GPU" in errors) == entry.needs_cuda
+    assert (f"attn={name} cannot train under torch.compile on the CPU" in errors) == (not entry.compiles_on_cpu)
 
 
 def test_grad_accum_auto_and_explicit():

@@ -5,10 +5,10 @@ import torch
 
 from model.gpt import GPT, GPTConfig
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("attn", ["fa2", "fa1"])
+@pytest.mark.parametrize("attn", ["fa2", "fa1", "flex"])
 def test_fullgraph_compile_matches_eager(attn):
     """torch.compile(model, fullgraph=True) keeps the kernel in one graph and gives eager's loss and grads."""
     torch.manual_seed(0)

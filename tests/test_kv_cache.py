@@ -20,7 +20,7 @@ def reference_attention(q, k, v):
     return s.softmax(-1) @ v
 
 
-@pytest.mark.parametrize("attn,Tq", [(attn, Tq) for attn in ("sdpa", "fa2", "fa1", "fa3") for Tq in (1, 3, 9)]
+@pytest.mark.parametrize("attn,Tq", [(attn, Tq) for attn in ("sdpa", "fa2", "fa1", "fa3", "flex") for Tq in (1, 3, 9)]
                          + [("sdpa_flash", 1), ("sdpa_flash", 9)])  # PyTorch's flash kernel takes no mask
 def test_kv_attention_matches_reference(attn, Tq):
     B, Tk, hs = 2, 9, 16
@@ -50,7 +50,7 @@ def windowed_greedy(model, idx, max_new_tokens):
     return idx
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "fa2"])
+@pytest.mark.parametrize("attn", ["sdpa", "fa2", "flex"])
 def test_cached_greedy_matches_uncached(attn):
     """float32 on the CPU: within block_size the cached and uncached greedy tokens are the same."""
     model = tiny_gpt(attn)

@@ -167,18 +167,21 @@ def test_triton_backend_rejects_dropout(monkeypatch):
         fn(q, q, q, dropout_p=0.1)
 
 
+@pytest.mark.parametrize("attn", ["fa2", "flex"])
 @pytest.mark.parametrize("window", [7, [5, 0]])
-def test_attn_window_fa2_matches_sdpa_mask(window):
-    """model.attn_window through fa2's window_size and through SDPA's dense mask give the same model, and the
-    window changes the output (rows past the window differ from full attention)."""
+def test_attn_window_matches_sdpa_mask(attn, window):
+    """model.attn_window through fa2's window_size (flex: its block mask) and through SDPA's dense mask give the same
+    model, and the window changes the output (rows past the window differ from full attention)."""
     cfg = dict(block_size=40, vocab_size=50, n_layer=2, n_head=4, n_kv_head=2, n_embd=64)
     sdpa = GPT(GPTConfig(**cfg, attn_window=window)).eval()
-    fa2 = GPT(GPTConfig(**cfg, attn="fa2", attn_window=window)).eval()
+    with warnings.catch_warnings():  # the interpreter (fa2), eager Flex on the CPU and the dense mask (sdpa) warn
+        warnings.simplefilter("ignore")
+        fa2 = GPT(GPTConfig(**cfg, attn=attn, attn_window=window)).eval()
     full = GPT(GPTConfig(**cfg)).eval()
     fa2.load_state_dict(sdpa.state_dict())
     full.load_state_dict(sdpa.state_dict())
     idx = torch.randint(0, 50, (2, 37))
-    with warnings.catch_warnings():  # the interpreter (fa2) and the dense mask (sdpa) warn
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         logits, _ = fa2(idx, idx)
         logits_sdpa, _ = sdpa(idx, idx)
@@ -197,17 +200,20 @@ def test_attn_window_needs_a_backend_that_has_it():
         model(torch.randint(0, 10, (1, 8)))
 
 
+@pytest.mark.parametrize("attn", ["fa2", "flex"])
 @pytest.mark.parametrize("window", [0, 6])
-def test_document_mask_fa2_matches_sdpa_and_isolates_documents(window):
-    """docs (cu_seqlens of the flattened batch) through fa2's varlen kernel and SDPA's dense mask give the same
-    model; changing one document's tokens changes no other document's logits."""
+def test_document_mask_matches_sdpa_and_isolates_documents(attn, window):
+    """docs (cu_seqlens of the flattened batch) through fa2's varlen kernel (flex: its block mask) and SDPA's dense
+    mask give the same model; changing one document's tokens changes no other document's logits."""
     cfg = dict(block_size=40, vocab_size=50, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, attn_window=window)
     sdpa = GPT(GPTConfig(**cfg)).eval()
-    fa2 = GPT(GPTConfig(**cfg, attn="fa2")).eval()
+    with warnings.catch_warnings():  # the interpreter (fa2), eager Flex on the CPU and the dense mask (sdpa) warn
+        warnings.simplefilter("ignore")
+        fa2 = GPT(GPTConfig(**cfg, attn=attn)).eval()
     fa2.load_state_dict(sdpa.state_dict())
     idx = torch.randint(0, 50, (3, 37))
     docs = torch.tensor([0, 5, 20, 37, 38, 74, 104, 111], dtype=torch.int32)  # a one-token document at 37
-    with warnings.catch_warnings():  # the interpreter (fa2) and the dense mask (sdpa) warn
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         logits, _ = fa2(idx, idx, docs=docs)
         logits_sdpa, _ = sdpa(idx, idx, docs=docs)
@@ -227,11 +233,14 @@ def test_document_mask_needs_a_backend_that_has_it():
         model(torch.randint(0, 10, (1, 8)), docs=docs)
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "fa2"])
+@pytest.mark.parametrize("attn", ["sdpa", "fa2", "flex"])
 def test_document_mask_and_window_compile_in_one_graph(attn):
     """trainer.compile with data.document_mask: the model with docs traces in one graph (also when the number of
     documents changes between batches) and matches eager."""
-    model = GPT(GPTConfig(block_size=32, vocab_size=50, n_layer=1, n_head=2, n_embd=32, attn=attn, attn_window=[5]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = GPT(GPTConfig(block_size=32, vocab_size=50, n_layer=1, n_head=2, n_embd=32, attn=attn,
+                              attn_window=[5]))
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

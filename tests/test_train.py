@@ -284,25 +284,27 @@ def test_wandb_online_without_login_is_a_clear_error(make_cfg, monkeypatch, tmp_
         train(make_cfg("wandb.mode=online", "trainer.max_steps=1"))
 
 
-def test_attn_window_trains_on_fa2_like_sdpa_and_belongs_to_the_model(make_cfg):
-    """model.attn_window (here local then global layer) through fa2's kernel and SDPA's dense mask gives the same
-    losses; it is saved with the model, and resuming with another window is refused."""
+@pytest.mark.parametrize("attn", ["fa2", "flex"])
+def test_attn_window_trains_like_sdpa_and_belongs_to_the_model(make_cfg, attn):
+    """model.attn_window (here local then global layer) through fa2's kernel (flex: its block mask) and SDPA's dense
+    mask gives the same losses; it is saved with the model, and resuming with another window is refused."""
     micro = ("model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.n_kv_head=1", "model.block_size=16",
              "model.attn_window=[4,0]", "trainer.batch_size=2", "trainer.max_steps=3", "eval.iters=1",
              "ckpt.interval=0")
     ref = train(make_cfg(*micro, "attn=sdpa", "run.name=window_ref"))
-    fa2 = train(make_cfg(*micro, "attn=fa2", "run.name=window_fa2"))
-    for a, b in zip(ref.records, fa2.records):
+    masked = train(make_cfg(*micro, f"attn={attn}", f"run.name=window_{attn}"))
+    for a, b in zip(ref.records, masked.records):
         assert b["train/loss"] == pytest.approx(a["train/loss"], abs=1e-4)
-    assert load_checkpoint(fa2.checkpoint)["model_args"]["attn_window"] == [4, 0]
+    assert load_checkpoint(masked.checkpoint)["model_args"]["attn_window"] == [4, 0]
     with pytest.raises(ConfigError, match=r"model.attn_window: checkpoint \[4, 0\], config 4"):
         train(make_cfg(*micro, "attn=sdpa", "run.name=window_ref", "model.attn_window=4", "trainer.max_steps=4"))
 
 
-def test_document_mask_trains_on_fa2_like_sdpa(make_cfg, tmp_path):
-    """data.document_mask on a corpus of many short documents (one per file): fa2's varlen kernel and SDPA's dense
-    mask give the same losses, which differ from the unmasked run's (documents of 1-2 words, at most 12 characters,
-    so every window of 16 crosses one)."""
+@pytest.mark.parametrize("attn", ["fa2", "flex"])
+def test_document_mask_trains_like_sdpa(make_cfg, tmp_path, attn):
+    """data.document_mask on a corpus of many short documents (one per file): fa2's varlen kernel (flex: its block
+    mask) and SDPA's dense mask give the same losses, which differ from the unmasked run's (documents of 1-2 words,
+    at most 12 characters, so every window of 16 crosses one)."""
     import random
 
     from conftest import WORDS
@@ -315,13 +317,29 @@ def test_document_mask_trains_on_fa2_like_sdpa(make_cfg, tmp_path):
              f"data.files={tmp_path}/*.txt", "data.name=short_docs")
     masked = ("data.document_mask=true",)
     ref = train(make_cfg(*micro, *masked, "attn=sdpa", "run.name=docs_ref"))
-    fa2 = train(make_cfg(*micro, *masked, "attn=fa2", "run.name=docs_fa2"))
+    run = train(make_cfg(*micro, *masked, f"attn={attn}", f"run.name=docs_{attn}"))
     plain = train(make_cfg(*micro, "attn=sdpa", "run.name=docs_plain"))
-    for a, b in zip(ref.records, fa2.records):
+    for a, b in zip(ref.records, run.records):
         assert b["train/loss"] == pytest.approx(a["train/loss"], abs=1e-4)
     assert [r["train/loss"] for r in plain.records] != [r["train/loss"] for r in ref.records]
     with pytest.raises(ConfigError, match="data.document_mask=True: attn=fa1 has no document masks"):
         train(make_cfg(*micro, *masked, "attn=fa1", "run.name=docs_fa1"))
+
+
+def test_flex_with_documents_and_a_window_resumes_exactly(make_cfg):
+    """attn=flex with data.document_mask and model.attn_window on the CPU: 4 straight steps == 2 + resume + 2,
+    bit for bit (GQA, an evaluation in between)."""
+    common = ("attn=flex", "data.document_mask=true", "model.n_layer=1", "model.attn_window=8", "eval.interval=3",
+              "eval.iters=1", "ckpt.interval=0", "optim.decay_steps=30")
+    straight = train(make_cfg(*common, "run.name=flex_straight", "trainer.max_steps=4"))
+    first = train(make_cfg(*common, "run.name=flex_resumed", "trainer.max_steps=2"))
+    second = train(make_cfg(*common, "run.name=flex_resumed", "trainer.max_steps=4"))
+    assert straight.attn_backend == "flex" and first.step == 2 and second.start_step == 2
+    same = lambda recs: [(r["step"], r["train/loss"], r["train/grad_norm"], r.get("val/loss"))  # noqa: E731
+                         for r in recs]
+    assert same(second.records) == same(straight.records[2:]) and "val/loss" in second.records[1]
+    a, b = load_checkpoint(straight.checkpoint)["model"], load_checkpoint(second.checkpoint)["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 # Keys of the checkpoints written before the format had a version (format 0, until 2026-12-01).

@@ -75,7 +75,7 @@ class DataConfig:
 
 @dataclass
 class AttnConfig:
-    backend: str = "auto"              # auto | sdpa | sdpa_flash | sdpa_cudnn | fa1 | fa2 | fa3
+    backend: str = "auto"              # auto | sdpa | sdpa_flash | sdpa_cudnn | fa1 | fa2 | flex | fa3
 
 
 @dataclass
@@ -346,6 +346,11 @@ def _check_backend(check, backend: str, m, t) -> None:
     if entry.needs_cuda:
         check(t.device != "cpu" and torch.cuda.is_available(), "attn.backend",
               f"attn={backend} needs a CUDA GPU ({entry.description}); use attn=sdpa")
+    if not entry.compiles_on_cpu:
+        on_cpu = t.device == "cpu" or not torch.cuda.is_available()
+        check(not (t.compile and on_cpu), "trainer.compile",
+              f"attn={backend} cannot train under torch.compile on the CPU (PyTorch compiles no backward for it "
+              "there); use trainer.compile=false on the CPU")
 
 
 def _check_masks(check, backend: str, windows: Optional[list[int]], document_mask: bool) -> None:
