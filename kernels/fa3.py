@@ -28,13 +28,16 @@ GLUON_TRITON_VERSIONS = ("3.6",)
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
 BLOCK_M = 64  # query rows per consumer warpgroup
-# (NUM_CONSUMERS, BLOCK_N, NUM_STAGES, PINGPONG, PERSISTENT) per head_dim, from `python -m bench.fa3_variants` on
-# the H200; PERSISTENT: one CTA per SM looping over tiles, else one CTA per tile.
+# (NUM_CONSUMERS, BLOCK_N, NUM_STAGES, PINGPONG, PERSISTENT, OVERLAP) per head_dim, from
+# `python -m bench.fa3_variants` on the H200; PERSISTENT: one CTA per SM looping over tiles, else one CTA per
+# tile; OVERLAP 1: the consumers run the blocks of all their tiles as one stream (the next tile's first QK GEMM
+# overlaps the current tile's last PV GEMM and epilogue), 2: also two Q buffers per consumer.
 # NUM_CONSUMERS x 64 x D Q tiles plus two NUM_STAGES x BLOCK_N x D rings must fit the 227 KiB of shared memory
 # (overflow is only caught at launch).
-CONFIGS = {64: (3, 128, 2, True, True), 128: (2, 128, 2, False, True)}
-# Backward per head_dim: (NUM_STAGES of the (Q_i, dO_i) ring, DEFER_ATOMICS); 2 consumer warpgroups x 64 keys.
-BWD_CONFIGS = {64: (4, False), 128: (2, False)}
+CONFIGS = {64: (3, 128, 2, True, True, 0), 128: (2, 128, 2, False, True, 0)}
+# Backward per head_dim: (NUM_STAGES of the (Q_i, dO_i) ring, DQ_TMA: dQ added up through TMA reduce-add, else
+# float32 atomics); 2 consumer warpgroups x 64 keys.
+BWD_CONFIGS = {64: (4, True), 128: (2, True)}
 GLUON_BACKWARD = False  # FA2's backward measured faster (see the module docstring)
 BWD_CONSUMERS = 2
 
@@ -93,7 +96,7 @@ def _launch(module, q, k, v, causal, softmax_scale):
 
     batch, n_heads, seqlen_q, head_dim = q.shape
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    num_consumers, block_n, num_stages, pingpong, persistent = CONFIGS[head_dim]
+    num_consumers, block_n, num_stages, pingpong, persistent, overlap = CONFIGS[head_dim]
     o = empty_like_layout(q)
     lse = torch.empty((batch, n_heads, seqlen_q), device=q.device, dtype=torch.float32)
     q_layout, kv_layout = shared_layouts(q.dtype, head_dim, block_n)
@@ -108,7 +111,7 @@ def _launch(module, q, k, v, causal, softmax_scale):
         n_heads, seqlen_q, seqlen_k, softmax_scale * fa2.LOG2E, n_tiles_m, n_tiles, batch * n_heads,
         GROUP=n_heads // n_kv_heads, CAUSAL=causal, PINGPONG=pingpong, NUM_CONSUMERS=num_consumers,
         HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=num_stages, Q_LAYOUT=q_layout,
-        KV_LAYOUT=kv_layout, num_warps=4,
+        KV_LAYOUT=kv_layout, OVERLAP=overlap, num_warps=4,
     )
     return o, lse
 
@@ -147,35 +150,44 @@ def _launch_backward(module, do, q, k, v, lse, delta, causal, softmax_scale):
     seqlen_q_pad = triton.cdiv(seqlen_q, BLOCK_M) * BLOCK_M  # whole blocks: the kernel's atomics need no mask
     dq_acc = torch.zeros((batch, n_heads, seqlen_q_pad, head_dim), device=q.device, dtype=torch.float32)
     dk, dv = empty_like_layout(k), empty_like_layout(v)
-    q_layout, kv_layout, ds_layout = _bwd_layouts(q.dtype, head_dim)
-    box, k_box, _ = _bwd_layouts(q.dtype, head_dim, rank=4)
-    desc = lambda t, rows=BLOCK_M, layout=box: TensorDescriptor(t, list(t.shape), list(t.stride()),
-                                                                [1, 1, rows, head_dim], layout)
+    q_layout, kv_layout, ds_layout, dq_layout = _bwd_layouts(q.dtype, head_dim)
+    box, k_box, _, dq_box = _bwd_layouts(q.dtype, head_dim, rank=4)
+    desc = lambda t, rows=BLOCK_M, layout=box, cols=head_dim: TensorDescriptor(
+        t, list(t.shape), list(t.stride()), [1, 1, rows, cols], layout)
     grid = (triton.cdiv(seqlen_k, BWD_CONSUMERS * BLOCK_M), batch * n_kv_heads)
     module.fa3_bwd_kernel[grid](
-        desc(q), desc(k, BWD_CONSUMERS * BLOCK_M, k_box), desc(v), desc(do), desc(dk), desc(dv), lse.contiguous(),
-        delta, dq_acc,
+        desc(q), desc(k, BWD_CONSUMERS * BLOCK_M, k_box), desc(v), desc(do), desc(dk), desc(dv),
+        desc(dq_acc, BLOCK_M, dq_box, _dq_cols(head_dim)), lse.contiguous(), delta, dq_acc,
         n_heads, seqlen_q, seqlen_k, seqlen_q_pad, softmax_scale * fa2.LOG2E, softmax_scale,
         GROUP=n_heads // n_kv_heads, CAUSAL=causal, NUM_CONSUMERS=BWD_CONSUMERS, HEAD_DIM=head_dim,
-        BLOCK_M=BLOCK_M, NUM_STAGES=BWD_CONFIGS[head_dim][0], SPLIT_DQ=head_dim == 128,
-        DEFER_ATOMICS=BWD_CONFIGS[head_dim][1], Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout,
-        num_warps=4,
+        BLOCK_M=BLOCK_M, NUM_STAGES=BWD_CONFIGS[head_dim][0], SPLIT_DQ=_split_dq(head_dim),
+        DQ_TMA=BWD_CONFIGS[head_dim][1], Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout,
+        DQ_LAYOUT=dq_layout, num_warps=4,
     )
     dq = empty_like_layout(q)
     dq.copy_(dq_acc[:, :, :seqlen_q].mul_(softmax_scale))
     return dq, dk, dv
 
 
+def _split_dq(head_dim: int) -> bool:
+    return head_dim == 128  # the warpgroups split dQ's columns (at 64 each would get too narrow a GEMM)
+
+
+def _dq_cols(head_dim: int) -> int:
+    return head_dim // BWD_CONSUMERS if _split_dq(head_dim) else head_dim
+
+
 def _bwd_layouts(dtype, head_dim: int, rank: int = 2):
-    """NVMMA shared layouts of the backward's (64, head_dim) Q/dO/V tiles, its (128, head_dim) K tile (rank 4:
-    the descriptors' boxes) and its (64, 64) dS^T tiles."""
+    """NVMMA shared layouts of the backward's (64, head_dim) Q/dO/V tiles, its (128, head_dim) K tile, its
+    (64, 64) dS^T tiles and its float32 (64, dQ columns) dQ tiles (rank 4: the descriptors' boxes)."""
     from triton.experimental.gluon import language as gl
 
     gl_dtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[dtype]
     lead = [1] * (rank - 2)
     return (gl.NVMMASharedLayout.get_default_for(lead + [BLOCK_M, head_dim], gl_dtype),
             gl.NVMMASharedLayout.get_default_for(lead + [BWD_CONSUMERS * BLOCK_M, head_dim], gl_dtype),
-            gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_M], gl_dtype))
+            gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_M], gl_dtype),
+            gl.NVMMASharedLayout.get_default_for(lead + [BLOCK_M, _dq_cols(head_dim)], gl.float32))
 
 
 def backward(do, q, k, v, o, lse, causal, softmax_scale):
@@ -211,7 +223,7 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
     name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
     tensordesc = lambda rows, layout: f"tensordesc<{name}[1, 1, {rows}, {head_dim}],{layout!r}>"
     if kernel == "fwd":
-        num_consumers, block_n, num_stages, pingpong, _ = CONFIGS[head_dim]
+        num_consumers, block_n, num_stages, pingpong, _, overlap = CONFIGS[head_dim]
         q_layout, kv_layout = shared_layouts(dtype, head_dim, block_n)
         q_box, kv_box = shared_layouts(dtype, head_dim, block_n, rank=4)
         fn = module.fa3_fwd_kernel
@@ -220,17 +232,19 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
                      qk_scale="fp32")
         constexprs = dict(GROUP=group, CAUSAL=causal, PINGPONG=pingpong, NUM_CONSUMERS=num_consumers,
                           HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=num_stages,
-                          Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout)
+                          Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, OVERLAP=overlap)
     else:
-        q_layout, kv_layout, ds_layout = _bwd_layouts(dtype, head_dim)
-        box, k_box, _ = _bwd_layouts(dtype, head_dim, rank=4)
+        q_layout, kv_layout, ds_layout, dq_layout = _bwd_layouts(dtype, head_dim)
+        box, k_box, _, dq_box = _bwd_layouts(dtype, head_dim, rank=4)
+        dq_box = f"tensordesc<fp32[1, 1, {BLOCK_M}, {_dq_cols(head_dim)}],{dq_box!r}>"
         box, k_box = tensordesc(BLOCK_M, box), tensordesc(BWD_CONSUMERS * BLOCK_M, k_box)
         fn = module.fa3_bwd_kernel
-        descs = dict(q_desc=box, k_desc=k_box, v_desc=box, do_desc=box, dk_desc=box, dv_desc=box, LSE="*fp32",
-                     DELTA="*fp32", DQ_ACC="*fp32", qk_scale="fp32", softmax_scale="fp32")
+        descs = dict(q_desc=box, k_desc=k_box, v_desc=box, do_desc=box, dk_desc=box, dv_desc=box, dq_desc=dq_box,
+                     LSE="*fp32", DELTA="*fp32", DQ_ACC="*fp32", qk_scale="fp32", softmax_scale="fp32")
         constexprs = dict(GROUP=group, CAUSAL=causal, NUM_CONSUMERS=BWD_CONSUMERS, HEAD_DIM=head_dim,
-                          BLOCK_M=BLOCK_M, NUM_STAGES=BWD_CONFIGS[head_dim][0], SPLIT_DQ=head_dim == 128,
-                          DEFER_ATOMICS=BWD_CONFIGS[head_dim][1], Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout)
+                          BLOCK_M=BLOCK_M, NUM_STAGES=BWD_CONFIGS[head_dim][0], SPLIT_DQ=_split_dq(head_dim),
+                          DQ_TMA=BWD_CONFIGS[head_dim][1], Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout,
+                          DS_LAYOUT=ds_layout, DQ_LAYOUT=dq_layout)
     signature = {arg: "i32" for arg in fn.arg_names}
     signature.update(descs)
     signature.update({arg: "constexpr" for arg in constexprs})

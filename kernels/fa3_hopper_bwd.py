@@ -19,13 +19,24 @@ so their dS adds nothing to dQ and their dK/dV rows are clipped by the TMA store
 needs a mask (query blocks [lo, m_free)); blocks no query of which sees a key are never visited.
 """
 
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
 BLOCK_KEYS = gl.constexpr(64)  # keys per consumer warpgroup (a wgmma's 64 rows)
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """Global tile at `coord` += shared tile `src` through TMA (`cp.reduce.async.bulk.tensor.add`), FA3's dQ path.
+    Triton 3.6's Gluon builder has the op (`ttng.async_tma_reduce`) but its `tma` module does not wrap it; like
+    `tma.async_copy_shared_to_global`, completion is awaited with `tma.store_wait`."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
 @gluon.jit
@@ -52,17 +63,18 @@ def _query_range(start_n, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.
 
 
 @gluon.jit
-def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, ready, empty, ds_ready, ds_free, dk_desc, dv_desc,
-              LSE, DELTA, DQ_ACC, n_heads, seqlen_q, seqlen_k, seqlen_q_pad, qk_scale, softmax_scale,
-              CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-              BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT_DQ: gl.constexpr,
-              DEFER_ATOMICS: gl.constexpr):
+def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_ready, ds_free, dk_desc,
+              dv_desc, dq_desc, LSE, DELTA, DQ_ACC, n_heads, seqlen_q, seqlen_k, seqlen_q_pad, qk_scale,
+              softmax_scale, CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr, GROUP: gl.constexpr,
+              CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
+              SPLIT_DQ: gl.constexpr, DQ_TMA: gl.constexpr):
     """Consumer warpgroup CID: keys [start_n + 64 * CID, + 64) of the CTA's key block.
 
     SPLIT_DQ (HEAD_DIM 128): the warpgroups share dS through shared memory and each computes HEAD_DIM /
     NUM_CONSUMERS columns of dQ_i over all the CTA's keys (FA3's split: each dQ element is added once per CTA).
     Otherwise each computes all of dQ_i over its own 64 keys.
-    DEFER_ATOMICS: block i's dQ atomics are issued after block i+1's first two GEMMs, so they run under them.
+    DQ_TMA: dQ_i goes through this warpgroup's shared (BLOCK_M, DQ_N) float32 tile and one TMA reduce-add into
+    DQ_ACC (FA3's path: one bulk operation, completing under the next block), else through float32 atomic_add.
     """
     dtype: gl.constexpr = q_smem.dtype
     BLOCK_N: gl.constexpr = NUM_CONSUMERS * BLOCK_KEYS
@@ -100,8 +112,8 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, ready, empty, ds
 
     dk = gl.zeros([BLOCK_KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
     dv = gl.zeros([BLOCK_KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
-    dq_prev = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)  # DEFER_ATOMICS: the first adds 0
-    prev_off = ((off_b * n_heads + off_hk * GROUP).to(gl.int64) * seqlen_q_pad + lo) * HEAD_DIM
+    dq_tile = dq_smem.index(CID)
+    dq_col = CID * DQ_N if SPLIT_DQ else 0
     mbarrier.wait(kv_bar, 0)
     for it in range(GROUP * n_m):
         slot = it % NUM_STAGES
@@ -117,8 +129,6 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, ready, empty, ds
         dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)),
                              gl.zeros([BLOCK_KEYS, BLOCK_M], gl.float32, layout=s_layout), use_acc=False,
                              is_async=True)
-        if DEFER_ATOMICS:
-            gl.atomic_add(DQ_ACC + prev_off + dq_offs, dq_prev, sem="relaxed")
         cols = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
         lse = gl.load(LSE + bh * seqlen_q + cols, mask=cols < seqlen_q, other=float("inf"))
         delta = gl.load(DELTA + bh * seqlen_q + cols, mask=cols < seqlen_q, other=0.0)
@@ -152,15 +162,13 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, ready, empty, ds
         dv, dk, dq, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, ds_op))
         mbarrier.arrive(ds_free.index(buf))
         mbarrier.arrive(empty.index(slot))  # every GEMM that reads Q_i and dO_i is done
-        if DEFER_ATOMICS:
-            dq_prev = dq
-            prev_off = (bh * seqlen_q_pad + start_m) * HEAD_DIM
+        if DQ_TMA:
+            tma.store_wait(0)  # the previous block's reduce-add has read dq_tile
+            dq_tile.store(dq)
+            fence_async_shared()
+            _tma_reduce_add(dq_desc, [off_b, off_h, start_m, dq_col], _as_4d(dq_tile, dq_desc))
         else:
             gl.atomic_add(DQ_ACC + (bh * seqlen_q_pad + start_m) * HEAD_DIM + dq_offs, dq, sem="relaxed")
-
-    if DEFER_ATOMICS:
-        if GROUP * n_m > 0:
-            gl.atomic_add(DQ_ACC + prev_off + dq_offs, dq_prev, sem="relaxed")
     # This warpgroup's V tile is no longer read (K is: the other warpgroup's dQ GEMM may still run under
     # SPLIT_DQ): it stages dV, then dK, for the TMA stores.
     row_k = start_n + CID * BLOCK_KEYS
@@ -205,22 +213,24 @@ def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, 
 
 @gluon.jit
 def fa3_bwd_kernel(
-    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, DQ_ACC,
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA, DQ_ACC,
     n_heads, seqlen_q, seqlen_k, seqlen_q_pad, qk_scale, softmax_scale,
     GROUP: gl.constexpr, CAUSAL: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr,
-    BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT_DQ: gl.constexpr, DEFER_ATOMICS: gl.constexpr,
-    Q_LAYOUT: gl.constexpr,
-    KV_LAYOUT: gl.constexpr, DS_LAYOUT: gl.constexpr,
+    BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT_DQ: gl.constexpr, DQ_TMA: gl.constexpr,
+    Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr, DS_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr,
 ):
     """Grid (cdiv(seqlen_k, NUM_CONSUMERS * 64), batch * n_kv_heads): see the module docstring. LSE, DELTA:
     float32 (batch, n_heads, seqlen_q); DQ_ACC: float32 (batch, n_heads, seqlen_q_pad, HEAD_DIM), zeroed, with
-    seqlen_q_pad = seqlen_q rounded up to BLOCK_M (whole blocks: the atomics need no mask)."""
+    seqlen_q_pad = seqlen_q rounded up to BLOCK_M (whole blocks: the atomics need no mask); dq_desc: a
+    descriptor over DQ_ACC with (1, 1, BLOCK_M, HEAD_DIM / NUM_CONSUMERS if SPLIT_DQ else HEAD_DIM) boxes."""
     dtype: gl.constexpr = q_desc.dtype
     k_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS * BLOCK_KEYS, HEAD_DIM], KV_LAYOUT)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BLOCK_KEYS, HEAD_DIM], KV_LAYOUT)
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], Q_LAYOUT)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], Q_LAYOUT)
     ds_smem = gl.allocate_shared_memory(dtype, [2, NUM_CONSUMERS * BLOCK_KEYS, BLOCK_M], DS_LAYOUT)
+    DQ_N: gl.constexpr = HEAD_DIM // NUM_CONSUMERS if SPLIT_DQ else HEAD_DIM
+    dq_smem = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS, BLOCK_M, DQ_N], DQ_LAYOUT)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -238,14 +248,14 @@ def fa3_bwd_kernel(
     # Written out per partition: tuple concatenation inside a Gluon kernel turns constexprs into tensors.
     gl.warp_specialize(
         [
-        (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, ready, empty, ds_ready, ds_free, dk_desc,
-                     dv_desc, LSE, DELTA, DQ_ACC, n_heads, seqlen_q, seqlen_k, seqlen_q_pad, qk_scale,
-                     softmax_scale, 0, NUM_CONSUMERS, GROUP, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, SPLIT_DQ,
-                     DEFER_ATOMICS)),
-        (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, ready, empty, ds_ready, ds_free, dk_desc,
-                     dv_desc, LSE, DELTA, DQ_ACC, n_heads, seqlen_q, seqlen_k, seqlen_q_pad, qk_scale,
-                     softmax_scale, 1, NUM_CONSUMERS, GROUP, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, SPLIT_DQ,
-                     DEFER_ATOMICS)),
+        (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_ready, ds_free,
+                     dk_desc, dv_desc, dq_desc, LSE, DELTA, DQ_ACC, n_heads, seqlen_q, seqlen_k, seqlen_q_pad,
+                     qk_scale, softmax_scale, 0, NUM_CONSUMERS, GROUP, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES,
+                     SPLIT_DQ, DQ_TMA)),
+        (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_ready, ds_free,
+                     dk_desc, dv_desc, dq_desc, LSE, DELTA, DQ_ACC, n_heads, seqlen_q, seqlen_k, seqlen_q_pad,
+                     qk_scale, softmax_scale, 1, NUM_CONSUMERS, GROUP, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES,
+                     SPLIT_DQ, DQ_TMA)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
                      n_heads, seqlen_q, seqlen_k, NUM_CONSUMERS, GROUP, CAUSAL, BLOCK_M, NUM_STAGES)),
         ],
