@@ -3,10 +3,10 @@
     python -m bench.fa3_variants --variants 2:128:2:1:1,2:128:2:1:0 --head-dims 128 --seqlens 4096,16384
     python -m bench.fa3_variants --backward --variants 2:0,2:1 --head-dims 64,128 --seqlens 2048,8192
 
-Backward: a variant is NUM_STAGES:DEFER_ATOMICS (`kernels.fa3.BWD_CONFIGS[head_dim]`); each is checked
+Backward: a variant is NUM_STAGES (`kernels.fa3.BWD_STAGES[head_dim]`); each is checked
 against float32 gradients (dq, dk, dv by relative error) on the shapes below, then backward medians of the
 Gluon kernel are printed next to FA2's backward and cuDNN's on the same inputs (forward excluded).
-Forward: a variant is NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT[:OVERLAP] and replaces `kernels.fa3.CONFIGS[head_dim]`. Every variant is first
+Forward: a variant is NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT and replaces `kernels.fa3.CONFIGS[head_dim]`. Every variant is first
 checked against a float32 reference (SDPA's math kernel on upcast inputs) on odd lengths, seqlen_q != seqlen_k
 both ways, GQA and strided views, with NaN-poisoned outputs; then forward medians (`triton.testing.do_bench`) are
 printed next to FA2's forward and SDPA's cuDNN kernel on the same inputs (B * N = 16k, H * D = 2048).
@@ -105,11 +105,11 @@ def check_backward(head_dim, dtype):
 def main_backward(args, dtype):
     from triton.testing import do_bench
 
-    fa3.GLUON_BACKWARD = True
+    fa3.GLUON_BACKWARD_HEAD_DIMS = fa3.HEAD_DIMS
     for head_dim in map(int, args.head_dims.split(",")):
         variants = [tuple(int(x) for x in v.split(":")) for v in args.variants.split(",")]
         for variant in variants:
-            fa3.BWD_CONFIGS[head_dim] = (variant[0], bool(variant[1]))
+            fa3.BWD_STAGES[head_dim] = variant[0]
             try:
                 print(f"D={head_dim} bwd {variant}: max rel err {check_backward(head_dim, dtype):.2e}", flush=True)
             except Exception as e:
@@ -129,7 +129,7 @@ def main_backward(args, dtype):
                                           return_mode="median")
                 cells["fa2"] = do_bench(lambda: fa2.backward(do, q, k, v, o, lse, causal, 0.1), return_mode="median")
                 for variant in variants:
-                    fa3.BWD_CONFIGS[head_dim] = (variant[0], bool(variant[1]))
+                    fa3.BWD_STAGES[head_dim] = variant[0]
                     try:
                         cells[":".join(map(str, variant))] = do_bench(
                             lambda: fa3.backward(do, q, k, v, o, lse, causal, 0.1), return_mode="median")
@@ -143,8 +143,8 @@ def main_backward(args, dtype):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--variants", default="2:128:2:1:1,2:128:2:1:0",
-                        help="comma-separated NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT[:OVERLAP] "
-                             "(--backward: NUM_STAGES:DEFER_ATOMICS)")
+                        help="comma-separated NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT "
+                             "(--backward: NUM_STAGES)")
     parser.add_argument("--head-dims", default="64,128", help="comma-separated head dimensions D")
     parser.add_argument("--seqlens", default="2048,8192", help="comma-separated sequence lengths N")
     parser.add_argument("--dtype", default="bfloat16", help="input dtype (torch name)")
@@ -158,7 +158,7 @@ def main():
     for head_dim in map(int, args.head_dims.split(",")):
         variants = [tuple(int(x) for x in v.split(":")) for v in args.variants.split(",")]
         for variant in variants:
-            fa3.CONFIGS[head_dim] = (*variant[:3], bool(variant[3]), bool(variant[4]), variant[5] if len(variant) > 5 else 0)
+            fa3.CONFIGS[head_dim] = (*variant[:3], bool(variant[3]), bool(variant[4]))
             try:
                 print(f"D={head_dim} variant {variant}: max rel err {check(head_dim, dtype):.2e}", flush=True)
             except Exception as e:  # report and keep going with the next variant
@@ -174,7 +174,7 @@ def main():
                                               return_mode="median")
                 cells["fa2"] = do_bench(lambda: fa2.forward(q, k, v, causal, 0.1), return_mode="median")
                 for variant in variants:
-                    fa3.CONFIGS[head_dim] = (*variant[:3], bool(variant[3]), bool(variant[4]), variant[5] if len(variant) > 5 else 0)
+                    fa3.CONFIGS[head_dim] = (*variant[:3], bool(variant[3]), bool(variant[4]))
                     try:
                         cells[":".join(map(str, variant))] = do_bench(lambda: fa3.forward(q, k, v, causal, 0.1),
                                                                       return_mode="median")

@@ -28,13 +28,12 @@ fa1_attention.__doc__ = PUBLIC_DOC.format(
 
 fa3_attention = make_attention("fa3", fa3.forward, fa3.backward, lse_log_base=2.0)
 fa3_attention.__doc__ = PUBLIC_DOC.format(
-    title="FlashAttention-3 forward (Gluon, Hopper) with FlashAttention-2's backward: exact scaled dot-product "
-          "attention.",
-    source="Shah et al. 2024, FlashAttention-3, Section 3.1 and Algorithm 2 (forward); FA2 Algorithm 2 "
-           "(backward; a Gluon FA3 backward is opt-in through kernels.fa3.GLUON_BACKWARD, measured slower); see "
-           "kernels/fa3.py. Where the Gluon kernel does not apply (not an sm_90 GPU, head_dim "
-           "other than 64/128, float32, inputs TMA cannot address, a Triton other than 3.6) the forward is FA2's, "
-           "with a one-time RuntimeWarning naming the reason.",
+    title="FlashAttention-3 (Gluon, Hopper): exact scaled dot-product attention, forward and backward.",
+    source="Shah et al. 2024, FlashAttention-3, Section 3.1 and Algorithm 2 (forward), Appendix B.1 (backward, at "
+           "head_dim 128: dQ through TMA reduce-add, not bit-reproducible; FA2's Algorithm 2 at head_dim 64, where "
+           "it measured as fast, and under torch.use_deterministic_algorithms); see kernels/fa3.py. Where the "
+           "Gluon kernels do not apply (not an sm_90 GPU, head_dim other than 64/128, float32, inputs TMA cannot "
+           "address, a Triton other than 3.6) FA2's kernels run, with a one-time RuntimeWarning naming the reason.",
 )
 
 __all__ = ["fa1_attention", "fa2_attention", "fa2_varlen_attention", "fa3_attention"]

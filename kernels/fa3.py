@@ -3,10 +3,11 @@
 
 `forward` runs the warp-specialised Gluon kernel where it applies and FA2's Triton forward everywhere else,
 warning once per reason (`gluon_unsupported_reason` names it). Both forwards produce the same base-2 LSE, so
-either pairs with either backward. `backward` is FA2's three-kernel, atomic-free backward unless
-`GLUON_BACKWARD` is set: the Gluon backward is correct (tests/test_fa3.py) but measured slower than FA2's on
-the H200 (0.66-0.77x at N >= 2k, docs/benchmarks.md). It adds dQ up with float32 atomics, as FA3 does, so
-its dQ is not bit-reproducible; under `torch.use_deterministic_algorithms(True)` FA2's backward runs instead.
+either pairs with either backward. `backward` runs the Gluon backward for the head dims in
+`GLUON_BACKWARD_HEAD_DIMS` (128: measured 1.15-1.23x FA2's backward on the H200, docs/benchmarks.md) and FA2's
+three-kernel, atomic-free backward for the others (at 64 FA2's measured as fast or faster). The Gluon backward
+adds dQ up in float32 through TMA reduce-add, as FA3 does, so its dQ is not bit-reproducible; under
+`torch.use_deterministic_algorithms(True)` FA2's backward runs instead.
 
 The Gluon kernel applies to: an sm_90 GPU (H100/H200), Triton 3.6.x (Gluon is experimental and its API
 changes between releases; see `GLUON_TRITON_VERSIONS`), float16/bfloat16, head_dim 64 or 128, and inputs
@@ -28,17 +29,14 @@ GLUON_TRITON_VERSIONS = ("3.6",)
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
 BLOCK_M = 64  # query rows per consumer warpgroup
-# (NUM_CONSUMERS, BLOCK_N, NUM_STAGES, PINGPONG, PERSISTENT, OVERLAP) per head_dim, from
-# `python -m bench.fa3_variants` on the H200; PERSISTENT: one CTA per SM looping over tiles, else one CTA per
-# tile; OVERLAP 1: the consumers run the blocks of all their tiles as one stream (the next tile's first QK GEMM
-# overlaps the current tile's last PV GEMM and epilogue), 2: also two Q buffers per consumer.
+# (NUM_CONSUMERS, BLOCK_N, NUM_STAGES, PINGPONG, PERSISTENT) per head_dim, from `python -m bench.fa3_variants` on
+# the H200; PERSISTENT: one CTA per SM looping over tiles, else one CTA per tile.
 # NUM_CONSUMERS x 64 x D Q tiles plus two NUM_STAGES x BLOCK_N x D rings must fit the 227 KiB of shared memory
 # (overflow is only caught at launch).
-CONFIGS = {64: (3, 128, 2, True, True, 0), 128: (2, 128, 2, False, True, 0)}
-# Backward per head_dim: (NUM_STAGES of the (Q_i, dO_i) ring, DQ_TMA: dQ added up through TMA reduce-add, else
-# float32 atomics); 2 consumer warpgroups x 64 keys.
-BWD_CONFIGS = {64: (4, True), 128: (2, True)}
-GLUON_BACKWARD = False  # FA2's backward measured faster (see the module docstring)
+CONFIGS = {64: (3, 128, 2, True, True), 128: (2, 128, 2, False, True)}
+# Backward: NUM_STAGES of the (Q_i, dO_i) ring per head_dim; 2 consumer warpgroups x 64 keys.
+BWD_STAGES = {64: 4, 128: 2}
+GLUON_BACKWARD_HEAD_DIMS = (128,)  # where the Gluon backward measured faster than FA2's (module docstring)
 BWD_CONSUMERS = 2
 
 
@@ -96,7 +94,7 @@ def _launch(module, q, k, v, causal, softmax_scale):
 
     batch, n_heads, seqlen_q, head_dim = q.shape
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    num_consumers, block_n, num_stages, pingpong, persistent, overlap = CONFIGS[head_dim]
+    num_consumers, block_n, num_stages, pingpong, persistent = CONFIGS[head_dim]
     o = empty_like_layout(q)
     lse = torch.empty((batch, n_heads, seqlen_q), device=q.device, dtype=torch.float32)
     q_layout, kv_layout = shared_layouts(q.dtype, head_dim, block_n)
@@ -111,7 +109,7 @@ def _launch(module, q, k, v, causal, softmax_scale):
         n_heads, seqlen_q, seqlen_k, softmax_scale * fa2.LOG2E, n_tiles_m, n_tiles, batch * n_heads,
         GROUP=n_heads // n_kv_heads, CAUSAL=causal, PINGPONG=pingpong, NUM_CONSUMERS=num_consumers,
         HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=num_stages, Q_LAYOUT=q_layout,
-        KV_LAYOUT=kv_layout, OVERLAP=overlap, num_warps=4,
+        KV_LAYOUT=kv_layout, num_warps=4,
     )
     return o, lse
 
@@ -147,7 +145,7 @@ def _launch_backward(module, do, q, k, v, lse, delta, causal, softmax_scale):
 
     batch, n_heads, seqlen_q, head_dim = q.shape
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    seqlen_q_pad = triton.cdiv(seqlen_q, BLOCK_M) * BLOCK_M  # whole blocks: the kernel's atomics need no mask
+    seqlen_q_pad = triton.cdiv(seqlen_q, BLOCK_M) * BLOCK_M  # whole blocks for the dQ reduce-adds
     dq_acc = torch.zeros((batch, n_heads, seqlen_q_pad, head_dim), device=q.device, dtype=torch.float32)
     dk, dv = empty_like_layout(k), empty_like_layout(v)
     q_layout, kv_layout, ds_layout, dq_layout = _bwd_layouts(q.dtype, head_dim)
@@ -157,12 +155,11 @@ def _launch_backward(module, do, q, k, v, lse, delta, causal, softmax_scale):
     grid = (triton.cdiv(seqlen_k, BWD_CONSUMERS * BLOCK_M), batch * n_kv_heads)
     module.fa3_bwd_kernel[grid](
         desc(q), desc(k, BWD_CONSUMERS * BLOCK_M, k_box), desc(v), desc(do), desc(dk), desc(dv),
-        desc(dq_acc, BLOCK_M, dq_box, _dq_cols(head_dim)), lse.contiguous(), delta, dq_acc,
-        n_heads, seqlen_q, seqlen_k, seqlen_q_pad, softmax_scale * fa2.LOG2E, softmax_scale,
+        desc(dq_acc, BLOCK_M, dq_box, _dq_cols(head_dim)), lse.contiguous(), delta,
+        n_heads, seqlen_q, seqlen_k, softmax_scale * fa2.LOG2E, softmax_scale,
         GROUP=n_heads // n_kv_heads, CAUSAL=causal, NUM_CONSUMERS=BWD_CONSUMERS, HEAD_DIM=head_dim,
-        BLOCK_M=BLOCK_M, NUM_STAGES=BWD_CONFIGS[head_dim][0], SPLIT_DQ=_split_dq(head_dim),
-        DQ_TMA=BWD_CONFIGS[head_dim][1], Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout,
-        DQ_LAYOUT=dq_layout, num_warps=4,
+        BLOCK_M=BLOCK_M, NUM_STAGES=BWD_STAGES[head_dim], SPLIT_DQ=_split_dq(head_dim), Q_LAYOUT=q_layout,
+        KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, DQ_LAYOUT=dq_layout, num_warps=4,
     )
     dq = empty_like_layout(q)
     dq.copy_(dq_acc[:, :, :seqlen_q].mul_(softmax_scale))
@@ -192,8 +189,9 @@ def _bwd_layouts(dtype, head_dim: int, rank: int = 2):
 
 def backward(do, q, k, v, o, lse, causal, softmax_scale):
     """Same contract as `fa2.backward` (without masks): dq, dk, dv like q, k, v. `lse` is the forward's base-2
-    LSE. FA2's backward unless GLUON_BACKWARD is set (and not under deterministic algorithms)."""
-    if not GLUON_BACKWARD:
+    LSE. The Gluon backward for head dims in GLUON_BACKWARD_HEAD_DIMS (not under deterministic algorithms), else
+    FA2's."""
+    if q.shape[-1] not in GLUON_BACKWARD_HEAD_DIMS:
         return fa2.backward(do, q, k, v, o, lse, causal, softmax_scale)
     reason = gluon_unsupported_reason(q, k, v, do)
     if reason is not None:
@@ -223,7 +221,7 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
     name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
     tensordesc = lambda rows, layout: f"tensordesc<{name}[1, 1, {rows}, {head_dim}],{layout!r}>"
     if kernel == "fwd":
-        num_consumers, block_n, num_stages, pingpong, _, overlap = CONFIGS[head_dim]
+        num_consumers, block_n, num_stages, pingpong, _ = CONFIGS[head_dim]
         q_layout, kv_layout = shared_layouts(dtype, head_dim, block_n)
         q_box, kv_box = shared_layouts(dtype, head_dim, block_n, rank=4)
         fn = module.fa3_fwd_kernel
@@ -232,7 +230,7 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
                      qk_scale="fp32")
         constexprs = dict(GROUP=group, CAUSAL=causal, PINGPONG=pingpong, NUM_CONSUMERS=num_consumers,
                           HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=num_stages,
-                          Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, OVERLAP=overlap)
+                          Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout)
     else:
         q_layout, kv_layout, ds_layout, dq_layout = _bwd_layouts(dtype, head_dim)
         box, k_box, _, dq_box = _bwd_layouts(dtype, head_dim, rank=4)
@@ -240,11 +238,10 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
         box, k_box = tensordesc(BLOCK_M, box), tensordesc(BWD_CONSUMERS * BLOCK_M, k_box)
         fn = module.fa3_bwd_kernel
         descs = dict(q_desc=box, k_desc=k_box, v_desc=box, do_desc=box, dk_desc=box, dv_desc=box, dq_desc=dq_box,
-                     LSE="*fp32", DELTA="*fp32", DQ_ACC="*fp32", qk_scale="fp32", softmax_scale="fp32")
+                     LSE="*fp32", DELTA="*fp32", qk_scale="fp32", softmax_scale="fp32")
         constexprs = dict(GROUP=group, CAUSAL=causal, NUM_CONSUMERS=BWD_CONSUMERS, HEAD_DIM=head_dim,
-                          BLOCK_M=BLOCK_M, NUM_STAGES=BWD_CONFIGS[head_dim][0], SPLIT_DQ=_split_dq(head_dim),
-                          DQ_TMA=BWD_CONFIGS[head_dim][1], Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout,
-                          DS_LAYOUT=ds_layout, DQ_LAYOUT=dq_layout)
+                          BLOCK_M=BLOCK_M, NUM_STAGES=BWD_STAGES[head_dim], SPLIT_DQ=_split_dq(head_dim),
+                          Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, DQ_LAYOUT=dq_layout)
     signature = {arg: "i32" for arg in fn.arg_names}
     signature.update(descs)
     signature.update({arg: "constexpr" for arg in constexprs})

@@ -96,7 +96,7 @@ def _tile(t, n_tiles_m, n_bh, n_heads, seqlen_q, seqlen_k,
 
 
 @gluon.jit
-def _consumer_tiles(q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars,
+def _consumer(q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars,
               o_desc, LSE, n_tiles_m, n_tiles, n_bh, n_heads, seqlen_q, seqlen_k, qk_scale,
               CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
@@ -200,179 +200,10 @@ def _consumer_tiles(q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_r
 
 
 @gluon.jit
-def _epilogue(acc, m_i, l_i, o_tile, o_desc, LSE, t, n_tiles_m, n_bh, n_heads, seqlen_q, seqlen_k,
-              CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, row_layout: gl.constexpr, o_layout: gl.constexpr):
-    """Tile t's O and LSE out. One division at the end [1]; rows that saw no key: output 0, internal LSE +inf."""
-    off_b, off_h, bh, start_m, n_blocks, hi_free = _tile(t, n_tiles_m, n_bh, n_heads, seqlen_q, seqlen_k,
-                                                         CAUSAL, NUM_CONSUMERS * BLOCK_M, BLOCK_N)
-    row0 = start_m + CID * BLOCK_M
-    rows = row0 + gl.arange(0, BLOCK_M, layout=row_layout)
-    empty = m_i == float("-inf")
-    l_i = gl.where(empty, 1.0, l_i)
-    o = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
-    lse = gl.where(empty, float("inf"), m_i + gl.log2(l_i))
-    gl.store(LSE + bh.to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
-    tma.store_wait(0)  # the previous tile's O has left o_tile
-    o_tile.store(o.to(o_tile.dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [off_b, off_h, row0, 0], _as_4d(o_tile, o_desc))
-
-
-@gluon.jit
-def _consumer_overlap(q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                      o_desc, LSE, n_tiles_m, n_tiles, n_bh, n_heads, seqlen_q, seqlen_k, qk_scale,
-                      CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      NUM_STAGES: gl.constexpr, OVERLAP: gl.constexpr):
-    """`_consumer` with the K/V blocks of all the CTA's tiles as one stream: the first QK GEMM of the next tile is
-    issued with the last PV GEMM of the current one, and its softmax runs while that PV GEMM does, so the tile
-    boundary keeps FA3's overlap (the epilogue follows the wait for the PV GEMM). OVERLAP == 2: two Q buffers
-    per consumer (tile i in buffer i % 2), so the producer loads the next tile's Q while this tile runs."""
-    dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    NEXT: gl.constexpr = (CID + 1) % NUM_CONSUMERS
-    Q_BUFS: gl.constexpr = 2 if OVERLAP == 2 else 1
-    q_tile = q_smem.index(CID)
-    o_tile = o_smem.index(CID)
-    diag_offset = seqlen_k - seqlen_q
-    grid = gl.num_programs(0)
-
-    # The CTA's first block (its grid never exceeds n_tiles, so it has one): S_0 and its softmax.
-    t = gl.program_id(0)
-    off_b, off_h, bh, start_m, n_blocks, hi_free = _tile(t, n_tiles_m, n_bh, n_heads, seqlen_q, seqlen_k,
-                                                         CAUSAL, NUM_CONSUMERS * BLOCK_M, BLOCK_N)
-    rows = start_m + CID * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_layout)
-    l_i = gl.full([BLOCK_M], 1.0, gl.float32, layout=row_layout)
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
-    mbarrier.wait(q_bar.index(CID), 0)
-    turn = 0
-    if PINGPONG:
-        mbarrier.wait(turn_bars.index(CID), 0)
-        turn = 1
-    mbarrier.wait(k_ready.index(0), 0)
-    s = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)),
-                      gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True)
-    if PINGPONG:
-        mbarrier.arrive(turn_bars.index(NEXT))
-    s = warpgroup_mma_wait(0, deps=(s,))
-    mbarrier.arrive(k_empty.index(0))
-    if n_blocks == 1:
-        mbarrier.arrive(q_empty.index(CID))  # the tile's last QK GEMM is done: the next Q may come in
-    if hi_free <= 0:
-        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, 0, seqlen_k, diag_offset, qk_scale,
-                                            True, CAUSAL, BLOCK_N, s_layout)
-    else:
-        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, 0, seqlen_k, diag_offset, qk_scale,
-                                            False, CAUSAL, BLOCK_N, s_layout)
-    p_op = gl.convert_layout(p.to(dtype), p_layout)
-
-    # Block it of the stream = block j of tile t; the previous block (it - 1) is block j - 1 of t or the last
-    # block of tile t_prev.
-    it = 0
-    j = 0
-    tile_count = 0
-    q_index = CID
-    t_prev = t
-    j += 1
-    if j == n_blocks:
-        t += grid
-        j = 0
-    while t < n_tiles:
-        it += 1
-        new_tile = j == 0
-        if new_tile:  # (t_prev's last QK GEMM arrived on q_empty, so this Q is on its way)
-            tile_count += 1
-            q_index = (tile_count % Q_BUFS) * NUM_CONSUMERS + CID
-            off_b, off_h, bh, start_m, n_blocks, hi_free = _tile(t, n_tiles_m, n_bh, n_heads, seqlen_q, seqlen_k,
-                                                                 CAUSAL, NUM_CONSUMERS * BLOCK_M, BLOCK_N)
-            rows = start_m + CID * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
-            mbarrier.wait(q_bar.index(q_index), (tile_count // Q_BUFS) & 1)
-        slot = it % NUM_STAGES
-        prev = (it - 1) % NUM_STAGES
-        if PINGPONG:
-            mbarrier.wait(turn_bars.index(CID), turn & 1)
-            turn += 1
-        mbarrier.wait(k_ready.index(slot), (it // NUM_STAGES) & 1)
-        s = warpgroup_mma(q_smem.index(q_index), k_smem.index(slot).permute((1, 0)),
-                          gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True)
-        mbarrier.wait(v_ready.index(prev), ((it - 1) // NUM_STAGES) & 1)
-        acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(turn_bars.index(NEXT))
-        s = warpgroup_mma_wait(1, deps=(s,))  # S is done; the PV GEMM may still run
-        mbarrier.arrive(k_empty.index(slot))
-        if j == n_blocks - 1:
-            mbarrier.arrive(q_empty.index(q_index))
-        m_prev = m_i
-        l_prev = l_i
-        if new_tile:
-            m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_layout)
-            l_i = gl.full([BLOCK_M], 1.0, gl.float32, layout=row_layout)
-        start_n = j * BLOCK_N
-        if start_n >= hi_free:
-            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, start_n, seqlen_k, diag_offset, qk_scale,
-                                                True, CAUSAL, BLOCK_N, s_layout)
-        else:
-            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, start_n, seqlen_k, diag_offset, qk_scale,
-                                                False, CAUSAL, BLOCK_N, s_layout)
-        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-        mbarrier.arrive(v_empty.index(prev))
-        if new_tile:  # acc holds t_prev's finished O
-            _epilogue(acc, m_prev, l_prev, o_tile, o_desc, LSE, t_prev, n_tiles_m, n_bh, n_heads, seqlen_q,
-                      seqlen_k, CID, NUM_CONSUMERS, CAUSAL, BLOCK_M, BLOCK_N, row_layout, o_layout)
-            acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
-        else:
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        t_prev = t
-        j += 1
-        if j == n_blocks:
-            t += grid
-            j = 0
-
-    # The stream's last PV GEMM, then the last tile's epilogue.
-    last = it % NUM_STAGES
-    mbarrier.wait(v_ready.index(last), (it // NUM_STAGES) & 1)
-    if PINGPONG:
-        mbarrier.wait(turn_bars.index(CID), turn & 1)
-    acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
-    if PINGPONG:
-        mbarrier.arrive(turn_bars.index(NEXT))
-    acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-    mbarrier.arrive(v_empty.index(last))
-    _epilogue(acc, m_i, l_i, o_tile, o_desc, LSE, t_prev, n_tiles_m, n_bh, n_heads, seqlen_q, seqlen_k,
-              CID, NUM_CONSUMERS, CAUSAL, BLOCK_M, BLOCK_N, row_layout, o_layout)
-    tma.store_wait(0)
-
-
-@gluon.jit
-def _consumer(q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars,
-              o_desc, LSE, n_tiles_m, n_tiles, n_bh, n_heads, seqlen_q, seqlen_k, qk_scale,
-              CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-              OVERLAP: gl.constexpr):
-    if OVERLAP:
-        _consumer_overlap(q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars,
-              o_desc, LSE, n_tiles_m, n_tiles, n_bh, n_heads, seqlen_q, seqlen_k, qk_scale,
-              CID, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, OVERLAP)
-    else:
-        _consumer_tiles(q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars,
-              o_desc, LSE, n_tiles_m, n_tiles, n_bh, n_heads, seqlen_q, seqlen_k, qk_scale,
-              CID, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES)
-
-
-@gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
               n_tiles_m, n_tiles, n_bh, n_heads, seqlen_q, seqlen_k,
               GROUP: gl.constexpr, CAUSAL: gl.constexpr, NUM_CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr):
+              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
     """The TMA warp: per tile the consumers' Q tiles, then K_j and V_j into ring slot (position % NUM_STAGES)."""
     kv_it = 0
     tile_count = 0
@@ -380,13 +211,11 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_
         off_b, off_h, bh, start_m, n_blocks, hi_free = _tile(t, n_tiles_m, n_bh, n_heads, seqlen_q, seqlen_k,
                                                              CAUSAL, NUM_CONSUMERS * BLOCK_M, BLOCK_N)
         off_hk = off_h // GROUP  # GQA: GROUP query heads share one K/V head
-        q0 = (tile_count % Q_BUFS) * NUM_CONSUMERS
         for i in gl.static_range(NUM_CONSUMERS):
-            # a fresh barrier passes phase 1 at once
-            mbarrier.wait(q_empty.index(q0 + i), ((tile_count // Q_BUFS) & 1) ^ 1)
-            mbarrier.expect(q_bar.index(q0 + i), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m + i * BLOCK_M, 0], q_bar.index(q0 + i),
-                                            _as_4d(q_smem.index(q0 + i), q_desc))
+            mbarrier.wait(q_empty.index(i), (tile_count & 1) ^ 1)  # a fresh barrier passes phase 1 at once
+            mbarrier.expect(q_bar.index(i), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m + i * BLOCK_M, 0], q_bar.index(i),
+                                            _as_4d(q_smem.index(i), q_desc))
         for j in range(n_blocks):
             slot = kv_it % NUM_STAGES
             phase = (kv_it // NUM_STAGES) & 1
@@ -408,26 +237,24 @@ def fa3_fwd_kernel(
     n_heads, seqlen_q, seqlen_k, qk_scale, n_tiles_m, n_tiles, n_bh,
     GROUP: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-    Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr, OVERLAP: gl.constexpr,
+    Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr,
 ):
     """Grid (min(n_tiles, CTAs that fit at once),): see the module docstring. n_tiles = n_tiles_m * n_bh."""
     dtype: gl.constexpr = q_desc.dtype
-    Q_BUFS: gl.constexpr = 2 if OVERLAP == 2 else 1
-    q_smem = gl.allocate_shared_memory(dtype, [Q_BUFS * NUM_CONSUMERS, BLOCK_M, HEAD_DIM], Q_LAYOUT)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BLOCK_M, HEAD_DIM], Q_LAYOUT)
     o_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BLOCK_M, HEAD_DIM], Q_LAYOUT)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], KV_LAYOUT)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], KV_LAYOUT)
-    q_bar = gl.allocate_shared_memory(gl.int64, [Q_BUFS * NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFS * NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     turn_bars = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(Q_BUFS * NUM_CONSUMERS):
+    for i in gl.static_range(NUM_CONSUMERS):
         mbarrier.init(q_bar.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)
-    for i in gl.static_range(NUM_CONSUMERS):
         mbarrier.init(turn_bars.index(i), count=1)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
@@ -445,13 +272,13 @@ def fa3_fwd_kernel(
             [
             (_consumer, (q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                          turn_bars, o_desc, LSE, n_tiles_m, n_tiles, n_bh, n_heads, seqlen_q, seqlen_k, qk_scale,
-                         0, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, OVERLAP)),
+                         0, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES)),
             (_consumer, (q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                          turn_bars, o_desc, LSE, n_tiles_m, n_tiles, n_bh, n_heads, seqlen_q, seqlen_k, qk_scale,
-                         1, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, OVERLAP)),
+                         1, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          k_empty, v_empty, n_tiles_m, n_tiles, n_bh, n_heads, seqlen_q, seqlen_k,
-                         GROUP, CAUSAL, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFS)),
+                         GROUP, CAUSAL, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES)),
             ],
             [4, 1],
             [240, 24],
@@ -461,16 +288,16 @@ def fa3_fwd_kernel(
             [
             (_consumer, (q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                          turn_bars, o_desc, LSE, n_tiles_m, n_tiles, n_bh, n_heads, seqlen_q, seqlen_k, qk_scale,
-                         0, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, OVERLAP)),
+                         0, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES)),
             (_consumer, (q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                          turn_bars, o_desc, LSE, n_tiles_m, n_tiles, n_bh, n_heads, seqlen_q, seqlen_k, qk_scale,
-                         1, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, OVERLAP)),
+                         1, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES)),
             (_consumer, (q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                          turn_bars, o_desc, LSE, n_tiles_m, n_tiles, n_bh, n_heads, seqlen_q, seqlen_k, qk_scale,
-                         2, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, OVERLAP)),
+                         2, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          k_empty, v_empty, n_tiles_m, n_tiles, n_bh, n_heads, seqlen_q, seqlen_k,
-                         GROUP, CAUSAL, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFS)),
+                         GROUP, CAUSAL, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES)),
             ],
             [4, 4, 1],
             [160, 160, 24],

@@ -1,8 +1,8 @@
 """FlashAttention-3-style backward for Hopper (sm_90), written in Gluon (`triton.experimental.gluon`, Triton 3.6).
 
 Source: Shah et al. 2024, "FlashAttention-3", Section 3 and Appendix B.1 (the backward: producer-consumer
-warp specialisation, dK/dV accumulated in registers per key block, dQ accumulated in float32 through global
-atomics); the arithmetic is FA2's Algorithm 2 with the base-2 LSE of `kernels/fa2.py` (P = exp2(S * qk_scale
+warp specialisation, dK/dV accumulated in registers per key block, dQ accumulated in float32 in global memory
+through TMA reduce-add); the arithmetic is FA2's Algorithm 2 with the base-2 LSE of `kernels/fa2.py` (P = exp2(S * qk_scale
 - lse), dS = P * (dP - delta), delta = rowsum(dO * O)).
 
 One CTA owns NUM_CONSUMERS * 64 keys of one (batch, kv head) and loops over every query block (of every query
@@ -12,8 +12,10 @@ head in its GQA group) that can see them. Partitions (`gl.warp_specialize`):
 - NUM_CONSUMERS consumer warpgroups, one per 64 keys. Per query block a consumer issues S^T = K Q^T and
   dP^T = V dO^T (async wgmmas), waits for S^T only, computes P^T while dP^T runs, issues dV += P^T dO (P^T
   from registers), waits for dP^T, computes dS^T, issues dK += dS^T Q (dS^T from registers), stores dS^T to
-  shared memory and runs dQ_i += dS K (in 64-column halves at HEAD_DIM 128) whose float32 result goes to
-  DQ_ACC with `atomic_add`. dQ's order of additions varies, so it is not bit-reproducible (FA3's trade).
+  shared memory and computes dQ_i = dS K (at HEAD_DIM 128 each warpgroup 64 columns over all the CTA's keys),
+  which goes through its own float32 shared tile and one TMA reduce-add (`cp.reduce.async.bulk.tensor`) into
+  the float32 dQ accumulator, completing under the next block. dQ's order of additions varies, so it is not
+  bit-reproducible (FA3's trade).
 Rows past seqlen_q read as 0 through TMA and carry lse = +inf, so their P is 0; keys past seqlen_k read as 0,
 so their dS adds nothing to dQ and their dK/dV rows are clipped by the TMA store. Only the causal band
 needs a mask (query blocks [lo, m_free)); blocks no query of which sees a key are never visited.
@@ -64,17 +66,14 @@ def _query_range(start_n, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.
 
 @gluon.jit
 def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_ready, ds_free, dk_desc,
-              dv_desc, dq_desc, LSE, DELTA, DQ_ACC, n_heads, seqlen_q, seqlen_k, seqlen_q_pad, qk_scale,
-              softmax_scale, CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr, GROUP: gl.constexpr,
-              CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-              SPLIT_DQ: gl.constexpr, DQ_TMA: gl.constexpr):
+              dv_desc, dq_desc, LSE, DELTA, n_heads, seqlen_q, seqlen_k, qk_scale, softmax_scale,
+              CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
+              BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT_DQ: gl.constexpr):
     """Consumer warpgroup CID: keys [start_n + 64 * CID, + 64) of the CTA's key block.
 
     SPLIT_DQ (HEAD_DIM 128): the warpgroups share dS through shared memory and each computes HEAD_DIM /
     NUM_CONSUMERS columns of dQ_i over all the CTA's keys (FA3's split: each dQ element is added once per CTA).
     Otherwise each computes all of dQ_i over its own 64 keys.
-    DQ_TMA: dQ_i goes through this warpgroup's shared (BLOCK_M, DQ_N) float32 tile and one TMA reduce-add into
-    DQ_ACC (FA3's path: one bulk operation, completing under the next block), else through float32 atomic_add.
     """
     dtype: gl.constexpr = q_smem.dtype
     BLOCK_N: gl.constexpr = NUM_CONSUMERS * BLOCK_KEYS
@@ -104,11 +103,6 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, 
         dq_b = k_tile
     keys = start_n + CID * BLOCK_KEYS + gl.arange(0, BLOCK_KEYS, layout=gl.SliceLayout(1, s_layout))
     diag_offset = seqlen_k - seqlen_q
-    # dQ offsets inside one (BLOCK_M, HEAD_DIM) block of the row-padded accumulator: no mask needed
-    dq_offs = (gl.expand_dims(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout)), 1) * HEAD_DIM
-               + gl.expand_dims(gl.arange(0, DQ_N, layout=gl.SliceLayout(0, dq_layout)), 0))
-    if SPLIT_DQ:
-        dq_offs += CID * DQ_N
 
     dk = gl.zeros([BLOCK_KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
     dv = gl.zeros([BLOCK_KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
@@ -162,13 +156,10 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, 
         dv, dk, dq, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, ds_op))
         mbarrier.arrive(ds_free.index(buf))
         mbarrier.arrive(empty.index(slot))  # every GEMM that reads Q_i and dO_i is done
-        if DQ_TMA:
-            tma.store_wait(0)  # the previous block's reduce-add has read dq_tile
-            dq_tile.store(dq)
-            fence_async_shared()
-            _tma_reduce_add(dq_desc, [off_b, off_h, start_m, dq_col], _as_4d(dq_tile, dq_desc))
-        else:
-            gl.atomic_add(DQ_ACC + (bh * seqlen_q_pad + start_m) * HEAD_DIM + dq_offs, dq, sem="relaxed")
+        tma.store_wait(0)  # the previous block's reduce-add has read dq_tile
+        dq_tile.store(dq)
+        fence_async_shared()
+        _tma_reduce_add(dq_desc, [off_b, off_h, start_m, dq_col], _as_4d(dq_tile, dq_desc))
     # This warpgroup's V tile is no longer read (K is: the other warpgroup's dQ GEMM may still run under
     # SPLIT_DQ): it stages dV, then dK, for the TMA stores.
     row_k = start_n + CID * BLOCK_KEYS
@@ -213,16 +204,16 @@ def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, 
 
 @gluon.jit
 def fa3_bwd_kernel(
-    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA, DQ_ACC,
-    n_heads, seqlen_q, seqlen_k, seqlen_q_pad, qk_scale, softmax_scale,
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA,
+    n_heads, seqlen_q, seqlen_k, qk_scale, softmax_scale,
     GROUP: gl.constexpr, CAUSAL: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr,
-    BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT_DQ: gl.constexpr, DQ_TMA: gl.constexpr,
+    BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT_DQ: gl.constexpr,
     Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr, DS_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr,
 ):
     """Grid (cdiv(seqlen_k, NUM_CONSUMERS * 64), batch * n_kv_heads): see the module docstring. LSE, DELTA:
-    float32 (batch, n_heads, seqlen_q); DQ_ACC: float32 (batch, n_heads, seqlen_q_pad, HEAD_DIM), zeroed, with
-    seqlen_q_pad = seqlen_q rounded up to BLOCK_M (whole blocks: the atomics need no mask); dq_desc: a
-    descriptor over DQ_ACC with (1, 1, BLOCK_M, HEAD_DIM / NUM_CONSUMERS if SPLIT_DQ else HEAD_DIM) boxes."""
+    float32 (batch, n_heads, seqlen_q); dq_desc: over the zeroed float32 (batch, n_heads, seqlen_q, HEAD_DIM) dQ
+    accumulator, (1, 1, BLOCK_M, HEAD_DIM / NUM_CONSUMERS if SPLIT_DQ else HEAD_DIM) boxes (rows past seqlen_q
+    are clipped by the TMA unit)."""
     dtype: gl.constexpr = q_desc.dtype
     k_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS * BLOCK_KEYS, HEAD_DIM], KV_LAYOUT)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BLOCK_KEYS, HEAD_DIM], KV_LAYOUT)
@@ -249,13 +240,11 @@ def fa3_bwd_kernel(
     gl.warp_specialize(
         [
         (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_ready, ds_free,
-                     dk_desc, dv_desc, dq_desc, LSE, DELTA, DQ_ACC, n_heads, seqlen_q, seqlen_k, seqlen_q_pad,
-                     qk_scale, softmax_scale, 0, NUM_CONSUMERS, GROUP, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES,
-                     SPLIT_DQ, DQ_TMA)),
+                     dk_desc, dv_desc, dq_desc, LSE, DELTA, n_heads, seqlen_q, seqlen_k, qk_scale, softmax_scale,
+                     0, NUM_CONSUMERS, GROUP, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, SPLIT_DQ)),
         (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_ready, ds_free,
-                     dk_desc, dv_desc, dq_desc, LSE, DELTA, DQ_ACC, n_heads, seqlen_q, seqlen_k, seqlen_q_pad,
-                     qk_scale, softmax_scale, 1, NUM_CONSUMERS, GROUP, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES,
-                     SPLIT_DQ, DQ_TMA)),
+                     dk_desc, dv_desc, dq_desc, LSE, DELTA, n_heads, seqlen_q, seqlen_k, qk_scale, softmax_scale,
+                     1, NUM_CONSUMERS, GROUP, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, SPLIT_DQ)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
                      n_heads, seqlen_q, seqlen_k, NUM_CONSUMERS, GROUP, CAUSAL, BLOCK_M, NUM_STAGES)),
         ],

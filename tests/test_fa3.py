@@ -132,9 +132,10 @@ def _reference_grads(q, k, v, do, causal):
 ])
 def test_gluon_backward_matches_float64(fresh_dispatch, monkeypatch, head_dim, causal, n_heads, n_kv_heads,
                                         seqlen_q, seqlen_k):
-    """The Gluon backward (dQ through float32 atomics) against float64, in the model's (B, T, H, D) memory order;
-    under torch.use_deterministic_algorithms FA2's backward runs and repeats bit for bit."""
-    monkeypatch.setattr(fa3, "GLUON_BACKWARD", True)
+    """The Gluon backward (dQ through float32 TMA reduce-adds) against float64, in the model's (B, T, H, D) memory
+    order, at every head dim it covers; under torch.use_deterministic_algorithms FA2's backward runs and repeats
+    bit for bit."""
+    monkeypatch.setattr(fa3, "GLUON_BACKWARD_HEAD_DIMS", fa3.HEAD_DIMS)
     def bthd(heads, seqlen):  # (B, H, T, D) views of (B, T, H, D) memory, as the model passes them
         return torch.randn(2, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
 
@@ -159,3 +160,24 @@ def test_gluon_backward_matches_float64(fresh_dispatch, monkeypatch, head_dim, c
     finally:
         torch.use_deterministic_algorithms(False)
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+@pytest.mark.parametrize("head_dim,deterministic,expected", [
+    (128, False, "gluon"), (64, False, "fa2"), (128, True, "fa2"),
+])
+def test_backward_dispatch(fresh_dispatch, monkeypatch, head_dim, deterministic, expected):
+    """The Gluon backward runs for the head dims in GLUON_BACKWARD_HEAD_DIMS only, and never under deterministic
+    algorithms (its dQ reduce-adds are not bit-reproducible); FA2's backward everywhere else."""
+    calls = []
+    monkeypatch.setattr(fa3, "gluon_unsupported_reason", lambda *tensors: None)
+    monkeypatch.setattr(fa3, "_gluon_module", lambda name="fa3_hopper": name)
+    monkeypatch.setattr(fa3, "_launch_backward", lambda *args: calls.append("gluon"))
+    monkeypatch.setattr(fa3.fa2, "backward", lambda *args: calls.append("fa2"))
+    monkeypatch.setattr(fa3.fa2, "bwd_preprocess", lambda o, do: None)
+    q = torch.randn(1, 2, 8, head_dim)
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        fa3.backward(q, q, q, q, q, None, True, 0.1)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert calls == [expected]
