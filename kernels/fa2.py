@@ -80,8 +80,8 @@ _DQ_SHAPES = [(128, 64, 8, 3, False), (128, 64, 8, 3, True), (64, 64, 4, 2, Fals
 # Varlen backward with short sequences (median ~600 tokens): smaller tiles waste less on each sequence's
 # diagonal and last block and give more programs to balance; pointer loads skip building TMA descriptors in
 # programs that run only a few blocks. Used when VARLEN_BWD_TILES (else the dense lists).
-_DKDV_VARLEN_SHAPES = [(64, 64, 4, 2, True), (64, 64, 4, 2, False), (32, 64, 4, 2, True), (32, 64, 4, 3, False)]
-_DQ_VARLEN_SHAPES = [(128, 64, 8, 3, False), (64, 64, 4, 2, True), (64, 64, 4, 3, False), (64, 32, 4, 2, True)]
+_DKDV_VARLEN_SHAPES = [(64, 64, 4, 2, True), (64, 64, 4, 3, True), (32, 64, 4, 2, True), (32, 64, 4, 3, False)]
+_DQ_VARLEN_SHAPES = [(128, 64, 8, 3, False), (128, 64, 8, 3, True), (64, 64, 4, 2, True), (64, 64, 4, 2, False)]
 VARLEN_BWD_TILES = False
 # Backward grid under VARLEN: "padded" = (cdiv(max_seqlen, BLOCK), sequences * heads), where every program past
 # its sequence's end returns at once (most of them with many short sequences); "flat" = only the real blocks,
