@@ -257,9 +257,12 @@ def test_flat_grid_visits_every_block_once(lpt):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests run these kernels for real")
 def test_masked_kernels_compile_for_sm90():
     """The interpreter runs code the GPU compiler may reject (early returns, integer types of the ranges): compile
-    the three kernels with every mask on for sm_90, without a GPU, in a process without TRITON_INTERPRET."""
+    the three kernels with every mask on for sm_90 (the backward's with each varlen grid), without a GPU, in a
+    process without TRITON_INTERPRET."""
     code = ("from kernels import fa2; "
-            "print(all('ld.global' in fa2.compile_for_sm90(k).asm['ptx'] for k in ('fwd', 'dkdv', 'dq')))")
+            "print(all('ld.global' in fa2.compile_for_sm90(k).asm['ptx'] for k in ('fwd', 'dkdv', 'dq')) and "
+            "all('ld.global' in fa2.compile_for_sm90(k, grid=g).asm['ptx'] for k in ('dkdv', 'dq') "
+            "for g in ('flat', 'lpt')))")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], env=env,
                           capture_output=True, text=True, timeout=600)
