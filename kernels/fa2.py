@@ -384,8 +384,8 @@ def _bwd_dkdv_inner(
 
 
 @triton.autotune(  # dK/dV tiles: BLOCK_N >= BLOCK_M
-    configs=_configs(_DKDV_SHAPES, interpret_shape=(16, 32)) + _configs(_DKDV_VARLEN_SHAPES, interpret_shape=(16, 16)),
-    key=_KEY, prune_configs_by={"early_config_prune": _prune(64 * 128 * 128, len(_configs(_DKDV_SHAPES)))},
+    configs=_configs(_DKDV_SHAPES, (16, 32)) + _configs(_DKDV_VARLEN_SHAPES, (16, 16)), key=_KEY,
+    prune_configs_by={"early_config_prune": _prune(64 * 128 * 128, len(_configs(_DKDV_SHAPES)))},
 )
 @triton.jit
 def _bwd_dkdv(

@@ -247,7 +247,8 @@ def test_flat_grid_visits_every_block_once(lpt):
     _flat_block_table[(n_programs,)](cu_seqlens(lengths), len(lengths), out, BLOCK=block,
                                      SEQS=triton.next_power_of_2(len(lengths)), LPT=lpt)
     real = [tuple(row) for row in out.tolist() if row[0] < len(lengths)]
-    expected = {(s, level, triton.cdiv(n, block)) for s, n in enumerate(lengths) for level in range(triton.cdiv(n, block))}
+    counts = [triton.cdiv(n, block) for n in lengths]
+    expected = {(s, level, count) for s, count in enumerate(counts) for level in range(count)}
     assert len(real) == len(expected) and set(real) == expected
     assert all(row[0] == len(lengths) for row in out.tolist()[len(real):])  # the real ones come first
     order = [level for _, level, _ in real] if lpt else [s for s, _, _ in real]
