@@ -87,6 +87,10 @@ VARLEN_BWD_TILES = False
 # its sequence's end returns at once (most of them with many short sequences); "flat" = only the real blocks,
 # sequence after sequence (`_flat_block`); "lpt" = only the real blocks, the longest-running first.
 VARLEN_BWD_GRID = "padded"
+# Varlen backward: one masked inner loop per program instead of the masked / unmasked stages [3]: short sequences'
+# programs visit only a few blocks, where a second software-pipelined loop (its prologue and drain) costs more than
+# masking every block.
+VARLEN_BWD_ONE_LOOP = False
 _FLAT_MAX_SEQS = 1024  # the flat grids hold every sequence's block count in registers: more take the padded grid
 
 
@@ -396,7 +400,7 @@ def _bwd_dkdv(
     M_BUCKET, N_BUCKET,  # autotune key only
     GROUP: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, VARLEN: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, TMA_OK: tl.constexpr,
-    FLAT: tl.constexpr, LPT: tl.constexpr, SEQS: tl.constexpr,
+    FLAT: tl.constexpr, LPT: tl.constexpr, SEQS: tl.constexpr, ONE_LOOP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
     """One program = one BLOCK_N block of keys of one (sequence, kv head);
@@ -431,6 +435,8 @@ def _bwd_dkdv(
     diag_offset = seqlen_k - seqlen_q
     lo, lo_free, hi_free, hi = _stages(start_n, -diag_offset, window_right, window_left, seqlen_q, RIGHT, LEFT,
                                        BLOCK_N, BLOCK_M)
+    if ONE_LOOP:  # the last (masked) stage covers [lo, hi)
+        hi_free = lo
 
     for g in range(GROUP):  # every query head that reads this K/V head, in order: deterministic, no atomics
         off_h = off_hk * GROUP + g
@@ -440,12 +446,13 @@ def _bwd_dkdv(
         q_src = tile_source(q_base, seqlen_q, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D, TMA and TMA_OK)
         do_src = tile_source(do_base, seqlen_q, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D, TMA and TMA_OK)
         for stage in tl.static_range(3):  # masked [lo, lo_free), unmasked [lo_free, hi_free), masked [hi_free, hi)
-            dk, dv = _bwd_dkdv_inner(
-                dk, dv, k, v, q_src, do_src, LSE + row0, DELTA + row0, stride_qm, stride_dom, offs_n, offs_d,
-                (lo, lo_free, hi_free)[stage], (lo_free, hi_free, hi)[stage], seqlen_q, seqlen_k, diag_offset,
-                window_left, window_right, qk_scale, stage != 1, LEFT, RIGHT, BLOCK_M, HEAD_DIM, BLOCK_D, UPCAST,
-                TMA and TMA_OK,
-            )
+            if not ONE_LOOP or stage == 2:
+                dk, dv = _bwd_dkdv_inner(
+                    dk, dv, k, v, q_src, do_src, LSE + row0, DELTA + row0, stride_qm, stride_dom, offs_n, offs_d,
+                    (lo, lo_free, hi_free)[stage], (lo_free, hi_free, hi)[stage], seqlen_q, seqlen_k, diag_offset,
+                    window_left, window_right, qk_scale, stage != 1, LEFT, RIGHT, BLOCK_M, HEAD_DIM, BLOCK_D, UPCAST,
+                    TMA and TMA_OK,
+                )
 
     dk = dk * softmax_scale
     dk_base = head_ptr(DK, off_b, stride_dkb, off_hk, stride_dkh) + k_start.to(tl.int64) * stride_dkn
@@ -493,7 +500,7 @@ def _bwd_dq(
     M_BUCKET, N_BUCKET,  # autotune key only
     GROUP: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, VARLEN: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, TMA_OK: tl.constexpr,
-    FLAT: tl.constexpr, LPT: tl.constexpr, SEQS: tl.constexpr,
+    FLAT: tl.constexpr, LPT: tl.constexpr, SEQS: tl.constexpr, ONE_LOOP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
     """One program = one BLOCK_M block of queries of one (sequence, head);
@@ -534,10 +541,12 @@ def _bwd_dq(
     diag_offset = seqlen_k - seqlen_q
     lo, lo_free, hi_free, hi = _stages(start_m, diag_offset, window_left, window_right, seqlen_k, LEFT, RIGHT,
                                        BLOCK_M, BLOCK_N)  # as in the forward
+    if ONE_LOOP:  # the last (masked) stage covers [lo, hi)
+        hi_free = lo
     k_src = tile_source(k_base, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, TMA and TMA_OK)
     v_src = tile_source(v_base, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, TMA and TMA_OK)
     for stage in tl.static_range(3):  # as in the forward
-        if LEFT or stage != 0:
+        if (LEFT or stage != 0) and (not ONE_LOOP or stage == 2):
             dq = _bwd_dq_inner(
                 dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, offs_m, offs_d,
                 (lo, lo_free, hi_free)[stage], (lo_free, hi_free, hi)[stage], seqlen_k, diag_offset, window_left,
@@ -566,6 +575,7 @@ def backward(do, q, k, v, o, lse, causal, softmax_scale, window_size=(-1, -1), c
         GROUP=n_heads // n_kv_heads, **constexprs, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
         UPCAST=upcast_dot(q.dtype), TMA_OK=USE_TMA and use_tma(q, k, v, do),
         FLAT=flat, LPT=flat and VARLEN_BWD_GRID == "lpt", SEQS=triton.next_power_of_2(batch) if flat else 1,
+        ONE_LOOP=varlen and VARLEN_BWD_ONE_LOOP,
     )
     sizes = (n_heads, seqlen_q, seqlen_k, *mask[2:], softmax_scale * LOG2E, softmax_scale, batch, bucket(max_q),
              bucket(max_k))
@@ -585,10 +595,10 @@ def backward(do, q, k, v, o, lse, causal, softmax_scale, window_size=(-1, -1), c
 
 
 def compile_for_sm90(kernel, left=True, right=True, varlen=True, tma=True, head_dim=64, group=2, grid="padded",
-                     block_m=64, block_n=64, num_warps=4, num_stages=2):
+                     one_loop=False, block_m=64, block_n=64, num_warps=4, num_stages=2):
     """Compile one kernel ("fwd", "dkdv" or "dq") for sm_90 with bf16 inputs, without a GPU (catches what only
     the GPU compiler rejects, which the interpreter runs). Call it without TRITON_INTERPRET; returns Triton's
-    compiled kernel. grid: the backward's VARLEN_BWD_GRID (with varlen)."""
+    compiled kernel. grid, one_loop: the backward's VARLEN_BWD_GRID, VARLEN_BWD_ONE_LOOP (with varlen)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -597,7 +607,7 @@ def compile_for_sm90(kernel, left=True, right=True, varlen=True, tma=True, head_
                       BLOCK_D=block_d(head_dim), UPCAST=False, TMA_OK=tma, BLOCK_M=block_m, BLOCK_N=block_n, TMA=tma)
     if kernel != "fwd":
         flat = varlen and grid != "padded"
-        constexprs.update(FLAT=flat, LPT=flat and grid == "lpt", SEQS=32)
+        constexprs.update(FLAT=flat, LPT=flat and grid == "lpt", SEQS=32, ONE_LOOP=varlen and one_loop)
     types = dict(LSE="*fp32", DELTA="*fp32", CU_Q="*i32", CU_K="*i32", qk_scale="fp32", softmax_scale="fp32")
     signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "*bf16" if arg.isupper() else "i32")
                  for arg in fn.arg_names}

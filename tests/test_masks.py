@@ -206,13 +206,16 @@ def test_varlen_one_sequence_equals_dense():
     assert torch.equal(varlen, packed(dense))
 
 
-@pytest.mark.parametrize("grid,tiles", [("flat", False), ("lpt", False), ("lpt", True), ("padded", True)])
+@pytest.mark.parametrize("grid,tiles,one_loop", [("flat", False, False), ("lpt", False, False), ("lpt", True, False),
+                                                ("padded", True, False), ("padded", False, True), ("lpt", True, True)])
 @pytest.mark.parametrize("case", VARLEN_CASES[:4] + VARLEN_CASES[5:])
-def test_varlen_backward_grids_and_tiles(monkeypatch, grid, tiles, case):
-    """The varlen backward's flat grids (only the real blocks) and its own tiles (under the interpreter 16x16 for
-    dK/dV, 16x32 for dQ), against the reference; a fresh autotune cache, so the tiles switch takes effect."""
+def test_varlen_backward_variants(monkeypatch, grid, tiles, one_loop, case):
+    """The varlen backward's flat grids (only the real blocks), its own tiles (under the interpreter 16x16 for
+    dK/dV, 16x32 for dQ) and one masked loop, against the reference; a fresh autotune cache, so the tiles switch
+    takes effect."""
     monkeypatch.setattr(fa2, "VARLEN_BWD_GRID", grid)
     monkeypatch.setattr(fa2, "VARLEN_BWD_TILES", tiles)
+    monkeypatch.setattr(fa2, "VARLEN_BWD_ONE_LOOP", one_loop)
     for kernel in (fa2._bwd_dkdv, fa2._bwd_dq):
         monkeypatch.setattr(kernel, "cache", {})
     lengths_q, lengths_k, *rest = case
@@ -258,12 +261,12 @@ def test_flat_grid_visits_every_block_once(lpt):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests run these kernels for real")
 def test_masked_kernels_compile_for_sm90():
     """The interpreter runs code the GPU compiler may reject (early returns, integer types of the ranges): compile
-    the three kernels with every mask on for sm_90 (the backward's with each varlen grid), without a GPU, in a
+    the three kernels with every mask on for sm_90 (the backward's varlen variants too), without a GPU, in a
     process without TRITON_INTERPRET."""
     code = ("from kernels import fa2; "
             "print(all('ld.global' in fa2.compile_for_sm90(k).asm['ptx'] for k in ('fwd', 'dkdv', 'dq')) and "
-            "all('ld.global' in fa2.compile_for_sm90(k, grid=g).asm['ptx'] for k in ('dkdv', 'dq') "
-            "for g in ('flat', 'lpt')))")
+            "all('ld.global' in fa2.compile_for_sm90(k, grid=g, one_loop=g == 'lpt').asm['ptx'] "
+            "for k in ('dkdv', 'dq') for g in ('flat', 'lpt')))")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], env=env,
                           capture_output=True, text=True, timeout=600)
