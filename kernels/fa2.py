@@ -53,11 +53,16 @@ def _configs(shapes, interpret_shape=(32, 16)):
             for m, n, w, s, tma in shapes]
 
 
-def _prune(max_tile):
-    """Drop configs whose tile is too large for the head dim (they would spill registers or miss shared memory)."""
+def _prune(max_tile, n_dense=None):
+    """Drop configs whose tile is too large for the head dim (they would spill registers or miss shared memory).
+    With n_dense, the configs are a dense list followed by a varlen list: keep the varlen one only for VARLEN
+    inputs while VARLEN_BWD_TILES is on (read at tuning time, so it can be switched after import)."""
 
     def prune(configs, named_args, **kwargs):
-        head_dim = {**named_args, **kwargs}["HEAD_DIM"]
+        args = {**named_args, **kwargs}
+        head_dim = args["HEAD_DIM"]
+        if n_dense is not None:
+            configs = configs[n_dense:] if args["VARLEN"] and VARLEN_BWD_TILES else configs[:n_dense]
         kept = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * block_d(head_dim) <= max_tile]
         return kept or configs[-1:]
 
@@ -72,6 +77,21 @@ _FWD_SHAPES = [(128, 64, 8, 3, False), (128, 64, 4, 2, True), (64, 128, 4, 3, Tr
                (64, 64, 4, 2, False)]
 _DKDV_SHAPES = [(64, 64, 4, 2, True), (64, 64, 4, 3, True), (32, 128, 4, 3, False), (64, 64, 4, 2, False)]
 _DQ_SHAPES = [(128, 64, 8, 3, False), (128, 64, 8, 3, True), (64, 64, 4, 2, False)]
+# Varlen backward with short sequences (median ~600 tokens): smaller tiles waste less on each sequence's
+# diagonal and last block and give more programs to balance; pointer loads skip building TMA descriptors in
+# programs that run only a few blocks. Used when VARLEN_BWD_TILES (else the dense lists).
+_DKDV_VARLEN_SHAPES = [(64, 64, 4, 2, True), (64, 64, 4, 3, True), (32, 64, 4, 2, True), (32, 64, 4, 3, False)]
+_DQ_VARLEN_SHAPES = [(128, 64, 8, 3, False), (128, 64, 8, 3, True), (64, 64, 4, 2, True), (64, 64, 4, 2, False)]
+VARLEN_BWD_TILES = False
+# Backward grid under VARLEN: "padded" = (cdiv(max_seqlen, BLOCK), sequences * heads), where every program past
+# its sequence's end returns at once (most of them with many short sequences); "flat" = only the real blocks,
+# sequence after sequence (`_flat_block`); "lpt" = only the real blocks, the longest-running first.
+VARLEN_BWD_GRID = "padded"
+# Varlen backward: one masked inner loop per program instead of the masked / unmasked stages [3]: short sequences'
+# programs visit only a few blocks, where a second software-pipelined loop (its prologue and drain) costs more than
+# masking every block.
+VARLEN_BWD_ONE_LOOP = False
+_FLAT_MAX_SEQS = 1024  # the flat grids hold every sequence's block count in registers: more take the padded grid
 
 
 
@@ -130,6 +150,44 @@ def _sequence(CU_Q, CU_K, off_b, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
         seq_k = seqlen_k + off_b * 0
         b = off_b
     return b, q_start, seq_q, k_start, seq_k
+
+
+@triton.jit
+def _flat_block(CU, n_seqs, pid, BLOCK: tl.constexpr, SEQS: tl.constexpr, LPT: tl.constexpr):
+    """Which block of which sequence program pid of a flat grid handles, the grid holding only the real blocks:
+    every sequence's cdiv(length, BLOCK) blocks, at most cdiv(total, BLOCK) + n_seqs programs. Returns
+    (sequence, level, the sequence's block count); sequence >= n_seqs for a program past the last block.
+
+    Document order (not LPT): pid runs through the blocks of sequence 0, then 1, ..., each from the highest level.
+    LPT (longest processing time first): pid runs through the levels from the highest down, at each level every
+    sequence with more blocks than it; under a causal mask the level is the number of blocks the program visits
+    (dQ: its block index, dK/dV: blocks after it), so the long programs of long sequences start first and the
+    short ones fill the tail.
+    SEQS: a power of two >= n_seqs; the block counts of all sequences are held in one vector.
+    """
+    i = tl.arange(0, SEQS)
+    valid = i < n_seqs
+    n_blocks = tl.cdiv(tl.load(CU + i + 1, mask=valid, other=0) - tl.load(CU + i, mask=valid, other=0), BLOCK)
+    if LPT:
+        # S(L) = sum(max(n_blocks - L, 0)) programs lie at levels >= L: find the highest L with S(L) > pid.
+        lo = pid * 0
+        hi = tl.max(n_blocks, 0)  # S(hi) = 0 <= pid
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            above = tl.sum(tl.maximum(n_blocks - mid, 0), 0) > pid
+            lo = tl.where(above, mid, lo)
+            hi = tl.where(above, hi, mid)
+        rank = pid - tl.sum(tl.maximum(n_blocks - lo - 1, 0), 0)  # among the sequences with a block at level lo
+        has = n_blocks > lo
+        seq = tl.sum((tl.cumsum(has.to(tl.int32), 0) <= rank).to(tl.int32), 0)
+        level = lo
+    else:
+        done = tl.cumsum(n_blocks, 0) <= pid  # sequences whose blocks all come before pid
+        seq = tl.sum(done.to(tl.int32), 0)
+        # The blocks of one sequence from the highest level down, as under LPT
+        level = tl.sum(tl.where(i == seq, n_blocks, 0), 0) - 1 - (pid - tl.sum(tl.where(done, n_blocks, 0), 0))
+    seq = tl.where(pid < tl.sum(n_blocks, 0), seq, n_seqs)
+    return seq, level, tl.sum(tl.where(i == seq, n_blocks, 0), 0)
 
 
 # ---------------------------------------------------------------------------------------------- forward
@@ -329,30 +387,38 @@ def _bwd_dkdv_inner(
     return dk, dv
 
 
-@triton.autotune(
-    configs=_configs(_DKDV_SHAPES, interpret_shape=(16, 32)), key=_KEY,  # dK/dV tiles: BLOCK_N >= BLOCK_M
-    prune_configs_by={"early_config_prune": _prune(64 * 128 * 128)},
+@triton.autotune(  # dK/dV tiles: BLOCK_N >= BLOCK_M
+    configs=_configs(_DKDV_SHAPES, (16, 32)) + _configs(_DKDV_VARLEN_SHAPES, (16, 16)), key=_KEY,
+    prune_configs_by={"early_config_prune": _prune(64 * 128 * 128, len(_configs(_DKDV_SHAPES)))},
 )
 @triton.jit
 def _bwd_dkdv(
     Q, K, V, DO, DK, DV, LSE, DELTA, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-    n_heads, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softmax_scale,
+    n_heads, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softmax_scale, n_seqs,
     M_BUCKET, N_BUCKET,  # autotune key only
     GROUP: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, VARLEN: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, TMA_OK: tl.constexpr,
+    FLAT: tl.constexpr, LPT: tl.constexpr, SEQS: tl.constexpr, ONE_LOOP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
     """One program = one BLOCK_N block of keys of one (sequence, kv head);
-    grid (cdiv(max seqlen_k, BLOCK_N), B * H_kv)."""
-    start_n = tl.program_id(0) * BLOCK_N
+    grid (cdiv(max seqlen_k, BLOCK_N), B * H_kv), or under FLAT (varlen) H_kv * (an upper bound on the number of
+    key blocks of all sequences), the kv heads of one block next to each other (`_flat_block`)."""
     n_kv_heads = n_heads // GROUP
-    off_bhk = tl.program_id(1)
-    off_hk = off_bhk % n_kv_heads
+    if FLAT:
+        off_hk = tl.program_id(0) % n_kv_heads
+        seq, level, n_blocks = _flat_block(CU_K, n_seqs, tl.program_id(0) // n_kv_heads, BLOCK_N, SEQS, LPT)
+        if seq >= n_seqs:
+            return
+        start_n = (n_blocks - 1 - level if RIGHT else level) * BLOCK_N  # causal: the first blocks see most rows
+    else:
+        start_n = tl.program_id(0) * BLOCK_N
+        seq = tl.program_id(1) // n_kv_heads
+        off_hk = tl.program_id(1) % n_kv_heads
     lse_rows = seqlen_q
-    off_b, q_start, seqlen_q, k_start, seqlen_k = _sequence(CU_Q, CU_K, off_bhk // n_kv_heads, seqlen_q, seqlen_k,
-                                                            VARLEN)
+    off_b, q_start, seqlen_q, k_start, seqlen_k = _sequence(CU_Q, CU_K, seq, seqlen_q, seqlen_k, VARLEN)
     if start_n >= seqlen_k:  # varlen: a block past the end of a shorter sequence
         return
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -369,6 +435,8 @@ def _bwd_dkdv(
     diag_offset = seqlen_k - seqlen_q
     lo, lo_free, hi_free, hi = _stages(start_n, -diag_offset, window_right, window_left, seqlen_q, RIGHT, LEFT,
                                        BLOCK_N, BLOCK_M)
+    if ONE_LOOP:  # the last (masked) stage covers [lo, hi)
+        hi_free = lo
 
     for g in range(GROUP):  # every query head that reads this K/V head, in order: deterministic, no atomics
         off_h = off_hk * GROUP + g
@@ -378,12 +446,13 @@ def _bwd_dkdv(
         q_src = tile_source(q_base, seqlen_q, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D, TMA and TMA_OK)
         do_src = tile_source(do_base, seqlen_q, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D, TMA and TMA_OK)
         for stage in tl.static_range(3):  # masked [lo, lo_free), unmasked [lo_free, hi_free), masked [hi_free, hi)
-            dk, dv = _bwd_dkdv_inner(
-                dk, dv, k, v, q_src, do_src, LSE + row0, DELTA + row0, stride_qm, stride_dom, offs_n, offs_d,
-                (lo, lo_free, hi_free)[stage], (lo_free, hi_free, hi)[stage], seqlen_q, seqlen_k, diag_offset,
-                window_left, window_right, qk_scale, stage != 1, LEFT, RIGHT, BLOCK_M, HEAD_DIM, BLOCK_D, UPCAST,
-                TMA and TMA_OK,
-            )
+            if not ONE_LOOP or stage == 2:
+                dk, dv = _bwd_dkdv_inner(
+                    dk, dv, k, v, q_src, do_src, LSE + row0, DELTA + row0, stride_qm, stride_dom, offs_n, offs_d,
+                    (lo, lo_free, hi_free)[stage], (lo_free, hi_free, hi)[stage], seqlen_q, seqlen_k, diag_offset,
+                    window_left, window_right, qk_scale, stage != 1, LEFT, RIGHT, BLOCK_M, HEAD_DIM, BLOCK_D, UPCAST,
+                    TMA and TMA_OK,
+                )
 
     dk = dk * softmax_scale
     dk_base = head_ptr(DK, off_b, stride_dkb, off_hk, stride_dkh) + k_start.to(tl.int64) * stride_dkn
@@ -419,32 +488,40 @@ def _bwd_dq_inner(
 
 
 @triton.autotune(
-    configs=_configs(_DQ_SHAPES), key=_KEY,
-    prune_configs_by={"early_config_prune": _prune(64 * 128 * 128)},
+    configs=_configs(_DQ_SHAPES) + _configs(_DQ_VARLEN_SHAPES, interpret_shape=(16, 32)), key=_KEY,
+    prune_configs_by={"early_config_prune": _prune(64 * 128 * 128, len(_configs(_DQ_SHAPES)))},
 )
 @triton.jit
 def _bwd_dq(
     Q, K, V, DO, DQ, LSE, DELTA, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom, stride_dqb, stride_dqh, stride_dqm,
-    n_heads, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softmax_scale,
+    n_heads, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softmax_scale, n_seqs,
     M_BUCKET, N_BUCKET,  # autotune key only
     GROUP: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, VARLEN: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, TMA_OK: tl.constexpr,
+    FLAT: tl.constexpr, LPT: tl.constexpr, SEQS: tl.constexpr, ONE_LOOP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
     """One program = one BLOCK_M block of queries of one (sequence, head);
-    grid (cdiv(max seqlen_q, BLOCK_M), B * H)."""
-    if RIGHT:
-        start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    grid (cdiv(max seqlen_q, BLOCK_M), B * H), or under FLAT (varlen) H * (an upper bound on the number of query
+    blocks of all sequences), the heads of one block next to each other (`_flat_block`)."""
+    if FLAT:
+        off_h = tl.program_id(0) % n_heads
+        seq, level, n_blocks = _flat_block(CU_Q, n_seqs, tl.program_id(0) // n_heads, BLOCK_M, SEQS, LPT)
+        if seq >= n_seqs:
+            return
+        start_m = level * BLOCK_M  # causal: the last blocks see most keys
     else:
-        start_m = tl.program_id(0) * BLOCK_M
-    off_bh = tl.program_id(1)
-    off_h = off_bh % n_heads
+        if RIGHT:
+            start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+        else:
+            start_m = tl.program_id(0) * BLOCK_M
+        seq = tl.program_id(1) // n_heads
+        off_h = tl.program_id(1) % n_heads
     off_hk = off_h // GROUP
     lse_rows = seqlen_q
-    off_b, q_start, seqlen_q, k_start, seqlen_k = _sequence(CU_Q, CU_K, off_bh // n_heads, seqlen_q, seqlen_k,
-                                                            VARLEN)
+    off_b, q_start, seqlen_q, k_start, seqlen_k = _sequence(CU_Q, CU_K, seq, seqlen_q, seqlen_k, VARLEN)
     if start_m >= seqlen_q:
         return
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -464,10 +541,12 @@ def _bwd_dq(
     diag_offset = seqlen_k - seqlen_q
     lo, lo_free, hi_free, hi = _stages(start_m, diag_offset, window_left, window_right, seqlen_k, LEFT, RIGHT,
                                        BLOCK_M, BLOCK_N)  # as in the forward
+    if ONE_LOOP:  # the last (masked) stage covers [lo, hi)
+        hi_free = lo
     k_src = tile_source(k_base, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, TMA and TMA_OK)
     v_src = tile_source(v_base, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, TMA and TMA_OK)
     for stage in tl.static_range(3):  # as in the forward
-        if LEFT or stage != 0:
+        if (LEFT or stage != 0) and (not ONE_LOOP or stage == 2):
             dq = _bwd_dq_inner(
                 dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, offs_m, offs_d,
                 (lo, lo_free, hi_free)[stage], (lo_free, hi_free, hi)[stage], seqlen_k, diag_offset, window_left,
@@ -491,35 +570,47 @@ def backward(do, q, k, v, o, lse, causal, softmax_scale, window_size=(-1, -1), c
                                                        max_seqlen_q, max_seqlen_k)
     delta = bwd_preprocess(o, do)
     dq, dk, dv = empty_like_layout(q), empty_like_layout(k), empty_like_layout(v)
+    flat = varlen and VARLEN_BWD_GRID != "padded" and batch <= _FLAT_MAX_SEQS
     common = dict(
         GROUP=n_heads // n_kv_heads, **constexprs, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
         UPCAST=upcast_dot(q.dtype), TMA_OK=USE_TMA and use_tma(q, k, v, do),
+        FLAT=flat, LPT=flat and VARLEN_BWD_GRID == "lpt", SEQS=triton.next_power_of_2(batch) if flat else 1,
+        ONE_LOOP=varlen and VARLEN_BWD_ONE_LOOP,
     )
-    sizes = (n_heads, seqlen_q, seqlen_k, *mask[2:], softmax_scale * LOG2E, softmax_scale, bucket(max_q),
+    sizes = (n_heads, seqlen_q, seqlen_k, *mask[2:], softmax_scale * LOG2E, softmax_scale, batch, bucket(max_q),
              bucket(max_k))
     qkv_do_strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
-    grid_kv = lambda meta: (triton.cdiv(max_k, meta["BLOCK_N"]), batch * n_kv_heads)
+    if flat:  # every sequence's blocks, no more: sum(cdiv(len, BLOCK)) <= cdiv(total, BLOCK) + sequences
+        grid_kv = lambda meta: (n_kv_heads * (triton.cdiv(seqlen_k, meta["BLOCK_N"]) + batch),)
+        grid_q = lambda meta: (n_heads * (triton.cdiv(seqlen_q, meta["BLOCK_M"]) + batch),)
+    else:
+        grid_kv = lambda meta: (triton.cdiv(max_k, meta["BLOCK_N"]), batch * n_kv_heads)
+        grid_q = lambda meta: (triton.cdiv(max_q, meta["BLOCK_M"]), batch * n_heads)
     _bwd_dkdv[grid_kv](q, k, v, do, dk, dv, lse, delta, *mask[:2], *qkv_do_strides, *dk.stride()[:3],
                        *dv.stride()[:3], *sizes, **common)
-    grid_q = lambda meta: (triton.cdiv(max_q, meta["BLOCK_M"]), batch * n_heads)
     _bwd_dq[grid_q](q, k, v, do, dq, lse, delta, *mask[:2], *qkv_do_strides, *dq.stride()[:3], *sizes, **common)
     if varlen:
         return _packed(dq), _packed(dk), _packed(dv)
     return dq, dk, dv
 
 
-def compile_for_sm90(kernel, left=True, right=True, varlen=True, tma=True, head_dim=64, group=2):
+def compile_for_sm90(kernel, left=True, right=True, varlen=True, tma=True, head_dim=64, group=2, grid="padded",
+                     one_loop=False, block_m=64, block_n=64, num_warps=4, num_stages=2):
     """Compile one kernel ("fwd", "dkdv" or "dq") for sm_90 with bf16 inputs, without a GPU (catches what only
     the GPU compiler rejects, which the interpreter runs). Call it without TRITON_INTERPRET; returns Triton's
-    compiled kernel."""
+    compiled kernel. grid, one_loop: the backward's VARLEN_BWD_GRID, VARLEN_BWD_ONE_LOOP (with varlen)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     fn = {"fwd": _fwd, "dkdv": _bwd_dkdv, "dq": _bwd_dq}[kernel].fn
     constexprs = dict(GROUP=group, LEFT=left, RIGHT=right, VARLEN=varlen, HEAD_DIM=head_dim,
-                      BLOCK_D=block_d(head_dim), UPCAST=False, TMA_OK=tma, BLOCK_M=64, BLOCK_N=64, TMA=tma)
+                      BLOCK_D=block_d(head_dim), UPCAST=False, TMA_OK=tma, BLOCK_M=block_m, BLOCK_N=block_n, TMA=tma)
+    if kernel != "fwd":
+        flat = varlen and grid != "padded"
+        constexprs.update(FLAT=flat, LPT=flat and grid == "lpt", SEQS=32, ONE_LOOP=varlen and one_loop)
     types = dict(LSE="*fp32", DELTA="*fp32", CU_Q="*i32", CU_K="*i32", qk_scale="fp32", softmax_scale="fp32")
     signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "*bf16" if arg.isupper() else "i32")
                  for arg in fn.arg_names}
     source = ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in constexprs.items()})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})

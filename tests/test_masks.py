@@ -206,12 +206,67 @@ def test_varlen_one_sequence_equals_dense():
     assert torch.equal(varlen, packed(dense))
 
 
+@pytest.mark.parametrize("grid,tiles,one_loop", [("flat", False, False), ("lpt", False, False), ("lpt", True, False),
+                                                ("padded", True, False), ("padded", False, True), ("lpt", True, True)])
+@pytest.mark.parametrize("case", VARLEN_CASES[:4] + VARLEN_CASES[5:])
+def test_varlen_backward_variants(monkeypatch, grid, tiles, one_loop, case):
+    """The varlen backward's flat grids (only the real blocks), its own tiles (under the interpreter 16x16 for
+    dK/dV, 16x32 for dQ) and one masked loop, against the reference; a fresh autotune cache, so the tiles switch
+    takes effect."""
+    monkeypatch.setattr(fa2, "VARLEN_BWD_GRID", grid)
+    monkeypatch.setattr(fa2, "VARLEN_BWD_TILES", tiles)
+    monkeypatch.setattr(fa2, "VARLEN_BWD_ONE_LOOP", one_loop)
+    for kernel in (fa2._bwd_dkdv, fa2._bwd_dq):
+        monkeypatch.setattr(kernel, "cache", {})
+    lengths_q, lengths_k, *rest = case
+    check_varlen(lengths_q, lengths_k or lengths_q, *rest)
+
+
+@pytest.mark.parametrize("grid", ["flat", "lpt"])
+def test_varlen_flat_grid_random_lengths_gqa_pointer_path(monkeypatch, grid):
+    monkeypatch.setattr(fa2, "VARLEN_BWD_GRID", grid)
+    monkeypatch.setattr(fa2, "USE_TMA", False)
+    lengths = [random.randint(0, 70) for _ in range(6)] + [16, 32]  # documents ending on a block edge too
+    check_varlen(lengths, lengths, 4, 2, 32, True, (-1, -1), torch.bfloat16)
+
+
+@triton.jit
+def _flat_block_table(CU, n_seqs, OUT, BLOCK: tl.constexpr, SEQS: tl.constexpr, LPT: tl.constexpr):
+    pid = tl.program_id(0)
+    seq, level, n_blocks = fa2._flat_block(CU, n_seqs, pid, BLOCK, SEQS, LPT)
+    tl.store(OUT + 3 * pid, seq)
+    tl.store(OUT + 3 * pid + 1, level)
+    tl.store(OUT + 3 * pid + 2, n_blocks)
+
+
+@pytest.mark.parametrize("lpt", [False, True])
+def test_flat_grid_visits_every_block_once(lpt):
+    """`_flat_block` over the upper-bound grid: each (sequence, level < its block count) exactly once, the rest past
+    the end; LPT: levels from the highest down; document order: sequences in order."""
+    block = 8
+    lengths = [random.choice([0, 1, 7, 8, 9, random.randint(1, 90)]) for _ in range(random.randint(1, 13))]
+    n_programs = triton.cdiv(sum(lengths), block) + len(lengths)
+    out = torch.full((n_programs, 3), -7, dtype=torch.int32, device=DEVICE)
+    _flat_block_table[(n_programs,)](cu_seqlens(lengths), len(lengths), out, BLOCK=block,
+                                     SEQS=triton.next_power_of_2(len(lengths)), LPT=lpt)
+    real = [tuple(row) for row in out.tolist() if row[0] < len(lengths)]
+    counts = [triton.cdiv(n, block) for n in lengths]
+    expected = {(s, level, count) for s, count in enumerate(counts) for level in range(count)}
+    assert len(real) == len(expected) and set(real) == expected
+    assert all(row[0] == len(lengths) for row in out.tolist()[len(real):])  # the real ones come first
+    order = [level for _, level, _ in real] if lpt else [s for s, _, _ in real]
+    assert order == sorted(order, reverse=lpt)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests run these kernels for real")
 def test_masked_kernels_compile_for_sm90():
     """The interpreter runs code the GPU compiler may reject (early returns, integer types of the ranges): compile
-    the three kernels with every mask on for sm_90, without a GPU, in a process without TRITON_INTERPRET."""
+    the three kernels with every mask on for sm_90 (the backward's varlen variants too), without a GPU, in a
+    process without TRITON_INTERPRET."""
     code = ("from kernels import fa2; "
-            "print(all('ld.global' in fa2.compile_for_sm90(k).asm['ptx'] for k in ('fwd', 'dkdv', 'dq')))")
+            "print(all('ld.global' in fa2.compile_for_sm90(k).asm['ptx'] for k in ('fwd', 'dkdv', 'dq')) and "
+            "all('ld.global' in fa2.compile_for_sm90(k, grid=g, one_loop=g == 'lpt').asm['ptx'] "
+            "for k in ('dkdv', 'dq') for g in ('flat', 'lpt')))")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], env=env,
                           capture_output=True, text=True, timeout=600)
