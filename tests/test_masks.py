@@ -62,6 +62,38 @@ def test_window_pointer_path(monkeypatch, case):
     check(fa2_attention, q, k, v, causal, window_size=window_size)
 
 
+# The cases with a left window (LEFT): the only ones the fused forward loops (fa2.FWD_WINDOW_LOOPS) change; plus
+# windows wider than a 32-row block, so that blocks between the masked edges run unmasked in the fused loop.
+LEFT_WINDOW_CASES = [c for c in WINDOW_CASES if 0 <= c[7][0] < c[4]] + [
+    (1, 2, 1, 150, 150, 32, True, (70, -1), torch.bfloat16),
+    (1, 2, 2, 130, 170, 32, False, (50, 40), torch.float16),
+]
+
+
+@pytest.mark.parametrize("loops", [2, 1])
+@pytest.mark.parametrize("case", LEFT_WINDOW_CASES)
+def test_window_fused_forward_loops(monkeypatch, loops, case):
+    """The window forward with its left edge fused into the unmasked loop (2 loops) or all blocks in one loop, the
+    edge blocks masked by a run-time branch: the same results as the three stages."""
+    batch, n_heads, n_kv_heads, seqlen_q, seqlen_k, head_dim, causal, window_size, dtype = case
+    monkeypatch.setattr(fa2, "FWD_WINDOW_LOOPS", loops)
+    q = randn(batch, n_heads, seqlen_q, head_dim, dtype=dtype)
+    k, v = (randn(batch, n_kv_heads, seqlen_k, head_dim, dtype=dtype) for _ in range(2))
+    check(fa2_attention, q, k, v, causal, window_size=window_size)
+
+
+@pytest.mark.parametrize("loops", [2, 1])
+def test_window_fused_forward_loops_pointer_path_and_varlen(monkeypatch, loops):
+    """The fused loops through pointer loads (edge blocks past seqlen_k read masked), and per sequence (varlen)."""
+    monkeypatch.setattr(fa2, "FWD_WINDOW_LOOPS", loops)
+    monkeypatch.setattr(fa2, "USE_TMA", False)
+    batch, n_heads, n_kv_heads, seqlen_q, seqlen_k, head_dim, causal, window_size, dtype = WINDOW_CASES[6]
+    q = randn(batch, n_heads, seqlen_q, head_dim, dtype=dtype)
+    k, v = (randn(batch, n_kv_heads, seqlen_k, head_dim, dtype=dtype) for _ in range(2))
+    check(fa2_attention, q, k, v, causal, window_size=window_size)
+    check_varlen([50, 9, 33], [20, 40, 33], 4, 2, 32, True, (4, 11), torch.bfloat16)
+
+
 def test_key_blocks_outside_the_window_are_never_read():
     """32 query rows with window (16, 0) see keys 80..127 of 128. Keys 0..63 (whole blocks for every kernel) are
     NaN: any visit would spread NaN through a matmul (0 * NaN), so finite, correct results prove they are
