@@ -110,9 +110,10 @@ _FWD_SHAPES = [(128, 64, 8, 3, False), (128, 64, 4, 2, True), (64, 128, 4, 3, Tr
                (64, 64, 4, 2, False)]
 # Windows: a program visits ~18 key blocks, not ~65 as in full causal at N = 8k, so per-program costs weigh
 # more. 6th entry: maxnreg, a register cap that lets two 128x64 (three 64x64) CTAs share an SM and hide each
-# other's Q load, pipeline fill and O store (the 8-warp dense winner takes the whole register file).
-_FWD_WINDOW_SHAPES = [(128, 64, 8, 3, False), (128, 64, 8, 3, False, 128), (128, 64, 4, 2, True),
-                      (128, 128, 8, 3, True), (64, 64, 4, 3, True, 168), (64, 64, 4, 2, False)]
+# other's Q load, pipeline fill and O store (the 8-warp dense winner, 216 registers, takes the whole register
+# file); with TMA the 128x64 8-warp tiles fit the cap of 128 without spilling (pointers spill).
+_FWD_WINDOW_SHAPES = [(128, 64, 8, 3, False), (128, 64, 8, 3, True, 128), (128, 64, 8, 4, True, 128),
+                      (128, 64, 4, 2, True), (128, 128, 8, 3, True), (64, 64, 4, 3, True, 168), (64, 64, 4, 2, False)]
 _DKDV_SHAPES = [(64, 64, 4, 2, True), (64, 64, 4, 3, True), (32, 128, 4, 3, False), (64, 64, 4, 2, False)]
 _DQ_SHAPES = [(128, 64, 8, 3, False), (128, 64, 8, 3, True), (64, 64, 4, 2, False)]
 # Varlen backward with short sequences (median ~600 tokens): smaller tiles waste less on each sequence's
@@ -249,15 +250,15 @@ def _fwd_inner(
         cols = start_n + offs_n
         k = load_rows(k_src, start_n, cols, stride_kn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED != 0, TMA)
         qk = mma(q, tl.trans(k), None, UPCAST)
-        if MASKED == 2:  # a fused window loop: the edge blocks' scores masked under a branch (a branch yielding P
-            s = qk * qk_scale  # fails Triton's pipeliner), the rest as a masked block
+        if MASKED == 2:  # a fused window loop: only the edge blocks' scores are masked, under a branch (one
+            # yielding P fails Triton's pipeliner); the rest is the unmasked math plus the guard for empty rows
             if (start_n < free_lo) | (start_n >= free_hi):
                 visible = visible_mask(offs_m[:, None], cols[None, :], seqlen_k, diag_offset, window_left,
                                        window_right, LEFT, RIGHT)
-                s = tl.where(visible, s, float("-inf"))
-            m_ij = tl.maximum(m_i, tl.max(s, 1))
+                qk = tl.where(visible, qk, float("-inf"))
+            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
             m_ref = tl.where(m_ij == float("-inf"), 0.0, m_ij)
-            p = tl.math.exp2(s - m_ref[:, None])
+            p = tl.math.exp2(qk * qk_scale - m_ref[:, None])
         elif MASKED:  # [3] an edge block: mask, and keep rows that see no key yet finite
             visible = visible_mask(offs_m[:, None], cols[None, :], seqlen_k, diag_offset, window_left, window_right,
                                    LEFT, RIGHT)
