@@ -241,8 +241,9 @@ def _fwd_inner(
 ):
     """One stage of the inner loop over K/V blocks [lo, hi) for one Q block (Algorithm 1, lines 6-10).
 
-    MASKED: 0 / False = no block masked, 1 / True = every block masked, 2 = (fused window stages) only the blocks outside
-    [free_lo, free_hi) masked, chosen per block at run time (uniform over the program, so a branch, not a select).
+    MASKED: 0 / False = no block masked, 1 / True = every block masked, 2 = (fused window stages) only the blocks
+    outside [free_lo, free_hi) masked, chosen per block at run time (uniform over the program: a branch, not a
+    select). MASKED = 2 masks the raw scores with -inf, so it needs qk_scale > 0 (the launcher checks).
     """
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
@@ -416,7 +417,7 @@ def forward(q, k, v, causal, softmax_scale, window_size=(-1, -1), cu_seqlens_q=N
         n_heads, seqlen_q, seqlen_k, *mask[2:], softmax_scale * LOG2E, bucket(max_q), bucket(max_k),
         GROUP=n_heads // n_kv_heads, **constexprs, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
         UPCAST=upcast_dot(q.dtype), TMA_OK=USE_TMA and use_tma(q, k, v),
-        LOOPS=FWD_WINDOW_LOOPS if constexprs["LEFT"] else 3,
+        LOOPS=FWD_WINDOW_LOOPS if constexprs["LEFT"] and softmax_scale > 0 else 3,  # fused: masks raw scores
     )
     if varlen:
         return _packed(o), lse[0]

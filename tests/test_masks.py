@@ -82,6 +82,15 @@ def test_window_fused_forward_loops(monkeypatch, loops, case):
     check(fa2_attention, q, k, v, causal, window_size=window_size)
 
 
+@pytest.mark.parametrize("softmax_scale", [0.0, -0.3])
+def test_window_fused_forward_loops_scale_not_positive(monkeypatch, softmax_scale):
+    """The fused loops mask raw scores (qk = -inf): a scale <= 0 would give NaN or the wrong row maximum, so
+    those scales run the three stages."""
+    monkeypatch.setattr(fa2, "FWD_WINDOW_LOOPS", 1)
+    q, k, v = (randn(1, 2, 150, 32, dtype=torch.float16) for _ in range(3))
+    check(fa2_attention, q, k, v, True, softmax_scale=softmax_scale, window_size=(70, -1))
+
+
 @pytest.mark.parametrize("loops", [2, 1])
 def test_window_fused_forward_loops_pointer_path_and_varlen(monkeypatch, loops):
     """The fused loops through pointer loads (edge blocks past seqlen_k read masked), and per sequence (varlen)."""
