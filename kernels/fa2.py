@@ -47,8 +47,8 @@ USE_TMA = True
 # unmasked middle, masked right edge), 2 = left edge fused into the unmasked loop, 1 = one loop over all
 # blocks (edges masked by a per-block branch): a window visits ~18 blocks, so every loop's pipeline fill counts.
 # FWD_WINDOW_CONFIGS: tune windows over `_FWD_WINDOW_SHAPES` instead of `_FWD_SHAPES`.
-FWD_WINDOW_LOOPS = 3
-FWD_WINDOW_CONFIGS = False
+FWD_WINDOW_LOOPS = 1
+FWD_WINDOW_CONFIGS = True
 
 
 # ---------------------------------------------------------------------------------------------- autotune
@@ -121,11 +121,11 @@ _DQ_SHAPES = [(128, 64, 8, 3, False), (128, 64, 8, 3, True), (64, 64, 4, 2, Fals
 # programs that run only a few blocks. Used when VARLEN_BWD_TILES (else the dense lists).
 _DKDV_VARLEN_SHAPES = [(64, 64, 4, 2, True), (64, 64, 4, 3, True), (32, 64, 4, 2, True), (32, 64, 4, 3, False)]
 _DQ_VARLEN_SHAPES = [(128, 64, 8, 3, False), (128, 64, 8, 3, True), (64, 64, 4, 2, True), (64, 64, 4, 2, False)]
-VARLEN_BWD_TILES = False
+VARLEN_BWD_TILES = True
 # Backward grid under VARLEN: "padded" = (cdiv(max_seqlen, BLOCK), sequences * heads), where every program past
 # its sequence's end returns at once (most of them with many short sequences); "flat" = only the real blocks,
 # sequence after sequence (`_flat_block`); "lpt" = only the real blocks, the longest-running first.
-VARLEN_BWD_GRID = "padded"
+VARLEN_BWD_GRID = "lpt"
 # Varlen backward: one masked inner loop per program instead of the masked / unmasked stages [3]: short sequences'
 # programs visit only a few blocks, where a second software-pipelined loop (its prologue and drain) costs more than
 # masking every block.

@@ -69,8 +69,10 @@ def validate(q, k, v, causal, softmax_scale, packed=False) -> None:
         raise ValueError(f"n_heads={n_heads} (q) must be a multiple of n_kv_heads={n_kv_heads} (k, v)")
     if seqlen_q == 0 or seqlen_k == 0 or batch == 0:
         raise ValueError(f"batch, seqlen_q and seqlen_k must be >= 1, got q={tuple(q.shape)}, k={tuple(k.shape)}")
-    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale)):
-        raise ValueError(f"softmax_scale must be a finite number or None, got {softmax_scale!r}")
+    # >= 0: the kernels take a row's largest scaled score as max(q k^T) * softmax_scale (FlashAttention's shortcut)
+    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale)
+                                          and softmax_scale >= 0):
+        raise ValueError(f"softmax_scale must be a finite number >= 0 or None, got {softmax_scale!r}")
 
 
 def check_window(window_size, name: str, supported: bool) -> tuple[int, int]:
@@ -248,7 +250,7 @@ PUBLIC_DOC = """{title}
         causal: if True, query i sees key j only when j <= i + seqlen_k - seqlen_q (the mask is aligned to the
            bottom-right corner, as in FlashAttention >= 2.1; for seqlen_q == seqlen_k this is j <= i). A query
            row that sees no key (possible when seqlen_q > seqlen_k) gets 0 output, 0 gradient and lse = -inf.
-        softmax_scale: multiplier of q k^T; default 1 / sqrt(head_dim).
+        softmax_scale: multiplier of q k^T, >= 0; default 1 / sqrt(head_dim).
         return_lse: also return the log-sum-exp of each query row's scaled scores.
         window_size: (left, right) ints, flash-attn's sliding window (fa2 only; the other kernels raise
            ValueError for anything but (-1, -1)): query i sees key j only when
@@ -265,7 +267,7 @@ PUBLIC_DOC = """{title}
             not a pair of ints.
         ValueError: a window_size value below -1 (or any window for fa1 / fa3), wrong rank, mismatched batch /
             head_dim / device / k-v shapes, n_heads not a multiple of n_kv_heads, head_dim outside 16..256, an
-            empty dimension, a non-finite softmax_scale, or CPU tensors when Triton's interpreter is off (use a
+            empty dimension, a non-finite or negative softmax_scale, or CPU tensors when Triton's interpreter is off (use a
             CUDA GPU or set TRITON_INTERPRET=1 before importing kernels).
     """
 

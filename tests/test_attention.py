@@ -301,6 +301,8 @@ def test_bad_arguments_are_rejected(attention):
         attention(**_qkv(), causal="yes")
     with pytest.raises(ValueError, match="softmax_scale must be a finite number"):
         attention(**_qkv(), softmax_scale=float("nan"))
+    with pytest.raises(ValueError, match=r"softmax_scale must be a finite number >= 0 or None, got -0.5"):
+        attention(**_qkv(), softmax_scale=-0.5)
 
 
 @pytest.mark.parametrize("attention", KERNELS)
