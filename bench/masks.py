@@ -16,8 +16,8 @@ SDPA with a dense mask. The B contexts are one sequence of B * N tokens for ever
 crosses a context's end, so the mask is the same), which the packed (total, H, D) layout of fa2 views
 without a copy. Issue 14 asks fa2 to be >= 1.2x Flex here.
 
-FLOPs are counted over the visible (query, key) pairs only: 4 * H * D per pair forward, 2.5x that backward
-(the FlashAttention papers' convention, as bench.attention). Times are `triton.testing.do_bench` medians
+FLOPs are counted over the visible (query, key) pairs only (fa2_full: all causal pairs): 4 * H * D per pair
+forward, 2.5x that backward (the FlashAttention papers' convention, as bench.attention). Times are `triton.testing.do_bench` medians
 (bench.attention.measure). Prints a table and writes masks.json into --out.
 """
 
@@ -115,9 +115,10 @@ def varlen_backends(documents: list[list[int]], device, compile_flex: bool = Tru
     dense = same_document(None, None, i[:, None], i[None, :])
 
     def fa2(q, k, v):
-        packed = [t[0].transpose(0, 1) for t in (q, k, v)]  # (total, H, D) views, no copy
+        # (total, H, D) views, no copy; squeeze, not t[0]: the gradient of a select is a zero-filled copy
+        packed = [t.squeeze(0).transpose(0, 1) for t in (q, k, v)]
         o = fa2_varlen_attention(*packed, cu, cu, longest, longest, causal=True, check_offsets=False)
-        return o.transpose(0, 1)[None]
+        return o.transpose(0, 1).unsqueeze(0)
 
     return {
         "fa2": fa2,
@@ -143,10 +144,11 @@ def run(mode, names, args, dtype) -> list[dict]:
         attention = table[name]
         fwd, bwd = measure(lambda q, k, v, causal: attention(q, k, v), shape[0], args.n_heads, shape[1],
                            args.head_dim, True, dtype)
-        flop = 4 * args.n_heads * args.head_dim * pairs
+        visible = args.batch * window_pairs(args.seqlen, args.seqlen - 1) if name == "fa2_full" else pairs
+        flop = 4 * args.n_heads * args.head_dim * visible
         rows.append({"mode": mode, "backend": name, "batch": args.batch, "n_heads": args.n_heads,
                      "seqlen": args.seqlen, "head_dim": args.head_dim, "dtype": str(dtype), **setting,
-                     "visible_pairs": pairs, "fwd_ms": fwd, "bwd_ms": bwd,
+                     "visible_pairs": visible, "fwd_ms": fwd, "bwd_ms": bwd,
                      "fwd_tflops": fwd and flop / fwd / 1e9, "bwd_tflops": bwd and 2.5 * flop / bwd / 1e9})
     return rows
 

@@ -56,7 +56,7 @@ def backend_config(overrides, backend, out_dir, label, warmup, steps):
     return compose_config([
         *overrides, f"attn={backend}", f"run.root={out_dir}", f"run.name={label}", f"wandb.group={out_dir.name}",
         "resume=never",
-        f"trainer.max_steps={warmup + steps}", "eval.interval=0", "eval.iters=1", "ckpt.interval=0",
+        f"trainer.max_steps={warmup + steps}", "eval.iters=0", "ckpt.interval=0",
     ])
 
 

@@ -42,13 +42,6 @@ LOG2E = math.log2(math.e)
 # Inner-loop tiles through TMA descriptors where the inputs allow it (`common.use_tma`); False forces the pointer
 # path everywhere (bench/fa2_configs.py measures the two against each other).
 USE_TMA = True
-# Sliding-window forward (LEFT set) under evaluation, see `.dev/win_sweep.sh`; read at launch / first tune, the
-# dense paths never change. FWD_WINDOW_LOOPS: 3 = three stages as in the dense path (masked left edge,
-# unmasked middle, masked right edge), 2 = left edge fused into the unmasked loop, 1 = one loop over all
-# blocks (edges masked by a per-block branch): a window visits ~18 blocks, so every loop's pipeline fill counts.
-# FWD_WINDOW_CONFIGS: tune windows over `_FWD_WINDOW_SHAPES` instead of `_FWD_SHAPES`.
-FWD_WINDOW_LOOPS = 1
-FWD_WINDOW_CONFIGS = True
 
 
 # ---------------------------------------------------------------------------------------------- autotune
@@ -56,17 +49,8 @@ def _configs(shapes, interpret_shape=(32, 16)):
     if INTERPRET:  # one small config: the interpreter is slow, and BLOCK_M != BLOCK_N exercises the stage logic
         block_m, block_n = interpret_shape
         return [triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "TMA": True}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "TMA": tma}, num_warps=w, num_stages=s,
-                          maxnreg=rest[0] if rest else None)
-            for m, n, w, s, tma, *rest in shapes]
-
-
-def _window_configs(shapes):
-    """Configs for windows only, told apart from the dense ones by a `window` attribute (see `_prune_fwd`)."""
-    configs = _configs(shapes)
-    for c in configs:
-        c.window = True
-    return configs
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "TMA": tma}, num_warps=w, num_stages=s)
+            for m, n, w, s, tma in shapes]
 
 
 def _prune(max_tile, n_dense=None):
@@ -85,51 +69,27 @@ def _prune(max_tile, n_dense=None):
     return prune
 
 
-def _prune_fwd(max_tile):
-    """The dense configs for dense masks; for windows (LEFT) the window configs when FWD_WINDOW_CONFIGS is set.
-    Register caps only for head dims <= 64 (larger tiles would spill under them)."""
-    prune = _prune(max_tile)
-
-    def prune_fwd(configs, named_args, **kwargs):
-        args = {**named_args, **kwargs}
-        window = bool(args["LEFT"]) and FWD_WINDOW_CONFIGS
-        kept = [c for c in configs if getattr(c, "window", False) == window] or configs
-        if block_d(args["HEAD_DIM"]) > 64:
-            kept = [c for c in kept if c.maxnreg is None] or kept
-        return prune(kept, named_args, **kwargs)
-
-    return prune_fwd
-
-
 _KEY = ["M_BUCKET", "N_BUCKET", "HEAD_DIM", "LEFT", "RIGHT", "VARLEN", "GROUP", "TMA_OK"]
-_FWD_KEY = [*_KEY, "LOOPS"]
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA): per kernel, the winners of `python -m bench.fa2_configs` on
 # the H200 (docs/hopper-notes.md); the last one fits every head dim. Few on purpose: every config is compiled
 # on the first use of a shape bucket.
 _FWD_SHAPES = [(128, 64, 8, 3, False), (128, 64, 4, 2, True), (64, 128, 4, 3, True), (64, 64, 4, 3, True),
                (64, 64, 4, 2, False)]
-# Windows: a program visits ~18 key blocks, not ~65 as in full causal at N = 8k, so per-program costs weigh
-# more. 6th entry: maxnreg, a register cap that lets two 128x64 (three 64x64) CTAs share an SM and hide each
-# other's Q load, pipeline fill and O store (the 8-warp dense winner, 216 registers, takes the whole register
-# file); with TMA the 128x64 8-warp tiles fit the cap of 128 without spilling (pointers spill).
-_FWD_WINDOW_SHAPES = [(128, 64, 8, 3, False), (128, 64, 8, 3, True, 128), (128, 64, 8, 4, True, 128),
-                      (128, 64, 4, 2, True), (128, 128, 8, 3, True), (64, 64, 4, 3, True, 168), (64, 64, 4, 2, False)]
 _DKDV_SHAPES = [(64, 64, 4, 2, True), (64, 64, 4, 3, True), (32, 128, 4, 3, False), (64, 64, 4, 2, False)]
 _DQ_SHAPES = [(128, 64, 8, 3, False), (128, 64, 8, 3, True), (64, 64, 4, 2, False)]
 # Varlen backward with short sequences (median ~600 tokens): smaller tiles waste less on each sequence's
 # diagonal and last block and give more programs to balance; pointer loads skip building TMA descriptors in
-# programs that run only a few blocks. Used when VARLEN_BWD_TILES (else the dense lists).
-_DKDV_VARLEN_SHAPES = [(64, 64, 4, 2, True), (64, 64, 4, 3, True), (32, 64, 4, 2, True), (32, 64, 4, 3, False)]
+# programs that run only a few blocks. Used when VARLEN_BWD_TILES (else the dense lists). Measured (H200,
+# `bench.masks --mode varlen`, docs/benchmarks.md): lpt grid + these tiles 0.66 ms backward, padded grid + dense
+# tiles 0.73-0.94 ms.
+_DKDV_VARLEN_SHAPES = [(64, 64, 4, 2, True), (64, 64, 4, 3, True), (32, 64, 4, 2, True), (32, 128, 4, 3, False),
+                       (32, 64, 4, 3, False)]
 _DQ_VARLEN_SHAPES = [(128, 64, 8, 3, False), (128, 64, 8, 3, True), (64, 64, 4, 2, True), (64, 64, 4, 2, False)]
 VARLEN_BWD_TILES = True
 # Backward grid under VARLEN: "padded" = (cdiv(max_seqlen, BLOCK), sequences * heads), where every program past
 # its sequence's end returns at once (most of them with many short sequences); "flat" = only the real blocks,
 # sequence after sequence (`_flat_block`); "lpt" = only the real blocks, the longest-running first.
 VARLEN_BWD_GRID = "lpt"
-# Varlen backward: one masked inner loop per program instead of the masked / unmasked stages [3]: short sequences'
-# programs visit only a few blocks, where a second software-pipelined loop (its prologue and drain) costs more than
-# masking every block.
-VARLEN_BWD_ONE_LOOP = False
 _FLAT_MAX_SEQS = 1024  # the flat grids hold every sequence's block count in registers: more take the padded grid
 
 
@@ -234,33 +194,19 @@ def _flat_block(CU, n_seqs, pid, BLOCK: tl.constexpr, SEQS: tl.constexpr, LPT: t
 def _fwd_inner(
     acc, l_i, m_i, q,
     k_src, v_src, stride_kn, stride_vn,
-    offs_m, offs_d, lo, hi, free_lo, free_hi, seqlen_k, diag_offset, window_left, window_right, qk_scale,
+    offs_m, offs_d, lo, hi, seqlen_k, diag_offset, window_left, window_right, qk_scale,
     MASKED: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
     TMA: tl.constexpr,
 ):
-    """One stage of the inner loop over K/V blocks [lo, hi) for one Q block (Algorithm 1, lines 6-10).
-
-    MASKED: 0 / False = no block masked, 1 / True = every block masked, 2 = (fused window stages) only the blocks
-    outside [free_lo, free_hi) masked, chosen per block at run time (uniform over the program: a branch, not a
-    select). MASKED = 2 masks the raw scores with -inf, so it needs qk_scale > 0 (the launcher checks).
-    """
+    """One stage of the inner loop over K/V blocks [lo, hi) for one Q block (Algorithm 1, lines 6-10)."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
-        k = load_rows(k_src, start_n, cols, stride_kn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED != 0, TMA)
+        k = load_rows(k_src, start_n, cols, stride_kn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, TMA)
         qk = mma(q, tl.trans(k), None, UPCAST)
-        if MASKED == 2:  # a fused window loop: only the edge blocks' scores are masked, under a branch (one
-            # yielding P fails Triton's pipeliner); the rest is the unmasked math plus the guard for empty rows
-            if (start_n < free_lo) | (start_n >= free_hi):
-                visible = visible_mask(offs_m[:, None], cols[None, :], seqlen_k, diag_offset, window_left,
-                                       window_right, LEFT, RIGHT)
-                qk = tl.where(visible, qk, float("-inf"))
-            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            m_ref = tl.where(m_ij == float("-inf"), 0.0, m_ij)
-            p = tl.math.exp2(qk * qk_scale - m_ref[:, None])
-        elif MASKED:  # [3] an edge block: mask, and keep rows that see no key yet finite
+        if MASKED:  # [3] an edge block: mask, and keep rows that see no key yet finite
             visible = visible_mask(offs_m[:, None], cols[None, :], seqlen_k, diag_offset, window_left, window_right,
                                    LEFT, RIGHT)
             s = tl.where(visible, qk * qk_scale, float("-inf"))
@@ -274,15 +220,14 @@ def _fwd_inner(
         alpha = tl.math.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]  # [1] rescale only; no division by l here
-        v = load_rows(v_src, start_n, cols, stride_vn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED != 0, TMA)
+        v = load_rows(v_src, start_n, cols, stride_vn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, TMA)
         acc = mma(p.to(v.dtype), v, acc, UPCAST)  # [4] accumulate in place
         m_i = m_ij
     return acc, l_i, m_i
 
 
 @triton.autotune(
-    configs=_configs(_FWD_SHAPES) + _window_configs(_FWD_WINDOW_SHAPES), key=_FWD_KEY,
-    prune_configs_by={"early_config_prune": _prune_fwd(128 * 128 * 128)},
+    configs=_configs(_FWD_SHAPES), key=_KEY, prune_configs_by={"early_config_prune": _prune(128 * 128 * 128)},
 )
 @triton.jit
 def _fwd(
@@ -292,7 +237,7 @@ def _fwd(
     n_heads, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
     M_BUCKET, N_BUCKET,  # autotune key only
     GROUP: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, VARLEN: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, TMA_OK: tl.constexpr, LOOPS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, TMA_OK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
     """One program = one BLOCK_M block of queries of one (sequence, head); grid (cdiv(max seqlen_q, BLOCK_M), B * H).
@@ -331,32 +276,13 @@ def _fwd(
     diag_offset = seqlen_k - seqlen_q
     lo, lo_free, hi_free, hi = _stages(start_m, diag_offset, window_left, window_right, seqlen_k, LEFT, RIGHT,
                                        BLOCK_M, BLOCK_N)
-    if LEFT and LOOPS == 1:  # a window's ~18 blocks in one loop: one pipeline fill, edges masked by a branch
-        acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, offs_m, offs_d, lo, hi, lo_free, hi_free,
-            seqlen_k, diag_offset, window_left, window_right, qk_scale, 2, LEFT, RIGHT, BLOCK_N, HEAD_DIM, BLOCK_D,
-            UPCAST, TMA and TMA_OK,
-        )
-    elif LEFT and LOOPS == 2:  # the left edge fused into the unmasked loop, the right edge as in the dense path
-        acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, offs_m, offs_d, lo, hi_free, lo_free, hi_free,
-            seqlen_k, diag_offset, window_left, window_right, qk_scale, 2, LEFT, RIGHT, BLOCK_N, HEAD_DIM, BLOCK_D,
-            UPCAST, TMA and TMA_OK,
-        )
-        acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, offs_m, offs_d, hi_free, hi, hi_free, hi_free,
-            seqlen_k, diag_offset, window_left, window_right, qk_scale, 1, LEFT, RIGHT, BLOCK_N, HEAD_DIM, BLOCK_D,
-            UPCAST, TMA and TMA_OK,
-        )
-    else:
-        for stage in tl.static_range(3):  # masked [lo, lo_free), unmasked [lo_free, hi_free), masked [hi_free, hi)
-            if LEFT or stage != 0:  # only a left window has a left edge: don't compile an always-empty loop
-                acc, l_i, m_i = _fwd_inner(
-                    acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, offs_m, offs_d,
-                    (lo, lo_free, hi_free)[stage], (lo_free, hi_free, hi)[stage], lo_free, hi_free, seqlen_k,
-                    diag_offset, window_left, window_right, qk_scale, stage != 1, LEFT, RIGHT, BLOCK_N, HEAD_DIM,
-                    BLOCK_D, UPCAST, TMA and TMA_OK,
-                )
+    for stage in tl.static_range(3):  # masked [lo, lo_free), unmasked [lo_free, hi_free), masked [hi_free, hi)
+        if LEFT or stage != 0:  # only a left window has a left edge: don't compile an always-empty loop
+            acc, l_i, m_i = _fwd_inner(
+                acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, offs_m, offs_d,
+                (lo, lo_free, hi_free)[stage], (lo_free, hi_free, hi)[stage], seqlen_k, diag_offset, window_left,
+                window_right, qk_scale, stage != 1, LEFT, RIGHT, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST, TMA and TMA_OK,
+            )
 
     # [1] one division at the end. Rows that saw no key keep m_i = -inf: output 0, internal LSE +inf.
     empty = m_i == float("-inf")
@@ -417,7 +343,6 @@ def forward(q, k, v, causal, softmax_scale, window_size=(-1, -1), cu_seqlens_q=N
         n_heads, seqlen_q, seqlen_k, *mask[2:], softmax_scale * LOG2E, bucket(max_q), bucket(max_k),
         GROUP=n_heads // n_kv_heads, **constexprs, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
         UPCAST=upcast_dot(q.dtype), TMA_OK=USE_TMA and use_tma(q, k, v),
-        LOOPS=FWD_WINDOW_LOOPS if constexprs["LEFT"] and softmax_scale > 0 else 3,  # fused: masks raw scores
     )
     if varlen:
         return _packed(o), lse[0]
@@ -473,7 +398,7 @@ def _bwd_dkdv(
     M_BUCKET, N_BUCKET,  # autotune key only
     GROUP: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, VARLEN: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, TMA_OK: tl.constexpr,
-    FLAT: tl.constexpr, LPT: tl.constexpr, SEQS: tl.constexpr, ONE_LOOP: tl.constexpr,
+    FLAT: tl.constexpr, LPT: tl.constexpr, SEQS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
     """One program = one BLOCK_N block of keys of one (sequence, kv head);
@@ -508,9 +433,6 @@ def _bwd_dkdv(
     diag_offset = seqlen_k - seqlen_q
     lo, lo_free, hi_free, hi = _stages(start_n, -diag_offset, window_right, window_left, seqlen_q, RIGHT, LEFT,
                                        BLOCK_N, BLOCK_M)
-    if ONE_LOOP:  # the last (masked) stage covers [lo, hi)
-        hi_free = lo
-
     for g in range(GROUP):  # every query head that reads this K/V head, in order: deterministic, no atomics
         off_h = off_hk * GROUP + g
         row0 = (off_b * n_heads + off_h).to(tl.int64) * lse_rows + q_start
@@ -519,13 +441,12 @@ def _bwd_dkdv(
         q_src = tile_source(q_base, seqlen_q, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D, TMA and TMA_OK)
         do_src = tile_source(do_base, seqlen_q, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D, TMA and TMA_OK)
         for stage in tl.static_range(3):  # masked [lo, lo_free), unmasked [lo_free, hi_free), masked [hi_free, hi)
-            if not ONE_LOOP or stage == 2:
-                dk, dv = _bwd_dkdv_inner(
-                    dk, dv, k, v, q_src, do_src, LSE + row0, DELTA + row0, stride_qm, stride_dom, offs_n, offs_d,
-                    (lo, lo_free, hi_free)[stage], (lo_free, hi_free, hi)[stage], seqlen_q, seqlen_k, diag_offset,
-                    window_left, window_right, qk_scale, stage != 1, LEFT, RIGHT, BLOCK_M, HEAD_DIM, BLOCK_D, UPCAST,
-                    TMA and TMA_OK,
-                )
+            dk, dv = _bwd_dkdv_inner(
+                dk, dv, k, v, q_src, do_src, LSE + row0, DELTA + row0, stride_qm, stride_dom, offs_n, offs_d,
+                (lo, lo_free, hi_free)[stage], (lo_free, hi_free, hi)[stage], seqlen_q, seqlen_k, diag_offset,
+                window_left, window_right, qk_scale, stage != 1, LEFT, RIGHT, BLOCK_M, HEAD_DIM, BLOCK_D, UPCAST,
+                TMA and TMA_OK,
+            )
 
     dk = dk * softmax_scale
     dk_base = head_ptr(DK, off_b, stride_dkb, off_hk, stride_dkh) + k_start.to(tl.int64) * stride_dkn
@@ -573,7 +494,7 @@ def _bwd_dq(
     M_BUCKET, N_BUCKET,  # autotune key only
     GROUP: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, VARLEN: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, TMA_OK: tl.constexpr,
-    FLAT: tl.constexpr, LPT: tl.constexpr, SEQS: tl.constexpr, ONE_LOOP: tl.constexpr,
+    FLAT: tl.constexpr, LPT: tl.constexpr, SEQS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
     """One program = one BLOCK_M block of queries of one (sequence, head);
@@ -614,12 +535,10 @@ def _bwd_dq(
     diag_offset = seqlen_k - seqlen_q
     lo, lo_free, hi_free, hi = _stages(start_m, diag_offset, window_left, window_right, seqlen_k, LEFT, RIGHT,
                                        BLOCK_M, BLOCK_N)  # as in the forward
-    if ONE_LOOP:  # the last (masked) stage covers [lo, hi)
-        hi_free = lo
     k_src = tile_source(k_base, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, TMA and TMA_OK)
     v_src = tile_source(v_base, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, TMA and TMA_OK)
     for stage in tl.static_range(3):  # as in the forward
-        if (LEFT or stage != 0) and (not ONE_LOOP or stage == 2):
+        if LEFT or stage != 0:
             dq = _bwd_dq_inner(
                 dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, offs_m, offs_d,
                 (lo, lo_free, hi_free)[stage], (lo_free, hi_free, hi)[stage], seqlen_k, diag_offset, window_left,
@@ -648,7 +567,6 @@ def backward(do, q, k, v, o, lse, causal, softmax_scale, window_size=(-1, -1), c
         GROUP=n_heads // n_kv_heads, **constexprs, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
         UPCAST=upcast_dot(q.dtype), TMA_OK=USE_TMA and use_tma(q, k, v, do),
         FLAT=flat, LPT=flat and VARLEN_BWD_GRID == "lpt", SEQS=triton.next_power_of_2(batch) if flat else 1,
-        ONE_LOOP=varlen and VARLEN_BWD_ONE_LOOP,
     )
     sizes = (n_heads, seqlen_q, seqlen_k, *mask[2:], softmax_scale * LOG2E, softmax_scale, batch, bucket(max_q),
              bucket(max_k))
@@ -668,11 +586,10 @@ def backward(do, q, k, v, o, lse, causal, softmax_scale, window_size=(-1, -1), c
 
 
 def compile_for_sm90(kernel, left=True, right=True, varlen=True, tma=True, head_dim=64, group=2, grid="padded",
-                     one_loop=False, block_m=64, block_n=64, num_warps=4, num_stages=2, maxnreg=None, loops=3):
+                     block_m=64, block_n=64, num_warps=4, num_stages=2):
     """Compile one kernel ("fwd", "dkdv" or "dq") for sm_90 with bf16 inputs, without a GPU (catches what only
     the GPU compiler rejects, which the interpreter runs). Call it without TRITON_INTERPRET; returns Triton's
-    compiled kernel. grid, one_loop: the backward's VARLEN_BWD_GRID, VARLEN_BWD_ONE_LOOP (with varlen); loops:
-    the forward's LOOPS (FWD_WINDOW_LOOPS)."""
+    compiled kernel. grid: the backward's VARLEN_BWD_GRID (with varlen)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -681,14 +598,10 @@ def compile_for_sm90(kernel, left=True, right=True, varlen=True, tma=True, head_
                       BLOCK_D=block_d(head_dim), UPCAST=False, TMA_OK=tma, BLOCK_M=block_m, BLOCK_N=block_n, TMA=tma)
     if kernel != "fwd":
         flat = varlen and grid != "padded"
-        constexprs.update(FLAT=flat, LPT=flat and grid == "lpt", SEQS=32, ONE_LOOP=varlen and one_loop)
-    else:
-        constexprs["LOOPS"] = loops
+        constexprs.update(FLAT=flat, LPT=flat and grid == "lpt", SEQS=32)
     types = dict(LSE="*fp32", DELTA="*fp32", CU_Q="*i32", CU_K="*i32", qk_scale="fp32", softmax_scale="fp32")
     signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "*bf16" if arg.isupper() else "i32")
                  for arg in fn.arg_names}
     source = ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in constexprs.items()})
-    options = {"num_warps": num_warps, "num_stages": num_stages}
-    if maxnreg is not None:
-        options["maxnreg"] = maxnreg
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})

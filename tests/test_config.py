@@ -90,7 +90,7 @@ def test_unknown_option_key_and_type_errors_come_from_hydra():
     (["trainer.dtype=fp16", "trainer.device=cpu"], "trainer.dtype"),
     (["optim.lr=0"], "optim.lr"),
     (["optim.warmup_steps=-1"], "optim.warmup_steps"),
-    (["eval.iters=0"], "eval.iters"),
+    (["eval.iters=-1"], "eval.iters"),
     (["ckpt.keep_last=0"], "ckpt.keep_last"),
     (["wandb.mode=sometimes"], "wandb.mode"),
     (["attn.backend=flash"], "attn.backend"),

@@ -62,46 +62,6 @@ def test_window_pointer_path(monkeypatch, case):
     check(fa2_attention, q, k, v, causal, window_size=window_size)
 
 
-# The cases with a left window (LEFT): the only ones the fused forward loops (fa2.FWD_WINDOW_LOOPS) change; plus
-# windows wider than a 32-row block, so that blocks between the masked edges run unmasked in the fused loop.
-LEFT_WINDOW_CASES = [c for c in WINDOW_CASES if 0 <= c[7][0] < c[4]] + [
-    (1, 2, 1, 150, 150, 32, True, (70, -1), torch.bfloat16),
-    (1, 2, 2, 130, 170, 32, False, (50, 40), torch.float16),
-]
-
-
-@pytest.mark.parametrize("loops", [2, 1])
-@pytest.mark.parametrize("case", LEFT_WINDOW_CASES)
-def test_window_fused_forward_loops(monkeypatch, loops, case):
-    """The window forward with its left edge fused into the unmasked loop (2 loops) or all blocks in one loop, the
-    edge blocks masked by a run-time branch: the same results as the three stages."""
-    batch, n_heads, n_kv_heads, seqlen_q, seqlen_k, head_dim, causal, window_size, dtype = case
-    monkeypatch.setattr(fa2, "FWD_WINDOW_LOOPS", loops)
-    q = randn(batch, n_heads, seqlen_q, head_dim, dtype=dtype)
-    k, v = (randn(batch, n_kv_heads, seqlen_k, head_dim, dtype=dtype) for _ in range(2))
-    check(fa2_attention, q, k, v, causal, window_size=window_size)
-
-
-def test_window_fused_forward_loops_zero_scale(monkeypatch):
-    """The fused loops mask raw scores (qk = -inf, then scaled): a scale of 0 would give NaN, so scales <= 0 run
-    the three stages."""
-    monkeypatch.setattr(fa2, "FWD_WINDOW_LOOPS", 1)
-    q, k, v = (randn(1, 2, 150, 32, dtype=torch.float16) for _ in range(3))
-    check(fa2_attention, q, k, v, True, softmax_scale=0.0, window_size=(70, -1))
-
-
-@pytest.mark.parametrize("loops", [2, 1])
-def test_window_fused_forward_loops_pointer_path_and_varlen(monkeypatch, loops):
-    """The fused loops through pointer loads (edge blocks past seqlen_k read masked), and per sequence (varlen)."""
-    monkeypatch.setattr(fa2, "FWD_WINDOW_LOOPS", loops)
-    monkeypatch.setattr(fa2, "USE_TMA", False)
-    batch, n_heads, n_kv_heads, seqlen_q, seqlen_k, head_dim, causal, window_size, dtype = WINDOW_CASES[6]
-    q = randn(batch, n_heads, seqlen_q, head_dim, dtype=dtype)
-    k, v = (randn(batch, n_kv_heads, seqlen_k, head_dim, dtype=dtype) for _ in range(2))
-    check(fa2_attention, q, k, v, causal, window_size=window_size)
-    check_varlen([50, 9, 33], [20, 40, 33], 4, 2, 32, True, (4, 11), torch.bfloat16)
-
-
 def test_key_blocks_outside_the_window_are_never_read():
     """32 query rows with window (16, 0) see keys 80..127 of 128. Keys 0..63 (whole blocks for every kernel) are
     NaN: any visit would spread NaN through a matmul (0 * NaN), so finite, correct results prove they are
@@ -246,16 +206,14 @@ def test_varlen_one_sequence_equals_dense():
     assert torch.equal(varlen, packed(dense))
 
 
-@pytest.mark.parametrize("grid,tiles,one_loop", [("flat", False, False), ("lpt", False, False), ("lpt", True, False),
-                                                ("padded", True, False), ("padded", False, True), ("lpt", True, True)])
+@pytest.mark.parametrize("grid,tiles", [("flat", False), ("lpt", False), ("lpt", True), ("padded", True),
+                                        ("padded", False)])
 @pytest.mark.parametrize("case", VARLEN_CASES[:4] + VARLEN_CASES[5:])
-def test_varlen_backward_variants(monkeypatch, grid, tiles, one_loop, case):
-    """The varlen backward's flat grids (only the real blocks), its own tiles (under the interpreter 16x16 for
-    dK/dV, 16x32 for dQ) and one masked loop, against the reference; a fresh autotune cache, so the tiles switch
-    takes effect."""
+def test_varlen_backward_variants(monkeypatch, grid, tiles, case):
+    """The varlen backward's grids (padded, or only the real blocks) and its own tiles (under the interpreter 16x16
+    for dK/dV, 16x32 for dQ), against the reference; a fresh autotune cache, so the tiles switch takes effect."""
     monkeypatch.setattr(fa2, "VARLEN_BWD_GRID", grid)
     monkeypatch.setattr(fa2, "VARLEN_BWD_TILES", tiles)
-    monkeypatch.setattr(fa2, "VARLEN_BWD_ONE_LOOP", one_loop)
     for kernel in (fa2._bwd_dkdv, fa2._bwd_dq):
         monkeypatch.setattr(kernel, "cache", {})
     lengths_q, lengths_k, *rest = case
@@ -305,7 +263,7 @@ def test_masked_kernels_compile_for_sm90():
     process without TRITON_INTERPRET."""
     code = ("from kernels import fa2; "
             "print(all('ld.global' in fa2.compile_for_sm90(k).asm['ptx'] for k in ('fwd', 'dkdv', 'dq')) and "
-            "all('ld.global' in fa2.compile_for_sm90(k, grid=g, one_loop=g == 'lpt').asm['ptx'] "
+            "all('ld.global' in fa2.compile_for_sm90(k, grid=g).asm['ptx'] "
             "for k in ('dkdv', 'dq') for g in ('flat', 'lpt')))")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], env=env,

@@ -63,6 +63,13 @@ def test_short_run_writes_checkpoints_metrics_and_offline_wandb(make_cfg):
     assert "scaler" in ckpt and "optimizer" in ckpt and ckpt["model_args"]["vocab_size"] % 64 == 0
 
 
+
+def test_eval_iters_zero_turns_evaluation_off(make_cfg):
+    s = train(make_cfg("trainer.max_steps=4", "eval.interval=2", "eval.iters=0"))
+    assert s.step == 4 and len(s.records) == 4
+    assert not any("val/loss" in r for r in s.records)
+    assert s.final_val_loss is None and s.best_val_loss is None
+
 def test_resume_is_bit_exact(make_cfg):
     """20 straight steps == 10 steps + resume + 10 steps, with dropout and grad accumulation on."""
     common = ("model.dropout=0.1", "trainer.grad_accum=2", "eval.interval=4", "ckpt.interval=0",

@@ -108,7 +108,7 @@ class OptimConfig:
 @dataclass
 class EvalConfig:
     interval: int = 250                # steps between val-loss evaluations (and at the end); 0 = end only
-    iters: int = 50                    # val batches per evaluation
+    iters: int = 50                    # val batches per evaluation; 0 = no evaluation (no val loss)
 
 
 @dataclass
@@ -282,7 +282,7 @@ def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -
     _check_optim(check, cfg.optim)
 
     check(cfg.eval.interval >= 0, "eval.interval", "must be >= 0 (0 = only at the end)")
-    check(cfg.eval.iters >= 1, "eval.iters", "must be a positive integer")
+    check(cfg.eval.iters >= 0, "eval.iters", "must be >= 0 (0 = no evaluation)")
     check(cfg.ckpt.interval >= 0, "ckpt.interval", "must be >= 0 (0 = only at the end and on interrupt)")
     check(cfg.ckpt.keep_last >= 1, "ckpt.keep_last", "must be a positive integer")
     check(cfg.wandb.mode in WANDB_MODES, "wandb.mode", f"accepted: {', '.join(WANDB_MODES)}")

@@ -327,9 +327,10 @@ class Trainer:
                         self.publish(record)
                         last_done, pending = pending.done, None
                     stop_now = stop_vote or (single and stop.signum is not None)
-                    evaluate_now = state.step == max_steps or _every(eval_every, state.step)
+                    last = state.step == max_steps
+                    evaluate_now = cfg.eval.iters > 0 and (last or _every(eval_every, state.step))
                     save_now = _every(save_every, state.step)
-                    if not (stop_now or evaluate_now or save_now):
+                    if not (stop_now or evaluate_now or save_now or last):
                         pending = queued
                         continue
                     record, vote = self.read(queued, last_done)
