@@ -17,8 +17,8 @@ crosses a context's end, so the mask is the same), which the packed (total, H, D
 without a copy. Issue 14 asks fa2 to be >= 1.2x Flex here.
 
 FLOPs are counted over the visible (query, key) pairs only (fa2_full: all causal pairs): 4 * H * D per pair
-forward, 2.5x that backward (the FlashAttention papers' convention, as bench.attention). Times are `triton.testing.do_bench` medians
-(bench.attention.measure). Prints a table and writes masks.json into --out.
+forward, 2.5x that backward (the FlashAttention papers' convention, as bench.attention). Times are
+`triton.testing.do_bench` medians (bench.attention.measure). Prints a table and writes masks.json into --out.
 """
 
 import argparse
