@@ -37,7 +37,7 @@ from typing import Optional
 import numpy as np
 from tqdm.auto import tqdm
 
-from data.sources import DataError, load_documents, source_identity
+from data.sources import DataError, derived_fingerprint, load_documents, source_identity
 from data.tokenizers import CharTokenizer, TiktokenTokenizer, Tokenizer, tokenizer_from_meta
 from utils.atomic import atomic_path, atomic_write_text, remove_stale_temp_files
 
@@ -243,7 +243,8 @@ def _build(cfg, folder: Path) -> None:
     tokenizer = _build_tokenizer(cfg, texts)
     # Small corpora are tokenized in memory (no extra copy in the datasets cache); large ones on disk.
     tokens = texts.map(_Encode(tokenizer), batched=True, remove_columns=texts.column_names,
-                       num_proc=cfg.num_proc, desc="tokenizing", keep_in_memory=texts.data.nbytes < 2**29)
+                       num_proc=cfg.num_proc, desc="tokenizing", keep_in_memory=texts.data.nbytes < 2**29,
+                       new_fingerprint=derived_fingerprint(texts, json.dumps(tokenizer.meta(), sort_keys=True)))
     total = int(np.sum(tokens["len"], dtype=np.int64))
     n_val = int(total * cfg.val_fraction)
     n_train = total - n_val

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import codecs
 import glob
+import hashlib
 import importlib.util
 import os
 import re
@@ -119,6 +120,13 @@ def source_identity(cfg) -> dict:
     raise DataError(f"data.source={cfg.source!r} is not known; accepted: {', '.join(SOURCES)}")
 
 
+def derived_fingerprint(ds, step: str) -> str:
+    """The fingerprint of ``ds.map(...)`` for one transformation step: ds's own and the step's name (which must
+    name everything the step's result depends on). Passed as ``new_fingerprint`` so that ``datasets`` does not hash
+    the mapped function: its hashing runs under a bare ``except:``, which swallowed a Ctrl-C arriving meanwhile."""
+    return hashlib.sha256(f"{ds._fingerprint}:{step}".encode()).hexdigest()[:16]
+
+
 def load_documents(cfg):
     """A ``datasets.Dataset`` with one "text" column, one row per document."""
     import datasets
@@ -128,7 +136,8 @@ def load_documents(cfg):
                                    sample_by="document", split="train")
         split = split_scenes if cfg.get("split_scenes") else lambda text: [text]
         return ds.map(lambda b: {"text": [strip_markdown(s) for t in b["text"] for s in split(t)]}, batched=True,
-                      remove_columns=["text"], desc="stripping markdown")
+                      remove_columns=["text"], desc="stripping markdown",
+                      new_fingerprint=derived_fingerprint(ds, f"markdown:{bool(cfg.get('split_scenes'))}"))
     if cfg.source == "local_text":
         files = local_files(cfg.files)
         try:

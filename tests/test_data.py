@@ -109,6 +109,30 @@ def test_interrupted_preparation_leaves_no_files(make_cfg, monkeypatch):
     assert (data.dir / "meta.json").exists()
 
 
+
+@pytest.mark.parametrize("overrides", [("data.name=nohash",), ("data=shakespeare_scenes",)])
+def test_preparation_never_hashes_the_mapped_functions(make_cfg, cache_dir, tmp_path, monkeypatch, overrides):
+    """`datasets` hashes a mapped function (dill-pickling it: the tokenizer inside, seconds for BPE) under a bare
+    `except:`, which swallowed a Ctrl-C arriving meanwhile (the run then trained on): our maps pass an explicit
+    fingerprint instead. Here hashing one of our functions raises KeyboardInterrupt."""
+    import datasets.arrow_dataset
+    import datasets.fingerprint
+
+    real = datasets.fingerprint.update_fingerprint
+    hashed = []
+
+    def interrupted(fingerprint, transform, transform_args):
+        if "function" in transform_args:
+            hashed.append(transform_args["function"])
+            raise KeyboardInterrupt("Ctrl-C while hashing")
+        return real(fingerprint, transform, transform_args)
+
+    for module in (datasets.fingerprint, datasets.arrow_dataset):  # the second imported it by name
+        monkeypatch.setattr(module, "update_fingerprint", interrupted)
+    cfg = data_cfg(make_cfg, *overrides, f"data.cache_dir={tmp_path / 'cache'}")
+    data = prepare_data(cfg)
+    assert (data.dir / "meta.json").exists() and len(data.train) > 0 and not hashed
+
 def test_corrupt_cache_is_rebuilt(make_cfg, caplog):
     cfg = data_cfg(make_cfg, "data.name=corrupt_cache")
     data = prepare_data(cfg)
