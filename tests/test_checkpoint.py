@@ -83,6 +83,13 @@ def test_missing_and_corrupt_files_are_reported_by_path(tmp_path):
     truncated.write_bytes(good.read_bytes()[:-100])
     with pytest.raises(CheckpointError, match="truncated.pt is corrupt"):
         load_checkpoint(truncated)
+    flipped = tmp_path / "flipped.pt"  # whole and readable, but bytes changed inside the weights
+    content = bytearray(good.read_bytes())
+    middle = len(content) // 2
+    content[middle: middle + 64] = bytes(b ^ 0xFF for b in content[middle: middle + 64])
+    flipped.write_bytes(content)
+    with pytest.raises(CheckpointError, match="flipped.pt is corrupt .*fails its CRC-32 check"):
+        load_checkpoint(flipped)
     other = tmp_path / "other.pt"
     torch.save({"weights": torch.zeros(1)}, other)
     with pytest.raises(CheckpointError, match="not a trainer checkpoint"):
