@@ -25,6 +25,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -33,6 +34,7 @@ from data.sources import DataError
 from model.attention import BackendUnavailableError
 from trainer import ConfigError, NonFiniteLossError, register_configs, train
 from trainer.checkpoint import CheckpointError
+from trainer.config import override_arg
 from trainer.distributed import destroy_process_group, torchrun_overrides
 from trainer.resume import refusal_for_overrides
 from trainer.run_lock import RunFolderBusy, own_run_folder
@@ -84,9 +86,13 @@ def run(cfg: DictConfig) -> float | None:
         sys.exit(128 + signal.SIGINT)
     if summary.stop_reason == "interrupted":  # saved and resumable, but not finished: say so to the caller
         sys.exit(128 + summary.stop_signal)
-    log.info("finished at step %d; to continue this run: python train.py run.name=%s trainer.max_steps=<more than %d> "
-             "(with the same settings, and resume=auto, the default, in place of any resume=<file>)",
-             summary.step, cfg.run.name, summary.step)
+    if HydraConfig.get().mode == RunMode.MULTIRUN:  # `run.name=X` alone would start a run in the sweep's folder
+        log.info("finished at step %d; to continue these runs: the same `python train.py -m ...` command with "
+                 "trainer.max_steps=<more than %d>", summary.step, summary.step)
+    else:
+        log.info("finished at step %d; to continue this run: python train.py %s trainer.max_steps=<more than %d> "
+                 "(with the same settings, and resume=auto, the default, in place of any resume=<file>)",
+                 summary.step, override_arg("run.name", cfg.run.name), summary.step)
     return summary.final_val_loss  # the value a Hydra sweeper would optimise
 
 

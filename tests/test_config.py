@@ -8,7 +8,7 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf.errors import ValidationError
 
 from model.attention import BACKENDS, REGISTRY
-from trainer.config import CONF_DIR, ConfigError, compose_config, validate_config
+from trainer.config import CONF_DIR, ConfigError, compose_config, override_arg, validate_config
 
 GROUPS = {g: sorted(p.stem for p in (Path(CONF_DIR) / g).glob("*.yaml")) for g in ("model", "data", "attn")}
 
@@ -284,3 +284,17 @@ def test_config_help_imports_nothing_of_trainer():
     modules = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     modules += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     assert modules and not [m for m in modules if m and m.split(".")[0] == "trainer"]
+
+
+@pytest.mark.parametrize("name", ["exp1", "2026-12-01_04-45-43_3f9a1c", "-dash", "sp ace", "ümlaut", "$HOME", "a*b",
+                                  'quo"te', "it's", "back\\slash", "end\\", "a\\'b", "a=b", "x,y", "[1]", "ok!"])
+def test_printed_overrides_survive_the_shell_and_hydra(name):
+    """The commands the trainer prints (continue / resume hints): one shell word that Hydra parses back to name."""
+    import shlex
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    words = shlex.split(override_arg("run.name", name))
+    assert len(words) == 1
+    override = OverridesParser.create().parse_override(words[0])
+    assert override.key_or_group == "run.name" and override.value() == name

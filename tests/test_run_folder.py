@@ -106,6 +106,9 @@ def test_single_process_multirun_jobs_each_own_their_folder(args, tmp_path):
     for job in ("0", "1"):
         assert (tmp_path / "runs" / "sweep" / job / ".hydra" / "config.yaml").exists()
         assert (tmp_path / "runs" / "sweep" / job / ".lock").read_text() == ""
+    # `run.name=sweep` alone would start a single run in the sweep's parent folder: the hint names the sweep.
+    text = (tmp_path / "runs" / "sweep" / "1" / "train.log").read_text()
+    assert "to continue these runs: the same `python train.py -m ...` command" in text and "run.name=sweep" not in text
 
 
 @pytest.mark.parametrize("override, message", [

@@ -24,7 +24,9 @@ import functools
 import dataclasses
 import math
 import os
+import re
 import secrets
+import shlex
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
@@ -158,6 +160,19 @@ RUN_NAME_RULE = (f"must be a non-empty folder name of at most {RUN_NAME_MAX} cha
 def valid_run_name(name: str) -> bool:
     return (bool(name) and len(name) <= RUN_NAME_MAX and "/" not in name and os.sep not in name
             and name not in (".", ".."))
+
+
+def override_arg(key: str, value: Any) -> str:
+    """``key=value`` as one shell word that Hydra reads back as ``value`` (for the commands the trainer prints):
+    bare if value is plain, else a Hydra quoted string, itself quoted for the shell."""
+    text = str(value)
+    if re.fullmatch(r"[A-Za-z0-9_.:+-]+", text):
+        return f"{key}={text}"
+    # Hydra: in a quoted string a quote is escaped by a backslash, and backslashes just before a quote (or the
+    # closing one) are doubled; other backslashes are literal.
+    quoted = re.sub(r"(\\*)('|$)", lambda m: m.group(1) * 2 + ("\\'" if m.group(2) else ""), text)
+    word = f"{key}='{quoted}'"
+    return f'"{word}"' if not re.search(r'[$`"\\!]', word) else shlex.quote(word)
 
 
 @functools.cache

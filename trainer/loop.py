@@ -30,7 +30,8 @@ from data.sampler import BatchSampler, ShardedBatchSampler, rank_seed
 from model.attention import resolve_backend
 from model.gpt import GPT, GPTConfig
 from trainer import checkpoint
-from trainer.config import padded_vocab_size, resolved_grad_accum, validate_against_data, validate_config
+from trainer.config import (override_arg, padded_vocab_size, resolved_grad_accum, validate_against_data,
+                            validate_config)
 from trainer.distributed import all_reduce_sum, barrier, broadcast_object, gather_objects, init_process_group
 from trainer.lr_schedule import lr_at
 from trainer.metrics import MetricsLogger, StepTimer, Throughput, peak_flops, step_record
@@ -368,7 +369,8 @@ class Trainer:
         if s.final_val_loss is not None:
             log.info("final val loss %.4f (step %d)", s.final_val_loss, s.final_val_step)
         if s.stop_reason == "interrupted":
-            log.info("interrupted at step %d; resume with the same run.name=%s", self.state.step, self.cfg.run.name)
+            log.info("interrupted at step %d; to resume, run the same command again (%s, same settings)",
+                     self.state.step, override_arg("run.name", self.cfg.run.name))
 
 
 def model_config(cfg: DictConfig, data_vocab: int, backend: str) -> GPTConfig:
