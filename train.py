@@ -34,7 +34,7 @@ from data.sources import DataError
 from model.attention import BackendUnavailableError
 from trainer import ConfigError, NonFiniteLossError, register_configs, train
 from trainer.checkpoint import CheckpointError
-from trainer.config import override_arg
+from trainer.config import compose_config, override_arg
 from trainer.distributed import destroy_process_group, torchrun_overrides
 from trainer.resume import refusal_for_overrides
 from trainer.run_lock import RunFolderBusy, own_run_folder
@@ -171,8 +171,22 @@ def refuse_before_hydra(argv: list[str]) -> None:
         sys.exit(f"error: {reason}")
 
 
+def refuse_bad_help_overrides(argv: list[str]) -> None:
+    """``--help`` composes the config outside Hydra's error handling, so a bad override there ends in a
+    traceback: compose it first and exit with Hydra's message."""
+    if not {"--help", "-h"} & set(argv):
+        return
+    from hydra.errors import HydraException
+
+    try:
+        compose_config([a for a in argv if not a.startswith("-")])
+    except HydraException as e:  # an unknown key or group, a wrong type, an override that does not parse
+        sys.exit(f"error: {e}" + (f"\n{e.__cause__}" if e.__cause__ else ""))
+
+
 if __name__ == "__main__":
     sys.argv[1:] = torchrun_overrides(sys.argv[1:])  # unchanged for one process
+    refuse_bad_help_overrides(sys.argv[1:])
     refuse_before_hydra(sys.argv[1:])
     main()
     destroy_process_group()  # torchrun: after every job of the process (Hydra multirun) finished

@@ -150,6 +150,8 @@ def main():
     parser.add_argument("--dtype", default="bfloat16", help="input dtype (torch name)")
     parser.add_argument("--backward", action="store_true", help="check and time the Gluon backward instead")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.fa3_variants needs a CUDA GPU (an sm_90 one for the Gluon kernels)")
     from triton.testing import do_bench
 
     dtype = getattr(torch, args.dtype)

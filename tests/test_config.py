@@ -258,6 +258,11 @@ def test_help_lists_every_key_with_its_meaning():
     assert keys and all(k in lines for k in keys), sorted(set(keys) - set(lines))
     assert lines["optim.lr"].split()[1] == "0.01" and "peak learning rate" in lines["optim.lr"]
     assert "<computed>" in lines["run.name"] and "model: baby, gpt2, tiny" in out.stdout
+    for bad, message in (("trainer.max_steps=abc", "Value 'abc' of type 'str' could not be converted to Integer"),
+                         ("model=huge", "Could not find 'model/huge'"), ("nokey=1", "Could not override 'nokey'")):
+        out = subprocess.run([sys.executable, "train.py", "--help", bad], cwd=root, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 1 and message in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
 
 
 def _leaf_keys(d, prefix=""):
