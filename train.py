@@ -33,7 +33,7 @@ from data.prepare import PreparationInterrupted
 from data.sources import DataError
 from model.attention import BackendUnavailableError
 from trainer import ConfigError, NonFiniteLossError, register_configs, train
-from trainer.checkpoint import CheckpointError
+from trainer.checkpoint import CheckpointError, latest_checkpoint
 from trainer.config import compose_config, override_arg
 from trainer.distributed import destroy_process_group, torchrun_overrides
 from trainer.resume import refusal_for_overrides
@@ -82,7 +82,9 @@ def run(cfg: DictConfig) -> float | None:
         sys.exit(128 + e.signum)
     except KeyboardInterrupt:  # a second Ctrl-C: abort now, without saving; the last checkpoint stays the latest
         refused(held)
-        log.error("aborted by a second Ctrl-C; this step was not saved (resume continues from the last checkpoint)")
+        last = latest_checkpoint(Path(run_dir))
+        log.error("aborted by a second Ctrl-C; this step was not saved (%s)",
+                  f"resume continues from {last.name}" if last else "no checkpoint was saved yet")
         sys.exit(128 + signal.SIGINT)
     if summary.stop_reason == "interrupted":  # saved and resumable, but not finished: say so to the caller
         sys.exit(128 + summary.stop_signal)

@@ -165,10 +165,12 @@ def test_cli_exit_code_after_sigterm_is_143(tiny_overrides, tmp_path):
     assert len(list_checkpoints(tmp_path / "term")) == 1 and "interrupted at step" in out
 
 
-def test_cli_second_ctrl_c_aborts_with_130_and_no_traceback(tiny_overrides, tmp_path):
-    """A second Ctrl-C (KeyboardInterrupt mid-step, injected in the 3rd forward) aborts without saving that step:
-    exit code 130 and one line, no traceback; the checkpoint of step 2 stays the latest."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": "0", "TEST_FAIL_RANK": "0", "TEST_FAIL_FORWARD": "3",
+@pytest.mark.parametrize("forward,kept,says", [(3, ["step_00000002.pt"], "resume continues from step_00000002.pt"),
+                                               (1, [], "no checkpoint was saved yet")])
+def test_cli_second_ctrl_c_aborts_with_130_and_no_traceback(tiny_overrides, tmp_path, forward, kept, says):
+    """A second Ctrl-C (KeyboardInterrupt mid-step, injected in the given forward) aborts without saving that step:
+    exit code 130 and one line, no traceback, naming the checkpoint a resume continues from (step 2's), if any."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": "0", "TEST_FAIL_RANK": "0", "TEST_FAIL_FORWARD": str(forward),
            "TEST_FAIL_KIND": "interrupt"}
     args = [a for a in tiny_overrides if not a.startswith(("run.", "trainer.max_steps"))] + [
         f"run.root={tmp_path}", "run.name=abort", "trainer.max_steps=5", "ckpt.interval=2"]
@@ -176,8 +178,9 @@ def test_cli_second_ctrl_c_aborts_with_130_and_no_traceback(tiny_overrides, tmp_
                           capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 128 + signal.SIGINT, out[-3000:]
-    assert "Traceback" not in out and "aborted by a second Ctrl-C" in out, out[-3000:]
-    assert [p.name for p in list_checkpoints(tmp_path / "abort")] == ["step_00000002.pt"]
+    assert "Traceback" not in out and f"aborted by a second Ctrl-C; this step was not saved ({says})" in out, \
+        out[-3000:]
+    assert [p.name for p in list_checkpoints(tmp_path / "abort")] == kept
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(make_cfg, monkeypatch):
