@@ -240,18 +240,18 @@ def load_checkpoint(path: Path) -> Checkpoint:
 
 
 def _read(path: Path) -> Any:
-    if not zipfile.is_zipfile(path) and path.suffix not in (".pt", ".pth"):  # torch.save writes zip files
+    is_zip = zipfile.is_zipfile(path)
+    if not is_zip and path.suffix not in (".pt", ".pth"):  # torch.save writes zip files
         raise CheckpointError(f"not a checkpoint file: {path}")
     try:
-        if zipfile.is_zipfile(path):  # torch.load does not check the records' CRC-32: a flipped byte would load
+        if is_zip:  # torch.load does not check the records' CRC-32: a flipped byte would load
             with zipfile.ZipFile(path) as archive:
                 bad = archive.testzip()
             if bad is not None:
                 raise zipfile.BadZipFile(f"record {bad} fails its CRC-32 check")
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises several types for truncated / foreign files
-        if isinstance(e, pickle.UnpicklingError) and "Weights only load failed" in str(e) \
-                and zipfile.is_zipfile(path):
+        if isinstance(e, pickle.UnpicklingError) and "Weights only load failed" in str(e) and is_zip:
             raise CheckpointError(f"not a checkpoint file: {path} (a torch file holding Python objects, "
                                   "not a trainer checkpoint)") from None
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""

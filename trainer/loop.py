@@ -369,7 +369,7 @@ class Trainer:
         if s.final_val_loss is not None:
             log.info("final val loss %.4f (step %d)", s.final_val_loss, s.final_val_step)
         if s.stop_reason == "interrupted":
-            log.info("interrupted at step %d; to resume, run the same command again (%s, same settings)",
+            log.info("interrupted at step %d; to resume: python train.py %s (with the same settings)",
                      self.state.step, override_arg("run.name", self.cfg.run.name))
 
 
