@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run", required=True, help="run name (under --runs-root), run folder, or checkpoint file")
     ap.add_argument("--runs-root", default="runs", help="folder holding run folders (train.py's run.root)")
     ap.add_argument("--prompt", default="", help="text to continue (default: start of a document)")
-    ap.add_argument("--num-tokens", type=int, default=500, help="tokens to generate per sample")
-    ap.add_argument("--num-samples", type=int, default=1, help="samples, generated as one batch")
+    ap.add_argument("--num-tokens", type=int, default=500, help=">= 1; tokens to generate per sample")
+    ap.add_argument("--num-samples", type=int, default=1, help=">= 1; samples, generated as one batch")
     ap.add_argument("--temperature", type=float, default=0.8, help="> 0; lower is more conservative")
     ap.add_argument("--top-k", type=int, default=200, help="keep the k most likely tokens; 0 = all, 1 = greedy")
     ap.add_argument("--seed", type=int, default=1337)
@@ -81,18 +81,21 @@ def main(argv: list[str] | None = None) -> int:
                     help="capture the fixed-shape decode step (eager, or compiled with --compile) as one CUDA graph "
                          "and replay it per token (GPU, --kv-cache; sdpa, fa2 or fa3)")
     args = ap.parse_args(argv)
-    for name, ok in (("--num-tokens", args.num_tokens >= 1), ("--num-samples", args.num_samples >= 1),
-                     ("--temperature", args.temperature > 0), ("--top-k", args.top_k >= 0)):
+    for name, ok, accepted in (("--num-tokens", args.num_tokens >= 1, ">= 1"),
+                               ("--num-samples", args.num_samples >= 1, ">= 1"),
+                               ("--temperature", args.temperature > 0, "> 0"), ("--top-k", args.top_k >= 0, ">= 0")):
         if not ok:
-            ap.error(f"{name}={getattr(args, name[2:].replace('-', '_'))} is out of range")
+            ap.error(f"{name}={getattr(args, name[2:].replace('-', '_'))} is out of range: must be {accepted}")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error(f"--device cuda: {NO_CUDA}")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if device == "cpu" and REGISTRY[args.attn].needs_cuda:
         ap.error(f"--attn {args.attn} needs a CUDA GPU; use --attn sdpa (or fa2/fa3 under Triton's interpreter)")
     graphs = args.compile == "cudagraphs" or args.cuda_graph
-    if device == "cpu" and graphs and args.kv_cache:  # without the cache: refused below
-        flag = "--compile cudagraphs" if args.compile == "cudagraphs" else "--cuda-graph"
+    flag = "--compile cudagraphs" if args.compile == "cudagraphs" else "--cuda-graph"
+    if graphs and not args.kv_cache:
+        ap.error(f"{flag} needs --kv-cache (it captures the fixed-shape decode step)")
+    if device == "cpu" and graphs:
         ap.error(f"{flag} needs a CUDA GPU (CUDA graphs); use --compile, or no --compile, on the CPU")
     try:
         ckpt_path = find_checkpoint(args.run, args.runs_root)

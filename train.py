@@ -34,8 +34,8 @@ from data.sources import DataError
 from model.attention import BackendUnavailableError
 from trainer import ConfigError, NonFiniteLossError, register_configs, train
 from trainer.checkpoint import CheckpointError, latest_checkpoint
-from trainer.config import compose_config, override_arg
-from trainer.distributed import destroy_process_group, torchrun_overrides
+from trainer.config import compose_config, continue_command
+from trainer.distributed import destroy_process_group, injected_run_name, torchrun_overrides
 from trainer.resume import refusal_for_overrides
 from trainer.run_lock import RunFolderBusy, own_run_folder
 from trainer.runtime import DistInfo
@@ -92,9 +92,9 @@ def run(cfg: DictConfig) -> float | None:
         log.info("finished at step %d; to continue these runs: the same `python train.py -m ...` command with "
                  "trainer.max_steps=<more than %d>", summary.step, summary.step)
     else:
-        log.info("finished at step %d; to continue this run: python train.py %s trainer.max_steps=<more than %d> "
+        log.info("finished at step %d; to continue this run: %s trainer.max_steps=<more than %d> "
                  "(with the same settings, and resume=auto, the default, in place of any resume=<file>)",
-                 summary.step, override_arg("run.name", cfg.run.name), summary.step)
+                 summary.step, continue_command(cfg.run.name, dist.world_size), summary.step)
     return summary.final_val_loss  # the value a Hydra sweeper would optimise
 
 
@@ -113,7 +113,9 @@ def discard_unused_default_folder(run_dir: str) -> None:
     """Remove the folder of a refused run that holds nothing but its log and lock, when its name is the default
     (timestamp + random suffix: no other process can use it), so a typo on the command line leaves no folder.
     A folder named with run.name= is kept, whatever it holds."""
-    if any(o.split("=", 1)[0].lstrip("+~") == "run.name" for o in HydraConfig.get().overrides.task):
+    overrides = [o.split("=", 1) for o in HydraConfig.get().overrides.task]
+    named = [value for key, *value in overrides if key.lstrip("+~") == "run.name"]
+    if named and named[-1] != [injected_run_name()]:  # torchrun's ranks share a default name through an override
         return
     folder = Path(run_dir)
     if folder.is_dir() and {p.name for p in folder.iterdir()} <= {"train.log", ".lock"}:

@@ -1,6 +1,7 @@
 """Our FlashAttention kernels: `fa3_attention` (FlashAttention-3 forward in Gluon for Hopper, FA2's backward),
 `fa2_attention` / `fa2_varlen_attention` (FlashAttention-2 in Triton, with sliding windows and packed
-variable-length sequences) and `fa1_attention` (the FA1 baseline).
+variable-length sequences), `fa1_attention` (the FA1 baseline) and `fa2_decode` (split-K/V decode: one query per
+(batch, head) against a KV cache; kernels/decode.py).
 
 To run them without a GPU, set TRITON_INTERPRET=1 before importing this package (slow; for tests).
 """
@@ -8,6 +9,7 @@ To run them without a GPU, set TRITON_INTERPRET=1 before importing this package 
 import math
 
 from . import fa1, fa2, fa3
+from .decode import fa2_decode
 from .frontend import PUBLIC_DOC, VARLEN_DOC, make_attention, make_varlen_attention
 
 fa2_attention = make_attention("fa2", fa2.forward, fa2.backward, lse_log_base=2.0, masks=True)
@@ -36,4 +38,4 @@ fa3_attention.__doc__ = PUBLIC_DOC.format(
            "address, a Triton other than 3.6) FA2's kernels run, with a one-time RuntimeWarning naming the reason.",
 )
 
-__all__ = ["fa1_attention", "fa2_attention", "fa2_varlen_attention", "fa3_attention"]
+__all__ = ["fa1_attention", "fa2_attention", "fa2_decode", "fa2_varlen_attention", "fa3_attention"]

@@ -210,7 +210,8 @@ def _flex_backend() -> AttentionFn:
 def _refuse_masks(name: str, window: int, docs: Optional[torch.Tensor]) -> None:
     entry = REGISTRY[name]
     if window and not entry.supports_window:
-        raise ValueError(f"attn={name} has no sliding-window attention (model.attn_window={window}); "
+        raise ValueError(f"attn={name} has no sliding-window attention (a layer has a window of {window} tokens: "
+                         "model.attn_window); "
                          f"use one of: {', '.join(mask_backends('window'))}")
     if docs is not None and not entry.supports_docs:
         raise ValueError(f"attn={name} has no document masks (data.document_mask); "

@@ -61,3 +61,9 @@ def test_fa2_decode_with_device_seqlen(seqlen, num_splits):
     torch.testing.assert_close(o.double(), expected, atol=2e-3, rtol=2e-3)
     with pytest.raises(ValueError, match="one-element integer tensor"):
         fa2_decode(q, k, v, seqlen=torch.tensor([1.0]))
+
+
+def test_fa2_decode_is_public():
+    import kernels
+
+    assert kernels.fa2_decode is fa2_decode and "fa2_decode" in kernels.__all__

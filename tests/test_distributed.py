@@ -98,6 +98,7 @@ def test_torchrun_writes_one_run_folder_checkpoint_set_and_wandb_run(ddp):
     log = (run_dir / "train.log").read_text()
     assert "DDP: 2 processes (gloo), 2 micro-batch(es) of 4 sequences per process per step" in log
     assert log.count("saved checkpoint") == 2 and "[rank 1]" not in log  # rank 0's log only
+    assert f"to continue this run: torchrun ... train.py run.name={run_dir.name} trainer.max_steps" in log
     wandb_runs = list(root.rglob("offline-run-*"))
     ckpt = load_checkpoint(run_dir / "checkpoints" / "step_00000010.pt")
     assert len(wandb_runs) == 1 and wandb_runs[0].name.endswith(ckpt["wandb_run_id"])
@@ -154,6 +155,13 @@ def test_error_on_one_rank_ends_the_job_with_its_message(base, tmp_path):
     assert out.returncode != 0
     assert "Root Cause" in out.stdout and "RuntimeError: injected failure on rank 1 in training forward 5" in out.stdout
     assert list_checkpoints(tmp_path / "crash") == []
+
+
+def test_refused_torchrun_job_under_the_default_name_leaves_no_folder(base, tmp_path):
+    """As with one process: the default name (rank 0's, passed to every rank as an override) is nobody else's."""
+    out = torchrun(base + [f"run.root={tmp_path}", "optim.lr=-1"], timeout=120)
+    assert out.returncode != 0 and "optim.lr=-1.0: must be > 0" in out.stdout, out.stdout[-3000:]
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_torchrun_job_on_a_folder_another_process_owns_is_refused(base, tmp_path):

@@ -124,9 +124,13 @@ def test_sample_py_greedy_same_with_and_without_cache(make_cfg, capsys):
     assert len(set(texts.values())) == 1
     first, second = texts["sdpa", "--kv-cache"].split("\n" + "-" * 40 + "\n")
     assert first.startswith("The king") and first.strip() == second.strip()  # greedy: the samples agree
-    assert sample.main(["--run", "kv", "--runs-root", str(s.run_dir.parent), "--device", "cpu",
-                        "--no-kv-cache", "--compile", "cudagraphs"]) == 1
-    assert "with kv_cache=True" in capsys.readouterr().err
+    for bad, message in ((["--no-kv-cache", "--compile", "cudagraphs"], "--compile cudagraphs needs --kv-cache"),
+                         (["--no-kv-cache", "--cuda-graph"], "--cuda-graph needs --kv-cache"),
+                         (["--num-samples", "0"], "--num-samples=0 is out of range: must be >= 1"),
+                         (["--temperature", "0"], "--temperature=0.0 is out of range: must be > 0")):
+        with pytest.raises(SystemExit):
+            sample.main(["--run", "kv", "--runs-root", str(s.run_dir.parent), "--device", "cpu", *bad])
+        assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "fa2"])

@@ -278,7 +278,8 @@ def test_backends_without_windows_refuse_them_by_their_registry_entry(name):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fn = get_backend(name)
-        refusal = rf"attn={name} has no sliding-window attention \(model.attn_window=4\); use one of: sdpa, fa2"
+        refusal = (rf"attn={name} has no sliding-window attention \(a layer has a window of 4 tokens: "
+                   r"model.attn_window\); use one of: sdpa, fa2")
         with pytest.raises(ValueError, match=refusal):
             fn(q, q, q, window=4)
         with pytest.raises(ValueError, match=f"attn={name} has no document masks"):

@@ -175,6 +175,12 @@ def override_arg(key: str, value: Any) -> str:
     return f'"{word}"' if not re.search(r'[$`"\\!]', word) else shlex.quote(word)
 
 
+def continue_command(run_name: str, world_size: int) -> str:
+    """The start of the command that continues run ``run_name`` with the same number of processes."""
+    launcher = "torchrun ... train.py" if world_size > 1 else "python train.py"
+    return f"{launcher} {override_arg('run.name', run_name)}"
+
+
 @functools.cache
 def default_run_name() -> str:
     """The launch time plus a random suffix: processes started in the same second get different

@@ -30,7 +30,7 @@ from data.sampler import BatchSampler, ShardedBatchSampler, rank_seed
 from model.attention import resolve_backend
 from model.gpt import GPT, GPTConfig
 from trainer import checkpoint
-from trainer.config import (override_arg, padded_vocab_size, resolved_grad_accum, validate_against_data,
+from trainer.config import (continue_command, padded_vocab_size, resolved_grad_accum, validate_against_data,
                             validate_config)
 from trainer.distributed import all_reduce_sum, barrier, broadcast_object, gather_objects, init_process_group
 from trainer.lr_schedule import lr_at
@@ -369,8 +369,8 @@ class Trainer:
         if s.final_val_loss is not None:
             log.info("final val loss %.4f (step %d)", s.final_val_loss, s.final_val_step)
         if s.stop_reason == "interrupted":
-            log.info("interrupted at step %d; to resume: python train.py %s (with the same settings)",
-                     self.state.step, override_arg("run.name", self.cfg.run.name))
+            log.info("interrupted at step %d; to resume: %s (with the same settings)", self.state.step,
+                     continue_command(self.cfg.run.name, self.dist.world_size))
 
 
 def model_config(cfg: DictConfig, data_vocab: int, backend: str) -> GPTConfig:
