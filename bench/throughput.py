@@ -10,7 +10,8 @@ previous step to the end of this one (CUDA events; host time on the CPU). Per ba
 step time (ms) and the mean, tokens/s (tokens per step / median step time), median MFU, peak GPU memory, the
 final train loss and the speed-up over `sdpa`. Each backend is its own W&B run in one W&B group (`wandb.group`),
 so the loss and step time curves overlay in the W&B UI. Files go to runs/<name>/: throughput.csv,
-throughput.json, throughput.png.
+throughput.json, throughput.png, rewritten after every run (a backend that crashes the process leaves the rows
+measured before it).
 
 `--baseline` also runs, per backend and in the same process, the bare training loop of `bench.baseline` (same
 model, data, dtype, compile and optimizer; forward, backward, clip, step, zero_grad and nothing else), timed the
@@ -248,27 +249,32 @@ def main(argv=None):
                 torch=torch.__version__, triton=__import__("triton").__version__,
                 date=time.strftime("%Y-%m-%d"), overrides=args.overrides, warmup=args.warmup, steps=args.steps)
 
-    rows = []
+    rows, sweep_rows, sweep_meta = [], [], {**meta, "sweep_tokens": args.sweep_tokens}
+
+    def record(row, into=rows, stem="throughput", meta=meta):
+        # The files are rewritten after every run: a backend that takes the process down (a CUDA error aborts it)
+        # leaves the rows measured before it.
+        into.append(row)
+        add_speedups(into)
+        write(into, out_dir, stem, meta)
+
     for overrides, b, label in jobs:
         if not args.baseline:
-            rows.append(run_backend(overrides, b, out_dir, label, args.warmup, args.steps))
+            record(run_backend(overrides, b, out_dir, label, args.warmup, args.steps))
             continue
-        rows.append(run_bare(overrides, b, out_dir, f"{label}_bare", args.warmup, args.steps, run=1))
+        record(run_bare(overrides, b, out_dir, f"{label}_bare", args.warmup, args.steps, run=1))
         for k in range(1, args.repeats + 1):  # trainer, bare, trainer, bare, ...: order effects show in the bare runs
-            rows.append(run_backend(overrides, b, out_dir, label if k == 1 else f"{label}_{k}", args.warmup,
-                                    args.steps, run=k))
-            rows.append(run_bare(overrides, b, out_dir, f"{label}_bare", args.warmup, args.steps, run=k + 1))
-    add_speedups(rows)
+            record(run_backend(overrides, b, out_dir, label if k == 1 else f"{label}_{k}", args.warmup,
+                               args.steps, run=k))
+            record(run_bare(overrides, b, out_dir, f"{label}_bare", args.warmup, args.steps, run=k + 1))
     print_table(rows)
-    write(rows, out_dir, "throughput", meta)
 
     if sweep:
-        sweep_rows = [run_backend(overrides, b, out_dir, label, args.warmup, args.steps)
-                      for overrides, b, label in sweep_jobs]
-        add_speedups(sweep_rows)
+        for overrides, b, label in sweep_jobs:
+            record(run_backend(overrides, b, out_dir, label, args.warmup, args.steps), sweep_rows, "throughput_sweep",
+                   sweep_meta)
         print(f"\nsweep at {args.sweep_tokens} tokens per step")
         print_table(sweep_rows)
-        write(sweep_rows, out_dir, "throughput_sweep", {**meta, "sweep_tokens": args.sweep_tokens})
     print(f"wrote {out_dir}/throughput.{{csv,json,png}}" + (" and throughput_sweep.*" if sweep else ""))
     return rows
 

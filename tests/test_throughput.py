@@ -56,6 +56,26 @@ def test_compares_backends_and_sweeps_context(tmp_path, tiny_overrides, capsys):
     assert "already holds a comparison" in capsys.readouterr().err
 
 
+
+def test_rows_measured_before_a_backend_fails_are_kept(tmp_path, tiny_overrides, monkeypatch):
+    """A backend that ends the process (on the GPU a CUDA error aborts it) must not take the rows measured before
+    it along: the files are rewritten after every run."""
+    overrides = [o for o in tiny_overrides if not o.startswith(("run.", "attn=", "trainer.max_steps"))]
+    overrides += [f"run.root={tmp_path}", "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=16",
+                  "trainer.batch_size=2"]
+    real = throughput.run_backend
+
+    def second_fails(overrides, backend, *args, **kwargs):
+        if backend == "flex":
+            raise RuntimeError("CUDA error: operation not supported on global/shared address space")
+        return real(overrides, backend, *args, **kwargs)
+
+    monkeypatch.setattr(throughput, "run_backend", second_fails)
+    with pytest.raises(RuntimeError, match="CUDA error"):
+        throughput.main(["--backends", "sdpa,flex", "--steps", "1", "--warmup", "1", "--name", "crash", *overrides])
+    rows = json.loads((tmp_path / "crash" / "throughput.json").read_text())["rows"]
+    assert [r["backend"] for r in rows] == ["sdpa"] and rows[0]["tokens_per_s"] > 0
+
 def test_document_masks_compare_fa2_flex_and_sdpa(tmp_path, tiny_overrides):
     """Issue 14's table on a micro model: --backends fa2,flex,sdpa with data.document_mask=true, one row per backend,
     the same losses (the same masked model)."""
