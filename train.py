@@ -113,9 +113,9 @@ def discard_unused_default_folder(run_dir: str) -> None:
     """Remove the folder of a refused run that holds nothing but its log and lock, when its name is the default
     (timestamp + random suffix: no other process can use it), so a typo on the command line leaves no folder.
     A folder named with run.name= is kept, whatever it holds."""
-    overrides = [o.split("=", 1) for o in HydraConfig.get().overrides.task]
-    named = [value for key, *value in overrides if key.lstrip("+~") == "run.name"]
-    if named and named[-1] != [injected_run_name()]:  # torchrun's ranks share a default name through an override
+    pairs = (o.split("=", 1) for o in HydraConfig.get().overrides.task if "=" in o)  # not `~key` deletions
+    named = [value for key, value in pairs if key.lstrip("+~") == "run.name"]
+    if named and named[-1] != injected_run_name():  # torchrun's ranks share a default name through an override
         return
     folder = Path(run_dir)
     if folder.is_dir() and {p.name for p in folder.iterdir()} <= {"train.log", ".lock"}:
