@@ -35,7 +35,7 @@ from model.attention import BackendUnavailableError
 from trainer import ConfigError, NonFiniteLossError, register_configs, train
 from trainer.checkpoint import CheckpointError, latest_checkpoint
 from trainer.config import compose_config, continue_command
-from trainer.distributed import destroy_process_group, injected_run_name, torchrun_overrides
+from trainer.distributed import destroy_process_group, torchrun_overrides
 from trainer.resume import refusal_for_overrides
 from trainer.run_lock import RunFolderBusy, own_run_folder
 from trainer.runtime import DistInfo
@@ -112,10 +112,9 @@ def save_hydra_files(cfg: DictConfig, run_dir: str) -> None:
 def discard_unused_default_folder(run_dir: str) -> None:
     """Remove the folder of a refused run that holds nothing but its log and lock, when its name is the default
     (timestamp + random suffix: no other process can use it), so a typo on the command line leaves no folder.
-    A folder named with run.name= is kept, whatever it holds."""
-    pairs = (o.split("=", 1) for o in HydraConfig.get().overrides.task if "=" in o)  # not `~key` deletions
-    named = [value for key, value in pairs if key.lstrip("+~") == "run.name"]
-    if named and named[-1] != injected_run_name():  # torchrun's ranks share a default name through an override
+    A folder named with run.name= is kept, whatever it holds; so is a torchrun job's (its ranks share rank 0's
+    default name as a run.name override, and a late rank's Hydra start would make the folder again)."""
+    if any(o.split("=", 1)[0].lstrip("+~") == "run.name" for o in HydraConfig.get().overrides.task):
         return
     folder = Path(run_dir)
     if folder.is_dir() and {p.name for p in folder.iterdir()} <= {"train.log", ".lock"}:

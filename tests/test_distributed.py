@@ -157,13 +157,6 @@ def test_error_on_one_rank_ends_the_job_with_its_message(base, tmp_path):
     assert list_checkpoints(tmp_path / "crash") == []
 
 
-def test_refused_torchrun_job_under_the_default_name_leaves_no_folder(base, tmp_path):
-    """As with one process: the default name (rank 0's, passed to every rank as an override) is nobody else's."""
-    out = torchrun(base + [f"run.root={tmp_path}", "optim.lr=-1"], timeout=120)
-    assert out.returncode != 0 and "optim.lr=-1.0: must be > 0" in out.stdout, out.stdout[-3000:]
-    assert list(tmp_path.iterdir()) == []
-
-
 def test_torchrun_job_on_a_folder_another_process_owns_is_refused(base, tmp_path):
     """#16 D2 under torchrun: rank 0 takes the run folder's lock for the job, so a folder owned by another
     process (here this test) stops the job with the owner's PID, and nothing is written there."""

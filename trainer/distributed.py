@@ -28,29 +28,17 @@ RUN_NAME_KEY = "flash_gpt/run_name"
 
 def torchrun_overrides(args: list[str], dist: Optional[DistInfo] = None) -> list[str]:
     """Hydra command-line overrides ``args`` plus what a torchrun rank needs; ``args`` unchanged for
-    one process. Adds ``run.name=<rank 0's default name>`` unless ``args`` set ``run.name`` (that name is
-    then ``injected_run_name()``), and on ranks > 0 ``hydra.output_subdir=null`` and logging config ``none``
-    (no ``.hydra/``, no log file)."""
-    global _injected_run_name
+    one process. Adds ``run.name=<rank 0's default name>`` unless ``args`` set ``run.name``, and on
+    ranks > 0 ``hydra.output_subdir=null`` and logging config ``none`` (no ``.hydra/``, no log file)."""
     dist = dist or DistInfo.from_env()
     if dist.world_size == 1:
         return list(args)
     extra = []
     if not any(a.lstrip("+").startswith("run.name=") for a in args):
-        _injected_run_name = shared_run_name(dist)
-        extra.append(f"run.name={_injected_run_name}")
+        extra.append(f"run.name={shared_run_name(dist)}")
     if not dist.is_main:
         extra += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
     return list(args) + extra
-
-
-_injected_run_name: Optional[str] = None
-
-
-def injected_run_name() -> Optional[str]:
-    """The default run.name ``torchrun_overrides`` added to this process's command line, if it did: the user's
-    command named no run (train.py may then remove a refused run's empty folder)."""
-    return _injected_run_name
 
 
 def shared_run_name(dist: DistInfo) -> str:
