@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 import torch
+import torch._functorch.config  # the donated_buffer switch used in measure()
 
 from bench import HelpFormatter
 from model.attention import REGISTRY
@@ -131,6 +132,9 @@ def main(argv=None):
 
     dtype = getattr(torch, args.dtype)
     chosen = backends(args.backends.split(","))
+    # Compiled backends (flex) build one static-shape kernel per shape (model/flex.py): room for every case.
+    cases = len(args.head_dims.split(",")) * len(args.causal.split(",")) * len(args.seqlens.split(","))
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, cases + 8)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -14,8 +14,8 @@ passes the same one) and reused by its layers. Under ``torch.compile`` of the mo
 graph instead (a Python cache would be traced as guards), where the compiler fuses them.
 
 Devices:
-- CUDA: ``torch.compile(flex_attention)`` (compiled once per process, as PyTorch advises; eager Flex materializes
-  the (T_q, T_k) scores) and a compiled ``create_block_mask`` (eager, it materializes (B, T_q, T_k) indices).
+- CUDA: ``torch.compile(flex_attention, dynamic=False)`` (one compiled function per process, as PyTorch advises,
+  with one kernel per shape; eager Flex materializes the (T_q, T_k) scores) and a compiled ``create_block_mask`` (eager, it materializes (B, T_q, T_k) indices).
 - CPU (tests): eager FlexAttention, PyTorch's unfused implementation; slow, it warns once. PyTorch's
   ``flex_attention`` refuses inputs that need gradients on CPU (its fused CPU kernel has no backward, torch 2.13),
   so training on CPU calls the operator that ``flex_attention`` runs in eager mode,
@@ -38,8 +38,11 @@ from typing import Callable, Optional
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention, noop_mask
 
-# Compiled lazily, on the first call; one compiled function for every layer and model of the process.
-_compiled_flex = torch.compile(flex_attention)
+# Compiled lazily, on the first call; one compiled function for every layer and model of the process. Static
+# shapes: by default a call with a second shape (another batch or length) recompiles for dynamic shapes and every
+# later call runs that slower generic kernel ("automatic dynamic"; seen on the H200, docs/benchmarks.md, seventh
+# session); with dynamic=False each shape gets its own kernel, up to torch._dynamo's recompile limit (8).
+_compiled_flex = torch.compile(flex_attention, dynamic=False)
 _compiled_block_mask = torch.compile(create_block_mask)
 
 

@@ -18,8 +18,10 @@ KERNELS = [
     # Without a GPU fa3 is FA2 (tests/test_fa3.py checks that fallback); the whole matrix runs it on a GPU.
     pytest.param(fa3_attention, id="fa3", marks=pytest.mark.gpu),
 ]
-TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-3}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# float32 inputs: exact float32 dots under the CPU interpreter; TF32 dots on the GPU, whose 10-bit mantissa is
+# float16's (measured on the H200: dq 1.6e-3 relative error, above 1e-3)
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 5e-3 if DEVICE == "cuda" else 1e-3}
 
 
 @pytest.fixture(autouse=True)
