@@ -15,7 +15,8 @@ graph instead (a Python cache would be traced as guards), where the compiler fus
 
 Devices:
 - CUDA: ``torch.compile(flex_attention, dynamic=False)`` (one compiled function per process, as PyTorch advises,
-  with one kernel per shape; eager Flex materializes the (T_q, T_k) scores) and a compiled ``create_block_mask`` (eager, it materializes (B, T_q, T_k) indices).
+  with one kernel per shape; eager Flex materializes the (T_q, T_k) scores) and a compiled ``create_block_mask``
+  (eager, it materializes (B, T_q, T_k) indices).
 - CPU (tests): eager FlexAttention, PyTorch's unfused implementation; slow, it warns once. PyTorch's
   ``flex_attention`` refuses inputs that need gradients on CPU (its fused CPU kernel has no backward, torch 2.13),
   so training on CPU calls the operator that ``flex_attention`` runs in eager mode,
@@ -40,8 +41,9 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 # Compiled lazily, on the first call; one compiled function for every layer and model of the process. Static
 # shapes: by default a call with a second shape (another batch or length) recompiles for dynamic shapes and every
-# later call runs that slower generic kernel ("automatic dynamic"; seen on the H200, docs/benchmarks.md, seventh
-# session); with dynamic=False each shape gets its own kernel, up to torch._dynamo's recompile limit (8).
+# later call runs that generic kernel ("automatic dynamic"; the likely cause of a slow Flex in one H200 benchmark,
+# docs/benchmarks.md, seventh session); with dynamic=False each shape gets its own kernel, up to torch._dynamo's
+# recompile limit (8). Inside a compiled model this function is traced like any other, with the model's settings.
 _compiled_flex = torch.compile(flex_attention, dynamic=False)
 _compiled_block_mask = torch.compile(create_block_mask)
 
