@@ -1,4 +1,4 @@
-"""Kernel-level attention benchmark: TFLOP/s of our FA2 and FA1 against PyTorch SDPA, forward and backward.
+"""Kernel-level attention benchmark: TFLOP/s of every attention backend (ours and PyTorch's), forward and backward.
 
     python -m bench.attention                       # bf16, head_dim 64 and 128, N = 512..16k, causal and not
     python -m bench.attention --head-dims 128 --seqlens 4096 --backends fa2,sdpa_cudnn --out runs/bench
@@ -25,13 +25,18 @@ TOKENS = 16 * 1024
 WIDTH = 2048  # n_heads * head_dim
 
 
+def check_names(names):
+    """Refuse (SystemExit) names that are not backends of ``model.attention.REGISTRY``, listing the accepted ones."""
+    unknown = set(names) - set(REGISTRY)
+    if unknown:
+        raise SystemExit(f"unknown backend(s) {sorted(unknown)}; choose from {sorted(REGISTRY)}")
+
+
 def backends(names):
     """{name: attention(q, k, v, causal)} for backends of ``model.attention.REGISTRY``."""
     from model.attention import get_backend
 
-    unknown = set(names) - set(REGISTRY)
-    if unknown:
-        raise SystemExit(f"unknown backend(s) {sorted(unknown)}; choose from {sorted(REGISTRY)}")
+    check_names(names)
     chosen = {}
     for name in names:
         fn = get_backend(name)
@@ -123,10 +128,11 @@ def main(argv=None):
                         help="comma-separated, from model.attention.REGISTRY; ratios are against the first")
     parser.add_argument("--head-dims", default="64,128", help="comma-separated head dimensions D")
     parser.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384", help="comma-separated sequence lengths N")
-    parser.add_argument("--causal", default="true,false", help="true, false or both")
+    parser.add_argument("--causal", default="true,false", help="comma-separated: true, false, or true,false for both")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"], help="input dtype")
     parser.add_argument("--out", default="runs/bench_attention", help="folder for CSV, JSON and PNG files")
     args = parser.parse_args(argv)
+    check_names(args.backends.split(","))  # a typo is caught on any machine
     if not torch.cuda.is_available():
         raise SystemExit("bench.attention needs a CUDA GPU")
 

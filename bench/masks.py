@@ -153,10 +153,13 @@ def run(mode, names, args, dtype) -> list[dict]:
     return rows
 
 
+BACKENDS = ("fa2_full", "fa2", "flex", "sdpa_dense")  # fa2_full (full causal, for the ratio): window mode only
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--mode", choices=("window", "varlen", "both"), default="both", help="which benchmark")
-    p.add_argument("--backends", default="fa2_full,fa2,flex,sdpa_dense", help="comma-separated")
+    p.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated, from " + ", ".join(BACKENDS))
     p.add_argument("--batch", type=int, default=2, help="B contexts")
     p.add_argument("--n-heads", type=int, default=16, help="heads H")
     p.add_argument("--head-dim", type=int, default=64, help="head dimension D")
@@ -168,10 +171,13 @@ def main(argv=None):
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="input dtype")
     p.add_argument("--out", default="runs/bench_masks", help="folder for masks.json")
     args = p.parse_args(argv)
+    names = args.backends.split(",")
+    unknown = sorted(set(names) - set(BACKENDS))
+    if unknown:  # checked before the GPU, so a typo is caught on any machine
+        p.error(f"--backends: unknown {unknown}; choose from {', '.join(BACKENDS)}")
     if not torch.cuda.is_available():
         raise SystemExit("bench.masks needs a CUDA GPU")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    names = args.backends.split(",")
     rows = [r for mode in (("window", "varlen") if args.mode == "both" else (args.mode,))
             for r in run(mode, names, args, dtype)]
     print(f"{'mode':7} {'backend':11} {'fwd ms':>8} {'fwd TF/s':>9} {'bwd ms':>8} {'bwd TF/s':>9}")

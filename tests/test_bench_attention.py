@@ -10,6 +10,11 @@ def test_unknown_backend_is_rejected_with_the_accepted_names():
         attention.backends(["fa2", "flash"])
 
 
+def test_unknown_backend_is_rejected_before_the_gpu_check():
+    with pytest.raises(SystemExit, match=r"unknown backend\(s\) \['nope'\]; choose from"):
+        attention.main(["--backends", "fa2,nope"])
+
+
 def test_flop_count_follows_the_flashattention_convention():
     forward = attention.flops(2, 16, 1024, 64, causal=False, direction="fwd")
     assert forward == 4 * 2 * 16 * 1024 * 1024 * 64

@@ -53,3 +53,9 @@ def test_bench_masks_needs_a_gpu(monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         masks.main(["--mode", "window"])
+
+
+def test_unknown_backend_is_rejected_with_the_accepted_names(capsys):
+    with pytest.raises(SystemExit):
+        masks.main(["--backends", "fa2,flesh"])
+    assert "--backends: unknown ['flesh']; choose from fa2_full, fa2, flex, sdpa_dense" in capsys.readouterr().err

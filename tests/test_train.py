@@ -98,6 +98,8 @@ def test_resume_never_and_resume_path(make_cfg, tmp_path):
     assert None != branch.wandb_run_id != done.wandb_run_id  # a branch is a new W&B run
     with pytest.raises(CheckpointError, match="nope.pt does not exist"):
         train(make_cfg("run.name=other", f"resume={tmp_path / 'nope.pt'}"))
+    with pytest.raises(CheckpointError, match=r"sometimes does not exist \(resume= takes auto, never or a checkpoint"):
+        train(make_cfg("run.name=other", "resume=sometimes"))  # a mistyped policy names the accepted values
     with pytest.raises(CheckpointError, match="is a folder; give a checkpoint file"):
         train(make_cfg("run.name=other", f"resume={done.run_dir}"))
 
@@ -336,12 +338,14 @@ def test_document_mask_trains_like_sdpa(make_cfg, tmp_path, attn):
         train(make_cfg(*micro, *masked, "attn=fa1", "run.name=docs_fa1"))
 
 
-def test_flex_with_documents_and_a_window_resumes_exactly(make_cfg):
+def test_flex_with_documents_and_a_window_resumes_exactly(make_cfg, caplog):
     """attn=flex with data.document_mask and model.attn_window on the CPU: 4 straight steps == 2 + resume + 2,
-    bit for bit (GQA, an evaluation in between)."""
+    bit for bit (GQA, an evaluation in between). The start of the run names the masks."""
+    caplog.set_level("INFO", logger="trainer.loop")
     common = ("attn=flex", "data.document_mask=true", "model.n_layer=1", "model.attn_window=8", "eval.interval=3",
               "eval.iters=1", "ckpt.interval=0", "optim.decay_steps=30")
     straight = train(make_cfg(*common, "run.name=flex_straight", "trainer.max_steps=4"))
+    assert "attention masks: causal, model.attn_window=8, within each document (data.document_mask)" in caplog.text
     first = train(make_cfg(*common, "run.name=flex_resumed", "trainer.max_steps=2"))
     second = train(make_cfg(*common, "run.name=flex_resumed", "trainer.max_steps=4"))
     assert straight.attn_backend == "flex" and first.step == 2 and second.start_step == 2

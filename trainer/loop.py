@@ -189,6 +189,10 @@ class Trainer:
         log.info("attention backend: %s (attn=%s) | device %s | dtype %s | %.2fM parameters | %d tokens/step",
                  self.model_args.attn, cfg.attn.backend, self.device, str(self.dtype).removeprefix("torch."),
                  model.num_params() / 1e6, self.throughput.tokens_per_step)
+        masks = [f"model.attn_window={self.model_args.attn_window}"] if self.model_args.attn_window else []
+        masks += ["within each document (data.document_mask)"] if cfg.data.document_mask else []
+        if masks:
+            log.info("attention masks: causal, %s", ", ".join(masks))
         if dist.world_size > 1:
             log.info("DDP: %d processes (%s), %d micro-batch(es) of %d sequences per process per step",
                      dist.world_size, torch.distributed.get_backend(), self.micro_steps, cfg.trainer.batch_size)

@@ -10,7 +10,8 @@ from typing import Optional
 from omegaconf import DictConfig, OmegaConf
 
 from model.gpt import GPTConfig
-from trainer.checkpoint import Checkpoint, latest_checkpoint, list_checkpoints, load_checkpoint, step_of
+from trainer.checkpoint import (Checkpoint, CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint,
+                                step_of)
 from trainer.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,8 @@ def find_checkpoint(resume: str, run_dir: Path) -> tuple[Optional[Checkpoint], O
         path = latest_checkpoint(run_dir)
         return (load_checkpoint(path), path) if path is not None else (None, None)
     path = Path(resume)
+    if not path.exists():  # also a mistyped policy, e.g. resume=sometimes
+        raise CheckpointError(f"checkpoint {path} does not exist (resume= takes auto, never or a checkpoint path)")
     ckpt = load_checkpoint(path)
     reason = _newer_refusal(path, ckpt["step"], list_checkpoints(run_dir), run_dir)  # files named otherwise
     if reason:
