@@ -6,7 +6,7 @@
 Backward: a variant is NUM_STAGES (`kernels.fa3.BWD_STAGES[head_dim]`); each is checked
 against float32 gradients (dq, dk, dv by relative error) on the shapes below, then backward medians of the
 Gluon kernel are printed next to FA2's backward and cuDNN's on the same inputs (forward excluded).
-Forward: a variant is NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT and replaces `kernels.fa3.CONFIGS[head_dim]`. Every variant is first
+Forward: a variant is NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT[:SPLIT_LOOPS] and replaces `kernels.fa3.CONFIGS[head_dim]`. Every variant is first
 checked against a float32 reference (SDPA's math kernel on upcast inputs) on odd lengths, seqlen_q != seqlen_k
 both ways, GQA and strided views, with NaN-poisoned outputs; then forward medians (`triton.testing.do_bench`) are
 printed next to FA2's forward and SDPA's cuDNN kernel on the same inputs (B * N = 16k, H * D = 2048).
@@ -140,10 +140,17 @@ def main_backward(args, dtype):
                       + " ".join(f"{name}={cells['cudnn'] / ms:.3f}" for name, ms in cells.items()), flush=True)
 
 
+def forward_config(variant):
+    """NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT[:SPLIT_LOOPS] (ints) -> a `kernels.fa3.CONFIGS` entry."""
+    if len(variant) not in (5, 6):
+        raise SystemExit(f"variant {':'.join(map(str, variant))}: give 5 or 6 fields (see --help)")
+    return (*variant[:3], bool(variant[3]), bool(variant[4]), bool(variant[5]) if len(variant) == 6 else False)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--variants", default="2:128:2:1:1,2:128:2:1:0",
-                        help="comma-separated NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT "
+                        help="comma-separated NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT[:SPLIT_LOOPS] "
                              "(--backward: NUM_STAGES)")
     parser.add_argument("--head-dims", default="64,128", help="comma-separated head dimensions D")
     parser.add_argument("--seqlens", default="2048,8192", help="comma-separated sequence lengths N")
@@ -160,7 +167,7 @@ def main():
     for head_dim in map(int, args.head_dims.split(",")):
         variants = [tuple(int(x) for x in v.split(":")) for v in args.variants.split(",")]
         for variant in variants:
-            fa3.CONFIGS[head_dim] = (*variant[:3], bool(variant[3]), bool(variant[4]))
+            fa3.CONFIGS[head_dim] = forward_config(variant)
             try:
                 print(f"D={head_dim} variant {variant}: max rel err {check(head_dim, dtype):.2e}", flush=True)
             except Exception as e:  # report and keep going with the next variant
@@ -176,7 +183,7 @@ def main():
                                               return_mode="median")
                 cells["fa2"] = do_bench(lambda: fa2.forward(q, k, v, causal, 0.1), return_mode="median")
                 for variant in variants:
-                    fa3.CONFIGS[head_dim] = (*variant[:3], bool(variant[3]), bool(variant[4]))
+                    fa3.CONFIGS[head_dim] = forward_config(variant)
                     try:
                         cells[":".join(map(str, variant))] = do_bench(lambda: fa3.forward(q, k, v, causal, 0.1),
                                                                       return_mode="median")

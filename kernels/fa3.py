@@ -29,11 +29,13 @@ GLUON_TRITON_VERSIONS = ("3.6",)
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
 BLOCK_M = 64  # query rows per consumer warpgroup
-# (NUM_CONSUMERS, BLOCK_N, NUM_STAGES, PINGPONG, PERSISTENT) per head_dim, from `python -m bench.fa3_variants` on
-# the H200; PERSISTENT: one CTA per SM looping over tiles, else one CTA per tile.
+# (NUM_CONSUMERS, BLOCK_N, NUM_STAGES, PINGPONG, PERSISTENT, SPLIT_LOOPS) per head_dim, from `python -m
+# bench.fa3_variants` on the H200; PERSISTENT: one CTA per SM looping over tiles, else one CTA per tile;
+# SPLIT_LOOPS: the unmasked and the masked K/V blocks in two loops, else one loop with a branch per block
+# (offline, the one loop spills in the causal D = 64 main loop; not yet measured: docs/hopper-notes.md).
 # NUM_CONSUMERS x 64 x D Q tiles plus two NUM_STAGES x BLOCK_N x D rings must fit the 227 KiB of shared memory
 # (overflow is only caught at launch).
-CONFIGS = {64: (3, 128, 2, True, True), 128: (2, 128, 2, False, True)}
+CONFIGS = {64: (3, 128, 2, True, True, False), 128: (2, 128, 2, False, True, False)}
 # Backward: NUM_STAGES of the (Q_i, dO_i) ring per head_dim; 2 consumer warpgroups x 64 keys.
 BWD_STAGES = {64: 4, 128: 2}
 GLUON_BACKWARD_HEAD_DIMS = (128,)  # where the Gluon backward measured faster than FA2's (module docstring)
@@ -94,7 +96,7 @@ def _launch(module, q, k, v, causal, softmax_scale):
 
     batch, n_heads, seqlen_q, head_dim = q.shape
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    num_consumers, block_n, num_stages, pingpong, persistent = CONFIGS[head_dim]
+    num_consumers, block_n, num_stages, pingpong, persistent, split_loops = CONFIGS[head_dim]
     o = empty_like_layout(q)
     lse = torch.empty((batch, n_heads, seqlen_q), device=q.device, dtype=torch.float32)
     q_layout, kv_layout = shared_layouts(q.dtype, head_dim, block_n)
@@ -109,7 +111,7 @@ def _launch(module, q, k, v, causal, softmax_scale):
         n_heads, seqlen_q, seqlen_k, softmax_scale * fa2.LOG2E, n_tiles_m, n_tiles, batch * n_heads,
         GROUP=n_heads // n_kv_heads, CAUSAL=causal, PINGPONG=pingpong, NUM_CONSUMERS=num_consumers,
         HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=num_stages, Q_LAYOUT=q_layout,
-        KV_LAYOUT=kv_layout, num_warps=4,
+        KV_LAYOUT=kv_layout, SPLIT_LOOPS=split_loops, num_warps=4,
     )
     return o, lse
 
@@ -221,7 +223,7 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
     name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
     tensordesc = lambda rows, layout: f"tensordesc<{name}[1, 1, {rows}, {head_dim}],{layout!r}>"
     if kernel == "fwd":
-        num_consumers, block_n, num_stages, pingpong, _ = CONFIGS[head_dim]
+        num_consumers, block_n, num_stages, pingpong, _, split_loops = CONFIGS[head_dim]
         q_layout, kv_layout = shared_layouts(dtype, head_dim, block_n)
         q_box, kv_box = shared_layouts(dtype, head_dim, block_n, rank=4)
         fn = module.fa3_fwd_kernel
@@ -230,7 +232,7 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
                      qk_scale="fp32")
         constexprs = dict(GROUP=group, CAUSAL=causal, PINGPONG=pingpong, NUM_CONSUMERS=num_consumers,
                           HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=num_stages,
-                          Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout)
+                          Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, SPLIT_LOOPS=split_loops)
     else:
         q_layout, kv_layout, ds_layout, dq_layout = _bwd_layouts(dtype, head_dim)
         box, k_box, _, dq_box = _bwd_layouts(dtype, head_dim, rank=4)

@@ -21,7 +21,9 @@ NUM_CONSUMERS + 1 partitions (`gl.warp_specialize`):
   mbarrier each), so one warpgroup's softmax runs under the others' GEMMs. O leaves through its own shared
   buffer and a TMA store that completes under the next tile.
 Every K/V block of [0, hi_free) is visible to every row of the tile and runs unmasked; the blocks of
-[hi_free, hi) are masked; blocks past hi are never loaded (FA2's causal stages [3]).
+[hi_free, hi) are masked; blocks past hi are never loaded (FA2's causal stages [3]). SPLIT_LOOPS runs the two
+ranges as two loops over `_kv_block`, else one loop branches per block (compiled offline for sm_90 at head_dim
+64, the one loop spills registers inside the K/V loop and the two loops do not; docs/hopper-notes.md).
 
 q, k, v and o come through host-made 4-D TMA descriptors over (batch, heads, seqlen, HEAD_DIM) with the
 inputs' own strides, so any 16-byte-aligned layout with a unit last stride works (the model's (B, T, H, D)
@@ -96,10 +98,53 @@ def _tile(t, n_tiles_m, n_bh, n_heads, seqlen_q, seqlen_k,
 
 
 @gluon.jit
+def _kv_block(j, kv_it, acc, p_op, m_i, l_i, turn, q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+              turn_bars, rows, hi_free, seqlen_k, diag_offset, qk_scale,
+              MASK: gl.constexpr, CID: gl.constexpr, NEXT: gl.constexpr, CAUSAL: gl.constexpr,
+              PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+              s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+    """K/V block j >= 1 of a consumer's tile (FA3 Algorithm 2): issue S_j = Q K_j^T and O += P_{j-1} V_{j-1},
+    wait for S_j, softmax of block j under the PV GEMM, then wait for it and rescale O. MASK: 0 = block j is
+    wholly visible, 1 = masked, 2 = decided at run time (start_n >= hi_free). Returns acc, p_op (P_j as the next
+    PV GEMM's A operand), m_i, l_i, turn."""
+    slot = (kv_it + j) % NUM_STAGES
+    prev = (kv_it + j - 1) % NUM_STAGES
+    if PINGPONG:
+        mbarrier.wait(turn_bars.index(CID), turn & 1)
+        turn += 1
+    mbarrier.wait(k_ready.index(slot), ((kv_it + j) // NUM_STAGES) & 1)
+    s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)),
+                      gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True)
+    mbarrier.wait(v_ready.index(prev), ((kv_it + j - 1) // NUM_STAGES) & 1)
+    acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(turn_bars.index(NEXT))
+    s = warpgroup_mma_wait(1, deps=(s,))  # S_j is done; the PV GEMM may still run
+    mbarrier.arrive(k_empty.index(slot))
+    start_n = j * BLOCK_N
+    if MASK == 2:
+        if start_n >= hi_free:
+            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, start_n, seqlen_k, diag_offset, qk_scale,
+                                                True, CAUSAL, BLOCK_N, s_layout)
+        else:
+            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, start_n, seqlen_k, diag_offset, qk_scale,
+                                                False, CAUSAL, BLOCK_N, s_layout)
+    else:
+        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, start_n, seqlen_k, diag_offset, qk_scale,
+                                            MASK == 1, CAUSAL, BLOCK_N, s_layout)
+    acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+    mbarrier.arrive(v_empty.index(prev))
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    p_op = gl.convert_layout(p.to(p_op.dtype), p_layout)
+    return acc, p_op, m_i, l_i, turn
+
+
+@gluon.jit
 def _consumer(q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars,
               o_desc, LSE, n_tiles_m, n_tiles, n_bh, n_heads, seqlen_q, seqlen_k, qk_scale,
               CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
+              SPLIT_LOOPS: gl.constexpr):
     """Consumer warpgroup CID: rows [start_m + CID * BLOCK_M, + BLOCK_M) of each of the CTA's tiles."""
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -145,33 +190,24 @@ def _consumer(q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, 
                                                 False, CAUSAL, BLOCK_N, s_layout)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
 
-        for j in range(1, n_blocks):
-            slot = (kv_it + j) % NUM_STAGES
-            prev = (kv_it + j - 1) % NUM_STAGES
-            if PINGPONG:
-                mbarrier.wait(turn_bars.index(CID), turn & 1)
-                turn += 1
-            mbarrier.wait(k_ready.index(slot), ((kv_it + j) // NUM_STAGES) & 1)
-            s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)),
-                              gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout), use_acc=False,
-                              is_async=True)
-            mbarrier.wait(v_ready.index(prev), ((kv_it + j - 1) // NUM_STAGES) & 1)
-            acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-            if PINGPONG:
-                mbarrier.arrive(turn_bars.index(NEXT))
-            s = warpgroup_mma_wait(1, deps=(s,))  # S_j is done; the PV GEMM may still run
-            mbarrier.arrive(k_empty.index(slot))
-            start_n = j * BLOCK_N
-            if start_n >= hi_free:
-                p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, start_n, seqlen_k, diag_offset, qk_scale,
-                                                    True, CAUSAL, BLOCK_N, s_layout)
-            else:
-                p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, start_n, seqlen_k, diag_offset, qk_scale,
-                                                    False, CAUSAL, BLOCK_N, s_layout)
-            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-            mbarrier.arrive(v_empty.index(prev))
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
+        if SPLIT_LOOPS:  # the unmasked blocks in a loop of their own (no masking code), then the masked ones
+            n_free = gl.minimum(gl.maximum(hi_free // BLOCK_N, 1), n_blocks)
+            for j in range(1, n_free):
+                acc, p_op, m_i, l_i, turn = _kv_block(
+                    j, kv_it, acc, p_op, m_i, l_i, turn, q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                    turn_bars, rows, hi_free, seqlen_k, diag_offset, qk_scale, 0, CID, NEXT, CAUSAL, PINGPONG,
+                    BLOCK_M, BLOCK_N, NUM_STAGES, s_layout, o_layout, p_layout)
+            for j in range(n_free, n_blocks):
+                acc, p_op, m_i, l_i, turn = _kv_block(
+                    j, kv_it, acc, p_op, m_i, l_i, turn, q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                    turn_bars, rows, hi_free, seqlen_k, diag_offset, qk_scale, 1, CID, NEXT, CAUSAL, PINGPONG,
+                    BLOCK_M, BLOCK_N, NUM_STAGES, s_layout, o_layout, p_layout)
+        else:  # one loop, a runtime branch per block
+            for j in range(1, n_blocks):
+                acc, p_op, m_i, l_i, turn = _kv_block(
+                    j, kv_it, acc, p_op, m_i, l_i, turn, q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                    turn_bars, rows, hi_free, seqlen_k, diag_offset, qk_scale, 2, CID, NEXT, CAUSAL, PINGPONG,
+                    BLOCK_M, BLOCK_N, NUM_STAGES, s_layout, o_layout, p_layout)
         mbarrier.arrive(q_empty.index(CID))  # every QK GEMM of the tile is done: the next Q may come in
 
         last = (kv_it + n_blocks - 1) % NUM_STAGES
@@ -237,7 +273,7 @@ def fa3_fwd_kernel(
     n_heads, seqlen_q, seqlen_k, qk_scale, n_tiles_m, n_tiles, n_bh,
     GROUP: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-    Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr,
+    Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr, SPLIT_LOOPS: gl.constexpr = False,
 ):
     """Grid (min(n_tiles, CTAs that fit at once),): see the module docstring. n_tiles = n_tiles_m * n_bh."""
     dtype: gl.constexpr = q_desc.dtype
@@ -272,10 +308,12 @@ def fa3_fwd_kernel(
             [
             (_consumer, (q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                          turn_bars, o_desc, LSE, n_tiles_m, n_tiles, n_bh, n_heads, seqlen_q, seqlen_k, qk_scale,
-                         0, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES)),
+                         0, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES,
+                         SPLIT_LOOPS)),
             (_consumer, (q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                          turn_bars, o_desc, LSE, n_tiles_m, n_tiles, n_bh, n_heads, seqlen_q, seqlen_k, qk_scale,
-                         1, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES)),
+                         1, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES,
+                         SPLIT_LOOPS)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          k_empty, v_empty, n_tiles_m, n_tiles, n_bh, n_heads, seqlen_q, seqlen_k,
                          GROUP, CAUSAL, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES)),
@@ -288,13 +326,16 @@ def fa3_fwd_kernel(
             [
             (_consumer, (q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                          turn_bars, o_desc, LSE, n_tiles_m, n_tiles, n_bh, n_heads, seqlen_q, seqlen_k, qk_scale,
-                         0, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES)),
+                         0, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES,
+                         SPLIT_LOOPS)),
             (_consumer, (q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                          turn_bars, o_desc, LSE, n_tiles_m, n_tiles, n_bh, n_heads, seqlen_q, seqlen_k, qk_scale,
-                         1, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES)),
+                         1, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES,
+                         SPLIT_LOOPS)),
             (_consumer, (q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                          turn_bars, o_desc, LSE, n_tiles_m, n_tiles, n_bh, n_heads, seqlen_q, seqlen_k, qk_scale,
-                         2, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES)),
+                         2, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES,
+                         SPLIT_LOOPS)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          k_empty, v_empty, n_tiles_m, n_tiles, n_bh, n_heads, seqlen_q, seqlen_k,
                          GROUP, CAUSAL, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES)),

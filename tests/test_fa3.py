@@ -64,7 +64,7 @@ def test_no_gpu_is_named(fresh_dispatch, monkeypatch):
 
 
 @pytest.mark.skipif(not SUPPORTED, reason=f"triton {fa3.triton_version()} is not a Gluon version the kernel supports")
-@pytest.mark.parametrize("kernel", ["fwd", "bwd"])
+@pytest.mark.parametrize("kernel", ["fwd", "bwd", "fwd_split_loops"])
 @pytest.mark.parametrize("dtype,head_dim,causal,group", [
     (torch.bfloat16, 128, True, 1), (torch.float16, 64, False, 4),
 ])
@@ -74,8 +74,11 @@ def test_gluon_kernel_compiles_for_sm90(dtype, head_dim, causal, group, kernel):
     Runs in a fresh process without TRITON_INTERPRET: under the interpreter Triton's own jitted helpers (the
     reductions' combine functions) are interpreted objects a compiled kernel cannot reference.
     """
-    code = (f"import torch; from kernels import fa3; k = fa3.compile_for_sm90(torch.{str(dtype)[6:]}, {head_dim}, "
-            f"{causal}, {group}, {kernel!r}); ptx = k.asm['ptx']; "
+    split = kernel == "fwd_split_loops"  # the forward with CONFIGS' SPLIT_LOOPS on
+    code = (f"import torch; from kernels import fa3; c = fa3.CONFIGS[{head_dim}]; "
+            f"fa3.CONFIGS[{head_dim}] = (*c[:5], {split}); "
+            f"k = fa3.compile_for_sm90(torch.{str(dtype)[6:]}, {head_dim}, {causal}, {group}, "
+            f"{'fwd' if split else kernel!r}); ptx = k.asm['ptx']; "
             "print(k.metadata.shared, all(s in ptx for s in ('wgmma.mma_async', 'setmaxnreg', 'cp.async.bulk.tensor')))")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -108,6 +111,26 @@ def test_gluon_kernel_runs_on_hopper(fresh_dispatch):
         o = fa3_attention(q, k, v, causal=True)
     ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
     assert ((o.float() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="needs an sm_90 GPU")
+@pytest.mark.skipif(not SUPPORTED, reason="the installed Triton is not one the Gluon kernel supports")
+@pytest.mark.parametrize("split_loops", [False, True])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gluon_forward_loop_variants_match_float64(fresh_dispatch, monkeypatch, head_dim, causal, split_loops):
+    """Both K/V loop structures of the Gluon forward (CONFIGS' SPLIT_LOOPS), with seqlen_q != seqlen_k (the
+    bottom-right causal diagonal mid-block), lengths off the block sizes and GQA."""
+    monkeypatch.setitem(fa3.CONFIGS, head_dim, (*fa3.CONFIGS[head_dim][:5], split_loops))
+    q = torch.randn(2, 4, 333, head_dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, 717, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning: the Gluon kernel ran
+        o, lse = fa3.forward(q, k, v, causal, head_dim ** -0.5)
+    o_ref, _ = _reference_grads(q, k, v, torch.randn_like(q), causal)
+    assert ((o.double() - o_ref).norm() / o_ref.norm()).item() < 1e-2
 
 
 def _reference_grads(q, k, v, do, causal):
