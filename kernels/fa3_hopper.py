@@ -190,24 +190,23 @@ def _consumer(q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, 
                                                 False, CAUSAL, BLOCK_N, s_layout)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
 
-        if SPLIT_LOOPS:  # the unmasked blocks in a loop of their own (no masking code), then the masked ones
-            n_free = gl.minimum(gl.maximum(hi_free // BLOCK_N, 1), n_blocks)
-            for j in range(1, n_free):
-                acc, p_op, m_i, l_i, turn = _kv_block(
-                    j, kv_it, acc, p_op, m_i, l_i, turn, q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                    turn_bars, rows, hi_free, seqlen_k, diag_offset, qk_scale, 0, CID, NEXT, CAUSAL, PINGPONG,
-                    BLOCK_M, BLOCK_N, NUM_STAGES, s_layout, o_layout, p_layout)
-            for j in range(n_free, n_blocks):
-                acc, p_op, m_i, l_i, turn = _kv_block(
-                    j, kv_it, acc, p_op, m_i, l_i, turn, q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                    turn_bars, rows, hi_free, seqlen_k, diag_offset, qk_scale, 1, CID, NEXT, CAUSAL, PINGPONG,
-                    BLOCK_M, BLOCK_N, NUM_STAGES, s_layout, o_layout, p_layout)
-        else:  # one loop, a runtime branch per block
-            for j in range(1, n_blocks):
-                acc, p_op, m_i, l_i, turn = _kv_block(
-                    j, kv_it, acc, p_op, m_i, l_i, turn, q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                    turn_bars, rows, hi_free, seqlen_k, diag_offset, qk_scale, 2, CID, NEXT, CAUSAL, PINGPONG,
-                    BLOCK_M, BLOCK_N, NUM_STAGES, s_layout, o_layout, p_layout)
+        # Blocks [1, n_first) then [n_first, n_blocks). SPLIT_LOOPS: the unmasked ones, then the masked ones, each
+        # loop without the other's code; else one loop over all of them with a runtime branch per block.
+        FIRST_MASK: gl.constexpr = 0 if SPLIT_LOOPS else 2
+        if SPLIT_LOOPS:
+            n_first = gl.minimum(gl.maximum(hi_free // BLOCK_N, 1), n_blocks)
+        else:
+            n_first = n_blocks
+        for j in range(1, n_first):
+            acc, p_op, m_i, l_i, turn = _kv_block(
+                j, kv_it, acc, p_op, m_i, l_i, turn, q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                turn_bars, rows, hi_free, seqlen_k, diag_offset, qk_scale, FIRST_MASK, CID, NEXT, CAUSAL, PINGPONG,
+                BLOCK_M, BLOCK_N, NUM_STAGES, s_layout, o_layout, p_layout)
+        for j in range(n_first, n_blocks):  # empty unless SPLIT_LOOPS
+            acc, p_op, m_i, l_i, turn = _kv_block(
+                j, kv_it, acc, p_op, m_i, l_i, turn, q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                turn_bars, rows, hi_free, seqlen_k, diag_offset, qk_scale, 1, CID, NEXT, CAUSAL, PINGPONG,
+                BLOCK_M, BLOCK_N, NUM_STAGES, s_layout, o_layout, p_layout)
         mbarrier.arrive(q_empty.index(CID))  # every QK GEMM of the tile is done: the next Q may come in
 
         last = (kv_it + n_blocks - 1) % NUM_STAGES
