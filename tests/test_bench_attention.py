@@ -1,4 +1,4 @@
-"""bench.attention and bench.fa2_configs: their CPU-checkable parts (timing itself needs a GPU)."""
+"""bench.attention, bench.fa2_configs and bench.fa3_variants: their CPU-checkable parts (timing needs a GPU)."""
 
 import pytest
 
@@ -65,3 +65,12 @@ def test_fa2_configs_needs_a_gpu(monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         fa2_configs.main(["--head-dims", "64"])
+
+
+def test_fa3_variant_fields():
+    from bench.fa3_variants import forward_config
+
+    assert forward_config((3, 128, 2, 1, 1)) == (3, 128, 2, True, True, False)  # SPLIT_LOOPS off by default
+    assert forward_config((3, 128, 2, 1, 1, 1)) == (3, 128, 2, True, True, True)
+    with pytest.raises(SystemExit, match="variant 3:128:2: give 5 or 6 fields"):
+        forward_config((3, 128, 2))
