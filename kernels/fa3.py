@@ -32,10 +32,14 @@ BLOCK_M = 64  # query rows per consumer warpgroup
 # (NUM_CONSUMERS, BLOCK_N, NUM_STAGES, PINGPONG, PERSISTENT, SPLIT_LOOPS) per head_dim, from `python -m
 # bench.fa3_variants` on the H200; PERSISTENT: one CTA per SM looping over tiles, else one CTA per tile;
 # SPLIT_LOOPS: the unmasked and the masked K/V blocks in two loops, else one loop with a branch per block
-# (offline, the one loop spills in the causal D = 64 main loop; not yet measured: docs/hopper-notes.md).
+# (measured: no faster, D = 64 causal slower at N <= 4k; docs/hopper-notes.md, variant 5).
 # NUM_CONSUMERS x 64 x D Q tiles plus two NUM_STAGES x BLOCK_N x D rings must fit the 227 KiB of shared memory
 # (overflow is only caught at launch).
 CONFIGS = {64: (3, 128, 2, True, True, False), 128: (2, 128, 2, False, True, False)}
+# Causal forwards with seqlen_q up to this, per head_dim, run FA2's Triton forward: it measured faster there
+# (H200, eighth session: head_dim 64, N 1k-4k, FA2 0.85-0.92x cuDNN against the Gluon kernel's 0.74-0.91x; equal
+# at 8k and above; docs/benchmarks.md). Not a fallback, so no warning.
+FA2_CAUSAL_FORWARD_MAX_SEQLEN = {64: 4096}
 # Backward: NUM_STAGES of the (Q_i, dO_i) ring per head_dim; 2 consumer warpgroups x 64 keys.
 BWD_STAGES = {64: 4, 128: 2}
 GLUON_BACKWARD_HEAD_DIMS = (128,)  # where the Gluon backward measured faster than FA2's (module docstring)
@@ -121,6 +125,7 @@ def _sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)  # pure, and ~15 us of Python per call: made once per shape
 def shared_layouts(dtype, head_dim: int, block_n: int, rank: int = 2):
     """NVMMA shared-memory layouts (what TMA and wgmma read) of the Q/O tiles and of the K/V tiles; rank 4 gives
     the layouts of the descriptors' (1, 1, rows, head_dim) boxes, which have the same swizzle."""
@@ -134,10 +139,13 @@ def shared_layouts(dtype, head_dim: int, block_n: int, rank: int = 2):
 
 def forward(q, k, v, causal, softmax_scale):
     """Same contract as `fa2.forward`: o (like q, in q's memory order) and the base-2 LSE, float32
-    (batch, n_heads, seqlen_q), +inf for rows that see no key."""
+    (batch, n_heads, seqlen_q), +inf for rows that see no key. The Gluon kernel where it applies, except the
+    causal shapes of FA2_CAUSAL_FORWARD_MAX_SEQLEN, where FA2's forward measured faster."""
     reason = gluon_unsupported_reason(q, k, v)
     if reason is not None:
         _warn_fallback(reason)
+        return fa2.forward(q, k, v, causal, softmax_scale)
+    if causal and q.shape[2] <= FA2_CAUSAL_FORWARD_MAX_SEQLEN.get(q.shape[-1], 0):
         return fa2.forward(q, k, v, causal, softmax_scale)
     return _launch(_gluon_module(), q, k, v, causal, softmax_scale)
 
@@ -176,6 +184,7 @@ def _dq_cols(head_dim: int) -> int:
     return head_dim // BWD_CONSUMERS if _split_dq(head_dim) else head_dim
 
 
+@functools.lru_cache(maxsize=None)
 def _bwd_layouts(dtype, head_dim: int, rank: int = 2):
     """NVMMA shared layouts of the backward's (64, head_dim) Q/dO/V tiles, its (128, head_dim) K tile, its
     (64, 64) dS^T tiles and its float32 (64, dQ columns) dQ tiles (rank 4: the descriptors' boxes)."""

@@ -20,10 +20,12 @@ NUM_CONSUMERS + 1 partitions (`gl.warp_specialize`):
   it and rescales O (FA3 Algorithm 2). With PINGPONG the consumers take turns issuing their GEMMs (one
   mbarrier each), so one warpgroup's softmax runs under the others' GEMMs. O leaves through its own shared
   buffer and a TMA store that completes under the next tile.
-Every K/V block of [0, hi_free) is visible to every row of the tile and runs unmasked; the blocks of
-[hi_free, hi) are masked; blocks past hi are never loaded (FA2's causal stages [3]). SPLIT_LOOPS runs the two
-ranges as two loops over `_kv_block`, else one loop branches per block (compiled offline for sm_90 at head_dim
-64, the one loop spills registers inside the K/V loop and the two loops do not; docs/hopper-notes.md).
+The producer loads the K/V blocks [0, hi) of the tile's key range (blocks past hi never: FA2's causal stages
+[3]). Each consumer works out its own ranges for its BLOCK_M rows: blocks of [0, hi_free) are visible to all its
+rows and run unmasked, the next ones are masked (one compare and select per score against the row's key limit),
+and the tile's blocks that none of its rows see (causal: past its diagonal) are skipped, only their ring slots
+released (`_skip_block`). SPLIT_LOOPS runs the unmasked and the masked blocks as two loops over `_kv_block`, else
+one loop branches per block (the default: measured as fast or faster, docs/hopper-notes.md, variant 6).
 
 q, k, v and o come through host-made 4-D TMA descriptors over (batch, heads, seqlen, HEAD_DIM) with the
 inputs' own strides, so any 16-byte-aligned layout with a unit last stride works (the model's (B, T, H, D)
@@ -40,25 +42,23 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 
 @gluon.jit
-def _softmax_block(s, m_i, l_i, rows, start_n, seqlen_k, diag_offset, qk_scale,
-                   MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+def _softmax_block(s, m_i, l_i, key_limit, start_n, qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr,
+                   s_layout: gl.constexpr):
     """Online softmax of one (BLOCK_M, BLOCK_N) score block (FA2 Algorithm 1, lines 8-9, base 2).
 
+    key_limit (per row): the row sees keys [0, key_limit). MASKED: one compare and one select per score against
+    the row's limit shifted to the block; the scale stays fused into the exp2's FFMA as in the unmasked path.
     Returns p (float32, un-normalised), alpha = exp2(m_old - m_new) and the new m_i, l_i.
     """
     if MASKED:
-        cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        visible = gl.expand_dims(cols, 0) < seqlen_k
-        if CAUSAL:
-            visible = visible & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1) + diag_offset)
-        s = gl.where(visible, s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s = gl.where(gl.expand_dims(cols, 0) < gl.expand_dims(key_limit - start_n, 1), s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    if MASKED:
         m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see no key yet stay finite
-        p = gl.exp2(s - gl.expand_dims(m_ref, 1))
     else:
-        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
         m_ref = m_new
-        p = gl.exp2(s * qk_scale - gl.expand_dims(m_ref, 1))
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_ref, 1))
     alpha = gl.exp2(m_i - m_ref)
     l_i = l_i * alpha + gl.sum(p, axis=1)
     return p, alpha, m_new, l_i
@@ -73,7 +73,7 @@ def _as_4d(tile, desc):
 @gluon.jit
 def _tile(t, n_tiles_m, n_bh, n_heads, seqlen_q, seqlen_k,
           CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Tile t -> (batch, head, first row, K/V blocks to visit, end of the unmasked key range hi_free).
+    """Tile t -> (batch, head, batch * n_heads + head, first row, K/V blocks the producer loads).
 
     Causal: ordered by query block, last (longest) first, all (batch, head)s of one block together.
     Non-causal: the query blocks of one (batch, head) together, so they share its K/V in L2.
@@ -85,22 +85,24 @@ def _tile(t, n_tiles_m, n_bh, n_heads, seqlen_q, seqlen_k,
         pid_m = t % n_tiles_m
         bh = t // n_tiles_m
     start_m = pid_m * ROWS
-    diag_offset = seqlen_k - seqlen_q
-    if CAUSAL:  # [3] keys [0, hi_free) are seen by every row of the tile, [hi_free, hi) only in part
-        hi = gl.minimum(start_m + ROWS + diag_offset, seqlen_k)
-        hi_free = (gl.maximum(start_m + diag_offset + 1, 0) // BLOCK_N) * BLOCK_N
-    else:
-        hi = seqlen_k
-        hi_free = (seqlen_k // BLOCK_N) * BLOCK_N
+    hi = _key_end(start_m, ROWS, seqlen_q, seqlen_k, CAUSAL)
     # At least one block, so every partition runs the same code; a tile whose rows see no key masks it all.
     n_blocks = gl.maximum((hi + BLOCK_N - 1) // BLOCK_N, 1)
-    return bh // n_heads, bh % n_heads, bh, start_m, n_blocks, hi_free
+    return bh // n_heads, bh % n_heads, bh, start_m, n_blocks
+
+
+@gluon.jit
+def _key_end(row0, ROWS: gl.constexpr, seqlen_q, seqlen_k, CAUSAL: gl.constexpr):
+    """End of the keys that rows [row0, row0 + ROWS) see, bottom-right causal [3]."""
+    if CAUSAL:
+        return gl.minimum(row0 + ROWS + seqlen_k - seqlen_q, seqlen_k)
+    return seqlen_k
 
 
 @gluon.jit
 def _kv_block(j, kv_it, acc, p_op, m_i, l_i, turn, q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-              turn_bars, rows, hi_free, seqlen_k, diag_offset, qk_scale,
-              MASK: gl.constexpr, CID: gl.constexpr, NEXT: gl.constexpr, CAUSAL: gl.constexpr,
+              turn_bars, key_limit, hi_free, qk_scale,
+              MASK: gl.constexpr, CID: gl.constexpr, NEXT: gl.constexpr,
               PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
               s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """K/V block j >= 1 of a consumer's tile (FA3 Algorithm 2): issue S_j = Q K_j^T and O += P_{j-1} V_{j-1},
@@ -124,19 +126,35 @@ def _kv_block(j, kv_it, acc, p_op, m_i, l_i, turn, q_tile, k_smem, v_smem, k_rea
     start_n = j * BLOCK_N
     if MASK == 2:
         if start_n >= hi_free:
-            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, start_n, seqlen_k, diag_offset, qk_scale,
-                                                True, CAUSAL, BLOCK_N, s_layout)
+            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, key_limit, start_n, qk_scale, True, BLOCK_N, s_layout)
         else:
-            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, start_n, seqlen_k, diag_offset, qk_scale,
-                                                False, CAUSAL, BLOCK_N, s_layout)
+            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, key_limit, start_n, qk_scale, False, BLOCK_N, s_layout)
     else:
-        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, start_n, seqlen_k, diag_offset, qk_scale,
-                                            MASK == 1, CAUSAL, BLOCK_N, s_layout)
+        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, key_limit, start_n, qk_scale, MASK == 1, BLOCK_N, s_layout)
     acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
     mbarrier.arrive(v_empty.index(prev))
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
     p_op = gl.convert_layout(p.to(p_op.dtype), p_layout)
     return acc, p_op, m_i, l_i, turn
+
+
+@gluon.jit
+def _skip_block(j, kv_it, turn, k_ready, v_ready, k_empty, v_empty, turn_bars,
+                CID: gl.constexpr, NEXT: gl.constexpr, PINGPONG: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """K/V block j of the tile that none of this consumer's rows see (causal): no GEMM, no softmax. It still takes
+    its PINGPONG turn and frees the ring slot once the block has landed (an earlier arrival could count towards
+    the slot's previous use)."""
+    slot = (kv_it + j) % NUM_STAGES
+    phase = ((kv_it + j) // NUM_STAGES) & 1
+    if PINGPONG:
+        mbarrier.wait(turn_bars.index(CID), turn & 1)
+        turn += 1
+        mbarrier.arrive(turn_bars.index(NEXT))
+    mbarrier.wait(k_ready.index(slot), phase)
+    mbarrier.arrive(k_empty.index(slot))
+    mbarrier.wait(v_ready.index(slot), phase)
+    mbarrier.arrive(v_empty.index(slot))
+    return turn
 
 
 @gluon.jit
@@ -156,15 +174,25 @@ def _consumer(q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, 
     NEXT: gl.constexpr = (CID + 1) % NUM_CONSUMERS  # whose turn follows ours under PINGPONG
     q_tile = q_smem.index(CID)
     o_tile = o_smem.index(CID)
-    diag_offset = seqlen_k - seqlen_q
     kv_it = 0  # position in the K/V ring, running across tiles as in the producer
     turn = 0  # PINGPONG turns taken
     tile_count = 0
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        off_b, off_h, bh, start_m, n_blocks, hi_free = _tile(t, n_tiles_m, n_bh, n_heads, seqlen_q, seqlen_k,
-                                                             CAUSAL, NUM_CONSUMERS * BLOCK_M, BLOCK_N)
+        off_b, off_h, bh, start_m, n_blocks = _tile(t, n_tiles_m, n_bh, n_heads, seqlen_q, seqlen_k,
+                                                    CAUSAL, NUM_CONSUMERS * BLOCK_M, BLOCK_N)
+        # This warpgroup's own key ranges [3]: keys [0, hi_free) are seen by all its rows (unmasked blocks),
+        # blocks from n_own on by none of them (skipped: under causal the tile's last block can be all above
+        # the diagonal for the first warpgroups). key_limit: per row, the end of the keys it sees.
         row0 = start_m + CID * BLOCK_M
         rows = row0 + gl.arange(0, BLOCK_M, layout=row_layout)
+        if CAUSAL:
+            key_limit = gl.minimum(rows + (seqlen_k - seqlen_q + 1), seqlen_k)
+            hi_free = gl.minimum(gl.maximum(row0 + seqlen_k - seqlen_q + 1, 0), seqlen_k) // BLOCK_N * BLOCK_N
+        else:
+            key_limit = gl.full([BLOCK_M], seqlen_k, gl.int32, layout=row_layout)
+            hi_free = seqlen_k // BLOCK_N * BLOCK_N
+        hi = _key_end(row0, BLOCK_M, seqlen_q, seqlen_k, CAUSAL)
+        n_own = gl.minimum(gl.maximum((hi + BLOCK_N - 1) // BLOCK_N, 1), n_blocks)
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_layout)
         l_i = gl.full([BLOCK_M], 1.0, gl.float32, layout=row_layout)  # the first alpha = 0 clears it
         acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
@@ -183,37 +211,38 @@ def _consumer(q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, 
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(k_empty.index(slot))
         if hi_free <= 0:
-            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, 0, seqlen_k, diag_offset, qk_scale,
-                                                True, CAUSAL, BLOCK_N, s_layout)
+            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, key_limit, 0, qk_scale, True, BLOCK_N, s_layout)
         else:
-            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, 0, seqlen_k, diag_offset, qk_scale,
-                                                False, CAUSAL, BLOCK_N, s_layout)
+            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, key_limit, 0, qk_scale, False, BLOCK_N, s_layout)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
 
-        # Blocks [1, n_first) then [n_first, n_blocks). SPLIT_LOOPS: the unmasked ones, then the masked ones, each
+        # Blocks [1, n_first) then [n_first, n_own). SPLIT_LOOPS: the unmasked ones, then the masked ones, each
         # loop without the other's code; else one loop over all of them with a runtime branch per block.
         FIRST_MASK: gl.constexpr = 0 if SPLIT_LOOPS else 2
         if SPLIT_LOOPS:
-            n_first = gl.minimum(gl.maximum(hi_free // BLOCK_N, 1), n_blocks)
+            n_first = gl.minimum(gl.maximum(hi_free // BLOCK_N, 1), n_own)
         else:
-            n_first = n_blocks
+            n_first = n_own
         for j in range(1, n_first):
             acc, p_op, m_i, l_i, turn = _kv_block(
                 j, kv_it, acc, p_op, m_i, l_i, turn, q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                turn_bars, rows, hi_free, seqlen_k, diag_offset, qk_scale, FIRST_MASK, CID, NEXT, CAUSAL, PINGPONG,
+                turn_bars, key_limit, hi_free, qk_scale, FIRST_MASK, CID, NEXT, PINGPONG,
                 BLOCK_M, BLOCK_N, NUM_STAGES, s_layout, o_layout, p_layout)
-        for j in range(n_first, n_blocks):  # empty unless SPLIT_LOOPS
+        for j in range(n_first, n_own):  # empty unless SPLIT_LOOPS
             acc, p_op, m_i, l_i, turn = _kv_block(
                 j, kv_it, acc, p_op, m_i, l_i, turn, q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                turn_bars, rows, hi_free, seqlen_k, diag_offset, qk_scale, 1, CID, NEXT, CAUSAL, PINGPONG,
+                turn_bars, key_limit, hi_free, qk_scale, 1, CID, NEXT, PINGPONG,
                 BLOCK_M, BLOCK_N, NUM_STAGES, s_layout, o_layout, p_layout)
-        mbarrier.arrive(q_empty.index(CID))  # every QK GEMM of the tile is done: the next Q may come in
+        mbarrier.arrive(q_empty.index(CID))  # every QK GEMM of ours is done: the next Q may come in
 
-        last = (kv_it + n_blocks - 1) % NUM_STAGES
-        mbarrier.wait(v_ready.index(last), ((kv_it + n_blocks - 1) // NUM_STAGES) & 1)
+        last = (kv_it + n_own - 1) % NUM_STAGES
+        mbarrier.wait(v_ready.index(last), ((kv_it + n_own - 1) // NUM_STAGES) & 1)
         acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
         acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
         mbarrier.arrive(v_empty.index(last))
+        for j in range(n_own, n_blocks):
+            turn = _skip_block(j, kv_it, turn, k_ready, v_ready, k_empty, v_empty, turn_bars, CID, NEXT, PINGPONG,
+                               NUM_STAGES)
         if PINGPONG:  # one more turn, so every consumer takes n_blocks + 1 per tile
             mbarrier.wait(turn_bars.index(CID), turn & 1)
             turn += 1
@@ -243,8 +272,8 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_
     kv_it = 0
     tile_count = 0
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        off_b, off_h, bh, start_m, n_blocks, hi_free = _tile(t, n_tiles_m, n_bh, n_heads, seqlen_q, seqlen_k,
-                                                             CAUSAL, NUM_CONSUMERS * BLOCK_M, BLOCK_N)
+        off_b, off_h, bh, start_m, n_blocks = _tile(t, n_tiles_m, n_bh, n_heads, seqlen_q, seqlen_k,
+                                                    CAUSAL, NUM_CONSUMERS * BLOCK_M, BLOCK_N)
         off_hk = off_h // GROUP  # GQA: GROUP query heads share one K/V head
         for i in gl.static_range(NUM_CONSUMERS):
             mbarrier.wait(q_empty.index(i), (tile_count & 1) ^ 1)  # a fresh barrier passes phase 1 at once

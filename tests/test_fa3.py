@@ -22,10 +22,12 @@ SUPPORTED = isinstance(fa3._gluon_module(), type(fa3))  # the installed Triton i
 
 @pytest.fixture
 def fresh_dispatch(monkeypatch):
-    """Forget the cached Gluon module and the warnings already given, so each test sees its own."""
+    """Forget the cached Gluon module and the warnings already given, so each test sees its own; the Gluon
+    forward on every shape it covers (no FA2_CAUSAL_FORWARD_MAX_SEQLEN shapes)."""
     cached = fa3._gluon_module  # tests may replace it; clear the real cache before and after
     cached.cache_clear()
     monkeypatch.setattr(fa3, "_WARNED", set())
+    monkeypatch.setattr(fa3, "FA2_CAUSAL_FORWARD_MAX_SEQLEN", {})
     yield
     cached.cache_clear()
 
@@ -183,6 +185,25 @@ def test_gluon_backward_matches_float64(fresh_dispatch, monkeypatch, head_dim, c
     finally:
         torch.use_deterministic_algorithms(False)
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+@pytest.mark.parametrize("head_dim,causal,seqlen_q,expected", [
+    (64, True, 4096, "fa2"), (64, True, 4097, "gluon"), (64, False, 1024, "gluon"), (128, True, 1024, "gluon"),
+])
+def test_forward_dispatch(fresh_dispatch, monkeypatch, head_dim, causal, seqlen_q, expected):
+    """Causal forwards up to FA2_CAUSAL_FORWARD_MAX_SEQLEN[head_dim] run FA2's forward (measured faster), without
+    a warning; the Gluon forward runs everywhere else it applies."""
+    calls = []
+    monkeypatch.setattr(fa3, "FA2_CAUSAL_FORWARD_MAX_SEQLEN", {64: 4096})
+    monkeypatch.setattr(fa3, "gluon_unsupported_reason", lambda *tensors: None)
+    monkeypatch.setattr(fa3, "_gluon_module", lambda name="fa3_hopper": name)
+    monkeypatch.setattr(fa3, "_launch", lambda *args: calls.append("gluon"))
+    monkeypatch.setattr(fa3.fa2, "forward", lambda *args: calls.append("fa2"))
+    q = torch.empty(1, 1, seqlen_q, head_dim)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fa3.forward(q, q, q, causal, 0.1)
+    assert calls == [expected]
 
 
 @pytest.mark.parametrize("head_dim,deterministic,expected", [
