@@ -192,12 +192,29 @@ def make_attention(name: str, forward: ForwardLauncher, backward: BackwardLaunch
     forward_op.register_autograd(backward_rule, setup_context=setup_context)
     to_natural = math.log(lse_log_base)
 
+    class Attention(torch.autograd.Function):
+        """The same autograd as the op's registration, for the public function: custom_op's own autograd wrapper
+        costs ~70 us of Python per eager call (it re-fills the schema's defaults every call; measured on the CPU
+        with stub kernels, docs/benchmarks.md), this one does not. Inside, grad mode is off, so the op runs its
+        kernel directly; torch.compile traces both the same way."""
+
+        @staticmethod
+        def forward(ctx, q, k, v, causal, softmax_scale, window_left, window_right):
+            o, lse = forward_op(q, k, v, causal, softmax_scale, window_left, window_right)
+            setup_context(ctx, (q, k, v, causal, softmax_scale, window_left, window_right), (o, lse))
+            ctx.mark_non_differentiable(lse)
+            return o, lse
+
+        @staticmethod
+        def backward(ctx, do, dlse):
+            return backward_rule(ctx, do, dlse)
+
     def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, window_size=(-1, -1)):
         validate(q, k, v, causal, softmax_scale)
         window = check_window(window_size, name, masks)
         softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
         q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
-        o, lse = forward_op(q, k, v, causal, float(softmax_scale), *window)
+        o, lse = Attention.apply(q, k, v, causal, float(softmax_scale), *window)
         return natural_lse(o, lse, to_natural) if return_lse else o
 
     attention.__name__ = f"{name}_attention"
