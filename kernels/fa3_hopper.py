@@ -25,7 +25,7 @@ The producer loads the K/V blocks [0, hi) of the tile's key range (blocks past h
 rows and run unmasked, the next ones are masked (one compare and select per score against the row's key limit),
 and the tile's blocks that none of its rows see (causal: past its diagonal) are skipped, only their ring slots
 released (`_skip_block`). SPLIT_LOOPS runs the unmasked and the masked blocks as two loops over `_kv_block`, else
-one loop branches per block (the default: measured as fast or faster, docs/hopper-notes.md, variant 6).
+one loop branches per block (the default: measured as fast or faster, docs/hopper-notes.md, variant 5).
 
 q, k, v and o come through host-made 4-D TMA descriptors over (batch, heads, seqlen, HEAD_DIM) with the
 inputs' own strides, so any 16-byte-aligned layout with a unit last stride works (the model's (B, T, H, D)
