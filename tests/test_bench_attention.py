@@ -40,6 +40,30 @@ def test_measure_times_a_compiled_backward_repeatedly(monkeypatch):
     assert (fwd, bwd) == (1.0, 1.0)
 
 
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_measure_times_eager_calls_or_cuda_graph_replays(monkeypatch, cuda_graph):
+    """--cuda-graph: forward and backward go through triton.testing.do_bench_cudagraph (the backward with the
+    inputs' gradients reset), else through do_bench; never both."""
+    import torch
+
+    used = []
+
+    def fake(name):
+        def bench(fn, grad_to_none=None, return_mode="median", **kwargs):
+            fn()
+            used.append((name, return_mode, grad_to_none is not None))
+            return 2.0
+        return bench
+
+    monkeypatch.setattr("triton.testing.do_bench", fake("eager"))
+    monkeypatch.setattr("triton.testing.do_bench_cudagraph", fake("graph"))
+    attention_fn = lambda q, k, v, causal: torch.softmax(q @ k.transpose(-1, -2), -1) @ v
+    fwd, bwd = attention.measure(attention_fn, 1, 2, 16, 8, True, torch.float32, device="cpu", cuda_graph=cuda_graph)
+    name = "graph" if cuda_graph else "eager"
+    assert (fwd, bwd) == (2.0, 2.0)
+    assert used == [(name, "median", False), (name, "median", True)]
+
+
 def test_fa2_configs_candidates_cover_tma_on_and_off_and_sets_one_config():
     """bench.fa2_configs: every candidate tile is measured with TMA loads on and off, and set_config makes it the
     kernel's only autotune config (so the timing is that config's)."""
