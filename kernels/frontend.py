@@ -196,7 +196,8 @@ def make_attention(name: str, forward: ForwardLauncher, backward: BackwardLaunch
         """The same autograd as the op's registration, for the public function: custom_op's own autograd wrapper
         costs ~70 us of Python per eager call (it re-fills the schema's defaults every call; measured on the CPU
         with stub kernels, docs/benchmarks.md), this one does not. Inside, grad mode is off, so the op runs its
-        kernel directly; torch.compile traces both the same way."""
+        kernel directly. Eager calls only: torch.compile traces the op's own registration (no per-call cost
+        there, and it takes one tensor passed twice, which dynamo refuses for an autograd.Function)."""
 
         @staticmethod
         def forward(ctx, q, k, v, causal, softmax_scale, window_left, window_right):
@@ -214,7 +215,10 @@ def make_attention(name: str, forward: ForwardLauncher, backward: BackwardLaunch
         window = check_window(window_size, name, masks)
         softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
         q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
-        o, lse = Attention.apply(q, k, v, causal, float(softmax_scale), *window)
+        if torch.compiler.is_compiling():  # dynamo refuses an autograd.Function given one tensor twice (k is v)
+            o, lse = forward_op(q, k, v, causal, float(softmax_scale), *window)
+        else:
+            o, lse = Attention.apply(q, k, v, causal, float(softmax_scale), *window)
         return natural_lse(o, lse, to_natural) if return_lse else o
 
     attention.__name__ = f"{name}_attention"

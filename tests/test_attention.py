@@ -264,6 +264,23 @@ def test_compiles_in_one_graph(attention):
     torch.testing.assert_close(loss, f(q.detach(), k.detach(), v.detach()), rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("attention", KERNELS)
+def test_compiles_with_one_tensor_passed_twice(attention):
+    """k is v (and q is k): fullgraph compile works and the gradients match eager (each summed over its uses)."""
+    q, k = (randn(1, 2, 24, 16, dtype=torch.float32).requires_grad_() for _ in range(2))
+
+    def f(q, k):
+        return (attention(q, k, k, causal=True).square().sum() + attention(q, q, q, causal=False).square().sum())
+
+    loss = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k)
+    grads = torch.autograd.grad(loss, (q, k))
+    loss_ref = f(q, k)
+    grads_ref = torch.autograd.grad(loss_ref, (q, k))
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-4, atol=1e-4)
+    for got, ref in zip(grads, grads_ref):
+        assert rel_err(got, ref) < 1e-4
+
+
 @pytest.mark.parametrize("name", ["fa1", "fa2"])
 def test_opcheck(name):
     """torch.library's own consistency check of schema, fake implementation and autograd registration."""
