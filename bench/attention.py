@@ -10,7 +10,8 @@ events, after warm-up; the first call of each shape autotunes before timing) of 
 them: where a kernel takes less GPU time than its call takes on the host (Python, the custom-op layers, Triton's
 launcher: ~0.3 ms forward and ~1.4 ms forward + backward for our backends on the H200's host, docs/benchmarks.md)
 that is what gets timed. --cuda-graph times the same calls replayed from a CUDA graph
-(`triton.testing.do_bench_cudagraph`, medians, calls back to back without an L2 flush): the GPU time alone.
+(`triton.testing.do_bench_cudagraph`, medians, calls back to back without an L2 flush): the GPU time alone; the
+backward there is (forward + backward) - forward, both captured.
 Writes a CSV, a JSON and one PNG per (head_dim, causal, direction) into --out: TFLOP/s against sequence length,
 one line per backend.
 """
@@ -56,14 +57,11 @@ def flops(batch, n_heads, seqlen, head_dim, causal, direction):
 
 def measure(attention, batch, n_heads, seqlen, head_dim, causal, dtype, device="cuda", cuda_graph=False):
     """Median milliseconds of forward and of backward alone; None where the backend refuses the shape.
-    The backward is timed by calling it repeatedly on one graph (retain_graph=True), compiled backends included.
-    cuda_graph: the calls replayed from a CUDA graph (GPU time without the host's launch cost)."""
+    Eager: the backward is timed by calling it repeatedly on one graph (retain_graph=True), compiled backends
+    included. cuda_graph: the calls replayed from a CUDA graph (GPU time without the host's launch cost); a
+    backward cannot be captured apart from its forward (autograd runs it on the forward's stream, which must be
+    the capturing one), so the backward is the captured forward + backward minus the captured forward."""
     import triton.testing
-
-    if cuda_graph:
-        do_bench = lambda fn, **kw: triton.testing.do_bench_cudagraph(fn, rep=100, **kw)
-    else:
-        do_bench = triton.testing.do_bench
 
     # A compiled backward may reuse ("donate") the buffers saved for it, which forbids retain_graph=True: off for
     # the graphs compiled in here.
@@ -77,9 +75,18 @@ def measure(attention, batch, n_heads, seqlen, head_dim, causal, dtype, device="
         except RuntimeError as err:  # e.g. an SDPA backend that does not support this shape or GPU
             print(f"  skipped: {str(err).splitlines()[0][:100]}")
             return None, None
-        fwd = do_bench(lambda: attention(q, k, v, causal), return_mode="median")
+        if cuda_graph:
+            # Autograd accumulates into q.grad on the stream that made q's AccumulateGrad node; the warm-up's
+            # graph (kept alive by o) would pin it to this stream, not the capturing one.
+            del o
+            bench = lambda fn, **kw: triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median", **kw)
+            fwd = bench(lambda: attention(q, k, v, causal))
+            fwd_bwd = bench(lambda: attention(q, k, v, causal).backward(do), grad_to_none=[q, k, v])
+            return fwd, fwd_bwd - fwd
+        fwd = triton.testing.do_bench(lambda: attention(q, k, v, causal), return_mode="median")
         o = attention(q, k, v, causal)
-        bwd = do_bench(lambda: o.backward(do, retain_graph=True), grad_to_none=[q, k, v], return_mode="median")
+        bwd = triton.testing.do_bench(lambda: o.backward(do, retain_graph=True), grad_to_none=[q, k, v],
+                                      return_mode="median")
     return fwd, bwd
 
 

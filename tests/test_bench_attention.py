@@ -42,26 +42,33 @@ def test_measure_times_a_compiled_backward_repeatedly(monkeypatch):
 
 @pytest.mark.parametrize("cuda_graph", [False, True])
 def test_measure_times_eager_calls_or_cuda_graph_replays(monkeypatch, cuda_graph):
-    """--cuda-graph: forward and backward go through triton.testing.do_bench_cudagraph (the backward with the
-    inputs' gradients reset), else through do_bench; never both."""
+    """--cuda-graph: the forward, then forward + backward (the inputs' gradients reset) go through
+    triton.testing.do_bench_cudagraph and the backward is their difference; else forward and backward alone go
+    through do_bench; never both."""
     import torch
 
     used = []
 
     def fake(name):
-        def bench(fn, grad_to_none=None, return_mode="median", **kwargs):
+        def bench(fn, grad_to_none=None, return_mode="mean", **kwargs):
             fn()
             used.append((name, return_mode, grad_to_none is not None))
-            return 2.0
+            return 2.0 if len(used) == 1 else 5.0
         return bench
+
+    calls = []
+
+    def attention_fn(q, k, v, causal):
+        calls.append((q, k, v))
+        return torch.softmax(q @ k.transpose(-1, -2), -1) @ v
 
     monkeypatch.setattr("triton.testing.do_bench", fake("eager"))
     monkeypatch.setattr("triton.testing.do_bench_cudagraph", fake("graph"))
-    attention_fn = lambda q, k, v, causal: torch.softmax(q @ k.transpose(-1, -2), -1) @ v
     fwd, bwd = attention.measure(attention_fn, 1, 2, 16, 8, True, torch.float32, device="cpu", cuda_graph=cuda_graph)
     name = "graph" if cuda_graph else "eager"
-    assert (fwd, bwd) == (2.0, 2.0)
     assert used == [(name, "median", False), (name, "median", True)]
+    # graph: 5.0 is forward + backward, so the backward alone is 3.0; eager: 5.0 is the backward alone
+    assert (fwd, bwd) == ((2.0, 3.0) if cuda_graph else (2.0, 5.0))
 
 
 def test_fa2_configs_candidates_cover_tma_on_and_off_and_sets_one_config():
