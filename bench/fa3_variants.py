@@ -1,9 +1,9 @@
 """Check and time variants of the Gluon FA3 forward (or backward) side by side in one process (H200, Triton 3.6).
 
     python -m bench.fa3_variants --variants 2:128:2:1:1,2:128:2:1:0 --head-dims 128 --seqlens 4096,16384
-    python -m bench.fa3_variants --backward --variants 2:0,2:1 --head-dims 64,128 --seqlens 2048,8192
+    python -m bench.fa3_variants --backward --variants 2:0,2:1 --head-dims 128 --seqlens 2048,8192
 
-Backward: a variant is NUM_STAGES (`kernels.fa3.BWD_STAGES[head_dim]`); each is checked
+Backward: a variant is NUM_STAGES[:DQ_FIRST] (`kernels.fa3.BWD_CONFIGS[head_dim]`); each is checked
 against float32 gradients (dq, dk, dv by relative error) on the shapes below, then backward medians of the
 Gluon kernel are printed next to FA2's backward and cuDNN's on the same inputs (forward excluded).
 Forward: a variant is NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT[:SPLIT_LOOPS] and replaces `kernels.fa3.CONFIGS[head_dim]`. Every variant is first
@@ -105,11 +105,11 @@ def check_backward(head_dim, dtype):
 def main_backward(args, dtype):
     from triton.testing import do_bench
 
-    fa3.GLUON_BACKWARD_HEAD_DIMS = fa3.HEAD_DIMS
+    fa3.GLUON_BACKWARD_MIN_SEQLEN = dict.fromkeys(fa3.HEAD_DIMS, 1)
     for head_dim in map(int, args.head_dims.split(",")):
         variants = [tuple(int(x) for x in v.split(":")) for v in args.variants.split(",")]
         for variant in variants:
-            fa3.BWD_STAGES[head_dim] = variant[0]
+            fa3.BWD_CONFIGS[head_dim] = backward_config(variant)
             try:
                 print(f"D={head_dim} bwd {variant}: max rel err {check_backward(head_dim, dtype):.2e}", flush=True)
             except Exception as e:
@@ -129,7 +129,7 @@ def main_backward(args, dtype):
                                           return_mode="median")
                 cells["fa2"] = do_bench(lambda: fa2.backward(do, q, k, v, o, lse, causal, 0.1), return_mode="median")
                 for variant in variants:
-                    fa3.BWD_STAGES[head_dim] = variant[0]
+                    fa3.BWD_CONFIGS[head_dim] = backward_config(variant)
                     try:
                         cells[":".join(map(str, variant))] = do_bench(
                             lambda: fa3.backward(do, q, k, v, o, lse, causal, 0.1), return_mode="median")
@@ -138,6 +138,13 @@ def main_backward(args, dtype):
                 line = " ".join(f"{name}={tf(ms):.0f}" for name, ms in cells.items())
                 print(f"D={head_dim} causal={causal} N={seqlen} TFLOP/s bwd: {line} | /cudnn "
                       + " ".join(f"{name}={cells['cudnn'] / ms:.3f}" for name, ms in cells.items()), flush=True)
+
+
+def backward_config(variant):
+    """NUM_STAGES[:DQ_FIRST] (ints) -> a `kernels.fa3.BWD_CONFIGS` entry."""
+    if len(variant) not in (1, 2):
+        raise SystemExit(f"backward variant {':'.join(map(str, variant))}: give 1 or 2 fields (see --help)")
+    return variant[0], bool(variant[1]) if len(variant) == 2 else False
 
 
 def forward_config(variant):
@@ -151,7 +158,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--variants", default="2:128:2:1:1,2:128:2:1:0",
                         help="comma-separated NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT[:SPLIT_LOOPS] "
-                             "(--backward: NUM_STAGES)")
+                             "(--backward: NUM_STAGES[:DQ_FIRST])")
     parser.add_argument("--head-dims", default="64,128", help="comma-separated head dimensions D")
     parser.add_argument("--seqlens", default="2048,8192", help="comma-separated sequence lengths N")
     parser.add_argument("--dtype", default="bfloat16", help="input dtype (torch name)")

@@ -3,9 +3,9 @@
 
 `forward` runs the warp-specialised Gluon kernel where it applies and FA2's Triton forward everywhere else,
 warning once per reason (`gluon_unsupported_reason` names it). Both forwards produce the same base-2 LSE, so
-either pairs with either backward. `backward` runs the Gluon backward for the head dims in
-`GLUON_BACKWARD_HEAD_DIMS` (128: measured 1.15-1.23x FA2's backward on the H200, docs/benchmarks.md) and FA2's
-three-kernel, atomic-free backward for the others (at 64 FA2's measured as fast or faster). The Gluon backward
+either pairs with either backward. `backward` runs the Gluon backward where `GLUON_BACKWARD_MIN_SEQLEN` says
+(measured faster than FA2's backward on the H200 there: head_dim 128 everywhere, 64 from 2k keys; docs/benchmarks.md)
+and FA2's three-kernel, atomic-free backward elsewhere. The Gluon backward
 adds dQ up in float32 through TMA reduce-add, as FA3 does, so its dQ is not bit-reproducible; under
 `torch.use_deterministic_algorithms(True)` FA2's backward runs instead.
 
@@ -40,9 +40,14 @@ CONFIGS = {64: (3, 128, 2, True, True, False), 128: (2, 128, 2, False, True, Fal
 # (H200, eighth session: head_dim 64, N 1k-4k, FA2 0.85-0.92x cuDNN against the Gluon kernel's 0.74-0.91x; equal
 # at 8k and above; docs/benchmarks.md). Not a fallback, so no warning.
 FA2_CAUSAL_FORWARD_MAX_SEQLEN = {64: 4096}
-# Backward: NUM_STAGES of the (Q_i, dO_i) ring per head_dim; 2 consumer warpgroups x 64 keys.
-BWD_STAGES = {64: 4, 128: 2}
-GLUON_BACKWARD_HEAD_DIMS = (128,)  # where the Gluon backward measured faster than FA2's (module docstring)
+# Backward: (NUM_STAGES of the (Q_i, dO_i) ring, DQ_FIRST) per head_dim; 2 consumer warpgroups x 64 keys.
+# DQ_FIRST: each query block's dQ GEMM before its dK GEMM, dQ's reduce-add under dK (`kernels/fa3_hopper_bwd.py`;
+# measured no faster, docs/hopper-notes.md backward variant 5).
+BWD_CONFIGS = {64: (4, False), 128: (2, False)}
+# The Gluon backward per head_dim from this many keys (seqlen_k) on, FA2's below it and at other head dims. Ninth
+# session, H200, LSE/delta through the producer: 0.88-0.96x cuDNN at 128 (FA2's 0.71-0.78x), 0.90-0.96x at 64 for
+# N = 2k-16k (FA2's 0.84-0.90x); not measured at 64 below 2k (GPT-2's context), so FA2's stays there.
+GLUON_BACKWARD_MIN_SEQLEN = {64: 2048, 128: 1}
 BWD_CONSUMERS = 2
 
 
@@ -168,8 +173,9 @@ def _launch_backward(module, do, q, k, v, lse, delta, causal, softmax_scale):
         desc(dq_acc, BLOCK_M, dq_box, _dq_cols(head_dim)), lse.contiguous(), delta,
         n_heads, seqlen_q, seqlen_k, softmax_scale * fa2.LOG2E, softmax_scale,
         GROUP=n_heads // n_kv_heads, CAUSAL=causal, NUM_CONSUMERS=BWD_CONSUMERS, HEAD_DIM=head_dim,
-        BLOCK_M=BLOCK_M, NUM_STAGES=BWD_STAGES[head_dim], SPLIT_DQ=_split_dq(head_dim), Q_LAYOUT=q_layout,
-        KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, DQ_LAYOUT=dq_layout, num_warps=4,
+        BLOCK_M=BLOCK_M, NUM_STAGES=BWD_CONFIGS[head_dim][0], SPLIT_DQ=_split_dq(head_dim),
+        DQ_FIRST=BWD_CONFIGS[head_dim][1], Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout,
+        DQ_LAYOUT=dq_layout, num_warps=4,
     )
     dq = empty_like_layout(q)
     dq.copy_(dq_acc[:, :, :seqlen_q].mul_(softmax_scale))
@@ -200,9 +206,9 @@ def _bwd_layouts(dtype, head_dim: int, rank: int = 2):
 
 def backward(do, q, k, v, o, lse, causal, softmax_scale):
     """Same contract as `fa2.backward` (without masks): dq, dk, dv like q, k, v. `lse` is the forward's base-2
-    LSE. The Gluon backward for head dims in GLUON_BACKWARD_HEAD_DIMS (not under deterministic algorithms), else
+    LSE. The Gluon backward where GLUON_BACKWARD_MIN_SEQLEN says (not under deterministic algorithms), else
     FA2's."""
-    if q.shape[-1] not in GLUON_BACKWARD_HEAD_DIMS:
+    if k.shape[2] < GLUON_BACKWARD_MIN_SEQLEN.get(q.shape[-1], float("inf")):
         return fa2.backward(do, q, k, v, o, lse, causal, softmax_scale)
     reason = gluon_unsupported_reason(q, k, v, do)
     if reason is not None:
@@ -251,8 +257,8 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
         descs = dict(q_desc=box, k_desc=k_box, v_desc=box, do_desc=box, dk_desc=box, dv_desc=box, dq_desc=dq_box,
                      LSE="*fp32", DELTA="*fp32", qk_scale="fp32", softmax_scale="fp32")
         constexprs = dict(GROUP=group, CAUSAL=causal, NUM_CONSUMERS=BWD_CONSUMERS, HEAD_DIM=head_dim,
-                          BLOCK_M=BLOCK_M, NUM_STAGES=BWD_STAGES[head_dim], SPLIT_DQ=_split_dq(head_dim),
-                          Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, DQ_LAYOUT=dq_layout)
+                          BLOCK_M=BLOCK_M, NUM_STAGES=BWD_CONFIGS[head_dim][0], SPLIT_DQ=_split_dq(head_dim),
+                          DQ_FIRST=BWD_CONFIGS[head_dim][1], Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, DQ_LAYOUT=dq_layout)
     signature = {arg: "i32" for arg in fn.arg_names}
     signature.update(descs)
     signature.update({arg: "constexpr" for arg in constexprs})

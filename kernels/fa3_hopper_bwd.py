@@ -8,7 +8,10 @@ through TMA reduce-add); the arithmetic is FA2's Algorithm 2 with the base-2 LSE
 One CTA owns NUM_CONSUMERS * 64 keys of one (batch, kv head) and loops over every query block (of every query
 head in its GQA group) that can see them. Partitions (`gl.warp_specialize`):
 - producer (1 warp): TMA-loads the CTA's K and V tiles once, then Q_i and dO_i of each query block into a
-  NUM_STAGES-deep ring (`ready` says a slot is full, `empty`, one arrival per consumer, that it may be reused).
+  NUM_STAGES-deep ring, and with them (cp.async, as the rows of odd seqlen_q break TMA's 16-byte strides) the
+  block's LSE and delta, which the consumers would otherwise wait on from global memory (`ready` says a slot is
+  full: the TMA bytes and the 32 threads' cp.async arrivals; `empty`, one arrival per consumer, that it may be
+  reused).
 - NUM_CONSUMERS consumer warpgroups, one per 64 keys. Per query block a consumer issues S^T = K Q^T and
   dP^T = V dO^T (async wgmmas), waits for S^T only, computes P^T while dP^T runs, issues dV += P^T dO (P^T
   from registers), waits for dP^T, computes dS^T, issues dK += dS^T Q (dS^T from registers), stores dS^T to
@@ -16,7 +19,7 @@ head in its GQA group) that can see them. Partitions (`gl.warp_specialize`):
   which goes through its own float32 shared tile and one TMA reduce-add (`cp.reduce.async.bulk.tensor`) into
   the float32 dQ accumulator, completing under the next block. dQ's order of additions varies, so it is not
   bit-reproducible (FA3's trade).
-Rows past seqlen_q read as 0 through TMA and carry lse = +inf, so their P is 0; keys past seqlen_k read as 0,
+Rows past seqlen_q read as 0 through TMA and are given lse = +inf, so their P is 0; keys past seqlen_k read as 0,
 so their dS adds nothing to dQ and their dK/dV rows are clipped by the TMA store. Only the causal band
 needs a mask (query blocks [lo, m_free)); blocks no query of which sees a key are never visited.
 """
@@ -25,6 +28,7 @@ from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
@@ -48,6 +52,30 @@ def _as_4d(tile, desc):
 
 
 @gluon.jit
+def _dq_reduce(dq, dq_tile, dq_desc, off_b, off_h, start_m, dq_col):
+    """dQ_i's partial sum (registers, float32) into the accumulator: through this warpgroup's shared tile and one
+    TMA reduce-add, which completes in the background."""
+    tma.store_wait(0)  # the previous block's reduce-add has read dq_tile
+    dq_tile.store(dq)
+    fence_async_shared()
+    _tma_reduce_add(dq_desc, [off_b, off_h, start_m, dq_col], _as_4d(dq_tile, dq_desc))
+
+
+@gluon.jit
+def _load_stats(stats, bar, LSE, DELTA, bh, start_m, seqlen_q, BLOCK_M: gl.constexpr):
+    """The producer warp's cp.async of one query block's LSE and then its delta into the (2 * BLOCK_M,) shared
+    tile `stats`; each thread then arrives on `bar` once its copies have landed (32 arrivals). Rows past seqlen_q
+    are zero-filled."""
+    layout: gl.constexpr = gl.BlockedLayout([2 * BLOCK_M // 32], [32], [1], [0])
+    i = gl.arange(0, 2 * BLOCK_M, layout=layout)
+    rows = start_m + i % BLOCK_M
+    offs = bh.to(gl.int64) * seqlen_q + rows
+    async_copy.async_copy_global_to_shared(stats, gl.where(i < BLOCK_M, LSE + offs, DELTA + offs),
+                                           mask=rows < seqlen_q)
+    async_copy.mbarrier_arrive(bar, increment_count=False)
+
+
+@gluon.jit
 def _query_range(start_n, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr):
     """The query blocks that see keys [start_n, start_n + BLOCK_N): [lo, hi), masked while below m_free."""
@@ -65,15 +93,18 @@ def _query_range(start_n, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.
 
 
 @gluon.jit
-def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_ready, ds_free, dk_desc,
-              dv_desc, dq_desc, LSE, DELTA, n_heads, seqlen_q, seqlen_k, qk_scale, softmax_scale,
+def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, stats_smem, kv_bar, ready, empty, ds_ready, ds_free,
+              dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, qk_scale, softmax_scale,
               CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-              BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT_DQ: gl.constexpr):
+              BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT_DQ: gl.constexpr,
+              DQ_FIRST: gl.constexpr):
     """Consumer warpgroup CID: keys [start_n + 64 * CID, + 64) of the CTA's key block.
 
     SPLIT_DQ (HEAD_DIM 128): the warpgroups share dS through shared memory and each computes HEAD_DIM /
     NUM_CONSUMERS columns of dQ_i over all the CTA's keys (FA3's split: each dQ element is added once per CTA).
     Otherwise each computes all of dQ_i over its own 64 keys.
+    DQ_FIRST: the dQ GEMM is issued before the dK GEMM, so dQ_i's store and reduce-add run under dK's GEMM instead
+    of after every GEMM of the block.
     """
     dtype: gl.constexpr = q_smem.dtype
     BLOCK_N: gl.constexpr = NUM_CONSUMERS * BLOCK_KEYS
@@ -113,7 +144,6 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, 
         slot = it % NUM_STAGES
         off_h = off_hk * GROUP + it // n_m
         start_m = lo + (it % n_m) * BLOCK_M
-        bh = (off_b * n_heads + off_h).to(gl.int64)
         q_tile = q_smem.index(slot)
         do_tile = do_smem.index(slot)
         mbarrier.wait(ready.index(slot), (it // NUM_STAGES) & 1)
@@ -124,8 +154,9 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, 
                              gl.zeros([BLOCK_KEYS, BLOCK_M], gl.float32, layout=s_layout), use_acc=False,
                              is_async=True)
         cols = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
-        lse = gl.load(LSE + bh * seqlen_q + cols, mask=cols < seqlen_q, other=float("inf"))
-        delta = gl.load(DELTA + bh * seqlen_q + cols, mask=cols < seqlen_q, other=0.0)
+        stats = stats_smem.index(slot)  # the LSE and delta came with Q_i and dO_i
+        lse = gl.where(cols < seqlen_q, stats.slice(0, BLOCK_M).load(col_layout), float("inf"))
+        delta = stats.slice(BLOCK_M, BLOCK_M).load(col_layout)
         s_t = warpgroup_mma_wait(1, deps=(s_t,))  # S^T is done; dP^T may still run
         p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse, 0))
         if CAUSAL:
@@ -137,7 +168,8 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, 
         dp_t, p_op = warpgroup_mma_wait(1, deps=(dp_t, p_op))
         ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
         ds_op = gl.convert_layout(ds_t, op_layout)
-        dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)  # dK += dS^T Q (scaled at the end)
+        if not DQ_FIRST:
+            dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)  # dK += dS^T Q (scaled at the end)
 
         # dS^T to shared memory (double-buffered: the other warpgroup may still read the previous block's).
         buf = it % 2
@@ -153,13 +185,18 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, 
             dq_a = ds_all.slice(CID * BLOCK_KEYS, BLOCK_KEYS, dim=0).permute((1, 0))
         dq = warpgroup_mma(dq_a, dq_b, gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout), use_acc=False,
                            is_async=True)
-        dv, dk, dq, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, ds_op))
-        mbarrier.arrive(ds_free.index(buf))
-        mbarrier.arrive(empty.index(slot))  # every GEMM that reads Q_i and dO_i is done
-        tma.store_wait(0)  # the previous block's reduce-add has read dq_tile
-        dq_tile.store(dq)
-        fence_async_shared()
-        _tma_reduce_add(dq_desc, [off_b, off_h, start_m, dq_col], _as_4d(dq_tile, dq_desc))
+        if DQ_FIRST:
+            dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)  # dK += dS^T Q (scaled at the end)
+            dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))  # dK may still run
+            mbarrier.arrive(ds_free.index(buf))
+            _dq_reduce(dq, dq_tile, dq_desc, off_b, off_h, start_m, dq_col)
+            dk, ds_op = warpgroup_mma_wait(0, deps=(dk, ds_op))
+            mbarrier.arrive(empty.index(slot))  # every GEMM that reads Q_i and dO_i is done
+        else:
+            dv, dk, dq, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, ds_op))
+            mbarrier.arrive(ds_free.index(buf))
+            mbarrier.arrive(empty.index(slot))  # every GEMM that reads Q_i and dO_i is done
+            _dq_reduce(dq, dq_tile, dq_desc, off_b, off_h, start_m, dq_col)
     # This warpgroup's V tile is no longer read (K is: the other warpgroup's dQ GEMM may still run under
     # SPLIT_DQ): it stages dV, then dK, for the TMA stores.
     row_k = start_n + CID * BLOCK_KEYS
@@ -174,10 +211,11 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, 
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
-              n_heads, seqlen_q, seqlen_k, NUM_CONSUMERS: gl.constexpr, GROUP: gl.constexpr,
+def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, ready, empty,
+              LSE, DELTA, n_heads, seqlen_q, seqlen_k, NUM_CONSUMERS: gl.constexpr, GROUP: gl.constexpr,
               CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """The TMA warp: the CTA's K and V once, then (Q_i, dO_i) of every query block into the ring."""
+    """The loading warp: the CTA's K and V once, then Q_i and dO_i (TMA) and LSE_i and delta_i (cp.async) of every
+    query block into the ring."""
     BLOCK_N: gl.constexpr = NUM_CONSUMERS * BLOCK_KEYS
     start_n = gl.program_id(0) * BLOCK_N
     bhk = gl.program_id(1)
@@ -200,6 +238,8 @@ def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, 
                                         _as_4d(q_smem.index(slot), q_desc))
         tma.async_copy_global_to_shared(do_desc, [off_b, off_h, start_m, 0], ready.index(slot),
                                         _as_4d(do_smem.index(slot), do_desc))
+        _load_stats(stats_smem.index(slot), ready.index(slot), LSE, DELTA, off_b * n_heads + off_h, start_m, seqlen_q,
+                    BLOCK_M)
 
 
 @gluon.jit
@@ -207,7 +247,7 @@ def fa3_bwd_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA,
     n_heads, seqlen_q, seqlen_k, qk_scale, softmax_scale,
     GROUP: gl.constexpr, CAUSAL: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr,
-    BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT_DQ: gl.constexpr,
+    BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT_DQ: gl.constexpr, DQ_FIRST: gl.constexpr,
     Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr, DS_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr,
 ):
     """Grid (cdiv(seqlen_k, NUM_CONSUMERS * 64), batch * n_kv_heads): see the module docstring. LSE, DELTA:
@@ -222,6 +262,10 @@ def fa3_bwd_kernel(
     ds_smem = gl.allocate_shared_memory(dtype, [2, NUM_CONSUMERS * BLOCK_KEYS, BLOCK_M], DS_LAYOUT)
     DQ_N: gl.constexpr = HEAD_DIM // NUM_CONSUMERS if SPLIT_DQ else HEAD_DIM
     dq_smem = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS, BLOCK_M, DQ_N], DQ_LAYOUT)
+    # per ring slot the query block's LSE and delta (loaded where they are used, their global-load latency stalled
+    # the consumers' loop: Nsight Compute, docs/hopper-notes.md)
+    stats_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 2 * BLOCK_M],
+                                           gl.SwizzledSharedLayout(1, 1, 1, [0]))  # per buffer
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -232,21 +276,21 @@ def fa3_bwd_kernel(
         mbarrier.init(ds_ready.index(i), count=NUM_CONSUMERS)
         mbarrier.init(ds_free.index(i), count=NUM_CONSUMERS)
     for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(ready.index(i), count=1 + 32)  # the TMA's expect, the producer's 32 threads' cp.async
         mbarrier.init(empty.index(i), count=NUM_CONSUMERS)  # one arrival per consumer
     fence_async_shared()
 
     # Written out per partition: tuple concatenation inside a Gluon kernel turns constexprs into tensors.
     gl.warp_specialize(
         [
-        (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_ready, ds_free,
-                     dk_desc, dv_desc, dq_desc, LSE, DELTA, n_heads, seqlen_q, seqlen_k, qk_scale, softmax_scale,
-                     0, NUM_CONSUMERS, GROUP, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, SPLIT_DQ)),
-        (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_ready, ds_free,
-                     dk_desc, dv_desc, dq_desc, LSE, DELTA, n_heads, seqlen_q, seqlen_k, qk_scale, softmax_scale,
-                     1, NUM_CONSUMERS, GROUP, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, SPLIT_DQ)),
-        (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
-                     n_heads, seqlen_q, seqlen_k, NUM_CONSUMERS, GROUP, CAUSAL, BLOCK_M, NUM_STAGES)),
+        (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, stats_smem, kv_bar, ready, empty, ds_ready,
+                     ds_free, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, qk_scale, softmax_scale,
+                     0, NUM_CONSUMERS, GROUP, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, SPLIT_DQ, DQ_FIRST)),
+        (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, stats_smem, kv_bar, ready, empty, ds_ready,
+                     ds_free, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, qk_scale, softmax_scale,
+                     1, NUM_CONSUMERS, GROUP, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, SPLIT_DQ, DQ_FIRST)),
+        (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, ready,
+                     empty, LSE, DELTA, n_heads, seqlen_q, seqlen_k, NUM_CONSUMERS, GROUP, CAUSAL, BLOCK_M, NUM_STAGES)),
         ],
         [4, 1],
         [240, 24],

@@ -160,7 +160,7 @@ def test_gluon_backward_matches_float64(fresh_dispatch, monkeypatch, head_dim, c
     """The Gluon backward (dQ through float32 TMA reduce-adds) against float64, in the model's (B, T, H, D) memory
     order, at every head dim it covers; under torch.use_deterministic_algorithms FA2's backward runs and repeats
     bit for bit."""
-    monkeypatch.setattr(fa3, "GLUON_BACKWARD_HEAD_DIMS", fa3.HEAD_DIMS)
+    monkeypatch.setattr(fa3, "GLUON_BACKWARD_MIN_SEQLEN", dict.fromkeys(fa3.HEAD_DIMS, 1))
     def bthd(heads, seqlen):  # (B, H, T, D) views of (B, T, H, D) memory, as the model passes them
         return torch.randn(2, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
 
@@ -206,19 +206,22 @@ def test_forward_dispatch(fresh_dispatch, monkeypatch, head_dim, causal, seqlen_
     assert calls == [expected]
 
 
-@pytest.mark.parametrize("head_dim,deterministic,expected", [
-    (128, False, "gluon"), (64, False, "fa2"), (128, True, "fa2"),
+@pytest.mark.parametrize("head_dim,seqlen,deterministic,expected", [
+    (128, 8, False, "gluon"), (64, 8, False, "fa2"), (64, 2048, False, "gluon"), (128, 8, True, "fa2"),
+    (64, 2048, True, "fa2"), (96, 4096, False, "fa2"),
 ])
-def test_backward_dispatch(fresh_dispatch, monkeypatch, head_dim, deterministic, expected):
-    """The Gluon backward runs for the head dims in GLUON_BACKWARD_HEAD_DIMS only, and never under deterministic
-    algorithms (its dQ reduce-adds are not bit-reproducible); FA2's backward everywhere else."""
+def test_backward_dispatch(fresh_dispatch, monkeypatch, head_dim, seqlen, deterministic, expected):
+    """The Gluon backward runs where GLUON_BACKWARD_MIN_SEQLEN says (per head_dim, from that many keys on), and
+    never under deterministic algorithms (its dQ reduce-adds are not bit-reproducible); FA2's backward everywhere
+    else."""
+    monkeypatch.setattr(fa3, "GLUON_BACKWARD_MIN_SEQLEN", {64: 2048, 128: 1})
     calls = []
     monkeypatch.setattr(fa3, "gluon_unsupported_reason", lambda *tensors: None)
     monkeypatch.setattr(fa3, "_gluon_module", lambda name="fa3_hopper": name)
     monkeypatch.setattr(fa3, "_launch_backward", lambda *args: calls.append("gluon"))
     monkeypatch.setattr(fa3.fa2, "backward", lambda *args: calls.append("fa2"))
     monkeypatch.setattr(fa3.fa2, "bwd_preprocess", lambda o, do: None)
-    q = torch.randn(1, 2, 8, head_dim)
+    q = torch.randn(1, 1, seqlen, head_dim)
     torch.use_deterministic_algorithms(deterministic)
     try:
         fa3.backward(q, q, q, q, q, None, True, 0.1)
