@@ -4,9 +4,9 @@
 `forward` runs the warp-specialised Gluon kernel where it applies and FA2's Triton forward everywhere else,
 warning once per reason (`gluon_unsupported_reason` names it). Both forwards produce the same base-2 LSE, so
 either pairs with either backward. `backward` runs the Gluon backward where `GLUON_BACKWARD_MIN_SEQLEN` says
-(measured faster than FA2's backward on the H200 there: head_dim 128 everywhere, 64 from 2k keys; docs/benchmarks.md)
-and FA2's three-kernel, atomic-free backward elsewhere. The Gluon backward
-adds dQ up in float32 through TMA reduce-add, as FA3 does, so its dQ is not bit-reproducible; under
+(measured faster than FA2's backward on the H200 there: head_dim 128 everywhere, 64 from 2k keys;
+docs/benchmarks.md) and FA2's three-kernel, atomic-free backward elsewhere. The Gluon backward adds dQ up in
+float32 through TMA reduce-add, as FA3 does, so its dQ is not bit-reproducible; under
 `torch.use_deterministic_algorithms(True)` FA2's backward runs instead.
 
 The Gluon kernel applies to: an sm_90 GPU (H100/H200), Triton 3.6.x (Gluon is experimental and its API
@@ -168,14 +168,14 @@ def _launch_backward(module, do, q, k, v, lse, delta, causal, softmax_scale):
     desc = lambda t, rows=BLOCK_M, layout=box, cols=head_dim: TensorDescriptor(
         t, list(t.shape), list(t.stride()), [1, 1, rows, cols], layout)
     grid = (triton.cdiv(seqlen_k, BWD_CONSUMERS * BLOCK_M), batch * n_kv_heads)
+    num_stages, dq_first = BWD_CONFIGS[head_dim]
     module.fa3_bwd_kernel[grid](
         desc(q), desc(k, BWD_CONSUMERS * BLOCK_M, k_box), desc(v), desc(do), desc(dk), desc(dv),
         desc(dq_acc, BLOCK_M, dq_box, _dq_cols(head_dim)), lse.contiguous(), delta,
         n_heads, seqlen_q, seqlen_k, softmax_scale * fa2.LOG2E, softmax_scale,
         GROUP=n_heads // n_kv_heads, CAUSAL=causal, NUM_CONSUMERS=BWD_CONSUMERS, HEAD_DIM=head_dim,
-        BLOCK_M=BLOCK_M, NUM_STAGES=BWD_CONFIGS[head_dim][0], SPLIT_DQ=_split_dq(head_dim),
-        DQ_FIRST=BWD_CONFIGS[head_dim][1], Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout,
-        DQ_LAYOUT=dq_layout, num_warps=4,
+        BLOCK_M=BLOCK_M, NUM_STAGES=num_stages, SPLIT_DQ=_split_dq(head_dim), DQ_FIRST=dq_first,
+        Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, DQ_LAYOUT=dq_layout, num_warps=4,
     )
     dq = empty_like_layout(q)
     dq.copy_(dq_acc[:, :, :seqlen_q].mul_(softmax_scale))
@@ -256,9 +256,10 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
         fn = module.fa3_bwd_kernel
         descs = dict(q_desc=box, k_desc=k_box, v_desc=box, do_desc=box, dk_desc=box, dv_desc=box, dq_desc=dq_box,
                      LSE="*fp32", DELTA="*fp32", qk_scale="fp32", softmax_scale="fp32")
+        num_stages, dq_first = BWD_CONFIGS[head_dim]
         constexprs = dict(GROUP=group, CAUSAL=causal, NUM_CONSUMERS=BWD_CONSUMERS, HEAD_DIM=head_dim,
-                          BLOCK_M=BLOCK_M, NUM_STAGES=BWD_CONFIGS[head_dim][0], SPLIT_DQ=_split_dq(head_dim),
-                          DQ_FIRST=BWD_CONFIGS[head_dim][1], Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, DQ_LAYOUT=dq_layout)
+                          BLOCK_M=BLOCK_M, NUM_STAGES=num_stages, SPLIT_DQ=_split_dq(head_dim), DQ_FIRST=dq_first,
+                          Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, DQ_LAYOUT=dq_layout)
     signature = {arg: "i32" for arg in fn.arg_names}
     signature.update(descs)
     signature.update({arg: "constexpr" for arg in constexprs})

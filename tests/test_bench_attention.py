@@ -56,14 +56,9 @@ def test_measure_times_eager_calls_or_cuda_graph_replays(monkeypatch, cuda_graph
             return 2.0 if len(used) == 1 else 5.0
         return bench
 
-    calls = []
-
-    def attention_fn(q, k, v, causal):
-        calls.append((q, k, v))
-        return torch.softmax(q @ k.transpose(-1, -2), -1) @ v
-
     monkeypatch.setattr("triton.testing.do_bench", fake("eager"))
     monkeypatch.setattr("triton.testing.do_bench_cudagraph", fake("graph"))
+    attention_fn = lambda q, k, v, causal: torch.softmax(q @ k.transpose(-1, -2), -1) @ v
     fwd, bwd = attention.measure(attention_fn, 1, 2, 16, 8, True, torch.float32, device="cpu", cuda_graph=cuda_graph)
     name = "graph" if cuda_graph else "eager"
     assert used == [(name, "median", False), (name, "median", True)]
