@@ -107,7 +107,7 @@ def main_backward(args, dtype):
 
     fa3.GLUON_BACKWARD_MIN_SEQLEN = dict.fromkeys(fa3.HEAD_DIMS, 1)
     for head_dim in map(int, args.head_dims.split(",")):
-        variants = [tuple(int(x) for x in v.split(":")) for v in args.variants.split(",")]
+        variants = args.variants
         for variant in variants:
             fa3.BWD_CONFIGS[head_dim] = backward_config(variant)
             try:
@@ -140,6 +140,23 @@ def main_backward(args, dtype):
                       + " ".join(f"{name}={cells['cudnn'] / ms:.3f}" for name, ms in cells.items()), flush=True)
 
 
+FORWARD_DEFAULT = "2:128:2:1:1,2:128:2:1:0"
+BACKWARD_DEFAULT = "2:0,4:0"
+
+
+def parse_variants(text, config):
+    """'a:b:c,d:e:f' -> [(a, b, c), (d, e, f)] of ints, each checked by `config` (forward_config or
+    backward_config); SystemExit naming a variant that is not colon-separated ints."""
+    variants = []
+    for v in text.split(","):
+        try:
+            variants.append(tuple(int(x) for x in v.split(":")))
+        except ValueError:
+            raise SystemExit(f"variant {v!r}: give colon-separated integers (see --help)") from None
+        config(variants[-1])
+    return variants
+
+
 def backward_config(variant):
     """NUM_STAGES[:DQ_FIRST] (ints) -> a `kernels.fa3.BWD_CONFIGS` entry."""
     if len(variant) not in (1, 2):
@@ -154,16 +171,20 @@ def forward_config(variant):
     return (*variant[:3], bool(variant[3]), bool(variant[4]), bool(variant[5]) if len(variant) == 6 else False)
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    parser.add_argument("--variants", default="2:128:2:1:1,2:128:2:1:0",
+    parser.add_argument("--variants", default=None,
                         help="comma-separated NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT[:SPLIT_LOOPS] "
-                             "(--backward: NUM_STAGES[:DQ_FIRST])")
+                             f"(default {FORWARD_DEFAULT}); with --backward NUM_STAGES[:DQ_FIRST] (default "
+                             f"{BACKWARD_DEFAULT})")
     parser.add_argument("--head-dims", default="64,128", help="comma-separated head dimensions D")
     parser.add_argument("--seqlens", default="2048,8192", help="comma-separated sequence lengths N")
-    parser.add_argument("--dtype", default="bfloat16", help="input dtype (torch name)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"], help="input dtype")
     parser.add_argument("--backward", action="store_true", help="check and time the Gluon backward instead")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    # Checked before the GPU is looked for, so a typo is caught on any machine.
+    args.variants = parse_variants(args.variants or (BACKWARD_DEFAULT if args.backward else FORWARD_DEFAULT),
+                                   backward_config if args.backward else forward_config)
     if not torch.cuda.is_available():
         raise SystemExit("bench.fa3_variants needs a CUDA GPU (an sm_90 one for the Gluon kernels)")
     from triton.testing import do_bench
@@ -173,7 +194,7 @@ def main():
     if args.backward:
         return main_backward(args, dtype)
     for head_dim in map(int, args.head_dims.split(",")):
-        variants = [tuple(int(x) for x in v.split(":")) for v in args.variants.split(",")]
+        variants = args.variants
         for variant in variants:
             fa3.CONFIGS[head_dim] = forward_config(variant)
             try:

@@ -10,12 +10,13 @@ import math
 
 from . import fa1, fa2, fa3
 from .decode import fa2_decode
-from .frontend import PUBLIC_DOC, VARLEN_DOC, make_attention, make_varlen_attention
+from .frontend import DETERMINISTIC_GRADIENTS, PUBLIC_DOC, VARLEN_DOC, make_attention, make_varlen_attention
 
 fa2_attention = make_attention("fa2", fa2.forward, fa2.backward, lse_log_base=2.0, masks=True)
 fa2_attention.__doc__ = PUBLIC_DOC.format(
     title="FlashAttention-2 (Triton): exact scaled dot-product attention, forward and backward.",
     source="Dao 2023, FlashAttention-2, Algorithm 1 (forward) and 2 (backward); see kernels/fa2.py.",
+    gradients=DETERMINISTIC_GRADIENTS,
 )
 fa2_varlen_attention = make_varlen_attention("fa2", lse_log_base=2.0)
 fa2_varlen_attention.__doc__ = VARLEN_DOC.format(
@@ -26,16 +27,20 @@ fa1_attention = make_attention("fa1", fa1.forward, fa1.backward, lse_log_base=ma
 fa1_attention.__doc__ = PUBLIC_DOC.format(
     title="FlashAttention-1 baseline (Triton): exact scaled dot-product attention, forward and backward.",
     source="Dao et al. 2022, FlashAttention, Algorithm 1 (forward) and 4 (backward); see kernels/fa1.py.",
+    gradients=DETERMINISTIC_GRADIENTS,
 )
 
 fa3_attention = make_attention("fa3", fa3.forward, fa3.backward, lse_log_base=2.0)
 fa3_attention.__doc__ = PUBLIC_DOC.format(
     title="FlashAttention-3 (Gluon, Hopper): exact scaled dot-product attention, forward and backward.",
-    source="Shah et al. 2024, FlashAttention-3, Section 3.1 and Algorithm 2 (forward), Appendix B.1 (backward, at "
-           "head_dim 128: dQ through TMA reduce-add, not bit-reproducible; FA2's Algorithm 2 at head_dim 64, where "
-           "it measured as fast, and under torch.use_deterministic_algorithms); see kernels/fa3.py. Where the "
-           "Gluon kernels do not apply (not an sm_90 GPU, head_dim other than 64/128, float32, inputs TMA cannot "
-           "address, a Triton other than 3.6) FA2's kernels run, with a one-time RuntimeWarning naming the reason.",
+    source="Shah et al. 2024, FlashAttention-3, Section 3.1 and Algorithm 2 (forward), Appendix B.1 (backward: dQ "
+           "through TMA reduce-add; FA2's Algorithm 2 where it measured faster: kernels.fa3.GLUON_BACKWARD_MIN_SEQLEN); "
+           "see kernels/fa3.py. Where the Gluon kernels do not apply (not an sm_90 GPU, head_dim other than 64/128, "
+           "float32, inputs TMA cannot address, a Triton other than 3.6) FA2's kernels run, with a one-time "
+           "RuntimeWarning naming the reason.",
+    gradients="the Gluon backward adds dQ up through TMA reduce-adds, whose order varies, so dq is not "
+              "bit-reproducible; under torch.use_deterministic_algorithms(True) FA2's atomic-free backward runs "
+              "instead, deterministic.",
 )
 
 __all__ = ["fa1_attention", "fa2_attention", "fa2_decode", "fa2_varlen_attention", "fa3_attention"]

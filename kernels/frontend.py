@@ -69,10 +69,16 @@ def validate(q, k, v, causal, softmax_scale, packed=False) -> None:
         raise ValueError(f"n_heads={n_heads} (q) must be a multiple of n_kv_heads={n_kv_heads} (k, v)")
     if seqlen_q == 0 or seqlen_k == 0 or batch == 0:
         raise ValueError(f"batch, seqlen_q and seqlen_k must be >= 1, got q={tuple(q.shape)}, k={tuple(k.shape)}")
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))):
+        raise TypeError(f"softmax_scale must be a number (int or float) or None, got {type(softmax_scale).__name__}")
     # >= 0: the kernels take a row's largest scaled score as max(q k^T) * softmax_scale (FlashAttention's shortcut)
-    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale)
-                                          and softmax_scale >= 0):
+    if softmax_scale is not None and not (math.isfinite(softmax_scale) and softmax_scale >= 0):
         raise ValueError(f"softmax_scale must be a finite number >= 0 or None, got {softmax_scale!r}")
+
+
+def check_return_lse(return_lse) -> None:
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
 
 
 def check_window(window_size, name: str, supported: bool) -> tuple[int, int]:
@@ -212,6 +218,7 @@ def make_attention(name: str, forward: ForwardLauncher, backward: BackwardLaunch
 
     def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, window_size=(-1, -1)):
         validate(q, k, v, causal, softmax_scale)
+        check_return_lse(return_lse)
         window = check_window(window_size, name, masks)
         softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
         q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
@@ -240,6 +247,7 @@ def make_varlen_attention(name: str, lse_log_base: float):
     def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
                          softmax_scale=None, window_size=(-1, -1), return_lse=False, *, check_offsets=True):
         validate(q, k, v, causal, softmax_scale, packed=True)
+        check_return_lse(return_lse)
         check_cu_seqlens_args(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         # Reading the offsets' values syncs with the GPU, and torch.compile cannot trace it: eager calls only.
         if check_offsets and not torch.compiler.is_compiling():
@@ -255,6 +263,7 @@ def make_varlen_attention(name: str, lse_log_base: float):
     return varlen_attention
 
 
+DETERMINISTIC_GRADIENTS = "gradients are deterministic (no atomics)."
 PUBLIC_DOC = """{title}
 
     Computes o = softmax(q k^T * softmax_scale [+ mask]) v for every (batch, head), without materialising
@@ -281,11 +290,11 @@ PUBLIC_DOC = """{title}
 
     Returns:
         o: like q in shape, dtype and device; or (o, lse) with lse (batch, n_heads, seqlen_q), float32, natural
-        log (returned without gradient). Differentiable w.r.t. q, k and v; gradients are deterministic (no atomics).
+        log (returned without gradient). Differentiable w.r.t. q, k and v; {gradients}
 
     Raises:
-        TypeError: a non-tensor input, unsupported or mismatched dtypes, a non-bool causal, a window_size that is
-            not a pair of ints.
+        TypeError: a non-tensor input, unsupported or mismatched dtypes, a non-bool causal or return_lse, a
+            softmax_scale that is not a number, a window_size that is not a pair of ints.
         ValueError: a window_size value below -1 (or any window for fa1 / fa3), wrong rank, mismatched batch /
             head_dim / device / k-v shapes, n_heads not a multiple of n_kv_heads, head_dim outside 16..256, an
             empty dimension, a non-finite or negative softmax_scale, or CPU tensors when Triton's interpreter is off (use a
@@ -321,7 +330,8 @@ VARLEN_DOC = """{title}
 
     Raises:
         TypeError: non-tensor inputs, unsupported or mismatched dtypes, cu_seqlens not int32, a non-int
-            max_seqlen, a window_size that is not a pair of ints.
+            max_seqlen, a non-bool causal or return_lse, a softmax_scale that is not a number, a window_size that
+            is not a pair of ints.
         ValueError: wrong ranks or shapes (as in `fa2_attention`), cu_seqlens not 1-D with >= 2 entries or of
             different lengths or on another device, not starting at 0, decreasing, or not ending at total_q /
             total_k, a sequence longer than max_seqlen_*, a window_size value below -1. The offsets' values are

@@ -328,6 +328,11 @@ def test_bad_arguments_are_rejected(attention):
         attention(**_qkv(), softmax_scale=float("nan"))
     with pytest.raises(ValueError, match=r"softmax_scale must be a finite number >= 0 or None, got -0.5"):
         attention(**_qkv(), softmax_scale=-0.5)
+    for scale in ("0.1", torch.tensor(0.1), True):
+        with pytest.raises(TypeError, match="softmax_scale must be a number"):
+            attention(**_qkv(), softmax_scale=scale)
+    with pytest.raises(TypeError, match="return_lse must be a bool, got str"):
+        attention(**_qkv(), return_lse="no")
 
 
 @pytest.mark.parametrize("attention", KERNELS)

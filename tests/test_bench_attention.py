@@ -100,3 +100,28 @@ def test_fa3_variant_fields():
     assert forward_config((3, 128, 2, 1, 1, 1)) == (3, 128, 2, True, True, True)
     with pytest.raises(SystemExit, match="variant 3:128:2: give 5 or 6 fields"):
         forward_config((3, 128, 2))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--variants", "foo"], "variant 'foo': give colon-separated integers"),
+    (["--variants", "2:128:2"], "variant 2:128:2: give 5 or 6 fields"),
+    (["--backward", "--variants", "2:128:2:1:1"], "backward variant 2:128:2:1:1: give 1 or 2 fields"),
+])
+def test_fa3_variants_checks_its_variants_on_any_machine(monkeypatch, argv, message):
+    """bench.fa3_variants parses --variants (in the --backward format with --backward) before it looks for a GPU,
+    so a typo is named on a CPU-only machine too."""
+    from bench import fa3_variants
+
+    with pytest.raises(SystemExit, match=message):
+        fa3_variants.main(argv)
+
+
+@pytest.mark.parametrize("argv", [[], ["--backward"]])
+def test_fa3_variants_default_variants_parse_in_both_modes(monkeypatch, argv):
+    """Each mode's default --variants passes its own format's check; then, without CUDA, the GPU check refuses."""
+    import torch
+    from bench import fa3_variants
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        fa3_variants.main(argv)

@@ -330,6 +330,8 @@ BAD_VARLEN = [
     (dict(max_seqlen_q=-1), ValueError, "max_seqlen_q must be >= 0"),
     (dict(q=randn(1, 10, 4, 32, dtype=torch.float16)), ValueError, r"q must have 3 dims \(total, heads, head_dim\)"),
     (dict(window_size=(-2, 0)), ValueError, r"window_size\[0\] = -2 is below -1"),
+    (dict(return_lse=1), TypeError, "return_lse must be a bool, got int"),
+    (dict(softmax_scale="0.1"), TypeError, "softmax_scale must be a number"),
 ]
 
 
