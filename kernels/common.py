@@ -178,12 +178,14 @@ def check_grid(batch: int, n_heads: int) -> None:
 
 @triton.jit
 def _bwd_preprocess(
-    O, DO, DELTA,
+    O, DO, DELTA, DQ_ACC,
     stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
-    n_heads, seqlen_q,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    n_heads, seqlen_q, seqlen_q_pad,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, ZERO_DQ: tl.constexpr,
 ):
     # Backward step 1 of 3 (FA2 paper, Algorithm 2 line 4): delta_i = rowsum(dO_i * O_i), float32.
+    # ZERO_DQ: also zero these rows of a contiguous float32 (batch, n_heads, seqlen_q_pad, HEAD_DIM) dQ
+    # accumulator (FA3's preprocess does the same), which saves a separate memset launch.
     off_bh = tl.program_id(1)
     off_b, off_h = off_bh // n_heads, off_bh % n_heads
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -194,16 +196,35 @@ def _bwd_preprocess(
     do = load_tile(do_ptrs, offs_m, stride_dom, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     tl.store(DELTA + off_bh.to(tl.int64) * seqlen_q + offs_m, delta, mask=offs_m < seqlen_q)
+    if ZERO_DQ:
+        dq_ptrs = DQ_ACC + (off_bh.to(tl.int64) * seqlen_q_pad + offs_m[:, None]) * HEAD_DIM + offs_d[None, :]
+        tl.store(dq_ptrs, tl.zeros([BLOCK_M, BLOCK_D], tl.float32),
+                 mask=(offs_m[:, None] < seqlen_q_pad) & (offs_d[None, :] < HEAD_DIM))
 
 
-def bwd_preprocess(o, do):
-    """delta = rowsum(do * o): float32 (batch, n_heads, seqlen_q). o, do: (batch, n_heads, seqlen_q, head_dim)."""
+PREPROCESS_BLOCK_M = 64
+
+
+def bwd_preprocess(o, do, dq_acc=None):
+    """delta = rowsum(do * o): float32 (batch, n_heads, seqlen_q). o, do: (batch, n_heads, seqlen_q, head_dim).
+
+    dq_acc: optional contiguous float32 (batch, n_heads, seqlen_q_pad, head_dim) with seqlen_q_pad the next multiple
+    of PREPROCESS_BLOCK_M (or seqlen_q); zeroed in the same kernel. ValueError if it is not that."""
     batch, n_heads, seqlen_q, head_dim = o.shape
+    grid = (triton.cdiv(seqlen_q, PREPROCESS_BLOCK_M), batch * n_heads)
+    seqlen_q_pad = seqlen_q
+    if dq_acc is not None:
+        seqlen_q_pad = dq_acc.shape[2]
+        if (dq_acc.dtype != torch.float32 or not dq_acc.is_contiguous()
+                or tuple(dq_acc.shape) != (batch, n_heads, seqlen_q_pad, head_dim)
+                or not seqlen_q <= seqlen_q_pad <= grid[0] * PREPROCESS_BLOCK_M):
+            raise ValueError(f"dq_acc must be a contiguous float32 (batch, n_heads, seqlen_q_pad, head_dim) = "
+                             f"({batch}, {n_heads}, {seqlen_q}..{grid[0] * PREPROCESS_BLOCK_M}, {head_dim}) "
+                             f"tensor; got {dq_acc.dtype} {tuple(dq_acc.shape)}")
     delta = torch.empty((batch, n_heads, seqlen_q), device=o.device, dtype=torch.float32)
-    block_m = 64
-    grid = (triton.cdiv(seqlen_q, block_m), batch * n_heads)
     _bwd_preprocess[grid](
-        o, do, delta, *o.stride()[:3], *do.stride()[:3], n_heads, seqlen_q,
-        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=block_m,
+        o, do, delta, delta if dq_acc is None else dq_acc, *o.stride()[:3], *do.stride()[:3], n_heads, seqlen_q,
+        seqlen_q_pad, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=PREPROCESS_BLOCK_M,
+        ZERO_DQ=dq_acc is not None,
     )
     return delta

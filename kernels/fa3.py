@@ -22,7 +22,7 @@ import torch
 import triton
 
 from . import fa2
-from .common import INTERPRET, empty_like_layout, use_tma
+from .common import INTERPRET, bwd_preprocess, empty_like_layout, use_tma
 
 # Triton releases whose Gluon Hopper API the kernel is written against (major.minor).
 GLUON_TRITON_VERSIONS = ("3.6",)
@@ -117,7 +117,7 @@ def _launch(module, q, k, v, causal, softmax_scale):
     grid = (min(n_tiles, _sm_count(q.device)) if persistent else n_tiles,)
     module.fa3_fwd_kernel[grid](
         desc(q, BLOCK_M, q_box), desc(k, block_n, kv_box), desc(v, block_n, kv_box), desc(o, BLOCK_M, q_box), lse,
-        n_heads, seqlen_q, seqlen_k, softmax_scale * fa2.LOG2E, n_tiles_m, n_tiles, batch * n_heads,
+        n_heads, seqlen_q, seqlen_k, softmax_scale * fa2.LOG2E, n_tiles_m, n_tiles,
         GROUP=n_heads // n_kv_heads, CAUSAL=causal, PINGPONG=pingpong, NUM_CONSUMERS=num_consumers,
         HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=num_stages, Q_LAYOUT=q_layout,
         KV_LAYOUT=kv_layout, SPLIT_LOOPS=split_loops, num_warps=4,
@@ -155,13 +155,14 @@ def forward(q, k, v, causal, softmax_scale):
     return _launch(_gluon_module(), q, k, v, causal, softmax_scale)
 
 
-def _launch_backward(module, do, q, k, v, lse, delta, causal, softmax_scale):
+def _launch_backward(module, do, q, k, v, o, lse, causal, softmax_scale):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     batch, n_heads, seqlen_q, head_dim = q.shape
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     seqlen_q_pad = triton.cdiv(seqlen_q, BLOCK_M) * BLOCK_M  # whole blocks for the dQ reduce-adds
-    dq_acc = torch.zeros((batch, n_heads, seqlen_q_pad, head_dim), device=q.device, dtype=torch.float32)
+    dq_acc = torch.empty((batch, n_heads, seqlen_q_pad, head_dim), device=q.device, dtype=torch.float32)
+    delta = bwd_preprocess(o, do, dq_acc)  # also zeroes dq_acc
     dk, dv = empty_like_layout(k), empty_like_layout(v)
     q_layout, kv_layout, ds_layout, dq_layout = _bwd_layouts(q.dtype, head_dim)
     box, k_box, _, dq_box = _bwd_layouts(q.dtype, head_dim, rank=4)
@@ -178,7 +179,7 @@ def _launch_backward(module, do, q, k, v, lse, delta, causal, softmax_scale):
         Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, DQ_LAYOUT=dq_layout, num_warps=4,
     )
     dq = empty_like_layout(q)
-    dq.copy_(dq_acc[:, :, :seqlen_q].mul_(softmax_scale))
+    torch.mul(dq_acc[:, :, :seqlen_q], softmax_scale, out=dq)  # one pass: scale, cast, q's memory order
     return dq, dk, dv
 
 
@@ -216,8 +217,7 @@ def backward(do, q, k, v, o, lse, causal, softmax_scale):
         return fa2.backward(do, q, k, v, o, lse, causal, softmax_scale)
     if torch.are_deterministic_algorithms_enabled():  # atomics-free, documented above: no warning
         return fa2.backward(do, q, k, v, o, lse, causal, softmax_scale)
-    return _launch_backward(_gluon_module("fa3_hopper_bwd"), do, q, k, v, lse, fa2.bwd_preprocess(o, do), causal,
-                            softmax_scale)
+    return _launch_backward(_gluon_module("fa3_hopper_bwd"), do, q, k, v, o, lse, causal, softmax_scale)
 
 
 def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, kernel="fwd"):

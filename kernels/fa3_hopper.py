@@ -6,8 +6,9 @@ overlap of the softmax with the two GEMMs). The arithmetic is FA2's (`kernels/fa
 accumulation, exp2 with log2(e) folded into `qk_scale`, a base-2 LSE with +inf for rows that see no key,
 causal masks aligned bottom-right, GQA by head index.
 
-A tile is NUM_CONSUMERS * BLOCK_M query rows of one (batch, head). The grid is persistent: CTA i runs tiles
-i, i + grid, ... (`_tile`: under causal the tiles with the most K/V blocks come first). Each CTA has
+A tile is NUM_CONSUMERS * BLOCK_M query rows of one (batch, head). The grid is persistent: each CTA runs a
+share of the tiles (`_tile`: a few heads at a time, so their K/V stay in L2; under causal, pairs of a long and a
+short tile, so the shares are equal). Each CTA has
 NUM_CONSUMERS + 1 partitions (`gl.warp_specialize`):
 - producer (1 warp, few registers): per tile, TMA-loads the consumers' Q tiles (once the previous tile's QK
   GEMMs are done with them: `q_empty`), then every K and V block of the tile's key range into a
@@ -71,17 +72,38 @@ def _as_4d(tile, desc):
 
 
 @gluon.jit
-def _tile(t, n_tiles_m, n_bh, n_heads, seqlen_q, seqlen_k,
-          CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Tile t -> (batch, head, batch * n_heads + head, first row, K/V blocks the producer loads).
+def _n_tiles_of_cta(n_tiles, CAUSAL: gl.constexpr):
+    """How many tiles this CTA runs (`_tile`'s i = 0, 1, ...)."""
+    pid = gl.program_id(0)
+    grid = gl.num_programs(0)
+    if CAUSAL:  # the tiles 2 * (pid + k * grid) and 2 * (pid + k * grid) + 1 of the causal sequence
+        return gl.cdiv(gl.maximum(n_tiles - 2 * pid, 0), 2 * grid) + gl.cdiv(gl.maximum(n_tiles - 2 * pid - 1, 0),
+                                                                              2 * grid)
+    return gl.cdiv(gl.maximum(n_tiles - pid, 0), grid)
 
-    Causal: ordered by query block, last (longest) first, all (batch, head)s of one block together.
-    Non-causal: the query blocks of one (batch, head) together, so they share its K/V in L2.
+
+@gluon.jit
+def _tile(i, n_tiles_m, n_heads, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, ROWS: gl.constexpr,
+          BLOCK_N: gl.constexpr):
+    """This CTA's i-th tile -> (batch, head, batch * n_heads + head, first row, K/V blocks the producer loads).
+
+    Both orders keep the query blocks of one (batch, head) together, so the CTAs running at once read the K/V of
+    a few heads, which stay in L2. Non-causal: CTA p runs tiles p, p + grid, ... in (head, query block) order.
+    Causal: each head's query blocks are paired longest with shortest (last with first, then the next two inwards,
+    the middle one alone when there is an odd number: it pairs with the next head's, whose order is reversed), so
+    every pair has about the same number of K/V blocks; CTA p runs pairs p, p + grid, ..., the long tile first.
+    This balances the persistent CTAs' work as running all heads' longest blocks first did (the ninth session's
+    order, which read ~130 heads' K/V at once: 78 % DRAM bandwidth, 12 % L2 hits at D = 128, N = 2k).
     """
     if CAUSAL:
-        pid_m = n_tiles_m - 1 - t // n_bh
-        bh = t % n_bh
+        s = 2 * (gl.program_id(0) + (i // 2) * gl.num_programs(0)) + i % 2
+        bh = s // n_tiles_m
+        u = s % n_tiles_m
+        if (n_tiles_m % 2 == 1) & (bh % 2 == 1):
+            u = n_tiles_m - 1 - u
+        pid_m = gl.where(u % 2 == 0, n_tiles_m - 1 - u // 2, u // 2)
     else:
+        t = gl.program_id(0) + i * gl.num_programs(0)
         pid_m = t % n_tiles_m
         bh = t // n_tiles_m
     start_m = pid_m * ROWS
@@ -159,7 +181,7 @@ def _skip_block(j, kv_it, turn, k_ready, v_ready, k_empty, v_empty, turn_bars,
 
 @gluon.jit
 def _consumer(q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars,
-              o_desc, LSE, n_tiles_m, n_tiles, n_bh, n_heads, seqlen_q, seqlen_k, qk_scale,
+              o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, qk_scale,
               CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
               SPLIT_LOOPS: gl.constexpr):
@@ -177,9 +199,9 @@ def _consumer(q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, 
     kv_it = 0  # position in the K/V ring, running across tiles as in the producer
     turn = 0  # PINGPONG turns taken
     tile_count = 0
-    for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        off_b, off_h, bh, start_m, n_blocks = _tile(t, n_tiles_m, n_bh, n_heads, seqlen_q, seqlen_k,
-                                                    CAUSAL, NUM_CONSUMERS * BLOCK_M, BLOCK_N)
+    for i in range(_n_tiles_of_cta(n_tiles, CAUSAL)):
+        off_b, off_h, bh, start_m, n_blocks = _tile(i, n_tiles_m, n_heads, seqlen_q, seqlen_k, CAUSAL,
+                                                    NUM_CONSUMERS * BLOCK_M, BLOCK_N)
         # This warpgroup's own key ranges [3]: keys [0, hi_free) are seen by all its rows (unmasked blocks),
         # blocks from n_own on by none of them (skipped: under causal the tile's last block can be all above
         # the diagonal for the first warpgroups). key_limit: per row, the end of the keys it sees.
@@ -265,15 +287,15 @@ def _consumer(q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, 
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
-              n_tiles_m, n_tiles, n_bh, n_heads, seqlen_q, seqlen_k,
+              n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k,
               GROUP: gl.constexpr, CAUSAL: gl.constexpr, NUM_CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
     """The TMA warp: per tile the consumers' Q tiles, then K_j and V_j into ring slot (position % NUM_STAGES)."""
     kv_it = 0
     tile_count = 0
-    for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        off_b, off_h, bh, start_m, n_blocks = _tile(t, n_tiles_m, n_bh, n_heads, seqlen_q, seqlen_k,
-                                                    CAUSAL, NUM_CONSUMERS * BLOCK_M, BLOCK_N)
+    for i in range(_n_tiles_of_cta(n_tiles, CAUSAL)):
+        off_b, off_h, bh, start_m, n_blocks = _tile(i, n_tiles_m, n_heads, seqlen_q, seqlen_k, CAUSAL,
+                                                    NUM_CONSUMERS * BLOCK_M, BLOCK_N)
         off_hk = off_h // GROUP  # GQA: GROUP query heads share one K/V head
         for i in gl.static_range(NUM_CONSUMERS):
             mbarrier.wait(q_empty.index(i), (tile_count & 1) ^ 1)  # a fresh barrier passes phase 1 at once
@@ -298,12 +320,12 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_
 @gluon.jit
 def fa3_fwd_kernel(
     q_desc, k_desc, v_desc, o_desc, LSE,
-    n_heads, seqlen_q, seqlen_k, qk_scale, n_tiles_m, n_tiles, n_bh,
+    n_heads, seqlen_q, seqlen_k, qk_scale, n_tiles_m, n_tiles,
     GROUP: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr, SPLIT_LOOPS: gl.constexpr = False,
 ):
-    """Grid (min(n_tiles, CTAs that fit at once),): see the module docstring. n_tiles = n_tiles_m * n_bh."""
+    """Grid (min(n_tiles, CTAs that fit at once),): see the module docstring. n_tiles = n_tiles_m * batch * n_heads."""
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BLOCK_M, HEAD_DIM], Q_LAYOUT)
     o_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BLOCK_M, HEAD_DIM], Q_LAYOUT)
@@ -335,15 +357,15 @@ def fa3_fwd_kernel(
         gl.warp_specialize(
             [
             (_consumer, (q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
-                         turn_bars, o_desc, LSE, n_tiles_m, n_tiles, n_bh, n_heads, seqlen_q, seqlen_k, qk_scale,
+                         turn_bars, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, qk_scale,
                          0, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES,
                          SPLIT_LOOPS)),
             (_consumer, (q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
-                         turn_bars, o_desc, LSE, n_tiles_m, n_tiles, n_bh, n_heads, seqlen_q, seqlen_k, qk_scale,
+                         turn_bars, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, qk_scale,
                          1, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES,
                          SPLIT_LOOPS)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-                         k_empty, v_empty, n_tiles_m, n_tiles, n_bh, n_heads, seqlen_q, seqlen_k,
+                         k_empty, v_empty, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k,
                          GROUP, CAUSAL, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES)),
             ],
             [4, 1],
@@ -353,19 +375,19 @@ def fa3_fwd_kernel(
         gl.warp_specialize(
             [
             (_consumer, (q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
-                         turn_bars, o_desc, LSE, n_tiles_m, n_tiles, n_bh, n_heads, seqlen_q, seqlen_k, qk_scale,
+                         turn_bars, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, qk_scale,
                          0, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES,
                          SPLIT_LOOPS)),
             (_consumer, (q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
-                         turn_bars, o_desc, LSE, n_tiles_m, n_tiles, n_bh, n_heads, seqlen_q, seqlen_k, qk_scale,
+                         turn_bars, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, qk_scale,
                          1, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES,
                          SPLIT_LOOPS)),
             (_consumer, (q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
-                         turn_bars, o_desc, LSE, n_tiles_m, n_tiles, n_bh, n_heads, seqlen_q, seqlen_k, qk_scale,
+                         turn_bars, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, qk_scale,
                          2, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES,
                          SPLIT_LOOPS)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-                         k_empty, v_empty, n_tiles_m, n_tiles, n_bh, n_heads, seqlen_q, seqlen_k,
+                         k_empty, v_empty, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k,
                          GROUP, CAUSAL, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES)),
             ],
             [4, 4, 1],

@@ -135,6 +135,30 @@ def test_gluon_forward_loop_variants_match_float64(fresh_dispatch, monkeypatch, 
     assert ((o.double() - o_ref).norm() / o_ref.norm()).item() < 1e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="needs an sm_90 GPU")
+@pytest.mark.skipif(not SUPPORTED, reason="the installed Triton is not one the Gluon kernel supports")
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("head_dim,n_heads,seqlen", [(64, 13, 1000), (128, 16, 1100), (128, 5, 1024)])
+def test_gluon_forward_persistent_order_covers_every_tile(fresh_dispatch, head_dim, n_heads, seqlen, causal):
+    """More tiles than CTAs (each CTA runs several, in `_tile`'s order: causal pairs, an odd number of query blocks
+    per head, odd head counts), against float64: every row of o and the LSE written once and right. The output
+    memory is poisoned through the caching allocator first."""
+    q, k, v = (torch.randn(3, n_heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    for _ in range(2):
+        poison = torch.full((3 * n_heads * seqlen * (head_dim + 2),), float("nan"), device="cuda")
+        del poison
+        o, lse = fa3.forward(q, k, v, causal, head_dim ** -0.5)
+    o_ref, _ = _reference_grads(q, k, v, torch.randn_like(q), causal)
+    s = (q.double() @ k.double().transpose(-1, -2)) * head_dim ** -0.5
+    if causal:
+        s = s.masked_fill(torch.ones(seqlen, seqlen, dtype=torch.bool, device="cuda").triu(1), float("-inf"))
+    lse_ref = torch.logsumexp(s, dim=-1) / torch.log(torch.tensor(2.0, dtype=torch.float64))
+    assert ((o.double() - o_ref).norm() / o_ref.norm()).item() < 1e-2
+    assert ((lse.double() - lse_ref).norm() / lse_ref.norm()).item() < 1e-3
+
+
 def _reference_grads(q, k, v, do, causal):
     """float64 o and (dq, dk, dv) with a bottom-right causal mask and GQA by head index."""
     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
@@ -220,7 +244,6 @@ def test_backward_dispatch(fresh_dispatch, monkeypatch, head_dim, seqlen, determ
     monkeypatch.setattr(fa3, "_gluon_module", lambda name="fa3_hopper": name)
     monkeypatch.setattr(fa3, "_launch_backward", lambda *args: calls.append("gluon"))
     monkeypatch.setattr(fa3.fa2, "backward", lambda *args: calls.append("fa2"))
-    monkeypatch.setattr(fa3.fa2, "bwd_preprocess", lambda o, do: None)
     q = torch.randn(1, 1, seqlen, head_dim)
     torch.use_deterministic_algorithms(deterministic)
     try:
@@ -228,3 +251,29 @@ def test_backward_dispatch(fresh_dispatch, monkeypatch, head_dim, seqlen, determ
     finally:
         torch.use_deterministic_algorithms(False)
     assert calls == [expected]
+
+
+@pytest.mark.parametrize("head_dim,seqlen_q", [(64, 40), (80, 64), (128, 7)])
+def test_bwd_preprocess_zeroes_the_dq_accumulator(head_dim, seqlen_q):
+    """The Gluon backward's preprocess: delta = rowsum(dO * O) against float64, and the float32 dQ accumulator
+    (padded to whole 64-row blocks) zeroed in the same kernel, padding rows included."""
+    from kernels.common import PREPROCESS_BLOCK_M, bwd_preprocess
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    o, do = (torch.randn(2, 3, seqlen_q, head_dim, dtype=torch.bfloat16, device=device) for _ in range(2))
+    seqlen_q_pad = -(-seqlen_q // PREPROCESS_BLOCK_M) * PREPROCESS_BLOCK_M
+    dq_acc = torch.full((2, 3, seqlen_q_pad, head_dim), float("nan"), device=device)
+    delta = bwd_preprocess(o, do.transpose(1, 2).contiguous().transpose(1, 2), dq_acc)
+    reference = (o.double() * do.double()).sum(-1)
+    assert ((delta.double() - reference).norm() / reference.norm()).item() < 1e-6
+    assert (dq_acc == 0).all()
+
+
+def test_bwd_preprocess_refuses_a_wrong_dq_accumulator():
+    from kernels.common import bwd_preprocess
+
+    o = torch.randn(1, 2, 40, 64, dtype=torch.bfloat16)
+    for bad in (torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16), torch.zeros(1, 2, 128, 64),
+                torch.zeros(1, 2, 64, 64).transpose(2, 3), torch.zeros(1, 2, 32, 64)):
+        with pytest.raises(ValueError, match="dq_acc must be a contiguous float32"):
+            bwd_preprocess(o, o, bad)
