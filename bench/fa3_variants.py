@@ -1,12 +1,13 @@
 """Check and time variants of the Gluon FA3 forward (or backward) side by side in one process (H200, Triton 3.6).
 
     python -m bench.fa3_variants --variants 2:128:2:1:1,2:128:2:1:0 --head-dims 128 --seqlens 4096,16384
-    python -m bench.fa3_variants --backward --variants 2:0,2:1 --head-dims 128 --seqlens 2048,8192
+    python -m bench.fa3_variants --backward --variants 2:0:1,3:0:1 --head-dims 128 --seqlens 2048,8192
 
-Backward: a variant is NUM_STAGES[:DQ_FIRST] (`kernels.fa3.BWD_CONFIGS[head_dim]`); each is checked
+Backward: a variant is NUM_STAGES[:DQ_FIRST[:SPLIT_DQ]] (`kernels.fa3.BWD_CONFIGS[head_dim]`, the fields
+left out as there); each is checked
 against float32 gradients (dq, dk, dv by relative error) on the shapes below, then backward medians of the
 Gluon kernel are printed next to FA2's backward and cuDNN's on the same inputs (forward excluded).
-Forward: a variant is NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT[:SPLIT_LOOPS] and replaces `kernels.fa3.CONFIGS[head_dim]`. Every variant is first
+Forward: a variant is NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT[:SPLIT_LOOPS] and replaces `kernels.fa3.CONFIGS[head_dim, causal]` (both). Every variant is first
 checked against a float32 reference (SDPA's math kernel on upcast inputs) on odd lengths, seqlen_q != seqlen_k
 both ways, GQA and strided views, with NaN-poisoned outputs; then forward medians (`triton.testing.do_bench`) are
 printed next to FA2's forward and SDPA's cuDNN kernel on the same inputs (B * N = 16k, H * D = 2048).
@@ -109,7 +110,7 @@ def main_backward(args, dtype):
     for head_dim in map(int, args.head_dims.split(",")):
         variants = args.variants
         for variant in variants:
-            fa3.BWD_CONFIGS[head_dim] = backward_config(variant)
+            fa3.BWD_CONFIGS[head_dim] = backward_config(variant, DEFAULT_BWD_CONFIGS[head_dim])
             try:
                 print(f"D={head_dim} bwd {variant}: max rel err {check_backward(head_dim, dtype):.2e}", flush=True)
             except Exception as e:
@@ -129,7 +130,7 @@ def main_backward(args, dtype):
                                           return_mode="median")
                 cells["fa2"] = do_bench(lambda: fa2.backward(do, q, k, v, o, lse, causal, 0.1), return_mode="median")
                 for variant in variants:
-                    fa3.BWD_CONFIGS[head_dim] = backward_config(variant)
+                    fa3.BWD_CONFIGS[head_dim] = backward_config(variant, DEFAULT_BWD_CONFIGS[head_dim])
                     try:
                         cells[":".join(map(str, variant))] = do_bench(
                             lambda: fa3.backward(do, q, k, v, o, lse, causal, 0.1), return_mode="median")
@@ -157,11 +158,15 @@ def parse_variants(text, config):
     return variants
 
 
-def backward_config(variant):
-    """NUM_STAGES[:DQ_FIRST] (ints) -> a `kernels.fa3.BWD_CONFIGS` entry."""
-    if len(variant) not in (1, 2):
-        raise SystemExit(f"backward variant {':'.join(map(str, variant))}: give 1 or 2 fields (see --help)")
-    return variant[0], bool(variant[1]) if len(variant) == 2 else False
+DEFAULT_BWD_CONFIGS = dict(fa3.BWD_CONFIGS)
+
+
+def backward_config(variant, default=(2, False, False)):
+    """NUM_STAGES[:DQ_FIRST[:SPLIT_DQ]] (ints) -> a `kernels.fa3.BWD_CONFIGS` entry, the fields left out
+    taken from `default`."""
+    if not 1 <= len(variant) <= 3:
+        raise SystemExit(f"backward variant {':'.join(map(str, variant))}: give 1 to 3 fields (see --help)")
+    return (variant[0], *(bool(x) for x in variant[1:]), *default[len(variant):])
 
 
 def forward_config(variant):
@@ -175,7 +180,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--variants", default=None,
                         help="comma-separated NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT[:SPLIT_LOOPS] "
-                             f"(default {FORWARD_DEFAULT}); with --backward NUM_STAGES[:DQ_FIRST] (default "
+                             f"(default {FORWARD_DEFAULT}); with --backward NUM_STAGES[:DQ_FIRST[:SPLIT_DQ]] (default "
                              f"{BACKWARD_DEFAULT})")
     parser.add_argument("--head-dims", default="64,128", help="comma-separated head dimensions D")
     parser.add_argument("--seqlens", default="2048,8192", help="comma-separated sequence lengths N")
@@ -196,7 +201,7 @@ def main(argv=None):
     for head_dim in map(int, args.head_dims.split(",")):
         variants = args.variants
         for variant in variants:
-            fa3.CONFIGS[head_dim] = forward_config(variant)
+            fa3.CONFIGS[head_dim, True] = fa3.CONFIGS[head_dim, False] = forward_config(variant)
             try:
                 print(f"D={head_dim} variant {variant}: max rel err {check(head_dim, dtype):.2e}", flush=True)
             except Exception as e:  # report and keep going with the next variant
@@ -212,7 +217,7 @@ def main(argv=None):
                                               return_mode="median")
                 cells["fa2"] = do_bench(lambda: fa2.forward(q, k, v, causal, 0.1), return_mode="median")
                 for variant in variants:
-                    fa3.CONFIGS[head_dim] = forward_config(variant)
+                    fa3.CONFIGS[head_dim, causal] = forward_config(variant)
                     try:
                         cells[":".join(map(str, variant))] = do_bench(lambda: fa3.forward(q, k, v, causal, 0.1),
                                                                       return_mode="median")

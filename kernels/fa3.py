@@ -29,21 +29,27 @@ GLUON_TRITON_VERSIONS = ("3.6",)
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
 BLOCK_M = 64  # query rows per consumer warpgroup
-# (NUM_CONSUMERS, BLOCK_N, NUM_STAGES, PINGPONG, PERSISTENT, SPLIT_LOOPS) per head_dim, from `python -m
-# bench.fa3_variants` on the H200; PERSISTENT: one CTA per SM looping over tiles, else one CTA per tile;
+# (NUM_CONSUMERS, BLOCK_N, NUM_STAGES, PINGPONG, PERSISTENT, SPLIT_LOOPS) per (head_dim, causal), from `python -m
+# bench.fa3_variants` on the H200 (tenth session: at 64, two consumers for causal, three for non-causal; docs/
+# hopper-notes.md forward variant 9); PERSISTENT: one CTA per SM looping over tiles, else one CTA per tile;
 # SPLIT_LOOPS: the unmasked and the masked K/V blocks in two loops, else one loop with a branch per block
 # (measured: no faster, D = 64 causal slower at N <= 4k; docs/hopper-notes.md, variant 5).
 # NUM_CONSUMERS x 64 x D Q tiles plus two NUM_STAGES x BLOCK_N x D rings must fit the 227 KiB of shared memory
 # (overflow is only caught at launch).
-CONFIGS = {64: (3, 128, 2, True, True, False), 128: (2, 128, 2, False, True, False)}
-# Causal forwards with seqlen_q up to this, per head_dim, run FA2's Triton forward: it measured faster there
-# (H200, eighth session: head_dim 64, N 1k-4k, FA2 0.85-0.92x cuDNN against the Gluon kernel's 0.74-0.91x; equal
-# at 8k and above; docs/benchmarks.md). Not a fallback, so no warning.
-FA2_CAUSAL_FORWARD_MAX_SEQLEN = {64: 4096}
-# Backward: (NUM_STAGES of the (Q_i, dO_i) ring, DQ_FIRST) per head_dim; 2 consumer warpgroups x 64 keys.
-# DQ_FIRST: each query block's dQ GEMM before its dK GEMM, dQ's reduce-add under dK (`kernels/fa3_hopper_bwd.py`;
-# measured no faster, docs/hopper-notes.md backward variant 5).
-BWD_CONFIGS = {64: (4, False), 128: (2, False)}
+CONFIGS = {
+    (64, True): (2, 128, 2, True, True, False), (64, False): (3, 128, 3, True, True, False),
+    (128, True): (2, 128, 2, False, True, False), (128, False): (2, 128, 2, False, True, False),
+}
+# Causal forwards with seqlen_q up to this, per head_dim, run FA2's Triton forward where it measured faster (not a
+# fallback, so no warning). Empty since the tenth session: from the eighth to the ninth it was {64: 4096} (FA2
+# 0.85-0.92x cuDNN there against the Gluon kernel's 0.74-0.91x); the Gluon forward with two consumers at 64 then
+# measured 0.97-0.99x at 2k-8k (FA2's 0.90-0.96x; docs/benchmarks.md).
+FA2_CAUSAL_FORWARD_MAX_SEQLEN = {}
+# Backward: (NUM_STAGES of the (Q_i, dO_i) ring, DQ_FIRST, SPLIT_DQ) per head_dim; 2 consumer warpgroups x 64 keys
+# (`kernels/fa3_hopper_bwd.py`). DQ_FIRST: each query block's dQ GEMM before its dK GEMM, dQ's reduce-add under dK
+# (measured no faster, docs/hopper-notes.md backward variant 5). SPLIT_DQ: the warpgroups split dQ's columns (each
+# over all the CTA's keys) instead of each computing all of them over its own keys (measured slower at 64, variant 7).
+BWD_CONFIGS = {64: (4, False, False), 128: (2, False, True)}
 # The Gluon backward per head_dim from this many keys (seqlen_k) on, FA2's below it and at other head dims. Ninth
 # session, H200, LSE/delta through the producer: 0.88-0.96x cuDNN at 128 (FA2's 0.71-0.78x), 0.90-0.96x at 64 for
 # N = 2k-16k (FA2's 0.84-0.90x); not measured at 64 below 2k (GPT-2's context), so FA2's stays there.
@@ -105,7 +111,7 @@ def _launch(module, q, k, v, causal, softmax_scale):
 
     batch, n_heads, seqlen_q, head_dim = q.shape
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    num_consumers, block_n, num_stages, pingpong, persistent, split_loops = CONFIGS[head_dim]
+    num_consumers, block_n, num_stages, pingpong, persistent, split_loops = CONFIGS[head_dim, causal]
     o = empty_like_layout(q)
     lse = torch.empty((batch, n_heads, seqlen_q), device=q.device, dtype=torch.float32)
     q_layout, kv_layout = shared_layouts(q.dtype, head_dim, block_n)
@@ -164,18 +170,18 @@ def _launch_backward(module, do, q, k, v, o, lse, causal, softmax_scale):
     dq_acc = torch.empty((batch, n_heads, seqlen_q_pad, head_dim), device=q.device, dtype=torch.float32)
     delta = bwd_preprocess(o, do, dq_acc)  # also zeroes dq_acc
     dk, dv = empty_like_layout(k), empty_like_layout(v)
-    q_layout, kv_layout, ds_layout, dq_layout = _bwd_layouts(q.dtype, head_dim)
-    box, k_box, _, dq_box = _bwd_layouts(q.dtype, head_dim, rank=4)
+    q_layout, kv_layout, ds_layout, dq_layout = _bwd_layouts(q.dtype, head_dim, _dq_cols(head_dim))
+    box, k_box, _, dq_box = _bwd_layouts(q.dtype, head_dim, _dq_cols(head_dim), rank=4)
     desc = lambda t, rows=BLOCK_M, layout=box, cols=head_dim: TensorDescriptor(
         t, list(t.shape), list(t.stride()), [1, 1, rows, cols], layout)
     grid = (triton.cdiv(seqlen_k, BWD_CONSUMERS * BLOCK_M), batch * n_kv_heads)
-    num_stages, dq_first = BWD_CONFIGS[head_dim]
+    num_stages, dq_first, split_dq = BWD_CONFIGS[head_dim]
     module.fa3_bwd_kernel[grid](
         desc(q), desc(k, BWD_CONSUMERS * BLOCK_M, k_box), desc(v), desc(do), desc(dk), desc(dv),
         desc(dq_acc, BLOCK_M, dq_box, _dq_cols(head_dim)), lse.contiguous(), delta,
         n_heads, seqlen_q, seqlen_k, softmax_scale * fa2.LOG2E, softmax_scale,
         GROUP=n_heads // n_kv_heads, CAUSAL=causal, NUM_CONSUMERS=BWD_CONSUMERS, HEAD_DIM=head_dim,
-        BLOCK_M=BLOCK_M, NUM_STAGES=num_stages, SPLIT_DQ=_split_dq(head_dim), DQ_FIRST=dq_first,
+        BLOCK_M=BLOCK_M, NUM_STAGES=num_stages, SPLIT_DQ=split_dq, DQ_FIRST=dq_first,
         Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, DQ_LAYOUT=dq_layout, num_warps=4,
     )
     dq = empty_like_layout(q)
@@ -183,16 +189,13 @@ def _launch_backward(module, do, q, k, v, o, lse, causal, softmax_scale):
     return dq, dk, dv
 
 
-def _split_dq(head_dim: int) -> bool:
-    return head_dim == 128  # the warpgroups split dQ's columns (at 64 each would get too narrow a GEMM)
-
-
 def _dq_cols(head_dim: int) -> int:
-    return head_dim // BWD_CONSUMERS if _split_dq(head_dim) else head_dim
+    """Columns of dQ per consumer warpgroup (SPLIT_DQ: a share of them)."""
+    return head_dim // BWD_CONSUMERS if BWD_CONFIGS[head_dim][2] else head_dim
 
 
 @functools.lru_cache(maxsize=None)
-def _bwd_layouts(dtype, head_dim: int, rank: int = 2):
+def _bwd_layouts(dtype, head_dim: int, dq_cols: int, rank: int = 2):
     """NVMMA shared layouts of the backward's (64, head_dim) Q/dO/V tiles, its (128, head_dim) K tile, its
     (64, 64) dS^T tiles and its float32 (64, dQ columns) dQ tiles (rank 4: the descriptors' boxes)."""
     from triton.experimental.gluon import language as gl
@@ -202,7 +205,7 @@ def _bwd_layouts(dtype, head_dim: int, rank: int = 2):
     return (gl.NVMMASharedLayout.get_default_for(lead + [BLOCK_M, head_dim], gl_dtype),
             gl.NVMMASharedLayout.get_default_for(lead + [BWD_CONSUMERS * BLOCK_M, head_dim], gl_dtype),
             gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_M], gl_dtype),
-            gl.NVMMASharedLayout.get_default_for(lead + [BLOCK_M, _dq_cols(head_dim)], gl.float32))
+            gl.NVMMASharedLayout.get_default_for(lead + [BLOCK_M, dq_cols], gl.float32))
 
 
 def backward(do, q, k, v, o, lse, causal, softmax_scale):
@@ -238,7 +241,7 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
     name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
     tensordesc = lambda rows, layout: f"tensordesc<{name}[1, 1, {rows}, {head_dim}],{layout!r}>"
     if kernel == "fwd":
-        num_consumers, block_n, num_stages, pingpong, _, split_loops = CONFIGS[head_dim]
+        num_consumers, block_n, num_stages, pingpong, _, split_loops = CONFIGS[head_dim, causal]
         q_layout, kv_layout = shared_layouts(dtype, head_dim, block_n)
         q_box, kv_box = shared_layouts(dtype, head_dim, block_n, rank=4)
         fn = module.fa3_fwd_kernel
@@ -249,16 +252,16 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
                           HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=num_stages,
                           Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, SPLIT_LOOPS=split_loops)
     else:
-        q_layout, kv_layout, ds_layout, dq_layout = _bwd_layouts(dtype, head_dim)
-        box, k_box, _, dq_box = _bwd_layouts(dtype, head_dim, rank=4)
+        q_layout, kv_layout, ds_layout, dq_layout = _bwd_layouts(dtype, head_dim, _dq_cols(head_dim))
+        box, k_box, _, dq_box = _bwd_layouts(dtype, head_dim, _dq_cols(head_dim), rank=4)
         dq_box = f"tensordesc<fp32[1, 1, {BLOCK_M}, {_dq_cols(head_dim)}],{dq_box!r}>"
         box, k_box = tensordesc(BLOCK_M, box), tensordesc(BWD_CONSUMERS * BLOCK_M, k_box)
         fn = module.fa3_bwd_kernel
         descs = dict(q_desc=box, k_desc=k_box, v_desc=box, do_desc=box, dk_desc=box, dv_desc=box, dq_desc=dq_box,
                      LSE="*fp32", DELTA="*fp32", qk_scale="fp32", softmax_scale="fp32")
-        num_stages, dq_first = BWD_CONFIGS[head_dim]
+        num_stages, dq_first, split_dq = BWD_CONFIGS[head_dim]
         constexprs = dict(GROUP=group, CAUSAL=causal, NUM_CONSUMERS=BWD_CONSUMERS, HEAD_DIM=head_dim,
-                          BLOCK_M=BLOCK_M, NUM_STAGES=num_stages, SPLIT_DQ=_split_dq(head_dim), DQ_FIRST=dq_first,
+                          BLOCK_M=BLOCK_M, NUM_STAGES=num_stages, SPLIT_DQ=split_dq, DQ_FIRST=dq_first,
                           Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, DQ_LAYOUT=dq_layout)
     signature = {arg: "i32" for arg in fn.arg_names}
     signature.update(descs)

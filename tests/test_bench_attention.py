@@ -102,10 +102,17 @@ def test_fa3_variant_fields():
         forward_config((3, 128, 2))
 
 
+def test_fa3_backward_variant_fields_default_to_the_head_dims_config():
+    from bench.fa3_variants import backward_config
+
+    assert backward_config((4,), (2, False, True)) == (4, False, True)
+    assert backward_config((3, 1, 0), (2, False, True)) == (3, True, False)
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--variants", "foo"], "variant 'foo': give colon-separated integers"),
     (["--variants", "2:128:2"], "variant 2:128:2: give 5 or 6 fields"),
-    (["--backward", "--variants", "2:128:2:1:1"], "backward variant 2:128:2:1:1: give 1 or 2 fields"),
+    (["--backward", "--variants", "2:128:2:1:1"], "backward variant 2:128:2:1:1: give 1 to 3 fields"),
 ])
 def test_fa3_variants_checks_its_variants_on_any_machine(monkeypatch, argv, message):
     """bench.fa3_variants parses --variants (in the --backward format with --backward) before it looks for a GPU,

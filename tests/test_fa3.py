@@ -68,7 +68,7 @@ def test_no_gpu_is_named(fresh_dispatch, monkeypatch):
 @pytest.mark.skipif(not SUPPORTED, reason=f"triton {fa3.triton_version()} is not a Gluon version the kernel supports")
 @pytest.mark.parametrize("kernel", ["fwd", "bwd", "fwd_split_loops"])
 @pytest.mark.parametrize("dtype,head_dim,causal,group", [
-    (torch.bfloat16, 128, True, 1), (torch.float16, 64, False, 4),
+    (torch.bfloat16, 128, True, 1), (torch.float16, 64, False, 4), (torch.bfloat16, 64, True, 2),
 ])
 def test_gluon_kernel_compiles_for_sm90(dtype, head_dim, causal, group, kernel):
     """No GPU needed: Triton compiles for a named target. Catches Gluon API breaks before a user's GPU does.
@@ -77,8 +77,8 @@ def test_gluon_kernel_compiles_for_sm90(dtype, head_dim, causal, group, kernel):
     reductions' combine functions) are interpreted objects a compiled kernel cannot reference.
     """
     split = kernel == "fwd_split_loops"  # the forward with CONFIGS' SPLIT_LOOPS on
-    code = (f"import torch; from kernels import fa3; c = fa3.CONFIGS[{head_dim}]; "
-            f"fa3.CONFIGS[{head_dim}] = (*c[:5], {split}); "
+    code = (f"import torch; from kernels import fa3; c = fa3.CONFIGS[{head_dim}, {causal}]; "
+            f"fa3.CONFIGS[{head_dim}, {causal}] = (*c[:5], {split}); "
             f"k = fa3.compile_for_sm90(torch.{str(dtype)[6:]}, {head_dim}, {causal}, {group}, "
             f"{'fwd' if split else kernel!r}); ptx = k.asm['ptx']; "
             "print(k.metadata.shared, all(s in ptx for s in ('wgmma.mma_async', 'setmaxnreg', 'cp.async.bulk.tensor')))")
@@ -125,7 +125,7 @@ def test_gluon_kernel_runs_on_hopper(fresh_dispatch):
 def test_gluon_forward_loop_variants_match_float64(fresh_dispatch, monkeypatch, head_dim, causal, split_loops):
     """Both K/V loop structures of the Gluon forward (CONFIGS' SPLIT_LOOPS), with seqlen_q != seqlen_k (the
     bottom-right causal diagonal mid-block), lengths off the block sizes and GQA."""
-    monkeypatch.setitem(fa3.CONFIGS, head_dim, (*fa3.CONFIGS[head_dim][:5], split_loops))
+    monkeypatch.setitem(fa3.CONFIGS, (head_dim, causal), (*fa3.CONFIGS[head_dim, causal][:5], split_loops))
     q = torch.randn(2, 4, 333, head_dim, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(2, 2, 717, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     with warnings.catch_warnings():
