@@ -76,9 +76,10 @@ def _n_tiles_of_cta(n_tiles, CAUSAL: gl.constexpr):
     """How many tiles this CTA runs (`_tile`'s i = 0, 1, ...)."""
     pid = gl.program_id(0)
     grid = gl.num_programs(0)
-    if CAUSAL:  # the tiles 2 * (pid + k * grid) and 2 * (pid + k * grid) + 1 of the causal sequence
-        return gl.cdiv(gl.maximum(n_tiles - 2 * pid, 0), 2 * grid) + gl.cdiv(gl.maximum(n_tiles - 2 * pid - 1, 0),
-                                                                              2 * grid)
+    if CAUSAL:  # the first and second tiles of pairs pid, pid + grid, ... (tiles 2 * pair and 2 * pair + 1)
+        firsts = gl.cdiv(gl.maximum(n_tiles - 2 * pid, 0), 2 * grid)
+        seconds = gl.cdiv(gl.maximum(n_tiles - 2 * pid - 1, 0), 2 * grid)
+        return firsts + seconds
     return gl.cdiv(gl.maximum(n_tiles - pid, 0), grid)
 
 
