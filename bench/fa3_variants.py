@@ -3,14 +3,15 @@
     python -m bench.fa3_variants --variants 2:128:2:1:1,2:128:2:1:0 --head-dims 128 --seqlens 4096,16384
     python -m bench.fa3_variants --backward --variants 2:0:1,3:0:1 --head-dims 128 --seqlens 2048,8192
 
-Backward: a variant is NUM_STAGES[:DQ_FIRST[:SPLIT_DQ]] (`kernels.fa3.BWD_CONFIGS[head_dim]`, the fields
-left out as there); each is checked
-against float32 gradients (dq, dk, dv by relative error) on the shapes below, then backward medians of the
-Gluon kernel are printed next to FA2's backward and cuDNN's on the same inputs (forward excluded).
-Forward: a variant is NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT[:SPLIT_LOOPS] and replaces `kernels.fa3.CONFIGS[head_dim, causal]` (both). Every variant is first
-checked against a float32 reference (SDPA's math kernel on upcast inputs) on odd lengths, seqlen_q != seqlen_k
-both ways, GQA and strided views, with NaN-poisoned outputs; then forward medians (`triton.testing.do_bench`) are
-printed next to FA2's forward and SDPA's cuDNN kernel on the same inputs (B * N = 16k, H * D = 2048).
+Backward: a variant is NUM_STAGES[:DQ_FIRST[:SPLIT_DQ]] (`kernels.fa3.BWD_CONFIGS[head_dim]`, the fields left out
+as there); each is checked against float32 gradients (dq, dk, dv by relative error) on the shapes below, then
+backward medians of the Gluon kernel are printed next to FA2's backward and cuDNN's on the same inputs (forward
+excluded).
+Forward: a variant is NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT[:SPLIT_LOOPS] and replaces
+`kernels.fa3.CONFIGS[head_dim, causal]` for both values of causal. Every variant is first checked against a
+float32 reference (SDPA's math kernel on upcast inputs) on odd lengths, seqlen_q != seqlen_k both ways, GQA and
+strided views, with NaN-poisoned outputs; then forward medians (`triton.testing.do_bench`) are printed next to FA2's
+forward and SDPA's cuDNN kernel on the same inputs (B * N = 16k, H * D = 2048).
 """
 
 import argparse

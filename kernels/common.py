@@ -208,8 +208,8 @@ PREPROCESS_BLOCK_M = 64
 def bwd_preprocess(o, do, dq_acc=None):
     """delta = rowsum(do * o): float32 (batch, n_heads, seqlen_q). o, do: (batch, n_heads, seqlen_q, head_dim).
 
-    dq_acc: optional contiguous float32 (batch, n_heads, seqlen_q_pad, head_dim) with seqlen_q_pad the next multiple
-    of PREPROCESS_BLOCK_M (or seqlen_q); zeroed in the same kernel. ValueError if it is not that."""
+    dq_acc: optional contiguous float32 (batch, n_heads, seqlen_q_pad, head_dim) with seqlen_q <= seqlen_q_pad <=
+    seqlen_q rounded up to a multiple of PREPROCESS_BLOCK_M; zeroed in the same kernel. ValueError if it is not that."""
     batch, n_heads, seqlen_q, head_dim = o.shape
     grid = (triton.cdiv(seqlen_q, PREPROCESS_BLOCK_M), batch * n_heads)
     seqlen_q_pad = seqlen_q

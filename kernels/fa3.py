@@ -30,8 +30,8 @@ HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
 BLOCK_M = 64  # query rows per consumer warpgroup
 # (NUM_CONSUMERS, BLOCK_N, NUM_STAGES, PINGPONG, PERSISTENT, SPLIT_LOOPS) per (head_dim, causal), from `python -m
-# bench.fa3_variants` on the H200 (tenth session: at 64, two consumers for causal, three for non-causal; docs/
-# hopper-notes.md forward variant 9); PERSISTENT: one CTA per SM looping over tiles, else one CTA per tile;
+# bench.fa3_variants` on the H200 (tenth session: at 64, two consumers for causal, three for non-causal;
+# docs/hopper-notes.md, forward variant 9); PERSISTENT: one CTA per SM looping over tiles, else one CTA per tile;
 # SPLIT_LOOPS: the unmasked and the masked K/V blocks in two loops, else one loop with a branch per block
 # (measured: no faster, D = 64 causal slower at N <= 4k; docs/hopper-notes.md, variant 5).
 # NUM_CONSUMERS x 64 x D Q tiles plus two NUM_STAGES x BLOCK_N x D rings must fit the 227 KiB of shared memory
@@ -48,7 +48,7 @@ FA2_CAUSAL_FORWARD_MAX_SEQLEN = {}
 # Backward: (NUM_STAGES of the (Q_i, dO_i) ring, DQ_FIRST, SPLIT_DQ) per head_dim; 2 consumer warpgroups x 64 keys
 # (`kernels/fa3_hopper_bwd.py`). DQ_FIRST: each query block's dQ GEMM before its dK GEMM, dQ's reduce-add under dK
 # (measured no faster, docs/hopper-notes.md backward variant 5). SPLIT_DQ: the warpgroups split dQ's columns (each
-# over all the CTA's keys) instead of each computing all of them over its own keys (measured slower at 64, variant 7).
+# over all the CTA's keys) instead of each computing all of them over its own keys (slower at 64: backward variant 8).
 BWD_CONFIGS = {64: (4, False, False), 128: (2, False, True)}
 # The Gluon backward per head_dim from this many keys (seqlen_k) on, FA2's below it and at other head dims. Ninth
 # session, H200, LSE/delta through the producer: 0.88-0.96x cuDNN at 128 (FA2's 0.71-0.78x), 0.90-0.96x at 64 for

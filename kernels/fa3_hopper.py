@@ -92,7 +92,8 @@ def _tile(i, n_tiles_m, n_heads, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, ROWS:
     a few heads, which stay in L2. Non-causal: CTA p runs tiles p, p + grid, ... in (head, query block) order.
     Causal: each head's query blocks are paired longest with shortest (last with first, then the next two inwards,
     the middle one alone when there is an odd number: it pairs with the next head's, whose order is reversed), so
-    every pair has about the same number of K/V blocks; CTA p runs pairs p, p + grid, ..., the long tile first.
+    every pair has about the same number of K/V blocks; CTA p runs pairs p, p + grid, ..., the long tile first
+    (except in the reversed heads, whose pairs come short tile first).
     This balances the persistent CTAs' work as running all heads' longest blocks first did (the ninth session's
     order, which read ~130 heads' K/V at once: 78 % DRAM bandwidth, 12 % L2 hits at D = 128, N = 2k).
     """
@@ -200,8 +201,8 @@ def _consumer(q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, 
     kv_it = 0  # position in the K/V ring, running across tiles as in the producer
     turn = 0  # PINGPONG turns taken
     tile_count = 0
-    for i in range(_n_tiles_of_cta(n_tiles, CAUSAL)):
-        off_b, off_h, bh, start_m, n_blocks = _tile(i, n_tiles_m, n_heads, seqlen_q, seqlen_k, CAUSAL,
+    for tile_i in range(_n_tiles_of_cta(n_tiles, CAUSAL)):
+        off_b, off_h, bh, start_m, n_blocks = _tile(tile_i, n_tiles_m, n_heads, seqlen_q, seqlen_k, CAUSAL,
                                                     NUM_CONSUMERS * BLOCK_M, BLOCK_N)
         # This warpgroup's own key ranges [3]: keys [0, hi_free) are seen by all its rows (unmasked blocks),
         # blocks from n_own on by none of them (skipped: under causal the tile's last block can be all above
@@ -294,8 +295,8 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_
     """The TMA warp: per tile the consumers' Q tiles, then K_j and V_j into ring slot (position % NUM_STAGES)."""
     kv_it = 0
     tile_count = 0
-    for i in range(_n_tiles_of_cta(n_tiles, CAUSAL)):
-        off_b, off_h, bh, start_m, n_blocks = _tile(i, n_tiles_m, n_heads, seqlen_q, seqlen_k, CAUSAL,
+    for tile_i in range(_n_tiles_of_cta(n_tiles, CAUSAL)):
+        off_b, off_h, bh, start_m, n_blocks = _tile(tile_i, n_tiles_m, n_heads, seqlen_q, seqlen_k, CAUSAL,
                                                     NUM_CONSUMERS * BLOCK_M, BLOCK_N)
         off_hk = off_h // GROUP  # GQA: GROUP query heads share one K/V head
         for i in gl.static_range(NUM_CONSUMERS):

@@ -15,10 +15,10 @@ head in its GQA group) that can see them. Partitions (`gl.warp_specialize`):
 - NUM_CONSUMERS consumer warpgroups, one per 64 keys. Per query block a consumer issues S^T = K Q^T and
   dP^T = V dO^T (async wgmmas), waits for S^T only, computes P^T while dP^T runs, issues dV += P^T dO (P^T
   from registers), waits for dP^T, computes dS^T, issues dK += dS^T Q (dS^T from registers), stores dS^T to
-  shared memory and computes dQ_i = dS K (at HEAD_DIM 128 each warpgroup 64 columns over all the CTA's keys),
-  which goes through its own float32 shared tile and one TMA reduce-add (`cp.reduce.async.bulk.tensor`) into
-  the float32 dQ accumulator, completing under the next block. dQ's order of additions varies, so it is not
-  bit-reproducible (FA3's trade).
+  shared memory and computes dQ_i = dS K (with SPLIT_DQ, on at HEAD_DIM 128, each warpgroup 64 columns over all
+  the CTA's keys), which goes through its own float32 shared tile and one TMA reduce-add
+  (`cp.reduce.async.bulk.tensor`) into the float32 dQ accumulator, completing under the next block. dQ's order
+  of additions varies, so it is not bit-reproducible (FA3's trade).
 Rows past seqlen_q read as 0 through TMA and are given lse = +inf, so their P is 0; keys past seqlen_k read as 0,
 so their dS adds nothing to dQ and their dK/dV rows are clipped by the TMA store. Only the causal band
 needs a mask (query blocks [lo, m_free)); blocks no query of which sees a key are never visited.
@@ -100,8 +100,9 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, stats_smem, kv_
               DQ_FIRST: gl.constexpr):
     """Consumer warpgroup CID: keys [start_n + 64 * CID, + 64) of the CTA's key block.
 
-    SPLIT_DQ (HEAD_DIM 128): the warpgroups share dS through shared memory and each computes HEAD_DIM /
-    NUM_CONSUMERS columns of dQ_i over all the CTA's keys (FA3's split: each dQ element is added once per CTA).
+    SPLIT_DQ (on at HEAD_DIM 128 in `kernels.fa3.BWD_CONFIGS`): the warpgroups share dS through shared memory
+    and each computes HEAD_DIM / NUM_CONSUMERS columns of dQ_i over all the CTA's keys (FA3's split: each dQ
+    element is added once per CTA).
     Otherwise each computes all of dQ_i over its own 64 keys.
     DQ_FIRST: the dQ GEMM is issued before the dK GEMM, so dQ_i's store and reduce-add run under dK's GEMM instead
     of after every GEMM of the block.
