@@ -18,6 +18,14 @@ from kernels import fa2_attention, fa3, fa3_attention
 
 ROOT = Path(__file__).resolve().parents[1]
 SUPPORTED = isinstance(fa3._gluon_module(), type(fa3))  # the installed Triton is one the kernel supports
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def gluon_on_hopper(test):
+    """Marks a test that runs the Gluon kernels: `gpu`, skipped without an sm_90 GPU or a supported Triton."""
+    test = pytest.mark.skipif(not SUPPORTED, reason="the installed Triton is not one the Gluon kernel supports")(test)
+    test = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")(test)
+    return pytest.mark.gpu(test)
 
 
 @pytest.fixture
@@ -101,10 +109,7 @@ def test_unsupported_triton_takes_the_fallback(fresh_dispatch):
         fa3_attention(q, k, v, causal=True)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                    reason="needs an sm_90 GPU")
-@pytest.mark.skipif(not SUPPORTED, reason="the installed Triton is not one the Gluon kernel supports")
+@gluon_on_hopper
 def test_gluon_kernel_runs_on_hopper(fresh_dispatch):
     q, k, v = (torch.randn(2, 4, 300, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     assert fa3.gluon_unsupported_reason(q, k, v) is None
@@ -115,10 +120,7 @@ def test_gluon_kernel_runs_on_hopper(fresh_dispatch):
     assert ((o.float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                    reason="needs an sm_90 GPU")
-@pytest.mark.skipif(not SUPPORTED, reason="the installed Triton is not one the Gluon kernel supports")
+@gluon_on_hopper
 @pytest.mark.parametrize("split_loops", [False, True])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -135,10 +137,7 @@ def test_gluon_forward_loop_variants_match_float64(fresh_dispatch, monkeypatch, 
     assert ((o.double() - o_ref).norm() / o_ref.norm()).item() < 1e-2
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                    reason="needs an sm_90 GPU")
-@pytest.mark.skipif(not SUPPORTED, reason="the installed Triton is not one the Gluon kernel supports")
+@gluon_on_hopper
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("head_dim,n_heads,seqlen", [(64, 13, 1000), (128, 16, 1100), (128, 5, 1024)])
 def test_gluon_forward_persistent_order_covers_every_tile(fresh_dispatch, head_dim, n_heads, seqlen, causal):
@@ -172,10 +171,7 @@ def _reference_grads(q, k, v, do, causal):
     return o, (q.grad, k.grad, v.grad)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                    reason="needs an sm_90 GPU")
-@pytest.mark.skipif(not SUPPORTED, reason="the installed Triton is not one the Gluon kernel supports")
+@gluon_on_hopper
 @pytest.mark.parametrize("head_dim,causal,n_heads,n_kv_heads,seqlen_q,seqlen_k", [
     (128, True, 4, 4, 333, 333), (64, True, 8, 2, 200, 455), (128, False, 2, 1, 517, 130), (64, False, 4, 4, 64, 64),
 ])
