@@ -172,15 +172,16 @@ def _launch_backward(module, do, q, k, v, o, lse, causal, softmax_scale):
     dq_acc = torch.empty((batch, n_heads, seqlen_q_pad, head_dim), device=q.device, dtype=torch.float32)
     delta = bwd_preprocess(o, do, dq_acc)  # also zeroes dq_acc
     dk, dv = empty_like_layout(k), empty_like_layout(v)
-    q_layout, kv_layout, ds_layout, dq_layout = _bwd_layouts(q.dtype, head_dim, _dq_cols(head_dim))
-    box, k_box, _, dq_box = _bwd_layouts(q.dtype, head_dim, _dq_cols(head_dim), rank=4)
+    dq_cols = _dq_cols(head_dim)
+    q_layout, kv_layout, ds_layout, dq_layout = _bwd_layouts(q.dtype, head_dim, dq_cols)
+    box, k_box, _, dq_box = _bwd_layouts(q.dtype, head_dim, dq_cols, rank=4)
     desc = lambda t, rows=BLOCK_M, layout=box, cols=head_dim: TensorDescriptor(
         t, list(t.shape), list(t.stride()), [1, 1, rows, cols], layout)
     grid = (triton.cdiv(seqlen_k, BWD_CONSUMERS * BLOCK_M), batch * n_kv_heads)
     num_stages, dq_first, split_dq = BWD_CONFIGS[head_dim]
     module.fa3_bwd_kernel[grid](
         desc(q), desc(k, BWD_CONSUMERS * BLOCK_M, k_box), desc(v), desc(do), desc(dk), desc(dv),
-        desc(dq_acc, BLOCK_M, dq_box, _dq_cols(head_dim)), lse.contiguous(), delta,
+        desc(dq_acc, BLOCK_M, dq_box, dq_cols), lse.contiguous(), delta,
         n_heads, seqlen_q, seqlen_k, softmax_scale * fa2.LOG2E, softmax_scale,
         GROUP=n_heads // n_kv_heads, CAUSAL=causal, NUM_CONSUMERS=BWD_CONSUMERS, HEAD_DIM=head_dim,
         BLOCK_M=BLOCK_M, NUM_STAGES=num_stages, SPLIT_DQ=split_dq, DQ_FIRST=dq_first,
@@ -254,9 +255,10 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
                           HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=num_stages,
                           Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, SPLIT_LOOPS=split_loops)
     else:
-        q_layout, kv_layout, ds_layout, dq_layout = _bwd_layouts(dtype, head_dim, _dq_cols(head_dim))
-        box, k_box, _, dq_box = _bwd_layouts(dtype, head_dim, _dq_cols(head_dim), rank=4)
-        dq_box = f"tensordesc<fp32[1, 1, {BLOCK_M}, {_dq_cols(head_dim)}],{dq_box!r}>"
+        dq_cols = _dq_cols(head_dim)
+        q_layout, kv_layout, ds_layout, dq_layout = _bwd_layouts(dtype, head_dim, dq_cols)
+        box, k_box, _, dq_box = _bwd_layouts(dtype, head_dim, dq_cols, rank=4)
+        dq_box = f"tensordesc<fp32[1, 1, {BLOCK_M}, {dq_cols}],{dq_box!r}>"
         box, k_box = tensordesc(BLOCK_M, box), tensordesc(BWD_CONSUMERS * BLOCK_M, k_box)
         fn = module.fa3_bwd_kernel
         descs = dict(q_desc=box, k_desc=k_box, v_desc=box, do_desc=box, dk_desc=box, dv_desc=box, dq_desc=dq_box,
