@@ -1,10 +1,10 @@
 """Check and time variants of the Gluon FA3 forward (or backward) side by side in one process (H200, Triton 3.6).
 
     python -m bench.fa3_variants --variants 2:128:2:1:1,2:128:2:1:0 --head-dims 128 --seqlens 4096,16384
-    python -m bench.fa3_variants --backward --variants 2:0:1,3:0:1 --head-dims 128 --seqlens 2048,8192
+    python -m bench.fa3_variants --backward --variants 2:0:cols,3:0:cols --head-dims 128 --seqlens 2048,8192
 
-Backward: a variant is NUM_STAGES[:DQ_FIRST[:SPLIT_DQ]] (`kernels.fa3.BWD_CONFIGS[head_dim]`, the fields left out
-as there); each is checked against float32 gradients (dq, dk, dv by relative error) on the shapes below, then
+Backward: a variant is NUM_STAGES[:DQ_FIRST[:SPLIT_DQ[:BLOCK_M]]] (`kernels.fa3.BWD_CONFIGS[head_dim]`, the fields
+left out as there; SPLIT_DQ is none, cols or rows); each is checked against float32 gradients (dq, dk, dv by relative error) on the shapes below, then
 backward medians of the Gluon kernel are printed next to FA2's backward and cuDNN's on the same inputs (forward
 excluded).
 Forward: a variant is NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT[:SPLIT_LOOPS] and replaces
@@ -133,7 +133,7 @@ def main_backward(args, dtype):
                 for variant in variants:
                     fa3.BWD_CONFIGS[head_dim] = backward_config(variant, DEFAULT_BWD_CONFIGS[head_dim])
                     try:
-                        cells[":".join(map(str, variant))] = do_bench(
+                        cells[variant] = do_bench(
                             lambda: fa3.backward(do, q, k, v, o, lse, causal, 0.1), return_mode="median")
                     except Exception as e:
                         print(f"  {variant} failed: {type(e).__name__}: {str(e)[:200]}")
@@ -147,33 +147,46 @@ BACKWARD_DEFAULT = "2:0,4:0"
 
 
 def parse_variants(text, config):
-    """'a:b:c,d:e:f' -> [(a, b, c), (d, e, f)] of ints, each checked by `config` (forward_config or
-    backward_config); SystemExit naming a variant that is not colon-separated ints."""
-    variants = []
-    for v in text.split(","):
-        try:
-            variants.append(tuple(int(x) for x in v.split(":")))
-        except ValueError:
-            raise SystemExit(f"variant {v!r}: give colon-separated integers (see --help)") from None
-        config(variants[-1])
+    """'a:b:c,d:e:f' -> ['a:b:c', 'd:e:f'], each checked by `config` (forward_config or backward_config), which
+    raises SystemExit naming a variant it cannot read."""
+    variants = text.split(",")
+    for variant in variants:
+        config(variant)
     return variants
+
+
+def _ints(variant, fields):
+    try:
+        return [int(x) for x in fields]
+    except ValueError:
+        raise SystemExit(f"variant {variant!r}: give colon-separated integers (see --help)") from None
 
 
 DEFAULT_BWD_CONFIGS = dict(fa3.BWD_CONFIGS)
 
 
-def backward_config(variant, default=(2, False, False)):
-    """NUM_STAGES[:DQ_FIRST[:SPLIT_DQ]] (ints) -> a `kernels.fa3.BWD_CONFIGS` entry, the fields left out
-    taken from `default`."""
-    if not 1 <= len(variant) <= 3:
-        raise SystemExit(f"backward variant {':'.join(map(str, variant))}: give 1 to 3 fields (see --help)")
-    return (variant[0], *(bool(x) for x in variant[1:]), *default[len(variant):])
+def backward_config(variant, default=(2, False, "none", 64)):
+    """'NUM_STAGES[:DQ_FIRST[:SPLIT_DQ[:BLOCK_M]]]' -> a `kernels.fa3.BWD_CONFIGS` entry, the fields left out taken
+    from `default`; SPLIT_DQ is none, cols or rows, BLOCK_M 64 or 128."""
+    fields = variant.split(":")
+    if not 1 <= len(fields) <= 4:
+        raise SystemExit(f"backward variant {variant}: give 1 to 4 fields (see --help)")
+    if len(fields) >= 3 and fields[2] not in ("none", "cols", "rows"):
+        raise SystemExit(f"backward variant {variant}: SPLIT_DQ {fields[2]!r}; accepted none, cols, rows")
+    if len(fields) == 4 and fields[3] not in ("64", "128"):
+        raise SystemExit(f"backward variant {variant}: BLOCK_M {fields[3]}; accepted 64, 128")
+    ints = _ints(variant, fields[:2])
+    config = [ints[0], *(bool(x) for x in ints[1:]), *fields[2:3], *(int(x) for x in fields[3:])]
+    return (*config, *default[len(config):])
 
 
 def forward_config(variant):
-    """NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT[:SPLIT_LOOPS] (ints) -> a `kernels.fa3.CONFIGS` entry."""
-    if len(variant) not in (5, 6):
-        raise SystemExit(f"variant {':'.join(map(str, variant))}: give 5 or 6 fields (see --help)")
+    """'NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT[:SPLIT_LOOPS]' (ints) -> a `kernels.fa3.CONFIGS`
+    entry."""
+    fields = _ints(variant, variant.split(":"))
+    if len(fields) not in (5, 6):
+        raise SystemExit(f"variant {variant}: give 5 or 6 fields (see --help)")
+    variant = fields
     return (*variant[:3], bool(variant[3]), bool(variant[4]), bool(variant[5]) if len(variant) == 6 else False)
 
 
@@ -181,7 +194,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--variants", default=None,
                         help="comma-separated NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT[:SPLIT_LOOPS] "
-                             f"(default {FORWARD_DEFAULT}); with --backward NUM_STAGES[:DQ_FIRST[:SPLIT_DQ]] (default "
+                             f"(default {FORWARD_DEFAULT}); with --backward NUM_STAGES[:DQ_FIRST[:SPLIT_DQ[:BLOCK_M]]] (default "
                              f"{BACKWARD_DEFAULT})")
     parser.add_argument("--head-dims", default="64,128", help="comma-separated head dimensions D")
     parser.add_argument("--seqlens", default="2048,8192", help="comma-separated sequence lengths N")
@@ -220,8 +233,7 @@ def main(argv=None):
                 for variant in variants:
                     fa3.CONFIGS[head_dim, causal] = forward_config(variant)
                     try:
-                        cells[":".join(map(str, variant))] = do_bench(lambda: fa3.forward(q, k, v, causal, 0.1),
-                                                                      return_mode="median")
+                        cells[variant] = do_bench(lambda: fa3.forward(q, k, v, causal, 0.1), return_mode="median")
                     except Exception as e:
                         print(f"  {variant} failed: {type(e).__name__}: {str(e)[:200]}")
                 line = " ".join(f"{name}={tf(ms):.0f}" for name, ms in cells.items())

@@ -208,19 +208,18 @@ PREPROCESS_BLOCK_M = 64
 def bwd_preprocess(o, do, dq_acc=None):
     """delta = rowsum(do * o): float32 (batch, n_heads, seqlen_q). o, do: (batch, n_heads, seqlen_q, head_dim).
 
-    dq_acc: optional contiguous float32 (batch, n_heads, seqlen_q_pad, head_dim) with seqlen_q <= seqlen_q_pad <=
-    seqlen_q rounded up to a multiple of PREPROCESS_BLOCK_M; zeroed in the same kernel. ValueError if it is not that."""
+    dq_acc: optional contiguous float32 (batch, n_heads, seqlen_q_pad, head_dim) with seqlen_q_pad >= seqlen_q (the
+    Gluon backward pads to whole query blocks); zeroed in the same kernel. ValueError if it is not that."""
     batch, n_heads, seqlen_q, head_dim = o.shape
-    grid = (triton.cdiv(seqlen_q, PREPROCESS_BLOCK_M), batch * n_heads)
     seqlen_q_pad = seqlen_q
     if dq_acc is not None:
         seqlen_q_pad = dq_acc.shape[2]
         if (dq_acc.dtype != torch.float32 or not dq_acc.is_contiguous()
-                or tuple(dq_acc.shape) != (batch, n_heads, seqlen_q_pad, head_dim)
-                or not seqlen_q <= seqlen_q_pad <= grid[0] * PREPROCESS_BLOCK_M):
+                or tuple(dq_acc.shape) != (batch, n_heads, seqlen_q_pad, head_dim) or seqlen_q_pad < seqlen_q):
             raise ValueError(f"dq_acc must be a contiguous float32 (batch, n_heads, seqlen_q_pad, head_dim) = "
-                             f"({batch}, {n_heads}, {seqlen_q}..{grid[0] * PREPROCESS_BLOCK_M}, {head_dim}) "
-                             f"tensor; got {dq_acc.dtype} {tuple(dq_acc.shape)}")
+                             f"({batch}, {n_heads}, >= {seqlen_q}, {head_dim}) tensor; got {dq_acc.dtype} "
+                             f"{tuple(dq_acc.shape)}{'' if dq_acc.is_contiguous() else ' (not contiguous)'}")
+    grid = (triton.cdiv(seqlen_q_pad, PREPROCESS_BLOCK_M), batch * n_heads)
     delta = torch.empty((batch, n_heads, seqlen_q), device=o.device, dtype=torch.float32)
     _bwd_preprocess[grid](
         o, do, delta, delta if dq_acc is None else dq_acc, *o.stride()[:3], *do.stride()[:3], n_heads, seqlen_q,

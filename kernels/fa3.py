@@ -4,7 +4,7 @@
 `forward` runs the warp-specialised Gluon kernel where it applies and FA2's Triton forward everywhere else,
 warning once per reason (`gluon_unsupported_reason` names it). Both forwards produce the same base-2 LSE, so
 either pairs with either backward. `backward` runs the Gluon backward where `GLUON_BACKWARD_MIN_SEQLEN` says
-(measured faster than FA2's backward on the H200 there: head_dim 128 everywhere, 64 from 2k keys;
+(measured faster than FA2's backward on the H200 there: head_dim 128 everywhere, 64 from 1k keys;
 docs/benchmarks.md) and FA2's three-kernel, atomic-free backward elsewhere. The Gluon backward adds dQ up in
 float32 through TMA reduce-add, as FA3 does, so its dQ is not bit-reproducible; under
 `torch.use_deterministic_algorithms(True)` FA2's backward runs instead.
@@ -31,13 +31,13 @@ DTYPES = (torch.float16, torch.bfloat16)
 BLOCK_M = 64  # query rows per consumer warpgroup
 # (NUM_CONSUMERS, BLOCK_N, NUM_STAGES, PINGPONG, PERSISTENT, SPLIT_LOOPS) per (head_dim, causal), from `python -m
 # bench.fa3_variants` on the H200 (tenth session: at 64, two consumers for causal, three for non-causal;
-# docs/hopper-notes.md, forward variant 9); PERSISTENT: one CTA per SM looping over tiles, else one CTA per tile;
+# docs/hopper-notes.md, forward variant 9; eleventh: a 3-deep ring for causal at 64, +0.5-2 %); PERSISTENT: one CTA per SM looping over tiles, else one CTA per tile;
 # SPLIT_LOOPS: the unmasked and the masked K/V blocks in two loops, else one loop with a branch per block
 # (measured: no faster, D = 64 causal slower at N <= 4k; docs/hopper-notes.md, variant 5).
 # NUM_CONSUMERS x 64 x D Q tiles plus two NUM_STAGES x BLOCK_N x D rings must fit the 227 KiB of shared memory
 # (overflow is only caught at launch).
 CONFIGS = {
-    (64, True): (2, 128, 2, True, True, False), (64, False): (3, 128, 3, True, True, False),
+    (64, True): (2, 128, 4, True, True, False), (64, False): (3, 128, 3, True, True, False),
     (128, True): (2, 128, 2, False, True, False), (128, False): (2, 128, 2, False, True, False),
 }
 # Causal forwards with seqlen_q up to this, per head_dim, run FA2's Triton forward where it measured faster (not a
@@ -45,17 +45,18 @@ CONFIGS = {
 # 0.85-0.92x cuDNN there against the Gluon kernel's 0.74-0.91x); the Gluon forward with two consumers at 64 then
 # measured 0.97-0.99x at 2k-8k (FA2's 0.90-0.96x; docs/benchmarks.md).
 FA2_CAUSAL_FORWARD_MAX_SEQLEN = {}
-# Backward: (NUM_STAGES of the (Q_i, dO_i) ring, DQ_FIRST, SPLIT_DQ) per head_dim; 2 consumer warpgroups x 64 keys
-# (`kernels/fa3_hopper_bwd.py`). DQ_FIRST: each query block's dQ GEMM before its dK GEMM, dQ's reduce-add under dK
-# (measured no faster, docs/hopper-notes.md backward variant 5). SPLIT_DQ: the warpgroups split dQ's columns (each
-# over all the CTA's keys) instead of each computing all of them over its own keys (slower at 64: backward variant 8).
-BWD_CONFIGS = {64: (4, False, False), 128: (2, False, True)}
-# The Gluon backward per head_dim from this many keys (seqlen_k) on, FA2's below it and at other head dims. Ninth
-# session, H200, LSE/delta through the producer: 0.88-0.96x cuDNN at 128 (FA2's 0.71-0.78x), 0.90-0.96x at 64 for
-# N = 2k-16k (FA2's 0.84-0.90x). At 64 and 1k keys (GPT-2's context; tenth session) it measured equal for causal
-# attention (0.947-0.955x against FA2's 0.947-0.951x) and 3 % faster non-causal; FA2's stays below 2k (no gain where
-# GPT-2 trains, and FA2's backward is bit-reproducible).
-GLUON_BACKWARD_MIN_SEQLEN = {64: 2048, 128: 1}
+# Backward: (NUM_STAGES of the (Q_i, dO_i) ring, DQ_FIRST, SPLIT_DQ, BLOCK_M) per head_dim; 2 consumer warpgroups
+# x 64 keys, BLOCK_M query rows per step (`kernels/fa3_hopper_bwd.py`). DQ_FIRST: each query block's dQ GEMM before
+# its dK GEMM, dQ's reduce-add under dK (measured no faster, docs/hopper-notes.md backward variant 5). SPLIT_DQ:
+# "none", each warpgroup computes all of dQ_i over its own keys; "cols" / "rows", each a share of dQ_i's columns /
+# rows over all the CTA's keys. At 64, 128 query rows with dQ split by rows measured 3-9 % faster than 64 rows
+# (eleventh session, backward variant 9); BLOCK_M 128 does not fit the registers at 128.
+BWD_CONFIGS = {64: (2, False, "rows", 128), 128: (2, False, "cols", 64)}
+# The Gluon backward per head_dim from this many keys (seqlen_k) on, FA2's below it and at other head dims (H200,
+# docs/benchmarks.md). 128: faster everywhere measured (eleventh session 0.93-1.02x cuDNN, FA2's 0.72-0.79x). 64:
+# from 1k keys, GPT-2's context and the shortest measured: 128-row query blocks (eleventh session) reach 0.98-0.99x
+# causal / 0.95x non-causal at 1k against FA2's 0.955x / 0.87x.
+GLUON_BACKWARD_MIN_SEQLEN = {64: 1024, 128: 1}
 BWD_CONSUMERS = 2
 
 
@@ -168,23 +169,24 @@ def _launch_backward(module, do, q, k, v, o, lse, causal, softmax_scale):
 
     batch, n_heads, seqlen_q, head_dim = q.shape
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    seqlen_q_pad = triton.cdiv(seqlen_q, BLOCK_M) * BLOCK_M  # whole blocks for the dQ reduce-adds
+    num_stages, dq_first, split_dq, block_m = BWD_CONFIGS[head_dim]
+    seqlen_q_pad = triton.cdiv(seqlen_q, block_m) * block_m  # whole blocks for the dQ reduce-adds
     dq_acc = torch.empty((batch, n_heads, seqlen_q_pad, head_dim), device=q.device, dtype=torch.float32)
     delta = bwd_preprocess(o, do, dq_acc)  # also zeroes dq_acc
     dk, dv = empty_like_layout(k), empty_like_layout(v)
-    dq_cols = _dq_cols(head_dim)
-    q_layout, kv_layout, ds_layout, dq_layout = _bwd_layouts(q.dtype, head_dim, dq_cols)
-    box, k_box, _, dq_box = _bwd_layouts(q.dtype, head_dim, dq_cols, rank=4)
-    desc = lambda t, rows=BLOCK_M, layout=box, cols=head_dim: TensorDescriptor(
+    dq_rows, dq_cols = _dq_box(head_dim)
+    q_layout, kv_layout, _, ds_layout, dq_layout = _bwd_layouts(q.dtype, head_dim)
+    q_box, k_box, v_box, _, dq_box = _bwd_layouts(q.dtype, head_dim, rank=4)
+    desc = lambda t, rows, layout, cols=head_dim: TensorDescriptor(
         t, list(t.shape), list(t.stride()), [1, 1, rows, cols], layout)
-    grid = (triton.cdiv(seqlen_k, BWD_CONSUMERS * BLOCK_M), batch * n_kv_heads)
-    num_stages, dq_first, split_dq = BWD_CONFIGS[head_dim]
+    block_n = BWD_CONSUMERS * 64
+    grid = (triton.cdiv(seqlen_k, block_n), batch * n_kv_heads)
     module.fa3_bwd_kernel[grid](
-        desc(q), desc(k, BWD_CONSUMERS * BLOCK_M, k_box), desc(v), desc(do), desc(dk), desc(dv),
-        desc(dq_acc, BLOCK_M, dq_box, dq_cols), lse.contiguous(), delta,
+        desc(q, block_m, q_box), desc(k, block_n, k_box), desc(v, 64, v_box), desc(do, block_m, q_box),
+        desc(dk, 64, v_box), desc(dv, 64, v_box), desc(dq_acc, dq_rows, dq_box, dq_cols), lse.contiguous(), delta,
         n_heads, seqlen_q, seqlen_k, softmax_scale * fa2.LOG2E, softmax_scale,
         GROUP=n_heads // n_kv_heads, CAUSAL=causal, NUM_CONSUMERS=BWD_CONSUMERS, HEAD_DIM=head_dim,
-        BLOCK_M=BLOCK_M, NUM_STAGES=num_stages, SPLIT_DQ=split_dq, DQ_FIRST=dq_first,
+        BLOCK_M=block_m, NUM_STAGES=num_stages, SPLIT_DQ=split_dq, DQ_FIRST=dq_first,
         Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, DQ_LAYOUT=dq_layout, num_warps=4,
     )
     dq = empty_like_layout(q)
@@ -192,23 +194,30 @@ def _launch_backward(module, do, q, k, v, o, lse, causal, softmax_scale):
     return dq, dk, dv
 
 
-def _dq_cols(head_dim: int) -> int:
-    """Columns of dQ per consumer warpgroup (SPLIT_DQ: a share of them)."""
-    return head_dim // BWD_CONSUMERS if BWD_CONFIGS[head_dim][2] else head_dim
+def _dq_box(head_dim: int) -> tuple[int, int]:
+    """(rows, columns) of one consumer warpgroup's share of a query block's dQ (BWD_CONFIGS' SPLIT_DQ)."""
+    _, _, split_dq, block_m = BWD_CONFIGS[head_dim]
+    if split_dq not in ("none", "cols", "rows"):
+        raise ValueError(f"BWD_CONFIGS[{head_dim}]: SPLIT_DQ={split_dq!r}; accepted 'none', 'cols', 'rows'")
+    return (block_m // BWD_CONSUMERS if split_dq == "rows" else block_m,
+            head_dim // BWD_CONSUMERS if split_dq == "cols" else head_dim)
 
 
-@functools.lru_cache(maxsize=None)
-def _bwd_layouts(dtype, head_dim: int, dq_cols: int, rank: int = 2):
-    """NVMMA shared layouts of the backward's (64, head_dim) Q/dO/V tiles, its (128, head_dim) K tile, its
-    (64, 64) dS^T tiles and its float32 (64, dQ columns) dQ tiles (rank 4: the descriptors' boxes)."""
+def _bwd_layouts(dtype, head_dim: int, rank: int = 2):
+    """NVMMA shared layouts of the backward's tiles: (BLOCK_M, head_dim) Q/dO, (128, head_dim) K, (64, head_dim)
+    V/dK/dV, (64, BLOCK_M) dS^T and float32 dQ (`_dq_box`); rank 4: those of the descriptors' (1, 1, ...) boxes."""
+    return _bwd_layouts_of(dtype, head_dim, BWD_CONFIGS[head_dim][3], _dq_box(head_dim), rank)
+
+
+@functools.lru_cache(maxsize=None)  # pure, and made on every backward call
+def _bwd_layouts_of(dtype, head_dim: int, block_m: int, dq_box: tuple[int, int], rank: int):
     from triton.experimental.gluon import language as gl
 
     gl_dtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[dtype]
     lead = [1] * (rank - 2)
-    return (gl.NVMMASharedLayout.get_default_for(lead + [BLOCK_M, head_dim], gl_dtype),
-            gl.NVMMASharedLayout.get_default_for(lead + [BWD_CONSUMERS * BLOCK_M, head_dim], gl_dtype),
-            gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_M], gl_dtype),
-            gl.NVMMASharedLayout.get_default_for(lead + [BLOCK_M, dq_cols], gl.float32))
+    nvmma = lambda shape, dt=gl_dtype: gl.NVMMASharedLayout.get_default_for(lead + list(shape), dt)
+    return (nvmma([block_m, head_dim]), nvmma([BWD_CONSUMERS * 64, head_dim]), nvmma([64, head_dim]),
+            nvmma([64, block_m]), nvmma(dq_box, gl.float32))
 
 
 def backward(do, q, k, v, o, lse, causal, softmax_scale):
@@ -255,17 +264,18 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
                           HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=num_stages,
                           Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, SPLIT_LOOPS=split_loops)
     else:
-        dq_cols = _dq_cols(head_dim)
-        q_layout, kv_layout, ds_layout, dq_layout = _bwd_layouts(dtype, head_dim, dq_cols)
-        box, k_box, _, dq_box = _bwd_layouts(dtype, head_dim, dq_cols, rank=4)
-        dq_box = f"tensordesc<fp32[1, 1, {BLOCK_M}, {dq_cols}],{dq_box!r}>"
-        box, k_box = tensordesc(BLOCK_M, box), tensordesc(BWD_CONSUMERS * BLOCK_M, k_box)
+        num_stages, dq_first, split_dq, block_m = BWD_CONFIGS[head_dim]
+        dq_rows, dq_cols = _dq_box(head_dim)
+        q_layout, kv_layout, _, ds_layout, dq_layout = _bwd_layouts(dtype, head_dim)
+        q_box, k_box, v_box, _, dq_box = _bwd_layouts(dtype, head_dim, rank=4)
+        dq_box = f"tensordesc<fp32[1, 1, {dq_rows}, {dq_cols}],{dq_box!r}>"
+        q_box, k_box, v_box = (tensordesc(block_m, q_box), tensordesc(BWD_CONSUMERS * 64, k_box),
+                               tensordesc(64, v_box))
         fn = module.fa3_bwd_kernel
-        descs = dict(q_desc=box, k_desc=k_box, v_desc=box, do_desc=box, dk_desc=box, dv_desc=box, dq_desc=dq_box,
-                     LSE="*fp32", DELTA="*fp32", qk_scale="fp32", softmax_scale="fp32")
-        num_stages, dq_first, split_dq = BWD_CONFIGS[head_dim]
+        descs = dict(q_desc=q_box, k_desc=k_box, v_desc=v_box, do_desc=q_box, dk_desc=v_box, dv_desc=v_box,
+                     dq_desc=dq_box, LSE="*fp32", DELTA="*fp32", qk_scale="fp32", softmax_scale="fp32")
         constexprs = dict(GROUP=group, CAUSAL=causal, NUM_CONSUMERS=BWD_CONSUMERS, HEAD_DIM=head_dim,
-                          BLOCK_M=BLOCK_M, NUM_STAGES=num_stages, SPLIT_DQ=split_dq, DQ_FIRST=dq_first,
+                          BLOCK_M=block_m, NUM_STAGES=num_stages, SPLIT_DQ=split_dq, DQ_FIRST=dq_first,
                           Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, DQ_LAYOUT=dq_layout)
     signature = {arg: "i32" for arg in fn.arg_names}
     signature.update(descs)

@@ -12,11 +12,12 @@ head in its GQA group) that can see them. Partitions (`gl.warp_specialize`):
   block's LSE and delta, which the consumers would otherwise wait on from global memory (`ready` says a slot is
   full: the TMA bytes and the 32 threads' cp.async arrivals; `empty`, one arrival per consumer, that it may be
   reused).
-- NUM_CONSUMERS consumer warpgroups, one per 64 keys. Per query block a consumer issues S^T = K Q^T and
-  dP^T = V dO^T (async wgmmas), waits for S^T only, computes P^T while dP^T runs, issues dV += P^T dO (P^T
-  from registers), waits for dP^T, computes dS^T, issues dK += dS^T Q (dS^T from registers), stores dS^T to
-  shared memory and computes dQ_i = dS K (with SPLIT_DQ, on at HEAD_DIM 128, each warpgroup 64 columns over all
-  the CTA's keys), which goes through its own float32 shared tile and one TMA reduce-add
+- NUM_CONSUMERS consumer warpgroups, one per 64 keys. Per query block (BLOCK_M = 64 or 128 rows) a consumer
+  issues S^T = K Q^T and dP^T = V dO^T (async wgmmas), waits for S^T only, computes P^T while dP^T runs, issues
+  dV += P^T dO (P^T from registers), waits for dP^T, computes dS^T, issues dK += dS^T Q (dS^T from registers),
+  stores dS^T to shared memory and computes its part of dQ_i = dS K (SPLIT_DQ: "none", all of dQ_i over its
+  own 64 keys; "cols", a share of the columns over all the CTA's keys; "rows", a share of the rows over all the
+  CTA's keys), which goes through its own float32 shared tile and one TMA reduce-add
   (`cp.reduce.async.bulk.tensor`) into the float32 dQ accumulator, completing under the next block. dQ's order
   of additions varies, so it is not bit-reproducible (FA3's trade).
 Rows past seqlen_q read as 0 through TMA and are given lse = +inf, so their P is 0; keys past seqlen_k read as 0,
@@ -100,16 +101,16 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, stats_smem, kv_
               DQ_FIRST: gl.constexpr):
     """Consumer warpgroup CID: keys [start_n + 64 * CID, + 64) of the CTA's key block.
 
-    SPLIT_DQ (on at HEAD_DIM 128 in `kernels.fa3.BWD_CONFIGS`): the warpgroups share dS through shared memory
-    and each computes HEAD_DIM / NUM_CONSUMERS columns of dQ_i over all the CTA's keys (FA3's split: each dQ
-    element is added once per CTA).
-    Otherwise each computes all of dQ_i over its own 64 keys.
+    SPLIT_DQ "cols" or "rows" (`kernels.fa3.BWD_CONFIGS`): the warpgroups share dS through shared memory and each
+    computes HEAD_DIM / NUM_CONSUMERS columns, or BLOCK_M / NUM_CONSUMERS rows, of dQ_i over all the CTA's keys
+    (FA3's split: each dQ element is added once per CTA). "none": each computes all of dQ_i over its own 64 keys.
     DQ_FIRST: the dQ GEMM is issued before the dK GEMM, so dQ_i's store and reduce-add run under dK's GEMM instead
     of after every GEMM of the block.
     """
     dtype: gl.constexpr = q_smem.dtype
     BLOCK_N: gl.constexpr = NUM_CONSUMERS * BLOCK_KEYS
-    DQ_N: gl.constexpr = HEAD_DIM // NUM_CONSUMERS if SPLIT_DQ else HEAD_DIM
+    DQ_M: gl.constexpr = BLOCK_M // NUM_CONSUMERS if SPLIT_DQ == "rows" else BLOCK_M
+    DQ_N: gl.constexpr = HEAD_DIM // NUM_CONSUMERS if SPLIT_DQ == "cols" else HEAD_DIM
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -129,8 +130,10 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, stats_smem, kv_
     # (64, HEAD_DIM) tiles would not read as one (BLOCK_N, HEAD_DIM) tile for SPLIT_DQ.
     k_tile = k_smem.slice(CID * BLOCK_KEYS, BLOCK_KEYS, dim=0)
     v_tile = v_smem.index(CID)
-    if SPLIT_DQ:
+    if SPLIT_DQ == "cols":
         dq_b = k_smem.slice(CID * DQ_N, DQ_N, dim=1)  # dQ_i[:, cols] = dS_i K[:, cols]
+    elif SPLIT_DQ == "rows":
+        dq_b = k_smem  # dQ_i[rows, :] = dS_i[rows, :] K
     else:
         dq_b = k_tile
     keys = start_n + CID * BLOCK_KEYS + gl.arange(0, BLOCK_KEYS, layout=gl.SliceLayout(1, s_layout))
@@ -139,7 +142,8 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, stats_smem, kv_
     dk = gl.zeros([BLOCK_KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
     dv = gl.zeros([BLOCK_KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
     dq_tile = dq_smem.index(CID)
-    dq_col = CID * DQ_N if SPLIT_DQ else 0
+    DQ_ROW: gl.constexpr = CID * DQ_M if SPLIT_DQ == "rows" else 0
+    dq_col = CID * DQ_N if SPLIT_DQ == "cols" else 0
     mbarrier.wait(kv_bar, 0)
     for it in range(GROUP * n_m):
         slot = it % NUM_STAGES
@@ -148,16 +152,15 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, stats_smem, kv_
         q_tile = q_smem.index(slot)
         do_tile = do_smem.index(slot)
         mbarrier.wait(ready.index(slot), (it // NUM_STAGES) & 1)
-        s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)),
-                            gl.zeros([BLOCK_KEYS, BLOCK_M], gl.float32, layout=s_layout), use_acc=False,
-                            is_async=True)
-        dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)),
-                             gl.zeros([BLOCK_KEYS, BLOCK_M], gl.float32, layout=s_layout), use_acc=False,
-                             is_async=True)
-        cols = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
+        zeros = gl.zeros([BLOCK_KEYS, BLOCK_M], gl.float32, layout=s_layout)
+        s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), zeros, use_acc=False, is_async=True)
         stats = stats_smem.index(slot)  # the LSE and delta came with Q_i and dO_i
-        lse = gl.where(cols < seqlen_q, stats.slice(0, BLOCK_M).load(col_layout), float("inf"))
+        # dP^T's accumulator starts at -delta, so the GEMM gives dP^T - delta (no delta held in registers until
+        # dS, where they are scarcest)
         delta = stats.slice(BLOCK_M, BLOCK_M).load(col_layout)
+        dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), zeros - gl.expand_dims(delta, 0), is_async=True)
+        cols = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
+        lse = gl.where(cols < seqlen_q, stats.slice(0, BLOCK_M).load(col_layout), float("inf"))
         s_t = warpgroup_mma_wait(1, deps=(s_t,))  # S^T is done; dP^T may still run
         p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse, 0))
         if CAUSAL:
@@ -167,7 +170,7 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, stats_smem, kv_
         p_op = gl.convert_layout(p_t.to(dtype), op_layout)
         dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)  # dV += P^T dO
         dp_t, p_op = warpgroup_mma_wait(1, deps=(dp_t, p_op))
-        ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
+        ds_t = (p_t * dp_t).to(dtype)
         ds_op = gl.convert_layout(ds_t, op_layout)
         if not DQ_FIRST:
             dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)  # dK += dS^T Q (scaled at the end)
@@ -178,28 +181,28 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, stats_smem, kv_
         mbarrier.wait(ds_free.index(buf), ((it // 2) & 1) ^ 1)  # a fresh barrier passes phase 1
         ds_all.slice(CID * BLOCK_KEYS, BLOCK_KEYS, dim=0).store(ds_t)
         fence_async_shared()
-        if SPLIT_DQ:
+        if SPLIT_DQ == "none":
+            dq_a = ds_all.slice(CID * BLOCK_KEYS, BLOCK_KEYS, dim=0).permute((1, 0))
+        else:
             mbarrier.arrive(ds_ready.index(buf))
             mbarrier.wait(ds_ready.index(buf), (it // 2) & 1)  # every warpgroup's dS^T is in
-            dq_a = ds_all.permute((1, 0))
-        else:
-            dq_a = ds_all.slice(CID * BLOCK_KEYS, BLOCK_KEYS, dim=0).permute((1, 0))
-        dq = warpgroup_mma(dq_a, dq_b, gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout), use_acc=False,
+            dq_a = ds_all.slice(DQ_ROW, DQ_M, dim=1).permute((1, 0))
+        dq = warpgroup_mma(dq_a, dq_b, gl.zeros([DQ_M, DQ_N], gl.float32, layout=dq_layout), use_acc=False,
                            is_async=True)
         if DQ_FIRST:
             dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)  # dK += dS^T Q (scaled at the end)
             dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))  # dK may still run
             mbarrier.arrive(ds_free.index(buf))
-            _dq_reduce(dq, dq_tile, dq_desc, off_b, off_h, start_m, dq_col)
+            _dq_reduce(dq, dq_tile, dq_desc, off_b, off_h, start_m + DQ_ROW, dq_col)
             dk, ds_op = warpgroup_mma_wait(0, deps=(dk, ds_op))
             mbarrier.arrive(empty.index(slot))  # every GEMM that reads Q_i and dO_i is done
         else:
             dv, dk, dq, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, ds_op))
             mbarrier.arrive(ds_free.index(buf))
             mbarrier.arrive(empty.index(slot))  # every GEMM that reads Q_i and dO_i is done
-            _dq_reduce(dq, dq_tile, dq_desc, off_b, off_h, start_m, dq_col)
+            _dq_reduce(dq, dq_tile, dq_desc, off_b, off_h, start_m + DQ_ROW, dq_col)
     # This warpgroup's V tile is no longer read (K is: the other warpgroup's dQ GEMM may still run under
-    # SPLIT_DQ): it stages dV, then dK, for the TMA stores.
+    # a split dQ): it stages dV, then dK, for the TMA stores.
     row_k = start_n + CID * BLOCK_KEYS
     v_tile.store(dv.to(dtype))
     fence_async_shared()
@@ -253,16 +256,17 @@ def fa3_bwd_kernel(
 ):
     """Grid (cdiv(seqlen_k, NUM_CONSUMERS * 64), batch * n_kv_heads): see the module docstring. LSE, DELTA:
     float32 (batch, n_heads, seqlen_q); dq_desc: over the zeroed float32 (batch, n_heads, seqlen_q, HEAD_DIM) dQ
-    accumulator, (1, 1, BLOCK_M, HEAD_DIM / NUM_CONSUMERS if SPLIT_DQ else HEAD_DIM) boxes (rows past seqlen_q
-    are clipped by the TMA unit)."""
+    accumulator padded to whole BLOCK_M-row blocks, with the (1, 1, rows, columns) boxes of one warpgroup's share
+    of dQ_i (SPLIT_DQ)."""
     dtype: gl.constexpr = q_desc.dtype
     k_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS * BLOCK_KEYS, HEAD_DIM], KV_LAYOUT)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BLOCK_KEYS, HEAD_DIM], KV_LAYOUT)
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], Q_LAYOUT)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], Q_LAYOUT)
     ds_smem = gl.allocate_shared_memory(dtype, [2, NUM_CONSUMERS * BLOCK_KEYS, BLOCK_M], DS_LAYOUT)
-    DQ_N: gl.constexpr = HEAD_DIM // NUM_CONSUMERS if SPLIT_DQ else HEAD_DIM
-    dq_smem = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS, BLOCK_M, DQ_N], DQ_LAYOUT)
+    DQ_M: gl.constexpr = BLOCK_M // NUM_CONSUMERS if SPLIT_DQ == "rows" else BLOCK_M
+    DQ_N: gl.constexpr = HEAD_DIM // NUM_CONSUMERS if SPLIT_DQ == "cols" else HEAD_DIM
+    dq_smem = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS, DQ_M, DQ_N], DQ_LAYOUT)
     # per ring slot the query block's LSE and delta (loaded where they are used, their global-load latency stalled
     # the consumers' loop: Nsight Compute, docs/hopper-notes.md)
     stats_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 2 * BLOCK_M],

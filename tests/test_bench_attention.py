@@ -96,23 +96,27 @@ def test_fa2_configs_needs_a_gpu(monkeypatch):
 def test_fa3_variant_fields():
     from bench.fa3_variants import forward_config
 
-    assert forward_config((3, 128, 2, 1, 1)) == (3, 128, 2, True, True, False)  # SPLIT_LOOPS off by default
-    assert forward_config((3, 128, 2, 1, 1, 1)) == (3, 128, 2, True, True, True)
+    assert forward_config("3:128:2:1:1") == (3, 128, 2, True, True, False)  # SPLIT_LOOPS off by default
+    assert forward_config("3:128:2:1:1:1") == (3, 128, 2, True, True, True)
     with pytest.raises(SystemExit, match="variant 3:128:2: give 5 or 6 fields"):
-        forward_config((3, 128, 2))
+        forward_config("3:128:2")
 
 
 def test_fa3_backward_variant_fields_default_to_the_head_dims_config():
     from bench.fa3_variants import backward_config
 
-    assert backward_config((4,), (2, False, True)) == (4, False, True)
-    assert backward_config((3, 1, 0), (2, False, True)) == (3, True, False)
+    assert backward_config("4", (2, False, "cols", 64)) == (4, False, "cols", 64)
+    assert backward_config("3:1:none", (2, False, "cols", 64)) == (3, True, "none", 64)
+    assert backward_config("2:0:rows:128", (4, False, "none", 64)) == (2, False, "rows", 128)
 
 
 @pytest.mark.parametrize("argv,message", [
     (["--variants", "foo"], "variant 'foo': give colon-separated integers"),
     (["--variants", "2:128:2"], "variant 2:128:2: give 5 or 6 fields"),
-    (["--backward", "--variants", "2:128:2:1:1"], "backward variant 2:128:2:1:1: give 1 to 3 fields"),
+    (["--backward", "--variants", "2:128:2:1:1"], "backward variant 2:128:2:1:1: give 1 to 4 fields"),
+    (["--backward", "--variants", "2:0:1"], "SPLIT_DQ '1'; accepted none, cols, rows"),
+    (["--backward", "--variants", "2:0:rows:96"], "BLOCK_M 96; accepted 64, 128"),
+    (["--backward", "--variants", "x:0"], "variant 'x:0': give colon-separated integers"),
 ])
 def test_fa3_variants_checks_its_variants_on_any_machine(monkeypatch, argv, message):
     """bench.fa3_variants parses --variants (in the --backward format with --backward) before it looks for a GPU,

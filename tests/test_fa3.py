@@ -174,6 +174,7 @@ def _reference_grads(q, k, v, do, causal):
 @gluon_on_hopper
 @pytest.mark.parametrize("head_dim,causal,n_heads,n_kv_heads,seqlen_q,seqlen_k", [
     (128, True, 4, 4, 333, 333), (64, True, 8, 2, 200, 455), (128, False, 2, 1, 517, 130), (64, False, 4, 4, 64, 64),
+    (64, True, 4, 4, 455, 200), (64, False, 2, 1, 129, 300),  # 128-row query blocks at 64: partial last blocks
 ])
 def test_gluon_backward_matches_float64(fresh_dispatch, monkeypatch, head_dim, causal, n_heads, n_kv_heads,
                                         seqlen_q, seqlen_k):
@@ -227,14 +228,14 @@ def test_forward_dispatch(fresh_dispatch, monkeypatch, head_dim, causal, seqlen_
 
 
 @pytest.mark.parametrize("head_dim,seqlen,deterministic,expected", [
-    (128, 8, False, "gluon"), (64, 8, False, "fa2"), (64, 2048, False, "gluon"), (128, 8, True, "fa2"),
-    (64, 2048, True, "fa2"), (96, 4096, False, "fa2"),
+    (128, 8, False, "gluon"), (64, 8, False, "fa2"), (64, 1024, False, "gluon"), (128, 8, True, "fa2"),
+    (64, 1024, True, "fa2"), (96, 4096, False, "fa2"),
 ])
 def test_backward_dispatch(fresh_dispatch, monkeypatch, head_dim, seqlen, deterministic, expected):
     """The Gluon backward runs where GLUON_BACKWARD_MIN_SEQLEN says (per head_dim, from that many keys on), and
     never under deterministic algorithms (its dQ reduce-adds are not bit-reproducible); FA2's backward everywhere
     else."""
-    monkeypatch.setattr(fa3, "GLUON_BACKWARD_MIN_SEQLEN", {64: 2048, 128: 1})
+    monkeypatch.setattr(fa3, "GLUON_BACKWARD_MIN_SEQLEN", {64: 1024, 128: 1})
     calls = []
     monkeypatch.setattr(fa3, "gluon_unsupported_reason", lambda *tensors: None)
     monkeypatch.setattr(fa3, "_gluon_module", lambda name="fa3_hopper": name)
@@ -249,15 +250,15 @@ def test_backward_dispatch(fresh_dispatch, monkeypatch, head_dim, seqlen, determ
     assert calls == [expected]
 
 
-@pytest.mark.parametrize("head_dim,seqlen_q", [(64, 40), (80, 64), (128, 7)])
-def test_bwd_preprocess_zeroes_the_dq_accumulator(head_dim, seqlen_q):
+@pytest.mark.parametrize("head_dim,seqlen_q,block_m", [(64, 40, 64), (80, 64, 64), (128, 7, 64), (64, 130, 128)])
+def test_bwd_preprocess_zeroes_the_dq_accumulator(head_dim, seqlen_q, block_m):
     """The Gluon backward's preprocess: delta = rowsum(dO * O) against float64, and the float32 dQ accumulator
-    (padded to whole 64-row blocks) zeroed in the same kernel, padding rows included."""
-    from kernels.common import PREPROCESS_BLOCK_M, bwd_preprocess
+    (padded to whole block_m-row query blocks) zeroed in the same kernel, padding rows included."""
+    from kernels.common import bwd_preprocess
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     o, do = (torch.randn(2, 3, seqlen_q, head_dim, dtype=torch.bfloat16, device=device) for _ in range(2))
-    seqlen_q_pad = -(-seqlen_q // PREPROCESS_BLOCK_M) * PREPROCESS_BLOCK_M
+    seqlen_q_pad = -(-seqlen_q // block_m) * block_m
     dq_acc = torch.full((2, 3, seqlen_q_pad, head_dim), float("nan"), device=device)
     delta = bwd_preprocess(o, do.transpose(1, 2).contiguous().transpose(1, 2), dq_acc)
     reference = (o.double() * do.double()).sum(-1)
@@ -269,7 +270,7 @@ def test_bwd_preprocess_refuses_a_wrong_dq_accumulator():
     from kernels.common import bwd_preprocess
 
     o = torch.randn(1, 2, 40, 64, dtype=torch.bfloat16)
-    for bad in (torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16), torch.zeros(1, 2, 128, 64),
+    for bad in (torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16), torch.zeros(2, 2, 64, 64),
                 torch.zeros(1, 2, 64, 64).transpose(2, 3), torch.zeros(1, 2, 32, 64)):
         with pytest.raises(ValueError, match="dq_acc must be a contiguous float32"):
             bwd_preprocess(o, o, bad)
