@@ -170,11 +170,11 @@ def _launch_backward(module, do, q, k, v, o, lse, causal, softmax_scale):
     batch, n_heads, seqlen_q, head_dim = q.shape
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     num_stages, dq_first, split_dq, block_m = BWD_CONFIGS[head_dim]
+    dq_rows, dq_cols = _dq_box(head_dim)  # checks the config
     seqlen_q_pad = triton.cdiv(seqlen_q, block_m) * block_m  # whole blocks for the dQ reduce-adds
     dq_acc = torch.empty((batch, n_heads, seqlen_q_pad, head_dim), device=q.device, dtype=torch.float32)
     delta = bwd_preprocess(o, do, dq_acc)  # also zeroes dq_acc
     dk, dv = empty_like_layout(k), empty_like_layout(v)
-    dq_rows, dq_cols = _dq_box(head_dim)
     q_layout, kv_layout, _, ds_layout, dq_layout = _bwd_layouts(q.dtype, head_dim)
     q_box, k_box, v_box, _, dq_box = _bwd_layouts(q.dtype, head_dim, rank=4)
     desc = lambda t, rows, layout, cols=head_dim: TensorDescriptor(
@@ -199,6 +199,9 @@ def _dq_box(head_dim: int) -> tuple[int, int]:
     _, _, split_dq, block_m = BWD_CONFIGS[head_dim]
     if split_dq not in ("none", "cols", "rows"):
         raise ValueError(f"BWD_CONFIGS[{head_dim}]: SPLIT_DQ={split_dq!r}; accepted 'none', 'cols', 'rows'")
+    if block_m not in (64, 128) or (split_dq == "rows" and block_m != 128):
+        raise ValueError(f"BWD_CONFIGS[{head_dim}]: BLOCK_M={block_m!r} with SPLIT_DQ={split_dq!r}; accepted 64 or "
+                         "128, and 128 for 'rows' (64 rows a warpgroup: a wgmma's M)")
     return (block_m // BWD_CONSUMERS if split_dq == "rows" else block_m,
             head_dim // BWD_CONSUMERS if split_dq == "cols" else head_dim)
 

@@ -6,6 +6,7 @@ determinism) is tests/test_attention.py's, which runs fa3 on a CUDA GPU.
 """
 
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -264,6 +265,19 @@ def test_bwd_preprocess_zeroes_the_dq_accumulator(head_dim, seqlen_q, block_m):
     reference = (o.double() * do.double()).sum(-1)
     assert ((delta.double() - reference).norm() / reference.norm()).item() < 1e-6
     assert (dq_acc == 0).all()
+
+
+@pytest.mark.parametrize("config,message", [
+    ((2, False, "row", 128), "SPLIT_DQ='row'; accepted 'none', 'cols', 'rows'"),
+    ((2, False, "rows", 64), "BLOCK_M=64 with SPLIT_DQ='rows'"),
+    ((2, False, "none", 96), "BLOCK_M=96 with SPLIT_DQ='none'"),
+])
+def test_backward_configs_are_checked(monkeypatch, config, message):
+    """A BWD_CONFIGS entry the Gluon backward cannot run (e.g. one typed into bench.fa3_variants) is named before
+    anything is compiled."""
+    monkeypatch.setitem(fa3.BWD_CONFIGS, 64, config)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        fa3._dq_box(64)
 
 
 def test_bwd_preprocess_refuses_a_wrong_dq_accumulator():
