@@ -4,9 +4,9 @@
     python -m bench.fa3_variants --backward --variants 2:0:cols,3:0:cols --head-dims 128 --seqlens 2048,8192
 
 Backward: a variant is NUM_STAGES[:DQ_FIRST[:SPLIT_DQ[:BLOCK_M]]] (`kernels.fa3.BWD_CONFIGS[head_dim]`, the fields
-left out as there; SPLIT_DQ is none, cols or rows); each is checked against float32 gradients (dq, dk, dv by relative error) on the shapes below, then
-backward medians of the Gluon kernel are printed next to FA2's backward and cuDNN's on the same inputs (forward
-excluded).
+left out as there; SPLIT_DQ is none, cols or rows); each is checked against float32 gradients (dq, dk, dv by
+relative error) on the shapes below, then backward medians of the Gluon kernel are printed next to FA2's backward
+and cuDNN's on the same inputs (forward excluded).
 Forward: a variant is NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT[:SPLIT_LOOPS] and replaces
 `kernels.fa3.CONFIGS[head_dim, causal]` for both values of causal. Every variant is first checked against a
 float32 reference (SDPA's math kernel on upcast inputs) on odd lengths, seqlen_q != seqlen_k both ways, GQA and
@@ -186,16 +186,15 @@ def forward_config(variant):
     fields = _ints(variant, variant.split(":"))
     if len(fields) not in (5, 6):
         raise SystemExit(f"variant {variant}: give 5 or 6 fields (see --help)")
-    variant = fields
-    return (*variant[:3], bool(variant[3]), bool(variant[4]), bool(variant[5]) if len(variant) == 6 else False)
+    return (*fields[:3], bool(fields[3]), bool(fields[4]), bool(fields[5]) if len(fields) == 6 else False)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--variants", default=None,
                         help="comma-separated NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT[:SPLIT_LOOPS] "
-                             f"(default {FORWARD_DEFAULT}); with --backward NUM_STAGES[:DQ_FIRST[:SPLIT_DQ[:BLOCK_M]]] (default "
-                             f"{BACKWARD_DEFAULT})")
+                             f"(default {FORWARD_DEFAULT}); with --backward "
+                             f"NUM_STAGES[:DQ_FIRST[:SPLIT_DQ[:BLOCK_M]]] (default {BACKWARD_DEFAULT})")
     parser.add_argument("--head-dims", default="64,128", help="comma-separated head dimensions D")
     parser.add_argument("--seqlens", default="2048,8192", help="comma-separated sequence lengths N")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"], help="input dtype")

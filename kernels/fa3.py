@@ -31,7 +31,8 @@ DTYPES = (torch.float16, torch.bfloat16)
 BLOCK_M = 64  # query rows per consumer warpgroup
 # (NUM_CONSUMERS, BLOCK_N, NUM_STAGES, PINGPONG, PERSISTENT, SPLIT_LOOPS) per (head_dim, causal), from `python -m
 # bench.fa3_variants` on the H200 (tenth session: at 64, two consumers for causal, three for non-causal;
-# docs/hopper-notes.md, forward variant 9; eleventh: a 3-deep ring for causal at 64, +0.5-2 %); PERSISTENT: one CTA per SM looping over tiles, else one CTA per tile;
+# docs/hopper-notes.md, forward variant 9; eleventh: a 4-deep ring for causal at 64, variant 10); PERSISTENT: one
+# CTA per SM looping over tiles, else one CTA per tile;
 # SPLIT_LOOPS: the unmasked and the masked K/V blocks in two loops, else one loop with a branch per block
 # (measured: no faster, D = 64 causal slower at N <= 4k; docs/hopper-notes.md, variant 5).
 # NUM_CONSUMERS x 64 x D Q tiles plus two NUM_STAGES x BLOCK_N x D rings must fit the 227 KiB of shared memory
@@ -175,8 +176,8 @@ def _launch_backward(module, do, q, k, v, o, lse, causal, softmax_scale):
     dq_acc = torch.empty((batch, n_heads, seqlen_q_pad, head_dim), device=q.device, dtype=torch.float32)
     delta = bwd_preprocess(o, do, dq_acc)  # also zeroes dq_acc
     dk, dv = empty_like_layout(k), empty_like_layout(v)
-    q_layout, kv_layout, _, ds_layout, dq_layout = _bwd_layouts(q.dtype, head_dim)
-    q_box, k_box, v_box, _, dq_box = _bwd_layouts(q.dtype, head_dim, rank=4)
+    q_layout, kv_layout, _, ds_layout, dq_layout = _bwd_layouts(q.dtype, head_dim, block_m, (dq_rows, dq_cols))
+    q_box, k_box, v_box, _, dq_box = _bwd_layouts(q.dtype, head_dim, block_m, (dq_rows, dq_cols), rank=4)
     desc = lambda t, rows, layout, cols=head_dim: TensorDescriptor(
         t, list(t.shape), list(t.stride()), [1, 1, rows, cols], layout)
     block_n = BWD_CONSUMERS * 64
@@ -206,14 +207,11 @@ def _dq_box(head_dim: int) -> tuple[int, int]:
             head_dim // BWD_CONSUMERS if split_dq == "cols" else head_dim)
 
 
-def _bwd_layouts(dtype, head_dim: int, rank: int = 2):
-    """NVMMA shared layouts of the backward's tiles: (BLOCK_M, head_dim) Q/dO, (128, head_dim) K, (64, head_dim)
-    V/dK/dV, (64, BLOCK_M) dS^T and float32 dQ (`_dq_box`); rank 4: those of the descriptors' (1, 1, ...) boxes."""
-    return _bwd_layouts_of(dtype, head_dim, BWD_CONFIGS[head_dim][3], _dq_box(head_dim), rank)
-
-
 @functools.lru_cache(maxsize=None)  # pure, and made on every backward call
-def _bwd_layouts_of(dtype, head_dim: int, block_m: int, dq_box: tuple[int, int], rank: int):
+def _bwd_layouts(dtype, head_dim: int, block_m: int, dq_box: tuple[int, int], rank: int = 2):
+    """NVMMA shared layouts of the backward's tiles: (block_m, head_dim) Q/dO, (128, head_dim) K, (64, head_dim)
+    V/dK/dV, (64, block_m) dS^T and float32 dQ (`dq_box`, from `_dq_box`); rank 4: those of the descriptors'
+    (1, 1, ...) boxes."""
     from triton.experimental.gluon import language as gl
 
     gl_dtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[dtype]
@@ -269,8 +267,8 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
     else:
         num_stages, dq_first, split_dq, block_m = BWD_CONFIGS[head_dim]
         dq_rows, dq_cols = _dq_box(head_dim)
-        q_layout, kv_layout, _, ds_layout, dq_layout = _bwd_layouts(dtype, head_dim)
-        q_box, k_box, v_box, _, dq_box = _bwd_layouts(dtype, head_dim, rank=4)
+        q_layout, kv_layout, _, ds_layout, dq_layout = _bwd_layouts(dtype, head_dim, block_m, (dq_rows, dq_cols))
+        q_box, k_box, v_box, _, dq_box = _bwd_layouts(dtype, head_dim, block_m, (dq_rows, dq_cols), rank=4)
         dq_box = f"tensordesc<fp32[1, 1, {dq_rows}, {dq_cols}],{dq_box!r}>"
         q_box, k_box, v_box = (tensordesc(block_m, q_box), tensordesc(BWD_CONSUMERS * 64, k_box),
                                tensordesc(64, v_box))
