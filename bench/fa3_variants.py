@@ -143,7 +143,7 @@ def main_backward(args, dtype):
 
 
 FORWARD_DEFAULT = "2:128:2:1:1,2:128:2:1:0"
-BACKWARD_DEFAULT = "2:0,4:0"
+BACKWARD_DEFAULT = "2:0,2:0:none:64"  # each head_dim's config, and one that fits both head dims
 
 
 def parse_variants(text, config):
@@ -175,9 +175,31 @@ def backward_config(variant, default=(2, False, "none", 64)):
         raise SystemExit(f"backward variant {variant}: SPLIT_DQ {fields[2]!r}; accepted none, cols, rows")
     if len(fields) == 4 and fields[3] not in ("64", "128"):
         raise SystemExit(f"backward variant {variant}: BLOCK_M {fields[3]}; accepted 64, 128")
-    ints = _ints(variant, fields[:2])
+    try:
+        ints = [int(x) for x in fields[:2]]
+    except ValueError:
+        raise SystemExit(f"backward variant {variant}: NUM_STAGES and DQ_FIRST are integers (see --help)") from None
+    if ints[0] < 1:
+        raise SystemExit(f"backward variant {variant}: NUM_STAGES {ints[0]}; give 1 or more")
     config = [ints[0], *(bool(x) for x in ints[1:]), *fields[2:3], *(int(x) for x in fields[3:])]
     return (*config, *default[len(config):])
+
+
+def check_backward_configs(variants, head_dims):
+    """SystemExit naming a backward variant the Gluon kernel cannot run at one of head_dims (`kernels.fa3._dq_box`'s
+    rules), before any GPU is looked for."""
+    for head_dim in head_dims:
+        if head_dim not in DEFAULT_BWD_CONFIGS:
+            raise SystemExit(f"--head-dims {head_dim}: the Gluon backward takes {', '.join(map(str, fa3.HEAD_DIMS))}")
+        for variant in variants:
+            saved = fa3.BWD_CONFIGS[head_dim]
+            fa3.BWD_CONFIGS[head_dim] = backward_config(variant, DEFAULT_BWD_CONFIGS[head_dim])
+            try:
+                fa3._dq_box(head_dim)
+            except ValueError as e:
+                raise SystemExit(f"backward variant {variant} at head_dim {head_dim}: {e}") from None
+            finally:
+                fa3.BWD_CONFIGS[head_dim] = saved
 
 
 def forward_config(variant):
@@ -203,6 +225,8 @@ def main(argv=None):
     # Checked before the GPU is looked for, so a typo is caught on any machine.
     args.variants = parse_variants(args.variants or (BACKWARD_DEFAULT if args.backward else FORWARD_DEFAULT),
                                    backward_config if args.backward else forward_config)
+    if args.backward:
+        check_backward_configs(args.variants, map(int, args.head_dims.split(",")))
     if not torch.cuda.is_available():
         raise SystemExit("bench.fa3_variants needs a CUDA GPU (an sm_90 one for the Gluon kernels)")
     from triton.testing import do_bench

@@ -28,7 +28,7 @@ from .common import INTERPRET, bwd_preprocess, empty_like_layout, use_tma
 GLUON_TRITON_VERSIONS = ("3.6",)
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
-BLOCK_M = 64  # query rows per consumer warpgroup
+BLOCK_M = 64  # the forward's query rows per consumer warpgroup
 # (NUM_CONSUMERS, BLOCK_N, NUM_STAGES, PINGPONG, PERSISTENT, SPLIT_LOOPS) per (head_dim, causal), from `python -m
 # bench.fa3_variants` on the H200 (tenth session: at 64, two consumers for causal, three for non-causal;
 # docs/hopper-notes.md, forward variant 9; eleventh: a 4-deep ring for causal at 64, variant 10); PERSISTENT: one
@@ -51,7 +51,8 @@ FA2_CAUSAL_FORWARD_MAX_SEQLEN = {}
 # its dK GEMM, dQ's reduce-add under dK (measured no faster, docs/hopper-notes.md backward variant 5). SPLIT_DQ:
 # "none", each warpgroup computes all of dQ_i over its own keys; "cols" / "rows", each a share of dQ_i's columns /
 # rows over all the CTA's keys. At 64, 128 query rows with dQ split by rows measured 3-9 % faster than 64 rows
-# (eleventh session, backward variant 9); BLOCK_M 128 does not fit the registers at 128.
+# (eleventh session, backward variant 9); at 128, BLOCK_M 128 fits neither the registers nor shared memory.
+# Shared memory at 64 (rows, 128): 199 KB with 2 stages, 3 do not fit; at 128 (cols, 64): 198 KB with 2 stages.
 BWD_CONFIGS = {64: (2, False, "rows", 128), 128: (2, False, "cols", 64)}
 # The Gluon backward per head_dim from this many keys (seqlen_k) on, FA2's below it and at other head dims (H200,
 # docs/benchmarks.md). 128: faster everywhere measured (eleventh session 0.93-1.02x cuDNN, FA2's 0.72-0.79x). 64:

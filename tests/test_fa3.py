@@ -75,7 +75,7 @@ def test_no_gpu_is_named(fresh_dispatch, monkeypatch):
 
 
 @pytest.mark.skipif(not SUPPORTED, reason=f"triton {fa3.triton_version()} is not a Gluon version the kernel supports")
-@pytest.mark.parametrize("kernel", ["fwd", "bwd", "fwd_split_loops"])
+@pytest.mark.parametrize("kernel", ["fwd", "bwd", "fwd_split_loops", "bwd_none_64"])
 @pytest.mark.parametrize("dtype,head_dim,causal,group", [
     (torch.bfloat16, 128, True, 1), (torch.float16, 64, False, 4), (torch.bfloat16, 64, True, 2),
 ])
@@ -86,10 +86,12 @@ def test_gluon_kernel_compiles_for_sm90(dtype, head_dim, causal, group, kernel):
     reductions' combine functions) are interpreted objects a compiled kernel cannot reference.
     """
     split = kernel == "fwd_split_loops"  # the forward with CONFIGS' SPLIT_LOOPS on
+    # bwd_none_64: the backward with 64 query rows a step, each warpgroup all of dQ over its keys (not a default)
+    bwd_config = "(2, False, 'none', 64)" if kernel == "bwd_none_64" else f"fa3.BWD_CONFIGS[{head_dim}]"
     code = (f"import torch; from kernels import fa3; c = fa3.CONFIGS[{head_dim}, {causal}]; "
-            f"fa3.CONFIGS[{head_dim}, {causal}] = (*c[:5], {split}); "
+            f"fa3.CONFIGS[{head_dim}, {causal}] = (*c[:5], {split}); fa3.BWD_CONFIGS[{head_dim}] = {bwd_config}; "
             f"k = fa3.compile_for_sm90(torch.{str(dtype)[6:]}, {head_dim}, {causal}, {group}, "
-            f"{'fwd' if split else kernel!r}); ptx = k.asm['ptx']; "
+            f"{kernel[:3]!r}); ptx = k.asm['ptx']; "
             "print(k.metadata.shared, all(s in ptx for s in ('wgmma.mma_async', 'setmaxnreg', 'cp.async.bulk.tensor')))")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
