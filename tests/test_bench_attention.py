@@ -118,8 +118,9 @@ def test_fa3_backward_variant_fields_default_to_the_head_dims_config():
     (["--backward", "--variants", "2:0:rows:96"], "BLOCK_M 96; accepted 64, 128"),
     (["--backward", "--variants", "x:0"], "backward variant x:0: NUM_STAGES and DQ_FIRST are integers"),
     (["--backward", "--variants", "0:0"], "NUM_STAGES 0; give 1 or more"),
-    (["--backward", "--variants", "2:0:rows:64"], "backward variant 2:0:rows:64 at head_dim 64: .*BLOCK_M=64 with SPLIT_DQ='rows'"),
-    (["--backward", "--variants", "2:0:rows", "--head-dims", "128"], "2:0:rows at head_dim 128: .*BLOCK_M=64 with SPLIT_DQ='rows'"),
+    (["--backward", "--variants", "2:0:rows:64"], "2:0:rows:64 at head_dim 64: .*BLOCK_M=64 with SPLIT_DQ='rows'"),
+    (["--backward", "--variants", "2:0:rows", "--head-dims", "128"],
+     "2:0:rows at head_dim 128: .*BLOCK_M=64 with SPLIT_DQ='rows'"),
     (["--backward", "--head-dims", "96"], "--head-dims 96: the Gluon backward takes 64, 128"),
 ])
 def test_fa3_variants_checks_its_variants_on_any_machine(monkeypatch, argv, message):
