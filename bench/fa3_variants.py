@@ -192,14 +192,10 @@ def check_backward_configs(variants, head_dims):
         if head_dim not in DEFAULT_BWD_CONFIGS:
             raise SystemExit(f"--head-dims {head_dim}: the Gluon backward takes {', '.join(map(str, fa3.HEAD_DIMS))}")
         for variant in variants:
-            saved = fa3.BWD_CONFIGS[head_dim]
-            fa3.BWD_CONFIGS[head_dim] = backward_config(variant, DEFAULT_BWD_CONFIGS[head_dim])
             try:
-                fa3._dq_box(head_dim)
+                fa3._dq_box(head_dim, backward_config(variant, DEFAULT_BWD_CONFIGS[head_dim]))
             except ValueError as e:
                 raise SystemExit(f"backward variant {variant} at head_dim {head_dim}: {e}") from None
-            finally:
-                fa3.BWD_CONFIGS[head_dim] = saved
 
 
 def forward_config(variant):

@@ -196,9 +196,10 @@ def _launch_backward(module, do, q, k, v, o, lse, causal, softmax_scale):
     return dq, dk, dv
 
 
-def _dq_box(head_dim: int) -> tuple[int, int]:
-    """(rows, columns) of one consumer warpgroup's share of a query block's dQ (BWD_CONFIGS' SPLIT_DQ)."""
-    _, _, split_dq, block_m = BWD_CONFIGS[head_dim]
+def _dq_box(head_dim: int, config: tuple | None = None) -> tuple[int, int]:
+    """(rows, columns) of one consumer warpgroup's share of a query block's dQ under `config` (default
+    BWD_CONFIGS[head_dim]); ValueError for a config the Gluon backward cannot run."""
+    _, _, split_dq, block_m = BWD_CONFIGS[head_dim] if config is None else config
     if split_dq not in ("none", "cols", "rows"):
         raise ValueError(f"BWD_CONFIGS[{head_dim}]: SPLIT_DQ={split_dq!r}; accepted 'none', 'cols', 'rows'")
     if block_m not in (64, 128) or (split_dq == "rows" and block_m != 128):
