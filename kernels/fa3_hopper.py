@@ -49,20 +49,57 @@ def _softmax_block(s, m_i, l_i, key_limit, start_n, qk_scale, MASKED: gl.constex
 
     key_limit (per row): the row sees keys [0, key_limit). MASKED: one compare and one select per score against
     the row's limit shifted to the block; the scale stays fused into the exp2's FFMA as in the unmasked path.
+    l_i is each thread's share of the row sums (`_halve_columns`' (BLOCK_M, 4) layout), added across the 4 lanes
+    only once per tile (`_row_sums`), as FA3 does: no shuffles on the way to the PV GEMM's wait.
     Returns p (float32, un-normalised), alpha = exp2(m_old - m_new) and the new m_i, l_i.
     """
     if MASKED:
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         s = gl.where(gl.expand_dims(cols, 0) < gl.expand_dims(key_limit - start_n, 1), s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    row_max = gl.convert_layout(gl.max(_halve_columns(s, True, BLOCK_N), axis=1), gl.SliceLayout(1, s_layout),
+                                assert_trivial=True)
+    m_new = gl.maximum(m_i, row_max * qk_scale)
     if MASKED:
         m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see no key yet stay finite
     else:
         m_ref = m_new
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_ref, 1))
     alpha = gl.exp2(m_i - m_ref)
-    l_i = l_i * alpha + gl.sum(p, axis=1)
+    alpha_l = gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout), assert_trivial=True)
+    l_i = l_i * gl.expand_dims(alpha_l, 1) + _halve_columns(p, False, BLOCK_N)
     return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _halve_columns(x, IS_MAX: gl.constexpr, N: gl.constexpr):
+    """Max (IS_MAX) or sum of each row's values within each thread: an (M, N) tensor in the wgmma accumulator
+    layout -> (M, 4), the 4 lanes that share a row.
+
+    A thread holds columns 8 i + 2 lane + {0, 1} of its rows. `gl.max`/`gl.sum` fold a thread's values of a row
+    as one dependent chain (31 FMNMX at N = 128, ~150 clocks before the first exp2 can start); halving the
+    columns while the top half is in the same thread's registers does the same count at depth 5. Exact for the
+    max; the sum only rounds in another order.
+    """
+    M: gl.constexpr = x.shape[0]
+    if N > 8:
+        a, b = gl.split(gl.permute(gl.reshape(x, [M, 2, N // 2]), (0, 2, 1)))
+        if IS_MAX:
+            r = _halve_columns(gl.maximum(a, b), IS_MAX, N // 2)
+        else:
+            r = _halve_columns(a + b, IS_MAX, N // 2)
+    else:
+        a, b = gl.split(gl.reshape(x, [M, N // 2, 2]))
+        if IS_MAX:
+            r = gl.maximum(a, b)
+        else:
+            r = a + b
+    return r
+
+
+@gluon.jit
+def _row_sums(l_i, row_layout: gl.constexpr):
+    """The row sums from the lanes' shares (`_softmax_block`'s l_i)."""
+    return gl.convert_layout(gl.sum(l_i, axis=1), row_layout, assert_trivial=True)
 
 
 @gluon.jit
@@ -218,7 +255,7 @@ def _consumer(q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, 
         hi = _key_end(row0, BLOCK_M, seqlen_q, seqlen_k, CAUSAL)
         n_own = gl.minimum(gl.maximum((hi + BLOCK_N - 1) // BLOCK_N, 1), n_blocks)
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_layout)
-        l_i = gl.full([BLOCK_M], 1.0, gl.float32, layout=row_layout)  # the first alpha = 0 clears it
+        l_i = _halve_columns(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout), False, BLOCK_N)
         acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
         mbarrier.wait(q_bar.index(CID), tile_count & 1)
 
@@ -276,7 +313,7 @@ def _consumer(q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, 
 
         # One division at the end [1]. Rows that saw no key keep m_i = -inf: output 0, internal LSE +inf.
         empty = m_i == float("-inf")
-        l_i = gl.where(empty, 1.0, l_i)
+        l_i = gl.where(empty, 1.0, _row_sums(l_i, row_layout))
         o = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
         lse = gl.where(empty, float("inf"), m_i + gl.log2(l_i))
         gl.store(LSE + bh.to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
