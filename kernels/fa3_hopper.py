@@ -41,6 +41,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
+# Q tiles per consumer: with 2 the producer loads the next tile's Q while the current tile runs, so its latency
+# (a DRAM read: every tile's Q is new) is not paid at each tile's start.
+Q_BUFFERS = gl.constexpr(1)
+
 
 @gluon.jit
 def _softmax_block(s, m_i, l_i, key_limit, start_n, qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -233,7 +237,6 @@ def _consumer(q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, 
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     NEXT: gl.constexpr = (CID + 1) % NUM_CONSUMERS  # whose turn follows ours under PINGPONG
-    q_tile = q_smem.index(CID)
     o_tile = o_smem.index(CID)
     kv_it = 0  # position in the K/V ring, running across tiles as in the producer
     turn = 0  # PINGPONG turns taken
@@ -254,10 +257,14 @@ def _consumer(q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, 
             hi_free = seqlen_k // BLOCK_N * BLOCK_N
         hi = _key_end(row0, BLOCK_M, seqlen_q, seqlen_k, CAUSAL)
         n_own = gl.minimum(gl.maximum((hi + BLOCK_N - 1) // BLOCK_N, 1), n_blocks)
+        if row0 >= seqlen_q:  # no rows of ours (the padding of the last tile): block 0 only, the rest skipped
+            n_own = 1
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_layout)
         l_i = _halve_columns(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout), False, BLOCK_N)
         acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
-        mbarrier.wait(q_bar.index(CID), tile_count & 1)
+        q_index = (tile_count % Q_BUFFERS) * NUM_CONSUMERS + CID
+        q_tile = q_smem.index(q_index)
+        mbarrier.wait(q_bar.index(q_index), (tile_count // Q_BUFFERS) & 1)
 
         # Block 0: S_0 and its softmax (there is no PV GEMM to overlap yet).
         slot = kv_it % NUM_STAGES
@@ -294,7 +301,7 @@ def _consumer(q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, 
                 j, kv_it, acc, p_op, m_i, l_i, turn, q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
                 turn_bars, key_limit, hi_free, qk_scale, 1, CID, NEXT, PINGPONG,
                 BLOCK_M, BLOCK_N, NUM_STAGES, s_layout, o_layout, p_layout)
-        mbarrier.arrive(q_empty.index(CID))  # every QK GEMM of ours is done: the next Q may come in
+        mbarrier.arrive(q_empty.index(q_index))  # every QK GEMM of ours is done: the buffer may take a new Q
 
         last = (kv_it + n_own - 1) % NUM_STAGES
         mbarrier.wait(v_ready.index(last), ((kv_it + n_own - 1) // NUM_STAGES) & 1)
@@ -336,11 +343,13 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_
         off_b, off_h, bh, start_m, n_blocks = _tile(tile_i, n_tiles_m, n_heads, seqlen_q, seqlen_k, CAUSAL,
                                                     NUM_CONSUMERS * BLOCK_M, BLOCK_N)
         off_hk = off_h // GROUP  # GQA: GROUP query heads share one K/V head
+        q_phase = ((tile_count // Q_BUFFERS) & 1) ^ 1  # a fresh barrier passes phase 1 at once
         for i in gl.static_range(NUM_CONSUMERS):
-            mbarrier.wait(q_empty.index(i), (tile_count & 1) ^ 1)  # a fresh barrier passes phase 1 at once
-            mbarrier.expect(q_bar.index(i), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m + i * BLOCK_M, 0], q_bar.index(i),
-                                            _as_4d(q_smem.index(i), q_desc))
+            q_index = (tile_count % Q_BUFFERS) * NUM_CONSUMERS + i
+            mbarrier.wait(q_empty.index(q_index), q_phase)
+            mbarrier.expect(q_bar.index(q_index), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m + i * BLOCK_M, 0], q_bar.index(q_index),
+                                            _as_4d(q_smem.index(q_index), q_desc))
         for j in range(n_blocks):
             slot = kv_it % NUM_STAGES
             phase = (kv_it // NUM_STAGES) & 1
@@ -366,20 +375,21 @@ def fa3_fwd_kernel(
 ):
     """Grid (min(n_tiles, CTAs that fit at once),): see the module docstring. n_tiles = n_tiles_m * batch * n_heads."""
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BLOCK_M, HEAD_DIM], Q_LAYOUT)
+    q_smem = gl.allocate_shared_memory(dtype, [Q_BUFFERS * NUM_CONSUMERS, BLOCK_M, HEAD_DIM], Q_LAYOUT)
     o_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BLOCK_M, HEAD_DIM], Q_LAYOUT)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], KV_LAYOUT)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], KV_LAYOUT)
-    q_bar = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS * NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS * NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     turn_bars = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_CONSUMERS):
+    for i in gl.static_range(Q_BUFFERS * NUM_CONSUMERS):
         mbarrier.init(q_bar.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)
+    for i in gl.static_range(NUM_CONSUMERS):
         mbarrier.init(turn_bars.index(i), count=1)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
