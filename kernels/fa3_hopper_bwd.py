@@ -77,6 +77,20 @@ def _load_stats(stats, bar, LSE, DELTA, bh, start_m, seqlen_q, BLOCK_M: gl.const
 
 
 @gluon.jit
+def _mask_above_diagonal(p_t, keys, key_limit):
+    """p_t (keys x queries) with 0 where key > key_limit (the query's last visible key).
+
+    Non-pure inline PTX (setp + selp, what `gl.where` gives): LLVM cannot hoist it, so the branch around it
+    stays a branch. With `gl.where` LLVM turned the branch into selects run for every query block, masked or not
+    (64 compares and 64 selects per thread).
+    """
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred visible; setp.le.s32 visible, $2, $3; selp.f32 $0, $1, 0f00000000, visible; }",
+        "=r,r,r,r", [p_t, gl.expand_dims(keys, 1), gl.expand_dims(key_limit, 0)], dtype=gl.float32,
+        is_pure=False, pack=1)
+
+
+@gluon.jit
 def _query_range(start_n, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr):
     """The query blocks that see keys [start_n, start_n + BLOCK_N): [lo, hi), masked while below m_free."""
@@ -159,14 +173,15 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, stats_smem, kv_
         # dS, where they are scarcest)
         delta = stats.slice(BLOCK_M, BLOCK_M).load(col_layout)
         dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), zeros - gl.expand_dims(delta, 0), is_async=True)
-        cols = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
-        lse = gl.where(cols < seqlen_q, stats.slice(0, BLOCK_M).load(col_layout), float("inf"))
+        # Past seqlen_q the LSE and delta are zero-filled and Q_i and dO_i read as zero, so those queries give
+        # P^T = 1 and dS^T = 1 * (0 - 0) = 0: they add nothing to dV and dK, and no mask is needed.
+        lse = stats.slice(0, BLOCK_M).load(col_layout)
         s_t = warpgroup_mma_wait(1, deps=(s_t,))  # S^T is done; dP^T may still run
         p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse, 0))
         if CAUSAL:
             if start_m < m_free:
-                visible = gl.expand_dims(keys, 1) <= gl.expand_dims(cols, 0) + diag_offset
-                p_t = gl.where(visible, p_t, 0.0)
+                cols = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
+                p_t = _mask_above_diagonal(p_t, keys, cols + diag_offset)
         p_op = gl.convert_layout(p_t.to(dtype), op_layout)
         dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)  # dV += P^T dO
         dp_t, p_op = warpgroup_mma_wait(1, deps=(dp_t, p_op))
