@@ -10,8 +10,8 @@ A tile is NUM_CONSUMERS * BLOCK_M query rows of one (batch, head). The grid is p
 share of the tiles (`_tile`: a few heads at a time, so their K/V stay in L2; under causal, pairs of a long and a
 short tile, so the shares are equal). Each CTA has
 NUM_CONSUMERS + 1 partitions (`gl.warp_specialize`):
-- producer (1 warp, few registers): per tile, TMA-loads the consumers' Q tiles (once the previous tile's QK
-  GEMMs are done with them: `q_empty`), then every K and V block of the tile's key range into a
+- producer (1 warp, few registers): per tile, TMA-loads the consumers' Q tiles into one of Q_BUFFERS sets (once
+  the QK GEMMs of the tile that used that set are done with it: `q_empty`), then every K and V block of the tile's key range into a
   NUM_STAGES-deep shared-memory ring. `k_ready`/`v_ready` mbarriers say a slot is full; `k_empty`/`v_empty`
   (one arrival per consumer) say every consumer is done with it. The ring position runs on across tiles,
   so the next tile's loads overlap this tile's last blocks and epilogue.
@@ -42,7 +42,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 # Q tiles per consumer: with 2 the producer loads the next tile's Q while the current tile runs, so its latency
-# (a DRAM read: every tile's Q is new) is not paid at each tile's start.
+# (a DRAM read: every tile's Q is new) is not paid at each tile's start. Measured no faster than 1 on the H200
+# (twelfth session, docs/hopper-notes.md forward variant 13), and 2 fills the shared memory at head_dim 128.
 Q_BUFFERS = gl.constexpr(1)
 
 
