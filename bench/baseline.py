@@ -22,9 +22,8 @@ from omegaconf import DictConfig
 
 from data.prepare import prepare_data
 from data.sampler import ShardedBatchSampler
-from model.attention import resolve_backend
 from model.gpt import GPT
-from trainer.config import resolved_grad_accum, validate_against_data, validate_config
+from trainer.config import config_backend, resolved_grad_accum, validate_against_data, validate_config
 from trainer.loop import model_config
 from trainer.lr_schedule import lr_at
 from trainer.metrics import StepTimer
@@ -55,7 +54,7 @@ def run_bare_loop(cfg: DictConfig, warmup: int, steps: int, on_step: Optional[Ca
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     seed_everything(cfg.seed)
-    model = GPT(model_config(cfg, data.vocab_size, resolve_backend(cfg.attn.backend))).to(device)
+    model = GPT(model_config(cfg, data.vocab_size, config_backend(cfg))).to(device)
     optimizer = build_optimizer(model, cfg.optim, device)
     run_model = torch.compile(model) if cfg.trainer.compile else model
     o = cfg.optim

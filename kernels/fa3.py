@@ -80,6 +80,20 @@ def _gluon_module(name: str = "fa3_hopper"):
         return f"triton {version} has no usable Gluon Hopper API ({e})"
 
 
+def gluon_device_reason(device: torch.device) -> str | None:
+    """Why the Gluon kernels cannot run on `device` with this Triton, whatever the inputs (a short phrase), or None
+    when they can: a Triton version they are written for and an sm_90 GPU (H100/H200)."""
+    module = _gluon_module()
+    if isinstance(module, str):
+        return module
+    if INTERPRET or device.type != "cuda":
+        return "no CUDA GPU (the Gluon kernel does not run under Triton's interpreter)"
+    capability = torch.cuda.get_device_capability(device)
+    if capability != (9, 0):
+        return f"GPU compute capability {capability[0]}.{capability[1]} is not 9.0 (Hopper)"
+    return None
+
+
 def gluon_unsupported_reason(q, k, v, *more) -> str | None:
     """Why the Gluon kernels cannot run these inputs (a short phrase), or None when they can. `more`: other
     (batch, heads, seqlen, head_dim) tensors the kernel reads through TMA (the backward's dO)."""
@@ -90,11 +104,9 @@ def gluon_unsupported_reason(q, k, v, *more) -> str | None:
         return f"dtype {q.dtype} (the Gluon kernel takes float16 and bfloat16)"
     if q.shape[-1] not in HEAD_DIMS:
         return f"head_dim {q.shape[-1]} (the Gluon kernel takes {' and '.join(map(str, HEAD_DIMS))})"
-    if INTERPRET or not q.is_cuda:
-        return "no CUDA GPU (the Gluon kernel does not run under Triton's interpreter)"
-    capability = torch.cuda.get_device_capability(q.device)
-    if capability != (9, 0):
-        return f"GPU compute capability {capability[0]}.{capability[1]} is not 9.0 (Hopper)"
+    reason = gluon_device_reason(q.device)
+    if reason is not None:
+        return reason
     if not use_tma(q, k, v, *more):
         return "inputs TMA cannot address (16-byte aligned data and 16-byte multiple strides needed)"
     return None

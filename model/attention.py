@@ -29,7 +29,8 @@ Backends:
 - ``sdpa_flash`` / ``sdpa_cudnn``: SDPA pinned to PyTorch's FlashAttention-2 or cuDNN kernel
   (``torch.nn.attention.sdpa_kernel``), for comparing against a known kernel; fails where PyTorch
   has no such kernel for the inputs (cuDNN: CUDA only).
-- ``auto``: ``fa2`` when a CUDA GPU is present, ``sdpa`` otherwise (see ``resolve_backend``).
+- ``auto``: ``fa3`` where its Gluon kernels run (an sm_90 GPU with a Triton they support, head_dim 64 or 128, no
+  window or document masks), else ``fa2`` when a CUDA GPU is present, else ``sdpa`` (see ``resolve_backend``).
 
 ``REGISTRY`` holds one ``Backend`` entry per concrete backend: its kernel factory and what the rest of the
 code asks about it (needs CUDA, dropout, windows, documents, head_dim range, torch.compile on the CPU). Config
@@ -232,22 +233,35 @@ REGISTRY: dict[str, Backend] = {b.name: b for b in (
     Backend("flex", _flex_backend, "PyTorch FlexAttention with block masks (compiled on CUDA)",
             supports_window=True, supports_docs=True, compiles_on_cpu=False),  # Inductor has no CPU Flex backward
     Backend("fa3", lambda: _triton_backend("fa3"),
-            "our FlashAttention-3 forward (Gluon, Hopper) with FA2's backward; FA2 elsewhere",
+            "our FlashAttention-3 kernels (Gluon, Hopper); FA2's where they do not apply",
             head_dims=_triton_head_dims("fa3")),
 )}
 BACKENDS = ("auto", *REGISTRY)  # the values of attn.backend
 
 
-def resolve_backend(name: str) -> str:
-    """Map a configured backend name to a concrete one: 'auto' -> 'fa2' with CUDA, else 'sdpa'.
+def resolve_backend(name: str, head_dim: Optional[int] = None, masks: bool = False) -> str:
+    """Map a configured backend name to a concrete one. 'auto': without CUDA 'sdpa'; with CUDA 'fa3' where its
+    Gluon kernels run (``kernels.fa3.gluon_device_reason``: an sm_90 GPU and a Triton they support), the model's
+    head_dim (None: not known) is one they take and no window or document masks are needed (``masks``: fa3 has
+    none), else 'fa2'. On the H200 fa3 measured faster than fa2 in every cell (docs/benchmarks.md).
 
     Raises ValueError for a name outside ``BACKENDS``.
     """
     if name not in BACKENDS:
         raise ValueError(f"attn={name!r} is not a known attention backend; accepted: {', '.join(BACKENDS)}")
     if name == "auto":
-        return "fa2" if torch.cuda.is_available() else "sdpa"
+        if not torch.cuda.is_available():
+            return "sdpa"
+        return "fa3" if not masks and _fa3_gluon_runs(head_dim) else "fa2"
     return name
+
+
+def _fa3_gluon_runs(head_dim: Optional[int]) -> bool:
+    try:
+        fa3 = importlib.import_module("kernels.fa3")
+    except ImportError:  # no triton: attn=fa2 then says so
+        return False
+    return (head_dim is None or head_dim in fa3.HEAD_DIMS) and fa3.gluon_device_reason(torch.device("cuda")) is None
 
 
 def backend_info(name: str) -> Backend:

@@ -8,7 +8,7 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf.errors import ValidationError
 
 from model.attention import BACKENDS, REGISTRY
-from trainer.config import CONF_DIR, ConfigError, compose_config, override_arg, validate_config
+from trainer.config import CONF_DIR, ConfigError, compose_config, config_backend, override_arg, validate_config
 
 GROUPS = {g: sorted(p.stem for p in (Path(CONF_DIR) / g).glob("*.yaml")) for g in ("model", "data", "attn")}
 
@@ -303,3 +303,18 @@ def test_printed_overrides_survive_the_shell_and_hydra(name):
     assert len(words) == 1
     override = OverridesParser.create().parse_override(words[0])
     assert override.key_or_group == "run.name" and override.value() == name
+
+
+def test_auto_backend_follows_the_model(monkeypatch):
+    """attn=auto on a (pretended) Hopper GPU where the Gluon kernels run: fa3, but fa2 for a head_dim they do not
+    take or for window / document masks (fa3 has none), so such a config still validates."""
+    from kernels import fa3
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(fa3, "gluon_device_reason", lambda device: None)
+    assert config_backend(compose_config(["model=gpt2"])) == "fa3"  # head_dim 64
+    assert config_backend(compose_config(["model=gpt2", "model.n_head=8"])) == "fa2"  # head_dim 96
+    windowed = compose_config(["model=gpt2", "model.attn_window=128"])
+    assert config_backend(windowed) == "fa2"
+    validate_config(windowed)
+    assert config_backend(compose_config(["model=gpt2", "data=shakespeare_scenes", "data.document_mask=true"])) == "fa2"

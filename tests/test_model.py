@@ -105,10 +105,19 @@ def test_generate():
 
 
 def test_resolve_backend(monkeypatch):
+    from kernels import fa3
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_backend("auto") == "sdpa"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert resolve_backend("auto") == "fa2"
+    # A CUDA GPU where the Gluon kernels do not run (this machine: no GPU, or another Triton): fa2.
+    assert fa3.gluon_device_reason(torch.device("cpu")) is not None
+    monkeypatch.setattr(fa3, "gluon_device_reason", lambda device: "GPU compute capability 8.0 is not 9.0 (Hopper)")
+    assert resolve_backend("auto") == resolve_backend("auto", 64) == "fa2"
+    # Where they do (a Hopper GPU, a supported Triton): fa3, unless head_dim or masks rule it out.
+    monkeypatch.setattr(fa3, "gluon_device_reason", lambda device: None)
+    assert resolve_backend("auto") == resolve_backend("auto", 64) == resolve_backend("auto", 128) == "fa3"
+    assert resolve_backend("auto", 96) == resolve_backend("auto", 64, masks=True) == "fa2"
     assert resolve_backend("fa1") == "fa1" and resolve_backend("sdpa") == "sdpa"
     with pytest.raises(ValueError, match="attn=.flash.*auto, sdpa, sdpa_flash, sdpa_cudnn, fa1, fa2"):
         resolve_backend("flash")

@@ -229,6 +229,16 @@ def attn_windows(m: DictConfig) -> Optional[list[int]]:
     return windows if ok else None
 
 
+def config_backend(cfg: DictConfig) -> str:
+    """cfg.attn.backend as a concrete backend: 'auto' resolved for this model's head_dim and for whether it needs
+    window or document masks (``model.attention.resolve_backend``). Raises ValueError for an unknown name."""
+    m = cfg.model
+    head_dim = m.n_embd // m.n_head if m.n_head >= 1 and m.n_embd % m.n_head == 0 else None
+    windows = attn_windows(m)
+    masks = bool(windows and any(windows)) or bool(cfg.data.document_mask)
+    return resolve_backend(cfg.attn.backend, head_dim, masks)
+
+
 def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -> None:
     """Check every value that composition cannot (ranges, divisibility, choices, device support).
 
@@ -279,7 +289,7 @@ def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -
     backend = None
     check(cfg.attn.backend in BACKENDS, "attn.backend", f"accepted: {', '.join(BACKENDS)} (command line: attn=...)")
     if cfg.attn.backend in BACKENDS:
-        backend = resolve_backend(cfg.attn.backend)
+        backend = config_backend(cfg)
     t = cfg.trainer
     if backend is not None:
         _check_backend(check, backend, m, t)

@@ -27,11 +27,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from data.prepare import PreparedData, prepare_data
 from data.sampler import BatchSampler, ShardedBatchSampler, rank_seed
-from model.attention import resolve_backend
 from model.gpt import GPT, GPTConfig
 from trainer import checkpoint
-from trainer.config import (continue_command, padded_vocab_size, resolved_grad_accum, validate_against_data,
-                            validate_config)
+from trainer.config import (config_backend, continue_command, padded_vocab_size, resolved_grad_accum,
+                            validate_against_data, validate_config)
 from trainer.distributed import all_reduce_sum, barrier, broadcast_object, gather_objects, init_process_group
 from trainer.lr_schedule import lr_at
 from trainer.metrics import MetricsLogger, StepTimer, Throughput, peak_flops, step_record
@@ -101,7 +100,7 @@ def train(cfg: DictConfig, run_dir: Optional[Path] = None,
     OmegaConf.resolve(cfg)  # freeze interpolations (e.g. the timestamped run.name) once
     dist = DistInfo.from_env()
     validate_config(cfg, dist.world_size, dist.local_rank)
-    backend = resolve_backend(cfg.attn.backend)
+    backend = config_backend(cfg)
     device = select_device(cfg.trainer.device, dist)
     dtype = select_dtype(cfg.trainer.dtype, device)
     init_process_group(dist, device, cfg.trainer.dist_timeout_s)
