@@ -13,8 +13,8 @@ NUM_CONSUMERS + 1 partitions (`gl.warp_specialize`):
 - producer (1 warp, few registers): per tile, TMA-loads the consumers' Q tiles into one of Q_BUFFERS sets (once
   the QK GEMMs of the tile that used that set are done with it: `q_empty`), then every K and V block of the
   tile's key range into a NUM_STAGES-deep shared-memory ring. `k_ready`/`v_ready` mbarriers say a slot is
-  full; `k_empty`/`v_empty` (one arrival per consumer) say every consumer is done with it. The ring position runs on across tiles,
-  so the next tile's loads overlap this tile's last blocks and epilogue.
+  full; `k_empty`/`v_empty` (one arrival per consumer) say every consumer is done with it. The ring position
+  runs on across tiles, so the next tile's loads overlap this tile's last blocks and epilogue.
 - NUM_CONSUMERS (2 or 3) consumer warpgroups (4 warps each, most registers), one per BLOCK_M-row Q tile. Per
   K/V block j a consumer issues S_j = Q K_j^T (wgmma, async), then O += P_{j-1} V_{j-1} (wgmma, async, P from
   registers), waits for S_j only, runs the softmax of block j while the PV wgmma still runs, then waits for
