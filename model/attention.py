@@ -81,6 +81,7 @@ class Backend:
     description: str
     needs_cuda: bool = False
     supports_dropout: bool = False
+    cpu_dropout: bool = True  # with supports_dropout: dropout works on the CPU too
     head_dims: Optional[Callable[[], tuple[int, int]]] = None
     supports_window: bool = False  # window > 0 (model.attn_window)
     supports_docs: bool = False  # docs (data.document_mask)
@@ -223,7 +224,7 @@ REGISTRY: dict[str, Backend] = {b.name: b for b in (
     Backend("sdpa", lambda: _sdpa, "PyTorch SDPA, PyTorch picks the kernel", supports_dropout=True,
             supports_window=True, supports_docs=True),
     Backend("sdpa_flash", lambda: _sdpa_pinned("sdpa_flash"), "PyTorch SDPA pinned to its FlashAttention-2 kernel",
-            supports_dropout=True),
+            supports_dropout=True, cpu_dropout=False),  # PyTorch's CPU flash kernel has no dropout
     Backend("sdpa_cudnn", lambda: _sdpa_pinned("sdpa_cudnn"), "PyTorch SDPA pinned to cuDNN attention",
             needs_cuda=True, supports_dropout=True),
     Backend("fa1", lambda: _triton_backend("fa1"), "our Triton FlashAttention-1 kernel",

@@ -151,6 +151,20 @@ def test_dropout_with_triton_backend_is_rejected(monkeypatch):
         validate_config(compose_config(["attn=fa1", "model.n_embd=32", "model.n_head=4"]))
 
 
+def test_dropout_with_sdpa_flash_is_rejected_on_the_cpu_only(monkeypatch):
+    """PyTorch's CPU flash kernel has no dropout: refused at start-up there instead of failing in the first step."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="model.dropout=0.1: attn=sdpa_flash has no attention dropout on the CPU; "
+                                          "use model.dropout=0.0 or attn=sdpa"):
+        validate_config(compose_config(["attn=sdpa_flash", "model.dropout=0.1"]))
+    validate_config(compose_config(["attn=sdpa_flash"]))
+    validate_config(compose_config(["attn=sdpa", "model.dropout=0.1"]))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    validate_config(compose_config(["attn=sdpa_flash", "model.dropout=0.1"]))
+    with pytest.raises(ConfigError, match="attn=sdpa_flash has no attention dropout on the CPU"):
+        validate_config(compose_config(["attn=sdpa_flash", "model.dropout=0.1", "trainer.device=cpu"]))
+
+
 @pytest.mark.parametrize("name", list(REGISTRY))
 def test_every_backend_is_validated_by_its_registry_entry(name, monkeypatch):
     import trainer.config as tc

@@ -365,10 +365,15 @@ def _check_backend(check, backend: str, m, t) -> None:
     import torch
 
     entry = REGISTRY[backend]
+    on_cpu = t.device == "cpu" or not torch.cuda.is_available()
+    with_dropout = ", ".join(f"attn={b.name}" for b in REGISTRY.values()
+                             if b.supports_dropout and b.cpu_dropout and not b.needs_cuda)
     if not entry.supports_dropout:
-        with_dropout = ", ".join(f"attn={b.name}" for b in REGISTRY.values() if b.supports_dropout and not b.needs_cuda)
         check(m.dropout == 0.0, "model.dropout",
               f"attn={backend} has no attention dropout; use model.dropout=0.0 or {with_dropout}")
+    elif not entry.cpu_dropout:
+        check(m.dropout == 0.0 or not on_cpu, "model.dropout",
+              f"attn={backend} has no attention dropout on the CPU; use model.dropout=0.0 or {with_dropout}")
     if entry.head_dims is not None and m.n_head >= 1 and m.n_embd % m.n_head == 0:
         lo, hi = head_dim_limits(backend)  # raises BackendUnavailableError if the kernels are missing
         head_dim = m.n_embd // m.n_head
@@ -378,7 +383,6 @@ def _check_backend(check, backend: str, m, t) -> None:
         check(t.device != "cpu" and torch.cuda.is_available(), "attn.backend",
               f"attn={backend} needs a CUDA GPU ({entry.description}); use attn=sdpa")
     if not entry.compiles_on_cpu:
-        on_cpu = t.device == "cpu" or not torch.cuda.is_available()
         check(not (t.compile and on_cpu), "trainer.compile",
               f"attn={backend} cannot train under torch.compile on the CPU (PyTorch compiles no backward for it "
               "there); use trainer.compile=false on the CPU")
