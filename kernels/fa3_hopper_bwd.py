@@ -20,8 +20,10 @@ head in its GQA group) that can see them. Partitions (`gl.warp_specialize`):
   CTA's keys), which goes through its own float32 shared tile and one TMA reduce-add
   (`cp.reduce.async.bulk.tensor`) into the float32 dQ accumulator, completing under the next block. dQ's order
   of additions varies, so it is not bit-reproducible (FA3's trade).
-Rows past seqlen_q read as 0 through TMA and are given lse = +inf, so their P is 0; keys past seqlen_k read as 0,
-so their dS adds nothing to dQ and their dK/dV rows are clipped by the TMA store. Only the causal band
+Rows past seqlen_q read as 0 through TMA (Q, dO) and cp.async's zero-fill (LSE, delta), so their P is 1 but
+their dS is 0 and their dO rows are 0: they add nothing to dK or dV, and their dQ rows land in the accumulator's
+padding. Keys past seqlen_k read as 0, so their dS adds nothing to dQ and their dK/dV rows are clipped by the TMA
+store. Only the causal band
 needs a mask (query blocks [lo, m_free)); blocks no query of which sees a key are never visited.
 """
 
