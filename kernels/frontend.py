@@ -148,12 +148,20 @@ def make_attention(name: str, forward: ForwardLauncher, backward: BackwardLaunch
     public attention function. `lse_log_base` is the base of the kernels' internal LSE (2 or e). masks: the
     launchers take the window and varlen arguments (see the module docstring); otherwise they are refused."""
 
-    def mask_args(window_left, window_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    def mask_args(window_left=-1, window_right=-1, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
+                  max_seqlen_k=0):
         if masks:
             return (window_left, window_right), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         if (window_left, window_right) != (-1, -1) or cu_seqlens_q is not None:
             raise ValueError(f"{name} has no sliding window or variable-length sequences; use fa2")
         return ()
+
+    # The launchers with the ops' arguments: the ops' bodies, and what eager calls run without the ops' dispatch.
+    def run_forward(q, k, v, causal, softmax_scale, *mask):
+        return forward(q, k, v, causal, softmax_scale, *mask_args(*mask))
+
+    def run_backward(do, q, k, v, o, lse, causal, softmax_scale, *mask):
+        return backward(last_dim_contiguous(do), q, k, v, o, lse, causal, softmax_scale, *mask_args(*mask))
 
     # One op for every mask: the window and the packed sequences only change the kernels' per-row key ranges.
     @torch.library.custom_op(f"flashgpt::{name}_forward", mutates_args=())
@@ -162,8 +170,8 @@ def make_attention(name: str, forward: ForwardLauncher, backward: BackwardLaunch
         window_right: int = -1, cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
         max_seqlen_q: int = 0, max_seqlen_k: int = 0,
     ) -> tuple[Tensor, Tensor]:
-        mask = mask_args(window_left, window_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        return forward(q, k, v, causal, softmax_scale, *mask)
+        return run_forward(q, k, v, causal, softmax_scale, window_left, window_right, cu_seqlens_q, cu_seqlens_k,
+                           max_seqlen_q, max_seqlen_k)
 
     @forward_op.register_fake
     def _(q, k, v, causal, softmax_scale, window_left=-1, window_right=-1, cu_seqlens_q=None, *varlen):
@@ -176,8 +184,8 @@ def make_attention(name: str, forward: ForwardLauncher, backward: BackwardLaunch
         window_left: int = -1, window_right: int = -1, cu_seqlens_q: Optional[Tensor] = None,
         cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        mask = mask_args(window_left, window_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        return backward(last_dim_contiguous(do), q, k, v, o, lse, causal, softmax_scale, *mask)
+        return run_backward(do, q, k, v, o, lse, causal, softmax_scale, window_left, window_right, cu_seqlens_q,
+                            cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 
     @backward_op.register_fake
     def _(do, q, k, v, o, lse, *args):
@@ -189,32 +197,33 @@ def make_attention(name: str, forward: ForwardLauncher, backward: BackwardLaunch
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.args = (causal, softmax_scale, *mask)
 
-    def backward_rule(ctx, do, dlse):
+    def backward_rule(ctx, do, dlse, backward_fn=backward_op):
         # The LSE output is returned detached (as in flash-attn); only o carries a gradient.
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = backward_op(do, q, k, v, o, lse, *ctx.args)
+        dq, dk, dv = backward_fn(do, q, k, v, o, lse, *ctx.args)
         return dq, dk, dv, *(None for _ in ctx.args)
 
     forward_op.register_autograd(backward_rule, setup_context=setup_context)
     to_natural = math.log(lse_log_base)
 
     class Attention(torch.autograd.Function):
-        """The same autograd as the op's registration, for the public function: custom_op's own autograd wrapper
-        costs ~70 us of Python per eager call (it re-fills the schema's defaults every call; measured on the CPU
-        with stub kernels, docs/benchmarks.md), this one does not. Inside, grad mode is off, so the op runs its
-        kernel directly. Eager calls only: torch.compile traces the op's own registration (no per-call cost
-        there, and it takes one tensor passed twice, which dynamo refuses for an autograd.Function)."""
+        """The same autograd as the op's registration, for eager calls of the public function, with the
+        launchers called directly: custom_op's own autograd wrapper costs ~70 us of Python per eager call (it
+        re-fills the schema's defaults every call) and its dispatch still ~15-30 us each way inside this one
+        (measured on the CPU with stub kernels, docs/benchmarks.md, ninth and thirteenth sessions). torch.compile traces the op's own registration instead (no
+        per-call cost there, and it takes one tensor passed twice, which dynamo refuses for an
+        autograd.Function)."""
 
         @staticmethod
         def forward(ctx, q, k, v, causal, softmax_scale, window_left, window_right):
-            o, lse = forward_op(q, k, v, causal, softmax_scale, window_left, window_right)
+            o, lse = run_forward(q, k, v, causal, softmax_scale, window_left, window_right)
             setup_context(ctx, (q, k, v, causal, softmax_scale, window_left, window_right), (o, lse))
             ctx.mark_non_differentiable(lse)
             return o, lse
 
         @staticmethod
         def backward(ctx, do, dlse):
-            return backward_rule(ctx, do, dlse)
+            return backward_rule(ctx, do, dlse, run_backward)
 
     def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, window_size=(-1, -1)):
         validate(q, k, v, causal, softmax_scale)
