@@ -31,15 +31,16 @@ DTYPES = (torch.float16, torch.bfloat16)
 BLOCK_M = 64  # the forward's query rows per consumer warpgroup
 # (NUM_CONSUMERS, BLOCK_N, NUM_STAGES, PINGPONG, PERSISTENT, SPLIT_LOOPS) per (head_dim, causal), from `python -m
 # bench.fa3_variants` on the H200 (tenth session: at 64, two consumers for causal, three for non-causal;
-# docs/hopper-notes.md, forward variant 9; eleventh: a 4-deep ring for causal at 64, variant 10); PERSISTENT: one
-# CTA per SM looping over tiles, else one CTA per tile;
+# docs/hopper-notes.md, forward variant 9; eleventh: a 4-deep ring for causal at 64, variant 10; thirteenth:
+# ping-pong for non-causal at 128, variant 16); PERSISTENT: one CTA per SM (non-causal: `persistent_grid`'s count)
+# looping over tiles, else one CTA per tile;
 # SPLIT_LOOPS: the unmasked and the masked K/V blocks in two loops, else one loop with a branch per block
 # (measured: no faster, D = 64 causal slower at N <= 4k; docs/hopper-notes.md, variant 5).
 # NUM_CONSUMERS x 64 x D Q tiles plus two NUM_STAGES x BLOCK_N x D rings must fit the 227 KiB of shared memory
 # (overflow is only caught at launch).
 CONFIGS = {
     (64, True): (2, 128, 4, True, True, False), (64, False): (3, 128, 3, True, True, False),
-    (128, True): (2, 128, 2, False, True, False), (128, False): (2, 128, 2, False, True, False),
+    (128, True): (2, 128, 2, False, True, False), (128, False): (2, 128, 2, True, True, False),
 }
 # Causal forwards with seqlen_q up to this, per head_dim, run FA2's Triton forward where it measured faster (not a
 # fallback, so no warning). Empty since the tenth session: from the eighth to the ninth it was {64: 4096} (FA2
@@ -88,7 +89,7 @@ def gluon_device_reason(device: torch.device) -> str | None:
         return module
     if INTERPRET or device.type != "cuda":
         return "no CUDA GPU (the Gluon kernel does not run under Triton's interpreter)"
-    capability = torch.cuda.get_device_capability(device)
+    capability = _capability(device)
     if capability != (9, 0):
         return f"GPU compute capability {capability[0]}.{capability[1]} is not 9.0 (Hopper)"
     return None
@@ -114,6 +115,28 @@ def gluon_unsupported_reason(q, k, v, *more) -> str | None:
 
 _WARNED: set[str] = set()
 
+# Compiled Gluon kernels by launch key. After a shape's first launch through Triton's `kernel[grid](...)`, later
+# launches call the compiled kernel's own launcher with the arguments in the kernel's order, skipping Triton's
+# argument binder and cache lookup (binder 34-60 us against the launcher's 16-19 on the H200's host; docs/benchmarks.md,
+# ninth and thirteenth sessions). A key holds every value Triton specialises the compiled code on: the kernel, its
+# config and constexprs, the dtype and head_dim (which fix the descriptors' blocks and layouts), the ints' values (the
+# shapes) and the raw pointers' 16-byte alignment; the data pointers go through the descriptors, rebuilt every call.
+# A kernel module's global constexpr changed at run time (e.g. fa3_hopper.Q_BUFFERS) is not seen: clear _COMPILED.
+_COMPILED: dict = {}
+_COMPILED_MAX = 512  # distinct shapes kept (a decode loop meets one per length); later ones take Triton's path
+
+
+def _run(kernel, key, grid, **args):
+    """Launch the Gluon `kernel` (a gluon.jit function) on `grid` with `args` (every parameter, by name, with
+    4 warps), through `_COMPILED[key]` when this key has run before."""
+    compiled = _COMPILED.get(key)
+    if compiled is not None:  # its launcher takes a 3-D grid (Triton's binder pads it)
+        compiled[(*grid, 1, 1)[:3]](*[args[name] for name in kernel.arg_names])
+        return
+    compiled = kernel[grid](**args, num_warps=4)
+    if len(_COMPILED) < _COMPILED_MAX and set(kernel.arg_names) == set(args):
+        _COMPILED[key] = compiled
+
 
 def _warn_fallback(reason: str) -> None:
     if reason in _WARNED:
@@ -137,15 +160,53 @@ def _launch(module, q, k, v, causal, softmax_scale):
     desc = lambda t, rows, layout: TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, head_dim], layout)
     n_tiles_m = triton.cdiv(seqlen_q, num_consumers * BLOCK_M)
     n_tiles = n_tiles_m * batch * n_heads
-    grid = (min(n_tiles, _sm_count(q.device)) if persistent else n_tiles,)
-    module.fa3_fwd_kernel[grid](
-        desc(q, BLOCK_M, q_box), desc(k, block_n, kv_box), desc(v, block_n, kv_box), desc(o, BLOCK_M, q_box), lse,
-        n_heads, seqlen_q, seqlen_k, softmax_scale * fa2.LOG2E, n_tiles_m, n_tiles,
-        GROUP=n_heads // n_kv_heads, CAUSAL=causal, PINGPONG=pingpong, NUM_CONSUMERS=num_consumers,
-        HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=num_stages, Q_LAYOUT=q_layout,
-        KV_LAYOUT=kv_layout, SPLIT_LOOPS=split_loops, num_warps=4,
-    )
+    if not persistent:
+        grid = (n_tiles,)
+    elif causal:
+        grid = (min(n_tiles, _sm_count(q.device)),)
+    else:
+        grid = (persistent_grid(n_tiles_m, batch * n_heads, seqlen_q, num_consumers, _sm_count(q.device)),)
+    key = (module.fa3_fwd_kernel, CONFIGS[head_dim, causal], q.dtype, q.device, q.shape, k.shape, causal)
+    _run(module.fa3_fwd_kernel, key, grid,
+         q_desc=desc(q, BLOCK_M, q_box), k_desc=desc(k, block_n, kv_box), v_desc=desc(v, block_n, kv_box),
+         o_desc=desc(o, BLOCK_M, q_box), LSE=lse, n_heads=n_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+         qk_scale=softmax_scale * fa2.LOG2E, n_tiles_m=n_tiles_m, n_tiles=n_tiles,
+         GROUP=n_heads // n_kv_heads, CAUSAL=causal, PINGPONG=pingpong, NUM_CONSUMERS=num_consumers,
+         HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=num_stages, Q_LAYOUT=q_layout,
+         KV_LAYOUT=kv_layout, SPLIT_LOOPS=split_loops)
     return o, lse
+
+
+@functools.lru_cache(maxsize=1024)  # a pure function of the shape, ~0.1-1 ms of Python
+def persistent_grid(n_tiles_m: int, n_bh: int, seqlen_q: int, num_consumers: int, sm_count: int) -> int:
+    """CTAs of the persistent non-causal forward, which runs tiles t = pid, pid + grid, ... in (head, query block)
+    order, each tile NUM_CONSUMERS x BLOCK_M query rows against all keys. With sm_count CTAs the heads' last,
+    partial tiles (seqlen_q not a multiple of the tile height, e.g. 192-row tiles at N = 2048) can all fall to the
+    same CTAs (when sm_count is a multiple of n_tiles_m: 132 = 12 x 11), which then run one tile more than needed.
+    Returns the grid from sm_count - 16 to sm_count (n_tiles at most) whose busiest CTA has the least work, a tile
+    costing its share of busy warpgroups; the largest such grid on ties. Predicted for head_dim 64 (three
+    consumers), B * N = 16k: 21.3 instead of 24 / 22 / 22 tile-times at N = 1k / 2k / 4k, unchanged from 8k;
+    measured on the H200 +1.5-2.5 % at 2k and 4k, 1k unchanged (docs/hopper-notes.md, forward variant 15)."""
+    n_tiles = n_tiles_m * n_bh
+    if n_tiles <= sm_count:
+        return n_tiles
+    last_rows = seqlen_q - (n_tiles_m - 1) * num_consumers * BLOCK_M
+    last_cost = triton.cdiv(last_rows, BLOCK_M) / num_consumers
+    if last_cost == 1:  # every tile costs the same: any grid has the same busiest CTA
+        return sm_count
+
+    def busiest(grid: int) -> float:
+        loads = [float((n_tiles - pid + grid - 1) // grid) for pid in range(grid)]  # tiles per CTA
+        for bh in range(n_bh):  # the partial tiles, cheaper
+            loads[(bh * n_tiles_m + n_tiles_m - 1) % grid] -= 1 - last_cost
+        return max(loads)
+
+    return min(range(max(sm_count - 16, 1), sm_count + 1), key=lambda grid: (busiest(grid), -grid))
+
+
+@functools.lru_cache(maxsize=None)  # asked on every call
+def _capability(device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -195,14 +256,17 @@ def _launch_backward(module, do, q, k, v, o, lse, causal, softmax_scale):
         t, list(t.shape), list(t.stride()), [1, 1, rows, cols], layout)
     block_n = BWD_CONSUMERS * 64
     grid = (triton.cdiv(seqlen_k, block_n), batch * n_kv_heads)
-    module.fa3_bwd_kernel[grid](
-        desc(q, block_m, q_box), desc(k, block_n, k_box), desc(v, 64, v_box), desc(do, block_m, q_box),
-        desc(dk, 64, v_box), desc(dv, 64, v_box), desc(dq_acc, dq_rows, dq_box, dq_cols), lse.contiguous(), delta,
-        n_heads, seqlen_q, seqlen_k, softmax_scale * fa2.LOG2E, softmax_scale,
-        GROUP=n_heads // n_kv_heads, CAUSAL=causal, NUM_CONSUMERS=BWD_CONSUMERS, HEAD_DIM=head_dim,
-        BLOCK_M=block_m, NUM_STAGES=num_stages, SPLIT_DQ=split_dq, DQ_FIRST=dq_first,
-        Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, DQ_LAYOUT=dq_layout, num_warps=4,
-    )
+    lse = lse.contiguous()
+    key = (module.fa3_bwd_kernel, BWD_CONFIGS[head_dim], q.dtype, q.device, q.shape, k.shape, causal,
+           lse.data_ptr() % 16 == 0)
+    _run(module.fa3_bwd_kernel, key, grid,
+         q_desc=desc(q, block_m, q_box), k_desc=desc(k, block_n, k_box), v_desc=desc(v, 64, v_box),
+         do_desc=desc(do, block_m, q_box), dk_desc=desc(dk, 64, v_box), dv_desc=desc(dv, 64, v_box),
+         dq_desc=desc(dq_acc, dq_rows, dq_box, dq_cols), LSE=lse, DELTA=delta, n_heads=n_heads, seqlen_q=seqlen_q,
+         seqlen_k=seqlen_k, qk_scale=softmax_scale * fa2.LOG2E, softmax_scale=softmax_scale,
+         GROUP=n_heads // n_kv_heads, CAUSAL=causal, NUM_CONSUMERS=BWD_CONSUMERS, HEAD_DIM=head_dim,
+         BLOCK_M=block_m, NUM_STAGES=num_stages, SPLIT_DQ=split_dq, DQ_FIRST=dq_first,
+         Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, DQ_LAYOUT=dq_layout)
     dq = empty_like_layout(q)
     torch.mul(dq_acc[:, :, :seqlen_q], softmax_scale, out=dq)  # one pass: scale, cast, q's memory order
     return dq, dk, dv

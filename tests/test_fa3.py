@@ -6,6 +6,7 @@ determinism) is tests/test_attention.py's, which runs fa3 on a CUDA GPU.
 """
 
 import os
+import random
 import re
 import subprocess
 import sys
@@ -159,6 +160,111 @@ def test_gluon_forward_persistent_order_covers_every_tile(fresh_dispatch, head_d
     lse_ref = torch.logsumexp(s, dim=-1) / torch.log(torch.tensor(2.0, dtype=torch.float64))
     assert ((o.double() - o_ref).norm() / o_ref.norm()).item() < 1e-2
     assert ((lse.double() - lse_ref).norm() / lse_ref.norm()).item() < 1e-3
+
+
+@gluon_on_hopper
+@pytest.mark.parametrize("head_dim,causal", [(64, True), (128, False)])
+def test_gluon_relaunch_of_a_shape_reads_the_new_inputs(fresh_dispatch, monkeypatch, head_dim, causal):
+    """The second call of a shape goes through the compiled kernels `fa3._COMPILED` kept from the first (Triton's
+    binder skipped): new data, other strides (a (B, T, H, D) view) and another softmax_scale must all be read anew.
+    Checked against float64, forward and backward, with the outputs' memory poisoned before each call."""
+    monkeypatch.setattr(fa3, "_COMPILED", {})
+    monkeypatch.setattr(fa3, "GLUON_BACKWARD_MIN_SEQLEN", dict.fromkeys(fa3.HEAD_DIMS, 1))
+    shape = (2, 3, 200, head_dim)
+    for call in range(2):
+        if call == 0:
+            q, k, v, do = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        else:  # same shape, (B, T, H, D) memory
+            q, k, v, do = (torch.randn(2, 200, 3, head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+                           for _ in range(4))
+        scale = head_dim ** -0.5 * (1 + call)
+        poison = torch.full((16 * 2 * 3 * 200 * head_dim,), float("nan"), device="cuda")
+        del poison
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no fallback warning: the Gluon kernels ran
+            fa3_attention(*leaves, causal=causal, softmax_scale=scale).backward(do)
+            o = fa3_attention(q, k, v, causal=causal, softmax_scale=scale)
+        assert len(fa3._COMPILED) == 2  # one forward and one backward key, made by the first call
+        ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        o_ref = torch.nn.functional.scaled_dot_product_attention(*ref_leaves, is_causal=causal, scale=scale)
+        o_ref.backward(do.double())
+        assert ((o.double() - o_ref).norm() / o_ref.norm()).item() < 1e-2
+        for leaf, ref in zip(leaves, ref_leaves):
+            err = ((leaf.grad.double() - ref.grad).norm() / ref.grad.norm()).item()
+            assert torch.isfinite(leaf.grad).all() and err < 1e-2, (call, err)
+
+
+def test_compiled_launch_cache_orders_the_arguments(monkeypatch):
+    """`fa3._run`: a key's first launch goes through Triton (`kernel[grid](**args, num_warps=4)`), later ones
+    through the compiled kernel's launcher with every argument in the kernel's parameter order; a launch that
+    leaves a parameter to its default is never cached (the order would need Triton's defaults)."""
+    monkeypatch.setattr(fa3, "_COMPILED", {})
+    launches = []
+
+    class Compiled:  # Triton's CompiledKernel reads grid[0], grid[1] and grid[2]
+        def __getitem__(self, grid):
+            return lambda *args: launches.append(("compiled", (grid[0], grid[1], grid[2]), args))
+
+    class Kernel:
+        arg_names = ["x_desc", "n", "BLOCK"]
+
+        def __getitem__(self, grid):
+            def run(**kwargs):
+                launches.append(("triton", grid, kwargs))
+                return Compiled()
+            return run
+
+    kernel = Kernel()
+    fa3._run(kernel, "key", (3,), BLOCK=64, n=7, x_desc="d0")
+    fa3._run(kernel, "key", (4,), n=8, BLOCK=64, x_desc="d1")
+    fa3._run(kernel, "other", (5,), n=9, x_desc="d2")  # BLOCK left to a default: Triton's path every time
+    fa3._run(kernel, "other", (5,), n=9, x_desc="d3")
+    assert launches == [
+        ("triton", (3,), dict(BLOCK=64, n=7, x_desc="d0", num_warps=4)),
+        ("compiled", (4, 1, 1), ("d1", 8, 64)),
+        ("triton", (5,), dict(n=9, x_desc="d2", num_warps=4)),
+        ("triton", (5,), dict(n=9, x_desc="d3", num_warps=4)),
+    ]
+
+
+def _busiest_cta(grid, num_consumers, n_bh, seqlen_q):
+    """Work of the busiest CTA of the non-causal persistent forward on `grid` CTAs, simulated tile by tile: CTA pid
+    runs tiles pid, pid + grid, ... in (head, query block) order; a head's last tile costs its share of busy
+    warpgroups."""
+    rows = num_consumers * fa3.BLOCK_M
+    n_tiles_m = -(-seqlen_q // rows)
+    last_cost = -(-(seqlen_q - (n_tiles_m - 1) * rows) // fa3.BLOCK_M) / num_consumers
+    loads = [0.0] * grid
+    for t in range(n_tiles_m * n_bh):
+        loads[t % grid] += last_cost if t % n_tiles_m == n_tiles_m - 1 else 1.0
+    return max(loads)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_persistent_grid_gives_the_busiest_cta_the_least_work(seed):
+    """`fa3.persistent_grid` against a simulation over every grid it may pick, on random shapes."""
+    rng = random.Random(seed)
+    for _ in range(6):
+        num_consumers, n_bh, seqlen_q = rng.choice([2, 3]), rng.randint(1, 300), rng.randint(1, 5000)
+        sm_count = rng.choice([132, 114, 20])
+        n_tiles_m = -(-seqlen_q // (num_consumers * fa3.BLOCK_M))
+        grid = fa3.persistent_grid(n_tiles_m, n_bh, seqlen_q, num_consumers, sm_count)
+        if n_tiles_m * n_bh <= sm_count:
+            assert grid == n_tiles_m * n_bh
+            continue
+        assert sm_count - 16 <= grid <= sm_count
+        best = min(_busiest_cta(g, num_consumers, n_bh, seqlen_q) for g in range(sm_count - 16, sm_count + 1))
+        assert _busiest_cta(grid, num_consumers, n_bh, seqlen_q) == pytest.approx(best)
+
+
+def test_persistent_grid_spreads_the_partial_tiles_at_2k():
+    """The benchmark's head_dim-64 non-causal shape at N = 2k (192-row tiles, 11 a head, 256 heads): with 132 CTAs
+    (12 x 11) every partial tile goes to the same 12 CTAs and some others run 22 full tiles; the chosen grid's
+    busiest CTA runs 21 1/3 tiles' work."""
+    grid = fa3.persistent_grid(11, 256, 2048, 3, 132)
+    assert _busiest_cta(132, 3, 256, 2048) == 22
+    assert _busiest_cta(grid, 3, 256, 2048) == pytest.approx(21 + 1 / 3)
 
 
 def _reference_grads(q, k, v, do, causal):
