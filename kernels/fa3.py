@@ -16,6 +16,8 @@ whose data and strides TMA can address (16-byte aligned data, 16-byte multiple s
 
 import functools
 import importlib
+import os
+import sys
 import warnings
 
 import torch
@@ -142,8 +144,20 @@ def _warn_fallback(reason: str) -> None:
     if reason in _WARNED:
         return
     _WARNED.add(reason)
-    warnings.warn(f"attn=fa3: running FA2's Triton kernels instead of the Gluon FA3 kernels: {reason}",
-                  RuntimeWarning, stacklevel=4)
+    warnings.warn(f"fa3_attention: running FA2's Triton kernels instead of the Gluon FA3 kernels: {reason}",
+                  RuntimeWarning, stacklevel=_caller_stacklevel())
+
+
+_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (sys.modules[__package__], torch))
+
+
+def _caller_stacklevel() -> int:
+    """The `warnings.warn` stacklevel, seen from `_warn_fallback`, of the first frame outside this package and
+    torch: the caller's line (the eager call, the model, or the training step that ran the backward)."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 1
 
 
 def _launch(module, q, k, v, causal, softmax_scale):

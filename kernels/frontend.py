@@ -31,19 +31,25 @@ ForwardLauncher = Callable[..., tuple[Tensor, Tensor]]
 BackwardLauncher = Callable[..., tuple[Tensor, Tensor, Tensor]]
 
 
+def type_name(x) -> str:
+    """x's type as a message names it: `bool`, or `numpy.bool` (numpy 2 also calls its bool type "bool")."""
+    t = type(x)
+    return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
 def validate(q, k, v, causal, softmax_scale, packed=False) -> None:
     """Raise TypeError/ValueError naming the offending argument; see `make_attention` for the contract.
     packed: q, k, v hold sequences back to back, (total, heads, head_dim) (`make_varlen_attention`)."""
     ndim, dims = (3, "(total, heads, head_dim)") if packed else (4, "(batch, heads, seqlen, head_dim)")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            raise TypeError(f"{name} must be a torch.Tensor, got {type_name(t)}")
         if t.dim() != ndim:
             raise ValueError(f"{name} must have {ndim} dims {dims}, got shape {tuple(t.shape)}")
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name} has dtype {t.dtype}; supported: float16, bfloat16, float32")
     if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        raise TypeError(f"causal must be a bool, got {type_name(causal)}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"q, k, v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
     if k.device != q.device or v.device != q.device:
@@ -70,7 +76,7 @@ def validate(q, k, v, causal, softmax_scale, packed=False) -> None:
     if seqlen_q == 0 or seqlen_k == 0 or batch == 0:
         raise ValueError(f"batch, seqlen_q and seqlen_k must be >= 1, got q={tuple(q.shape)}, k={tuple(k.shape)}")
     if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))):
-        raise TypeError(f"softmax_scale must be a number (int or float) or None, got {type(softmax_scale).__name__}")
+        raise TypeError(f"softmax_scale must be a number (int or float) or None, got {type_name(softmax_scale)}")
     # >= 0: the kernels take a row's largest scaled score as max(q k^T) * softmax_scale (FlashAttention's shortcut)
     if softmax_scale is not None and not (math.isfinite(softmax_scale) and softmax_scale >= 0):
         raise ValueError(f"softmax_scale must be a finite number >= 0 or None, got {softmax_scale!r}")
@@ -78,7 +84,7 @@ def validate(q, k, v, causal, softmax_scale, packed=False) -> None:
 
 def check_return_lse(return_lse) -> None:
     if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+        raise TypeError(f"return_lse must be a bool, got {type_name(return_lse)}")
 
 
 def check_window(window_size, name: str, supported: bool) -> tuple[int, int]:
@@ -100,7 +106,7 @@ def check_cu_seqlens_args(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     values are checked by `check_cu_seqlens_values`."""
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(cu, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+            raise TypeError(f"{name} must be a torch.Tensor, got {type_name(cu)}")
         if cu.dtype != torch.int32:
             raise TypeError(f"{name} has dtype {cu.dtype}; accepted: torch.int32 (as flash-attn)")
         if cu.dim() != 1 or cu.shape[0] < 2:
@@ -112,7 +118,7 @@ def check_cu_seqlens_args(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                          f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
     for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(n, bool) or not isinstance(n, (int, torch.SymInt)):
-            raise TypeError(f"{name} must be an int, got {type(n).__name__}")
+            raise TypeError(f"{name} must be an int, got {type_name(n)}")
         if n < 0:
             raise ValueError(f"{name} must be >= 0, got {n}")
 

@@ -333,6 +333,8 @@ def test_bad_arguments_are_rejected(attention):
             attention(**_qkv(), softmax_scale=scale)
     with pytest.raises(TypeError, match="return_lse must be a bool, got str"):
         attention(**_qkv(), return_lse="no")
+    with pytest.raises(TypeError, match=r"causal must be a bool, got torch\.Tensor"):  # not "got Tensor"
+        attention(**_qkv(), causal=torch.tensor(True))
 
 
 @pytest.mark.parametrize("attention", KERNELS)

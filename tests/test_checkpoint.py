@@ -83,6 +83,10 @@ def test_missing_and_corrupt_files_are_reported_by_path(tmp_path):
     truncated.write_bytes(good.read_bytes()[:-100])
     with pytest.raises(CheckpointError, match="truncated.pt is corrupt"):
         load_checkpoint(truncated)
+    empty = tmp_path / "empty.pt"  # torch raises an EOFError with no message for it
+    empty.write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"empty.pt is corrupt or unreadable \(EOFError: the file ends early"):
+        load_checkpoint(empty)
     flipped = tmp_path / "flipped.pt"  # whole and readable, but bytes changed inside the weights
     content = bytearray(good.read_bytes())
     middle = len(content) // 2

@@ -158,13 +158,15 @@ def test_cli_exit_code_after_sigterm_is_143(tiny_overrides, tmp_path):
     proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     metrics = tmp_path / "term" / "metrics.jsonl"
-    deadline = time.time() + 120
-    while not (metrics.exists() and metrics.stat().st_size > 0) and time.time() < deadline:
+    deadline = time.time() + 120  # until a step with a val loss (eval.interval=3) is recorded
+    while not (metrics.exists() and "val/loss" in metrics.read_text()) and time.time() < deadline:
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
     assert len(list_checkpoints(tmp_path / "term")) == 1 and "interrupted at step" in out
+    assert "received SIGTERM: stopping after this step and saving a checkpoint (Ctrl-C to abort)" in out
+    assert "last val loss" in out and "final val loss" not in out  # an interrupted run has steps to go
 
 
 @pytest.mark.parametrize("forward,kept,says", [(3, ["step_00000002.pt"], "resume continues from step_00000002.pt"),

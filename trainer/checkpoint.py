@@ -254,7 +254,7 @@ def _read(path: Path) -> Any:
         if isinstance(e, pickle.UnpicklingError) and "Weights only load failed" in str(e) and is_zip:
             raise CheckpointError(f"not a checkpoint file: {path} (a torch file holding Python objects, "
                                   "not a trainer checkpoint)") from None
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else "the file ends early: empty or cut short"
         raise CheckpointError(f"checkpoint {path} is corrupt or unreadable ({type(e).__name__}: {first_line}); "
                               "it was left as is; move it out of the checkpoints folder to resume from the one "
                               "before, or start a new run.name (resume=<path> of an older checkpoint works there too)"

@@ -369,8 +369,9 @@ class Trainer:
             barrier(self.dist)  # rank 0 closes W&B before any rank exits and torchrun stops the others
         if exit_code != 0:
             return
-        if s.final_val_loss is not None:
-            log.info("final val loss %.4f (step %d)", s.final_val_loss, s.final_val_step)
+        if s.final_val_loss is not None:  # "last": an interrupted run has more steps to go
+            log.info("%s val loss %.4f (step %d)", "last" if s.stop_reason == "interrupted" else "final",
+                     s.final_val_loss, s.final_val_step)
         if s.stop_reason == "interrupted":
             log.info("interrupted at step %d; to resume: %s (with the same settings)", self.state.step,
                      continue_command(self.cfg.run.name, self.dist.world_size))

@@ -33,5 +33,5 @@ class StopRequest:
         if self.signum is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.signum = signum
-        log.warning("received %s: stopping after this step and saving a checkpoint (Ctrl-C again to abort)",
-                    signal.Signals(signum).name)
+        log.warning("received %s: stopping after this step and saving a checkpoint (Ctrl-C %sto abort)",
+                    signal.Signals(signum).name, "again " if signum == signal.SIGINT else "")
