@@ -216,9 +216,9 @@ def make_attention(name: str, forward: ForwardLauncher, backward: BackwardLaunch
         """The same autograd as the op's registration, for eager calls of the public function, with the
         launchers called directly: custom_op's own autograd wrapper costs ~70 us of Python per eager call (it
         re-fills the schema's defaults every call) and its dispatch still ~15-30 us each way inside this one
-        (measured on the CPU with stub kernels, docs/benchmarks.md, ninth and thirteenth sessions). torch.compile traces the op's own registration instead (no
-        per-call cost there, and it takes one tensor passed twice, which dynamo refuses for an
-        autograd.Function)."""
+        (measured on the CPU with stub kernels, docs/benchmarks.md, ninth and thirteenth sessions).
+        torch.compile traces the op's own registration instead (no per-call cost there, and it takes one tensor
+        passed twice, which dynamo refuses for an autograd.Function)."""
 
         @staticmethod
         def forward(ctx, q, k, v, causal, softmax_scale, window_left, window_right):
