@@ -165,7 +165,8 @@ def _launch(module, q, k, v, causal, softmax_scale):
 
     batch, n_heads, seqlen_q, head_dim = q.shape
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    num_consumers, block_n, num_stages, pingpong, persistent, split_loops = CONFIGS[head_dim, causal]
+    config = CONFIGS[head_dim, causal]
+    num_consumers, block_n, num_stages, pingpong, persistent, split_loops = config
     o = empty_like_layout(q)
     lse = torch.empty((batch, n_heads, seqlen_q), device=q.device, dtype=torch.float32)
     q_layout, kv_layout = shared_layouts(q.dtype, head_dim, block_n)
@@ -180,7 +181,7 @@ def _launch(module, q, k, v, causal, softmax_scale):
         grid = (min(n_tiles, _sm_count(q.device)),)
     else:
         grid = (persistent_grid(n_tiles_m, batch * n_heads, seqlen_q, num_consumers, _sm_count(q.device)),)
-    key = (module.fa3_fwd_kernel, CONFIGS[head_dim, causal], q.dtype, q.device, q.shape, k.shape, causal)
+    key = (module.fa3_fwd_kernel, config, q.dtype, q.device, q.shape, k.shape, causal)
     _run(module.fa3_fwd_kernel, key, grid,
          q_desc=desc(q, BLOCK_M, q_box), k_desc=desc(k, block_n, kv_box), v_desc=desc(v, block_n, kv_box),
          o_desc=desc(o, BLOCK_M, q_box), LSE=lse, n_heads=n_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
@@ -258,8 +259,9 @@ def _launch_backward(module, do, q, k, v, o, lse, causal, softmax_scale):
 
     batch, n_heads, seqlen_q, head_dim = q.shape
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    num_stages, dq_first, split_dq, block_m = BWD_CONFIGS[head_dim]
-    dq_rows, dq_cols = _dq_box(head_dim)  # checks the config
+    config = BWD_CONFIGS[head_dim]
+    num_stages, dq_first, split_dq, block_m = config
+    dq_rows, dq_cols = _dq_box(head_dim, config)  # checks the config
     seqlen_q_pad = triton.cdiv(seqlen_q, block_m) * block_m  # whole blocks for the dQ reduce-adds
     dq_acc = torch.empty((batch, n_heads, seqlen_q_pad, head_dim), device=q.device, dtype=torch.float32)
     delta = bwd_preprocess(o, do, dq_acc)  # also zeroes dq_acc
@@ -271,7 +273,7 @@ def _launch_backward(module, do, q, k, v, o, lse, causal, softmax_scale):
     block_n = BWD_CONSUMERS * 64
     grid = (triton.cdiv(seqlen_k, block_n), batch * n_kv_heads)
     lse = lse.contiguous()
-    key = (module.fa3_bwd_kernel, BWD_CONFIGS[head_dim], q.dtype, q.device, q.shape, k.shape, causal,
+    key = (module.fa3_bwd_kernel, config, q.dtype, q.device, q.shape, k.shape, causal,
            lse.data_ptr() % 16 == 0)
     _run(module.fa3_bwd_kernel, key, grid,
          q_desc=desc(q, block_m, q_box), k_desc=desc(k, block_n, k_box), v_desc=desc(v, 64, v_box),
