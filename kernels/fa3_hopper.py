@@ -76,6 +76,28 @@ def _softmax_block(s, m_i, l_i, key_limit, start_n, qk_scale, MASKED: gl.constex
 
 
 @gluon.jit
+def _to_operand(p, dtype: gl.constexpr, PACKED_CVT: gl.constexpr):
+    """P (float32) rounded to dtype (float16 or bfloat16) for the PV GEMM's register operand.
+
+    PACKED_CVT: two values per `cvt.rn.{bf16,f16}x2.f32` into one 32-bit register (inline PTX). With three
+    consumer warpgroups (160 registers) `p.to(dtype)`'s scalar conversions, which LLVM moves across the K/V loop's
+    back edge, came out of ptxas with a `PRMT` per packed register (32 a block, ~7 % of the loop's instructions);
+    with two (240 registers) there are none, and the inline PTX costs 24 `MOV`s a block instead (SASS, Triton 3.6;
+    docs/hopper-notes.md, forward variant 17). A thread's values 2 i and 2 i + 1 are adjacent columns of one row in
+    the wgmma accumulator layout, the pair the A operand's layout puts in one register.
+    """
+    if PACKED_CVT:
+        if dtype == gl.bfloat16:
+            return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.bfloat16,
+                                             is_pure=True, pack=2)
+        else:
+            return gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.float16,
+                                             is_pure=True, pack=2)
+    else:
+        return p.to(dtype)
+
+
+@gluon.jit
 def _halve_columns(x, IS_MAX: gl.constexpr, N: gl.constexpr):
     """Max (IS_MAX) or sum of each row's values within each thread: an (M, N) tensor in the wgmma accumulator
     layout -> (M, 4), the 4 lanes that share a row.
@@ -168,7 +190,7 @@ def _key_end(row0, ROWS: gl.constexpr, seqlen_q, seqlen_k, CAUSAL: gl.constexpr)
 @gluon.jit
 def _kv_block(j, kv_it, acc, p_op, m_i, l_i, turn, q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
               turn_bars, key_limit, hi_free, qk_scale,
-              MASK: gl.constexpr, CID: gl.constexpr, NEXT: gl.constexpr,
+              MASK: gl.constexpr, CID: gl.constexpr, NEXT: gl.constexpr, PACKED_CVT: gl.constexpr,
               PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
               s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """K/V block j >= 1 of a consumer's tile (FA3 Algorithm 2): issue S_j = Q K_j^T and O += P_{j-1} V_{j-1},
@@ -200,7 +222,7 @@ def _kv_block(j, kv_it, acc, p_op, m_i, l_i, turn, q_tile, k_smem, v_smem, k_rea
     acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
     mbarrier.arrive(v_empty.index(prev))
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-    p_op = gl.convert_layout(p.to(p_op.dtype), p_layout)
+    p_op = gl.convert_layout(_to_operand(p, p_op.dtype, PACKED_CVT), p_layout)
     return acc, p_op, m_i, l_i, turn
 
 
@@ -238,6 +260,7 @@ def _consumer(q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, 
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     NEXT: gl.constexpr = (CID + 1) % NUM_CONSUMERS  # whose turn follows ours under PINGPONG
+    PACKED_CVT: gl.constexpr = NUM_CONSUMERS > 2  # `_to_operand`: fewer instructions at 160 registers only
     o_tile = o_smem.index(CID)
     kv_it = 0  # position in the K/V ring, running across tiles as in the producer
     turn = 0  # PINGPONG turns taken
@@ -283,7 +306,7 @@ def _consumer(q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, 
             p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, key_limit, 0, qk_scale, True, BLOCK_N, s_layout)
         else:
             p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, key_limit, 0, qk_scale, False, BLOCK_N, s_layout)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        p_op = gl.convert_layout(_to_operand(p, dtype, PACKED_CVT), p_layout)
 
         # Blocks [1, n_first) then [n_first, n_own). SPLIT_LOOPS: the unmasked ones, then the masked ones, each
         # loop without the other's code; else one loop over all of them with a runtime branch per block.
@@ -295,12 +318,12 @@ def _consumer(q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, 
         for j in range(1, n_first):
             acc, p_op, m_i, l_i, turn = _kv_block(
                 j, kv_it, acc, p_op, m_i, l_i, turn, q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                turn_bars, key_limit, hi_free, qk_scale, FIRST_MASK, CID, NEXT, PINGPONG,
+                turn_bars, key_limit, hi_free, qk_scale, FIRST_MASK, CID, NEXT, PACKED_CVT, PINGPONG,
                 BLOCK_M, BLOCK_N, NUM_STAGES, s_layout, o_layout, p_layout)
         for j in range(n_first, n_own):  # empty unless SPLIT_LOOPS
             acc, p_op, m_i, l_i, turn = _kv_block(
                 j, kv_it, acc, p_op, m_i, l_i, turn, q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                turn_bars, key_limit, hi_free, qk_scale, 1, CID, NEXT, PINGPONG,
+                turn_bars, key_limit, hi_free, qk_scale, 1, CID, NEXT, PACKED_CVT, PINGPONG,
                 BLOCK_M, BLOCK_N, NUM_STAGES, s_layout, o_layout, p_layout)
         mbarrier.arrive(q_empty.index(q_index))  # every QK GEMM of ours is done: the buffer may take a new Q
 
