@@ -146,16 +146,19 @@ def use_tma(*tensors: torch.Tensor) -> bool:
     return True
 
 
-def empty_like_layout(t: torch.Tensor) -> torch.Tensor:
+def empty_like_layout(t: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
     """An uninitialised tensor shaped like `t` (batch, heads, seqlen, head_dim) with a contiguous last dim and the
     other dims in memory in t's order, even when t has gaps (e.g. q sliced from a fused (B, T, 3, H, D)
     projection: the result is (B, H, T, D) stored as (B, T, H, D)). torch.empty_like falls back to a
     contiguous (B, H, T, D) there, which makes the model's o.transpose(1, 2).contiguous() a real copy.
-    Broadcast views (a stride of 0, e.g. from expand) get a contiguous tensor."""
+    Broadcast views (a stride of 0, e.g. from expand) get a contiguous tensor. `shape` / `dtype`: another shape
+    of the same rank (e.g. a padded seqlen) or dtype, the dims still in t's memory order."""
+    shape = list(t.shape if shape is None else shape)
+    dtype = t.dtype if dtype is None else dtype
     if any(s == 0 for s, n in zip(t.stride(), t.shape) if n > 1):
-        return torch.empty(t.shape, device=t.device, dtype=t.dtype)
+        return torch.empty(shape, device=t.device, dtype=dtype)
     order = sorted(range(t.dim() - 1), key=lambda d: (-t.stride(d), d)) + [t.dim() - 1]  # outermost first
-    x = torch.empty([t.shape[d] for d in order], device=t.device, dtype=t.dtype)
+    x = torch.empty([shape[d] for d in order], device=t.device, dtype=dtype)
     return x.permute([order.index(d) for d in range(t.dim())])
 
 
@@ -179,13 +182,13 @@ def check_grid(batch: int, n_heads: int) -> None:
 @triton.jit
 def _bwd_preprocess(
     O, DO, DELTA, DQ_ACC,
-    stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
+    stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom, stride_dqb, stride_dqh, stride_dqm,
     n_heads, seqlen_q, seqlen_q_pad,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, ZERO_DQ: tl.constexpr,
 ):
     # Backward step 1 of 3 (FA2 paper, Algorithm 2 line 4): delta_i = rowsum(dO_i * O_i), float32.
-    # ZERO_DQ: also zero these rows of a contiguous float32 (batch, n_heads, seqlen_q_pad, HEAD_DIM) dQ
-    # accumulator (FA3's preprocess does the same), which saves a separate memset launch.
+    # ZERO_DQ: also zero these rows of a float32 (batch, n_heads, seqlen_q_pad, HEAD_DIM) dQ accumulator with a
+    # unit last stride (FA3's preprocess does the same), which saves a separate memset launch.
     off_bh = tl.program_id(1)
     off_b, off_h = off_bh // n_heads, off_bh % n_heads
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -197,7 +200,7 @@ def _bwd_preprocess(
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     tl.store(DELTA + off_bh.to(tl.int64) * seqlen_q + offs_m, delta, mask=offs_m < seqlen_q)
     if ZERO_DQ:
-        dq_ptrs = DQ_ACC + (off_bh.to(tl.int64) * seqlen_q_pad + offs_m[:, None]) * HEAD_DIM + offs_d[None, :]
+        dq_ptrs = head_ptr(DQ_ACC, off_b, stride_dqb, off_h, stride_dqh) + offs_m[:, None] * stride_dqm + offs_d[None, :]
         tl.store(dq_ptrs, tl.zeros([BLOCK_M, BLOCK_D], tl.float32),
                  mask=(offs_m[:, None] < seqlen_q_pad) & (offs_d[None, :] < HEAD_DIM))
 
@@ -208,21 +211,23 @@ PREPROCESS_BLOCK_M = 64
 def bwd_preprocess(o, do, dq_acc=None):
     """delta = rowsum(do * o): float32 (batch, n_heads, seqlen_q). o, do: (batch, n_heads, seqlen_q, head_dim).
 
-    dq_acc: optional contiguous float32 (batch, n_heads, seqlen_q_pad, head_dim) with seqlen_q_pad >= seqlen_q (the
-    Gluon backward pads to whole query blocks); zeroed in the same kernel. ValueError if it is not that."""
+    dq_acc: optional float32 (batch, n_heads, seqlen_q_pad, head_dim) with seqlen_q_pad >= seqlen_q (the Gluon
+    backward pads to whole query blocks) and a unit last stride, any other strides (the Gluon backward keeps it in
+    q's memory order); zeroed in the same kernel. ValueError if it is not that."""
     batch, n_heads, seqlen_q, head_dim = o.shape
     seqlen_q_pad = seqlen_q
     if dq_acc is not None:
         seqlen_q_pad = dq_acc.shape[2]
-        if (dq_acc.dtype != torch.float32 or not dq_acc.is_contiguous()
+        if (dq_acc.dtype != torch.float32 or dq_acc.stride(3) != 1
                 or tuple(dq_acc.shape) != (batch, n_heads, seqlen_q_pad, head_dim) or seqlen_q_pad < seqlen_q):
-            raise ValueError(f"dq_acc must be a contiguous float32 (batch, n_heads, seqlen_q_pad, head_dim) = "
-                             f"({batch}, {n_heads}, >= {seqlen_q}, {head_dim}) tensor; got {dq_acc.dtype} "
-                             f"{tuple(dq_acc.shape)}{'' if dq_acc.is_contiguous() else ' (not contiguous)'}")
+            raise ValueError(f"dq_acc must be a float32 (batch, n_heads, seqlen_q_pad, head_dim) = "
+                             f"({batch}, {n_heads}, >= {seqlen_q}, {head_dim}) tensor with a unit last stride; got "
+                             f"{dq_acc.dtype} {tuple(dq_acc.shape)} with strides {tuple(dq_acc.stride())}")
     grid = (triton.cdiv(seqlen_q_pad, PREPROCESS_BLOCK_M), batch * n_heads)
     delta = torch.empty((batch, n_heads, seqlen_q), device=o.device, dtype=torch.float32)
     _bwd_preprocess[grid](
-        o, do, delta, delta if dq_acc is None else dq_acc, *o.stride()[:3], *do.stride()[:3], n_heads, seqlen_q,
+        o, do, delta, delta if dq_acc is None else dq_acc, *o.stride()[:3], *do.stride()[:3],
+        *(dq_acc.stride()[:3] if dq_acc is not None else (0, 0, 0)), n_heads, seqlen_q,
         seqlen_q_pad, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=PREPROCESS_BLOCK_M,
         ZERO_DQ=dq_acc is not None,
     )

@@ -263,7 +263,10 @@ def _launch_backward(module, do, q, k, v, o, lse, causal, softmax_scale):
     num_stages, dq_first, split_dq, block_m = config
     dq_rows, dq_cols = _dq_box(head_dim, config)  # checks the config
     seqlen_q_pad = triton.cdiv(seqlen_q, block_m) * block_m  # whole blocks for the dQ reduce-adds
-    dq_acc = torch.empty((batch, n_heads, seqlen_q_pad, head_dim), device=q.device, dtype=torch.float32)
+    # In q's memory order, as dq: the last pass below is then a plain contiguous one. (The model's (B, T, H, D) q
+    # with a (B, H, T, D) accumulator made it a transposing copy at ~40 % of the copy rate: 110 us of GPT-2's
+    # 1k backward against cuDNN's 46; docs/benchmarks.md, fourteenth session.)
+    dq_acc = empty_like_layout(q, (batch, n_heads, seqlen_q_pad, head_dim), torch.float32)
     delta = bwd_preprocess(o, do, dq_acc)  # also zeroes dq_acc
     dk, dv = empty_like_layout(k), empty_like_layout(v)
     q_layout, kv_layout, _, ds_layout, dq_layout = _bwd_layouts(q.dtype, head_dim, block_m, (dq_rows, dq_cols))

@@ -369,11 +369,24 @@ def test_bwd_preprocess_zeroes_the_dq_accumulator(head_dim, seqlen_q, block_m):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     o, do = (torch.randn(2, 3, seqlen_q, head_dim, dtype=torch.bfloat16, device=device) for _ in range(2))
     seqlen_q_pad = -(-seqlen_q // block_m) * block_m
-    dq_acc = torch.full((2, 3, seqlen_q_pad, head_dim), float("nan"), device=device)
-    delta = bwd_preprocess(o, do.transpose(1, 2).contiguous().transpose(1, 2), dq_acc)
-    reference = (o.double() * do.double()).sum(-1)
-    assert ((delta.double() - reference).norm() / reference.norm()).item() < 1e-6
-    assert (dq_acc == 0).all()
+    for dq_acc in (torch.full((2, 3, seqlen_q_pad, head_dim), float("nan"), device=device),  # and (B, T, H, D) order
+                   torch.full((2, seqlen_q_pad, 3, head_dim), float("nan"), device=device).transpose(1, 2)):
+        delta = bwd_preprocess(o, do.transpose(1, 2).contiguous().transpose(1, 2), dq_acc)
+        reference = (o.double() * do.double()).sum(-1)
+        assert ((delta.double() - reference).norm() / reference.norm()).item() < 1e-6
+        assert (dq_acc == 0).all()
+
+
+def test_empty_like_layout_keeps_the_memory_order_with_another_shape_and_dtype():
+    """The Gluon backward's float32 dQ accumulator: q's (B, T, H, D) memory order (here with gaps, as sliced from a
+    fused projection), a padded seqlen and float32; the final scale-and-cast pass then reads and writes alike."""
+    from kernels.common import empty_like_layout
+
+    q = torch.randn(2, 40, 3, 4, 16, dtype=torch.bfloat16)[:, :, 0].transpose(1, 2)  # (B, H, T, D) over (B, T, 3, H, D)
+    acc = empty_like_layout(q, (2, 4, 64, 16), torch.float32)
+    assert acc.shape == (2, 4, 64, 16) and acc.dtype == torch.float32
+    assert acc.stride() == (64 * 4 * 16, 16, 4 * 16, 1)  # dense (B, T_pad, H, D)
+    assert empty_like_layout(q).stride() == (40 * 4 * 16, 16, 4 * 16, 1) and empty_like_layout(q).dtype == q.dtype
 
 
 @pytest.mark.parametrize("config,message", [
@@ -395,5 +408,5 @@ def test_bwd_preprocess_refuses_a_wrong_dq_accumulator():
     o = torch.randn(1, 2, 40, 64, dtype=torch.bfloat16)
     for bad in (torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16), torch.zeros(2, 2, 64, 64),
                 torch.zeros(1, 2, 64, 64).transpose(2, 3), torch.zeros(1, 2, 32, 64)):
-        with pytest.raises(ValueError, match="dq_acc must be a contiguous float32"):
+        with pytest.raises(ValueError, match="dq_acc must be a float32 .* with a unit last stride"):
             bwd_preprocess(o, o, bad)
