@@ -7,7 +7,7 @@ FLOPs (the convention of the FlashAttention papers and the Triton tutorial): for
 halved when causal; backward 2.5x the forward. Tokens per call are fixed (B * N = 16k) and H * D = 2048, so
 every row of the table moves the same amount of data. Times are `triton.testing.do_bench` medians (CUDA
 events, after warm-up; the first call of each shape autotunes before timing) of eager calls, as user code makes
-them: where a kernel takes less GPU time than its call takes on the host (Python, the custom-op layers, Triton's
+them (--repeats R: the median of R such measurements per cell, the backends' order alternating): where a kernel takes less GPU time than its call takes on the host (Python, the custom-op layers, Triton's
 launcher: ~0.3 ms forward and ~1.4 ms forward + backward for our backends on the H200's host, docs/benchmarks.md)
 that is what gets timed. --cuda-graph times the same calls replayed from a CUDA graph
 (`triton.testing.do_bench_cudagraph`, medians, calls back to back without an L2 flush): the GPU time alone; the
@@ -19,6 +19,7 @@ one line per backend.
 import argparse
 import csv
 import json
+import statistics
 from pathlib import Path
 
 import torch
@@ -90,6 +91,20 @@ def measure(attention, batch, n_heads, seqlen, head_dim, causal, dtype, device="
     return fwd, bwd
 
 
+def repeated(measure_one, chosen, repeats):
+    """{name: (fwd_ms, bwd_ms)}: the medians of `repeats` calls of measure_one(attention) per backend, the backends
+    in `chosen`'s order on even repeats and reversed on odd ones, so a drift of the machine's clocks during the cell
+    reaches every backend alike. A backend that refuses the shape ((None, None)) is not asked again."""
+    times = {name: [] for name in chosen}
+    for rep in range(repeats):
+        for name in (list(chosen) if rep % 2 == 0 else list(reversed(chosen))):
+            if times[name] and times[name][0] == (None, None):
+                continue
+            times[name].append(measure_one(chosen[name]))
+    median = lambda xs: None if None in xs else statistics.median(xs)
+    return {name: tuple(median([t[i] for t in ts]) for i in range(2)) for name, ts in times.items()}
+
+
 def print_ratios(rows):
     """The first backend's speed over each other one, per configuration: time(other) / time(first), fwd and bwd."""
     by_key = {(r["backend"], r["head_dim"], r["causal"], r["seqlen"]): r for r in rows}
@@ -150,10 +165,15 @@ def main(argv=None):
     parser.add_argument("--causal", default="true,false", help="comma-separated: true, false, or true,false for both")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"], help="input dtype")
     parser.add_argument("--out", default="runs/bench_attention", help="folder for CSV, JSON and PNG files")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="measure each cell this many times, the backends' order alternating, and report the "
+                             "median of the repeats (the machine's clock state drifts between measurements)")
     parser.add_argument("--cuda-graph", action="store_true",
                         help="time calls replayed from a CUDA graph (GPU time alone) instead of eager calls")
     args = parser.parse_args(argv)
     check_names(args.backends.split(","))  # a typo is caught on any machine
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats {args.repeats}: give 1 or more")
     if not torch.cuda.is_available():
         raise SystemExit("bench.attention needs a CUDA GPU")
 
@@ -171,11 +191,12 @@ def main(argv=None):
         for causal in [c.strip().lower() == "true" for c in args.causal.split(",")]:
             for seqlen in map(int, args.seqlens.split(",")):
                 batch, n_heads = max(1, TOKENS // seqlen), WIDTH // head_dim
-                for name, attention in chosen.items():
-                    fwd, bwd = measure(attention, batch, n_heads, seqlen, head_dim, causal, dtype,
-                                       cuda_graph=args.cuda_graph)
+                times = repeated(lambda attention: measure(attention, batch, n_heads, seqlen, head_dim, causal,
+                                                           dtype, cuda_graph=args.cuda_graph), chosen, args.repeats)
+                for name, (fwd, bwd) in times.items():
                     row = dict(backend=name, dtype=args.dtype, batch=batch, n_heads=n_heads, seqlen=seqlen,
-                               head_dim=head_dim, causal=causal, timing=timing, fwd_ms=fwd, bwd_ms=bwd,
+                               head_dim=head_dim, causal=causal, timing=timing, repeats=args.repeats, fwd_ms=fwd,
+                               bwd_ms=bwd,
                                fwd_tflops=fwd and flops(batch, n_heads, seqlen, head_dim, causal, "fwd") / fwd / 1e9,
                                bwd_tflops=bwd and flops(batch, n_heads, seqlen, head_dim, causal, "bwd") / bwd / 1e9)
                     rows.append(row)

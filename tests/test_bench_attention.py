@@ -141,3 +141,28 @@ def test_fa3_variants_default_variants_parse_in_both_modes(monkeypatch, argv):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         fa3_variants.main(argv)
+
+
+def test_repeats_take_the_median_with_the_order_alternating():
+    calls = []
+    times = {"a": iter([(3.0, 30.0), (1.0, 10.0), (2.0, 20.0)]), "b": iter([(5.0, 50.0), (4.0, 40.0), (6.0, 60.0)])}
+    def measure_one(name):
+        calls.append(name)
+        return next(times[name])
+    result = attention.repeated(measure_one, {"a": "a", "b": "b"}, 3)
+    assert calls == ["a", "b", "b", "a", "a", "b"]
+    assert result == {"a": (2.0, 20.0), "b": (5.0, 50.0)}
+
+
+def test_repeats_skip_a_backend_that_refuses_the_shape():
+    calls = []
+    def measure_one(name):
+        calls.append(name)
+        return (None, None) if name == "no" else (1.0, 2.0)
+    assert attention.repeated(measure_one, {"yes": "yes", "no": "no"}, 3) == {"yes": (1.0, 2.0), "no": (None, None)}
+    assert calls.count("no") == 1 and calls.count("yes") == 3
+
+
+def test_repeats_must_be_positive():
+    with pytest.raises(SystemExit, match="--repeats 0"):
+        attention.main(["--repeats", "0"])
