@@ -6,10 +6,11 @@
 FLOPs (the convention of the FlashAttention papers and the Triton tutorial): forward 4 * B * H * N^2 * D,
 halved when causal; backward 2.5x the forward. Tokens per call are fixed (B * N = 16k) and H * D = 2048, so
 every row of the table moves the same amount of data. Times are `triton.testing.do_bench` medians (CUDA
-events, after warm-up; the first call of each shape autotunes before timing) of eager calls, as user code makes
-them (--repeats R: the median of R such measurements per cell, the backends' order alternating): where a kernel takes less GPU time than its call takes on the host (Python, the custom-op layers, Triton's
-launcher: ~0.3 ms forward and ~1.4 ms forward + backward for our backends on the H200's host, docs/benchmarks.md)
-that is what gets timed. --cuda-graph times the same calls replayed from a CUDA graph
+events, after warm-up; the first call of each shape autotunes before timing; --repeats R: the median of R such
+measurements per cell, the backends' order alternating) of eager calls, as user code makes them: where a kernel
+takes less GPU time than its call takes on the host (Python, the custom-op layers, Triton's launcher: ~0.3 ms
+forward and ~1.4 ms forward + backward for our backends on the H200's host, docs/benchmarks.md) that is what gets
+timed. --cuda-graph times the same calls replayed from a CUDA graph
 (`triton.testing.do_bench_cudagraph`, medians, calls back to back without an L2 flush): the GPU time alone; the
 backward there is (forward + backward) - forward, both captured.
 Writes a CSV, a JSON and one PNG per (head_dim, causal, direction) into --out: TFLOP/s against sequence length,

@@ -200,7 +200,8 @@ def _bwd_preprocess(
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     tl.store(DELTA + off_bh.to(tl.int64) * seqlen_q + offs_m, delta, mask=offs_m < seqlen_q)
     if ZERO_DQ:
-        dq_ptrs = head_ptr(DQ_ACC, off_b, stride_dqb, off_h, stride_dqh) + offs_m[:, None] * stride_dqm + offs_d[None, :]
+        dq_ptrs = (head_ptr(DQ_ACC, off_b, stride_dqb, off_h, stride_dqh) + offs_m[:, None] * stride_dqm
+                   + offs_d[None, :])
         tl.store(dq_ptrs, tl.zeros([BLOCK_M, BLOCK_D], tl.float32),
                  mask=(offs_m[:, None] < seqlen_q_pad) & (offs_d[None, :] < HEAD_DIM))
 
@@ -217,9 +218,9 @@ def bwd_preprocess(o, do, dq_acc=None):
     batch, n_heads, seqlen_q, head_dim = o.shape
     seqlen_q_pad = seqlen_q
     if dq_acc is not None:
-        seqlen_q_pad = dq_acc.shape[2]
-        if (dq_acc.dtype != torch.float32 or dq_acc.stride(3) != 1
-                or tuple(dq_acc.shape) != (batch, n_heads, seqlen_q_pad, head_dim) or seqlen_q_pad < seqlen_q):
+        seqlen_q_pad = dq_acc.shape[2] if dq_acc.dim() == 4 else -1
+        if (tuple(dq_acc.shape) != (batch, n_heads, seqlen_q_pad, head_dim) or seqlen_q_pad < seqlen_q
+                or dq_acc.dtype != torch.float32 or dq_acc.stride(3) != 1):
             raise ValueError(f"dq_acc must be a float32 (batch, n_heads, seqlen_q_pad, head_dim) = "
                              f"({batch}, {n_heads}, >= {seqlen_q}, {head_dim}) tensor with a unit last stride; got "
                              f"{dq_acc.dtype} {tuple(dq_acc.shape)} with strides {tuple(dq_acc.stride())}")

@@ -274,8 +274,7 @@ def fa3_bwd_kernel(
     """Grid (cdiv(seqlen_k, NUM_CONSUMERS * 64), batch * n_kv_heads): see the module docstring. LSE, DELTA:
     float32 (batch, n_heads, seqlen_q); dq_desc: over the zeroed float32 (batch, n_heads, seqlen_q, HEAD_DIM) dQ
     accumulator padded to whole BLOCK_M-row blocks (any strides TMA takes: the host keeps it in q's memory order),
-    with the (1, 1, rows, columns) boxes of one warpgroup's share
-    of dQ_i (SPLIT_DQ)."""
+    with the (1, 1, rows, columns) boxes of one warpgroup's share of dQ_i (SPLIT_DQ)."""
     dtype: gl.constexpr = q_desc.dtype
     k_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS * BLOCK_KEYS, HEAD_DIM], KV_LAYOUT)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BLOCK_KEYS, HEAD_DIM], KV_LAYOUT)

@@ -144,6 +144,7 @@ def test_fa3_variants_default_variants_parse_in_both_modes(monkeypatch, argv):
 
 
 def test_repeats_take_the_median_with_the_order_alternating():
+    """--repeats: each backend's fwd and bwd medians over the repeats, the backends' order reversed every other one."""
     calls = []
     times = {"a": iter([(3.0, 30.0), (1.0, 10.0), (2.0, 20.0)]), "b": iter([(5.0, 50.0), (4.0, 40.0), (6.0, 60.0)])}
     def measure_one(name):
@@ -155,6 +156,7 @@ def test_repeats_take_the_median_with_the_order_alternating():
 
 
 def test_repeats_skip_a_backend_that_refuses_the_shape():
+    """A backend that refused a shape once ((None, None), e.g. an SDPA backend on the wrong GPU) is not asked again."""
     calls = []
     def measure_one(name):
         calls.append(name)

@@ -407,6 +407,6 @@ def test_bwd_preprocess_refuses_a_wrong_dq_accumulator():
 
     o = torch.randn(1, 2, 40, 64, dtype=torch.bfloat16)
     for bad in (torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16), torch.zeros(2, 2, 64, 64),
-                torch.zeros(1, 2, 64, 64).transpose(2, 3), torch.zeros(1, 2, 32, 64)):
+                torch.zeros(1, 2, 64, 64).transpose(2, 3), torch.zeros(1, 2, 32, 64), torch.zeros(2, 64, 64)):
         with pytest.raises(ValueError, match="dq_acc must be a float32 .* with a unit last stride"):
             bwd_preprocess(o, o, bad)
