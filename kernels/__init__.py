@@ -1,7 +1,8 @@
-"""Our FlashAttention kernels: `fa3_attention` (FlashAttention-3 forward in Gluon for Hopper, FA2's backward),
+"""Our FlashAttention kernels: `fa3_attention` (FlashAttention-3 in Gluon for Hopper, forward and backward),
 `fa2_attention` / `fa2_varlen_attention` (FlashAttention-2 in Triton, with sliding windows and packed
 variable-length sequences), `fa1_attention` (the FA1 baseline) and `fa2_decode` (split-K/V decode: one query per
-(batch, head) against a KV cache; kernels/decode.py).
+(batch, head) against a KV cache; kernels/decode.py). `fa*_qkvpacked_attention` take one packed qkv tensor (a fused
+projection's output) and write its gradient in place.
 
 To run them without a GPU, set TRITON_INTERPRET=1 before importing this package (slow; for tests).
 """
@@ -10,27 +11,39 @@ import math
 
 from . import fa1, fa2, fa3
 from .decode import fa2_decode
-from .frontend import DETERMINISTIC_GRADIENTS, PUBLIC_DOC, VARLEN_DOC, make_attention, make_varlen_attention
+from .frontend import (
+    DETERMINISTIC_GRADIENTS, PUBLIC_DOC, QKVPACKED_DOC, VARLEN_DOC, make_attention, make_varlen_attention,
+)
 
-fa2_attention = make_attention("fa2", fa2.forward, fa2.backward, lse_log_base=2.0, masks=True)
+fa2_attention, fa2_qkvpacked_attention = make_attention("fa2", fa2.forward, fa2.backward, lse_log_base=2.0,
+                                                        masks=True)
 fa2_attention.__doc__ = PUBLIC_DOC.format(
     title="FlashAttention-2 (Triton): exact scaled dot-product attention, forward and backward.",
     source="Dao 2023, FlashAttention-2, Algorithm 1 (forward) and 2 (backward); see kernels/fa2.py.",
     gradients=DETERMINISTIC_GRADIENTS,
 )
+fa2_qkvpacked_attention.__doc__ = QKVPACKED_DOC.format(
+    title="FlashAttention-2 (Triton) over a packed qkv: forward and backward.", name="fa2",
+    gradients=DETERMINISTIC_GRADIENTS)
 fa2_varlen_attention = make_varlen_attention("fa2", lse_log_base=2.0)
 fa2_varlen_attention.__doc__ = VARLEN_DOC.format(
     title="FlashAttention-2 (Triton) over packed variable-length sequences: forward and backward.",
     source="Dao 2023, FlashAttention-2, with flash-attn's varlen and window conventions; see kernels/fa2.py.",
 )
-fa1_attention = make_attention("fa1", fa1.forward, fa1.backward, lse_log_base=math.e)
+fa1_attention, fa1_qkvpacked_attention = make_attention("fa1", fa1.forward, fa1.backward, lse_log_base=math.e)
 fa1_attention.__doc__ = PUBLIC_DOC.format(
     title="FlashAttention-1 baseline (Triton): exact scaled dot-product attention, forward and backward.",
     source="Dao et al. 2022, FlashAttention, Algorithm 1 (forward) and 4 (backward); see kernels/fa1.py.",
     gradients=DETERMINISTIC_GRADIENTS,
 )
+fa1_qkvpacked_attention.__doc__ = QKVPACKED_DOC.format(
+    title="FlashAttention-1 baseline (Triton) over a packed qkv: forward and backward.", name="fa1",
+    gradients=DETERMINISTIC_GRADIENTS)
 
-fa3_attention = make_attention("fa3", fa3.forward, fa3.backward, lse_log_base=2.0)
+FA3_GRADIENTS = ("the Gluon backward adds dQ up through TMA reduce-adds, whose order varies, so dq is not "
+                 "bit-reproducible; under torch.use_deterministic_algorithms(True) FA2's atomic-free backward runs "
+                 "instead, deterministic.")
+fa3_attention, fa3_qkvpacked_attention = make_attention("fa3", fa3.forward, fa3.backward, lse_log_base=2.0)
 fa3_attention.__doc__ = PUBLIC_DOC.format(
     title="FlashAttention-3 (Gluon, Hopper): exact scaled dot-product attention, forward and backward.",
     source="Shah et al. 2024, FlashAttention-3, Section 3.1 and Algorithm 2 (forward), Appendix B.1 (backward: dQ "
@@ -38,9 +51,11 @@ fa3_attention.__doc__ = PUBLIC_DOC.format(
            "see kernels/fa3.py. Where the Gluon kernels do not apply (not an sm_90 GPU, head_dim other than 64/128, "
            "float32, inputs TMA cannot address, a Triton other than 3.6) FA2's kernels run, with a one-time "
            "RuntimeWarning naming the reason.",
-    gradients="the Gluon backward adds dQ up through TMA reduce-adds, whose order varies, so dq is not "
-              "bit-reproducible; under torch.use_deterministic_algorithms(True) FA2's atomic-free backward runs "
-              "instead, deterministic.",
+    gradients=FA3_GRADIENTS,
 )
+fa3_qkvpacked_attention.__doc__ = QKVPACKED_DOC.format(
+    title="FlashAttention-3 (Gluon, Hopper) over a packed qkv: forward and backward, FA2's where the Gluon kernels "
+          "do not apply (as fa3_attention).", name="fa3", gradients=FA3_GRADIENTS)
 
-__all__ = ["fa1_attention", "fa2_attention", "fa2_decode", "fa2_varlen_attention", "fa3_attention"]
+__all__ = ["fa1_attention", "fa1_qkvpacked_attention", "fa2_attention", "fa2_decode", "fa2_qkvpacked_attention",
+           "fa2_varlen_attention", "fa3_attention", "fa3_qkvpacked_attention"]

@@ -162,6 +162,23 @@ def empty_like_layout(t: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
     return x.permute([order.index(d) for d in range(t.dim())])
 
 
+def grad_buffers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out=None) -> tuple:
+    """The backward's dq, dk, dv: `out` when given (three tensors shaped like q, k, v with q's dtype and device
+    and a unit last stride, any other strides: e.g. views into the (batch, seqlen, heads, head_dim) gradient of a
+    fused qkv projection, which the kernels then write in place), else new tensors in q, k, v's memory order.
+    Raises ValueError naming the buffer that does not fit."""
+    if out is None:
+        return empty_like_layout(q), empty_like_layout(k), empty_like_layout(v)
+    if not (isinstance(out, (tuple, list)) and len(out) == 3 and all(isinstance(t, torch.Tensor) for t in out)):
+        raise ValueError(f"out must be three tensors (dq, dk, dv), got {out!r}")
+    for name, g, t in zip(("dq", "dk", "dv"), out, (q, k, v)):
+        if g.shape != t.shape or g.dtype != t.dtype or g.device != t.device or g.stride(-1) != 1:
+            raise ValueError(f"out's {name} must be {t.dtype} {tuple(t.shape)} on {t.device} with a unit last "
+                             f"stride (like {name[1]}), got {g.dtype} {tuple(g.shape)} on {g.device} with strides "
+                             f"{tuple(g.stride())}")
+    return tuple(out)
+
+
 def block_d(head_dim: int) -> int:
     """Tile width for a head dimension: the next power of two, at least 16 (tl.dot's minimum)."""
     return max(16, triton.next_power_of_2(head_dim))

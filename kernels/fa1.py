@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from .common import (
-    block_d, bwd_preprocess, check_grid, empty_like_layout, head_ptr, load_tile, mma, store_tile, upcast_dot,
-    visible_mask,
+    block_d, bwd_preprocess, check_grid, empty_like_layout, grad_buffers, head_ptr, load_tile, mma, store_tile,
+    upcast_dot, visible_mask,
 )
 
 BLOCK_M = 64
@@ -197,12 +197,13 @@ def _bwd_dq(
     store_tile(dq_base, dq.to(DQ.dtype.element_ty), offs_m, stride_dqm, seqlen_q, offs_d, HEAD_DIM, BLOCK_D)
 
 
-def backward(do, q, k, v, o, lse, causal, softmax_scale):
-    """Launch the three backward kernels. `lse` is the forward's natural-log LSE. Returns dq, dk, dv."""
+def backward(do, q, k, v, o, lse, causal, softmax_scale, out=None):
+    """Launch the three backward kernels. `lse` is the forward's natural-log LSE. Returns dq, dk, dv (written into
+    `out` when given: `common.grad_buffers`)."""
     batch, n_heads, seqlen_q, head_dim = q.shape
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     delta = bwd_preprocess(o, do)
-    dq, dk, dv = empty_like_layout(q), empty_like_layout(k), empty_like_layout(v)
+    dq, dk, dv = grad_buffers(q, k, v, out)
     meta = dict(
         GROUP=n_heads // n_kv_heads, CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
         UPCAST=upcast_dot(q.dtype), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS, num_stages=NUM_STAGES,

@@ -34,8 +34,8 @@ import triton
 import triton.language as tl
 
 from .common import (
-    INTERPRET, block_d, bucket, bwd_preprocess, check_grid, empty_like_layout, head_ptr, load_rows,
-    load_tile, mma, store_tile, tile_source, upcast_dot, use_tma, visible_mask,
+    INTERPRET, block_d, bucket, bwd_preprocess, check_grid, empty_like_layout, grad_buffers, head_ptr,
+    load_rows, load_tile, mma, store_tile, tile_source, upcast_dot, use_tma, visible_mask,
 )
 
 LOG2E = math.log2(math.e)
@@ -560,9 +560,11 @@ def _bwd_dq(
 
 
 def backward(do, q, k, v, o, lse, causal, softmax_scale, window_size=(-1, -1), cu_seqlens_q=None, cu_seqlens_k=None,
-             max_seqlen_q=0, max_seqlen_k=0):
+             max_seqlen_q=0, max_seqlen_k=0, out=None):
     """Launch the three backward kernels. `lse` is the forward's base-2 LSE; the mask arguments are the forward's.
-    Returns dq, dk, dv like q, k, v."""
+    Returns dq, dk, dv like q, k, v (written into `out` when given, not with cu_seqlens: `common.grad_buffers`)."""
+    if out is not None and cu_seqlens_q is not None:
+        raise ValueError("out is not taken with packed variable-length sequences (cu_seqlens_q)")
     varlen = cu_seqlens_q is not None
     if varlen:
         do, q, k, v, o, lse = _rows(do), _rows(q), _rows(k), _rows(v), _rows(o), lse[None]
@@ -571,7 +573,7 @@ def backward(do, q, k, v, o, lse, causal, softmax_scale, window_size=(-1, -1), c
     batch, max_q, max_k, mask, constexprs = _mask_args(q, k, causal, window_size, cu_seqlens_q, cu_seqlens_k,
                                                        max_seqlen_q, max_seqlen_k)
     delta = bwd_preprocess(o, do)
-    dq, dk, dv = empty_like_layout(q), empty_like_layout(k), empty_like_layout(v)
+    dq, dk, dv = grad_buffers(q, k, v, out)
     flat = varlen and VARLEN_BWD_GRID != "padded" and batch <= _FLAT_MAX_SEQS
     common = dict(
         GROUP=n_heads // n_kv_heads, **constexprs, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),

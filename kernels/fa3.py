@@ -24,7 +24,7 @@ import torch
 import triton
 
 from . import fa2
-from .common import INTERPRET, bwd_preprocess, empty_like_layout, use_tma
+from .common import INTERPRET, bwd_preprocess, empty_like_layout, grad_buffers, use_tma
 
 # Triton releases whose Gluon Hopper API the kernel is written against (major.minor).
 GLUON_TRITON_VERSIONS = ("3.6",)
@@ -254,7 +254,7 @@ def forward(q, k, v, causal, softmax_scale):
     return _launch(_gluon_module(), q, k, v, causal, softmax_scale)
 
 
-def _launch_backward(module, do, q, k, v, o, lse, causal, softmax_scale):
+def _launch_backward(module, do, q, k, v, o, lse, causal, softmax_scale, out=None):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     batch, n_heads, seqlen_q, head_dim = q.shape
@@ -268,7 +268,7 @@ def _launch_backward(module, do, q, k, v, o, lse, causal, softmax_scale):
     # 1k backward against cuDNN's 46; docs/benchmarks.md, fourteenth session.)
     dq_acc = empty_like_layout(q, (batch, n_heads, seqlen_q_pad, head_dim), torch.float32)
     delta = bwd_preprocess(o, do, dq_acc)  # also zeroes dq_acc
-    dk, dv = empty_like_layout(k), empty_like_layout(v)
+    dq, dk, dv = grad_buffers(q, k, v, out)
     q_layout, kv_layout, _, ds_layout, dq_layout = _bwd_layouts(q.dtype, head_dim, block_m, (dq_rows, dq_cols))
     q_box, k_box, v_box, _, dq_box = _bwd_layouts(q.dtype, head_dim, block_m, (dq_rows, dq_cols), rank=4)
     desc = lambda t, rows, layout, cols=head_dim: TensorDescriptor(
@@ -286,7 +286,6 @@ def _launch_backward(module, do, q, k, v, o, lse, causal, softmax_scale):
          GROUP=n_heads // n_kv_heads, CAUSAL=causal, NUM_CONSUMERS=BWD_CONSUMERS, HEAD_DIM=head_dim,
          BLOCK_M=block_m, NUM_STAGES=num_stages, SPLIT_DQ=split_dq, DQ_FIRST=dq_first,
          Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, DQ_LAYOUT=dq_layout)
-    dq = empty_like_layout(q)
     torch.mul(dq_acc[:, :, :seqlen_q], softmax_scale, out=dq)  # one pass: scale, cast, q's memory order
     return dq, dk, dv
 
@@ -318,19 +317,20 @@ def _bwd_layouts(dtype, head_dim: int, block_m: int, dq_box: tuple[int, int], ra
             nvmma([64, block_m]), nvmma(dq_box, gl.float32))
 
 
-def backward(do, q, k, v, o, lse, causal, softmax_scale):
-    """Same contract as `fa2.backward` (without masks): dq, dk, dv like q, k, v. `lse` is the forward's base-2
-    LSE. The Gluon backward where GLUON_BACKWARD_MIN_SEQLEN says (not under deterministic algorithms), else
-    FA2's."""
+def backward(do, q, k, v, o, lse, causal, softmax_scale, out=None):
+    """Same contract as `fa2.backward` (without masks): dq, dk, dv like q, k, v, written into `out` when given
+    (`common.grad_buffers`; TMA writes dk, dv, so they must meet `use_tma` or FA2's backward runs). `lse` is the
+    forward's base-2 LSE. The Gluon backward where GLUON_BACKWARD_MIN_SEQLEN says (not under deterministic
+    algorithms), else FA2's."""
     if k.shape[2] < GLUON_BACKWARD_MIN_SEQLEN.get(q.shape[-1], float("inf")):
-        return fa2.backward(do, q, k, v, o, lse, causal, softmax_scale)
-    reason = gluon_unsupported_reason(q, k, v, do)
+        return fa2.backward(do, q, k, v, o, lse, causal, softmax_scale, out=out)
+    reason = gluon_unsupported_reason(q, k, v, do, *(out or ())[1:])
     if reason is not None:
         _warn_fallback(reason)
-        return fa2.backward(do, q, k, v, o, lse, causal, softmax_scale)
+        return fa2.backward(do, q, k, v, o, lse, causal, softmax_scale, out=out)
     if torch.are_deterministic_algorithms_enabled():  # atomics-free, documented above: no warning
-        return fa2.backward(do, q, k, v, o, lse, causal, softmax_scale)
-    return _launch_backward(_gluon_module("fa3_hopper_bwd"), do, q, k, v, o, lse, causal, softmax_scale)
+        return fa2.backward(do, q, k, v, o, lse, causal, softmax_scale, out=out)
+    return _launch_backward(_gluon_module("fa3_hopper_bwd"), do, q, k, v, o, lse, causal, softmax_scale, out)
 
 
 def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, kernel="fwd"):

@@ -11,11 +11,14 @@ with +inf for query rows that see no key, so the backward's `exp(s - lse)` is ex
 `mask` = (window_size, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), flash-attn's sliding window and
 packed variable-length sequences, is passed only to kernels registered with `masks=True` (FA2); for packed
 sequences q is (total_q, n_heads, head_dim) and lse_internal (n_heads, total_q).
-`make_attention` turns the pair into the public function `fa*_attention(q, k, v, causal, softmax_scale,
-return_lse, window_size)`, `make_varlen_attention` into `fa*_varlen_attention`. Everything that differs between
+`backward` also takes `out=(dq, dk, dv)`, buffers to write the gradients into (`common.grad_buffers`).
+`make_attention` turns the pair into the public functions `fa*_attention(q, k, v, causal, softmax_scale,
+return_lse, window_size)` and `fa*_qkvpacked_attention(qkv, n_heads, ...)` (one packed qkv tensor, whose gradient
+the backward writes in place), `make_varlen_attention` into `fa*_varlen_attention`. Everything that differs between
 the kernels lives in their Triton kernels.
 """
 
+import functools
 import math
 from typing import Callable, Optional
 
@@ -150,8 +153,9 @@ def last_dim_contiguous(t: Tensor) -> Tensor:
 
 def make_attention(name: str, forward: ForwardLauncher, backward: BackwardLauncher, lse_log_base: float,
                    masks: bool = False):
-    """Register `forward`/`backward` as the custom op `flashgpt::{name}_forward` with autograd, and return the
-    public attention function. `lse_log_base` is the base of the kernels' internal LSE (2 or e). masks: the
+    """Register `forward`/`backward` as the custom ops `flashgpt::{name}_forward` and
+    `flashgpt::{name}_qkvpacked_forward` with autograd, and return the public functions (`{name}_attention`,
+    `{name}_qkvpacked_attention`). `lse_log_base` is the base of the kernels' internal LSE (2 or e). masks: the
     launchers take the window and varlen arguments (see the module docstring); otherwise they are refused."""
 
     def mask_args(window_left=-1, window_right=-1, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
@@ -197,39 +201,10 @@ def make_attention(name: str, forward: ForwardLauncher, backward: BackwardLaunch
     def _(do, q, k, v, o, lse, *args):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
-    def setup_context(ctx, inputs, output):
-        q, k, v, causal, softmax_scale, *mask = inputs
-        o, lse = output
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.args = (causal, softmax_scale, *mask)
-
-    def backward_rule(ctx, do, dlse, backward_fn=backward_op):
-        # The LSE output is returned detached (as in flash-attn); only o carries a gradient.
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = backward_fn(do, q, k, v, o, lse, *ctx.args)
-        return dq, dk, dv, *(None for _ in ctx.args)
-
-    forward_op.register_autograd(backward_rule, setup_context=setup_context)
+    forward_op.register_autograd(functools.partial(_gradients, backward_fn=backward_op),
+                                 setup_context=functools.partial(_save, n_tensors=3))
     to_natural = math.log(lse_log_base)
-
-    class Attention(torch.autograd.Function):
-        """The same autograd as the op's registration, for eager calls of the public function, with the
-        launchers called directly: custom_op's own autograd wrapper costs ~70 us of Python per eager call (it
-        re-fills the schema's defaults every call) and its dispatch still ~15-30 us each way inside this one
-        (measured on the CPU with stub kernels, docs/benchmarks.md, ninth and thirteenth sessions).
-        torch.compile traces the op's own registration instead (no per-call cost there, and it takes one tensor
-        passed twice, which dynamo refuses for an autograd.Function)."""
-
-        @staticmethod
-        def forward(ctx, q, k, v, causal, softmax_scale, window_left, window_right):
-            o, lse = run_forward(q, k, v, causal, softmax_scale, window_left, window_right)
-            setup_context(ctx, (q, k, v, causal, softmax_scale, window_left, window_right), (o, lse))
-            ctx.mark_non_differentiable(lse)
-            return o, lse
-
-        @staticmethod
-        def backward(ctx, do, dlse):
-            return backward_rule(ctx, do, dlse, run_backward)
+    eager = (run_forward, run_backward, 3)
 
     def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, window_size=(-1, -1)):
         validate(q, k, v, causal, softmax_scale)
@@ -237,14 +212,131 @@ def make_attention(name: str, forward: ForwardLauncher, backward: BackwardLaunch
         window = check_window(window_size, name, masks)
         softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
         q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
-        if torch.compiler.is_compiling():  # dynamo refuses an autograd.Function given one tensor twice (k is v)
-            o, lse = forward_op(q, k, v, causal, float(softmax_scale), *window)
-        else:
-            o, lse = Attention.apply(q, k, v, causal, float(softmax_scale), *window)
+        args = (q, k, v, causal, float(softmax_scale), *window)
+        # dynamo refuses an autograd.Function given one tensor twice (k is v): compiled code calls the op.
+        o, lse = forward_op(*args) if torch.compiler.is_compiling() else EagerAttention.apply(eager, *args)
         return natural_lse(o, lse, to_natural) if return_lse else o
 
-    attention.__name__ = f"{name}_attention"
-    return attention
+    # The same over one packed (batch, seqlen, n_heads + 2 * n_kv_heads, head_dim) qkv: the backward writes dq, dk,
+    # dv into one tensor shaped like qkv (the launchers' `out`), the gradient of a fused qkv projection, instead of
+    # returning three that autograd then concatenates (a copy of the whole gradient).
+    def run_packed_forward(qkv, n_heads, causal, softmax_scale, *window):
+        o, lse = run_forward(*split_qkv(qkv, n_heads), causal, softmax_scale, *window)
+        return o.transpose(1, 2).contiguous(), lse  # no copy: o is in q's memory order, (batch, seqlen, heads, D)
+
+    def run_packed_backward(do, qkv, o, lse, n_heads, causal, softmax_scale, *window):
+        dqkv = torch.empty_like(qkv)
+        backward(last_dim_contiguous(do).transpose(1, 2), *split_qkv(qkv, n_heads), o.transpose(1, 2), lse, causal,
+                 softmax_scale, *mask_args(*window), out=split_qkv(dqkv, n_heads))
+        return dqkv
+
+    @torch.library.custom_op(f"flashgpt::{name}_qkvpacked_forward", mutates_args=())
+    def packed_forward_op(qkv: Tensor, n_heads: int, causal: bool, softmax_scale: float, window_left: int = -1,
+                          window_right: int = -1) -> tuple[Tensor, Tensor]:
+        return run_packed_forward(qkv, n_heads, causal, softmax_scale, window_left, window_right)
+
+    @packed_forward_op.register_fake
+    def _(qkv, n_heads, *args):
+        batch, seqlen, _, head_dim = qkv.shape
+        return (qkv.new_empty((batch, seqlen, n_heads, head_dim)),
+                qkv.new_empty((batch, n_heads, seqlen), dtype=torch.float32))
+
+    @torch.library.custom_op(f"flashgpt::{name}_qkvpacked_backward", mutates_args=())
+    def packed_backward_op(do: Tensor, qkv: Tensor, o: Tensor, lse: Tensor, n_heads: int, causal: bool,
+                           softmax_scale: float, window_left: int = -1, window_right: int = -1) -> Tensor:
+        return run_packed_backward(do, qkv, o, lse, n_heads, causal, softmax_scale, window_left, window_right)
+
+    @packed_backward_op.register_fake
+    def _(do, qkv, *args):
+        return torch.empty_like(qkv)
+
+    packed_forward_op.register_autograd(functools.partial(_gradients, backward_fn=packed_backward_op),
+                                        setup_context=functools.partial(_save, n_tensors=1))
+    packed_eager = (run_packed_forward, run_packed_backward, 1)
+
+    def qkvpacked_attention(qkv, n_heads=None, causal=False, softmax_scale=None, return_lse=False,
+                            window_size=(-1, -1)):
+        qkv, n_heads = check_qkvpacked(qkv, n_heads)
+        validate(*split_qkv(qkv, n_heads), causal, softmax_scale)
+        check_return_lse(return_lse)
+        window = check_window(window_size, name, masks)
+        softmax_scale = 1.0 / math.sqrt(qkv.shape[-1]) if softmax_scale is None else softmax_scale
+        args = (last_dim_contiguous(qkv), n_heads, causal, float(softmax_scale), *window)
+        if torch.compiler.is_compiling():
+            o, lse = packed_forward_op(*args)
+        else:
+            o, lse = EagerAttention.apply(packed_eager, *args)
+        return natural_lse(o, lse, to_natural) if return_lse else o
+
+    attention.__name__, qkvpacked_attention.__name__ = f"{name}_attention", f"{name}_qkvpacked_attention"
+    return attention, qkvpacked_attention
+
+
+def _save(ctx, inputs, output, n_tensors):
+    """setup_context of the ops' autograd: the first n_tensors inputs are the differentiable tensors."""
+    o, lse = output
+    ctx.save_for_backward(*inputs[:n_tensors], o, lse)
+    ctx.args = tuple(inputs[n_tensors:])
+
+
+def _gradients(ctx, do, dlse, backward_fn):
+    """The ops' autograd formula: backward_fn(do, *tensors, o, lse, *args) -> the tensors' gradients (one tensor or
+    a tuple). The LSE output is returned detached (as in flash-attn); only o carries a gradient."""
+    *tensors, o, lse = ctx.saved_tensors
+    grads = backward_fn(do, *tensors, o, lse, *ctx.args)
+    return *(grads if len(tensors) > 1 else (grads,)), *(None for _ in ctx.args)
+
+
+class EagerAttention(torch.autograd.Function):
+    """The ops' autograd for eager calls, with the launchers called directly: custom_op's own autograd wrapper
+    costs ~70 us of Python per eager call (it re-fills the schema's defaults every call) and its dispatch still
+    ~15-30 us each way (measured on the CPU with stub kernels, docs/benchmarks.md, ninth and thirteenth sessions).
+    torch.compile traces the ops' registration instead (no per-call cost there, and it takes one tensor passed
+    twice, which dynamo refuses for an autograd.Function). `impl`: (run_forward, run_backward, n_tensors) as the
+    op's body, backward body and count of differentiable leading inputs."""
+
+    @staticmethod
+    def forward(ctx, impl, *inputs):
+        run_forward, _, n_tensors = impl
+        o, lse = run_forward(*inputs)
+        _save(ctx, inputs, (o, lse), n_tensors)
+        ctx.run_backward = impl[1]
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        return None, *_gradients(ctx, do, dlse, ctx.run_backward)
+
+
+def split_qkv(qkv: Tensor, n_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """q (batch, n_heads, seqlen, head_dim) and k, v (batch, n_kv_heads, seqlen, head_dim): views of a packed
+    (batch, seqlen, n_heads + 2 * n_kv_heads, head_dim) qkv."""
+    n_kv_heads = (qkv.shape[2] - n_heads) // 2
+    return qkv.transpose(1, 2).split([n_heads, n_kv_heads, n_kv_heads], dim=1)
+
+
+def check_qkvpacked(qkv, n_heads) -> tuple[Tensor, int]:
+    """(qkv as (batch, seqlen, n_heads + 2 * n_kv_heads, head_dim), n_heads); see PACKED_DOC for what is taken.
+    Raises TypeError/ValueError naming the argument."""
+    if not isinstance(qkv, Tensor):
+        raise TypeError(f"qkv must be a torch.Tensor, got {type_name(qkv)}")
+    if n_heads is not None and (isinstance(n_heads, bool) or not isinstance(n_heads, int)):
+        raise TypeError(f"n_heads must be an int or None, got {type_name(n_heads)}")
+    if qkv.dim() == 5 and qkv.shape[2] == 3 and n_heads in (None, qkv.shape[3]):
+        return qkv.flatten(2, 3), qkv.shape[3]
+    if qkv.dim() != 4:
+        raise ValueError(f"qkv must be (batch, seqlen, n_heads + 2 * n_kv_heads, head_dim) or (batch, seqlen, 3, "
+                         f"n_heads, head_dim), got shape {tuple(qkv.shape)}" + (
+                             f" with n_heads={n_heads}" if qkv.dim() == 5 else ""))
+    heads = qkv.shape[2]
+    if n_heads is None and heads % 3 == 0:
+        return qkv, heads // 3
+    if n_heads is None or not 0 < n_heads < heads or (heads - n_heads) % 2:
+        raise ValueError(f"qkv has {heads} heads (dim 2), which must be n_heads + 2 * n_kv_heads with n_heads, "
+                         f"n_kv_heads >= 1; got n_heads={n_heads}" + (
+                             " (None: n_heads = n_kv_heads, so a multiple of 3)" if n_heads is None else ""))
+    return qkv, n_heads
 
 
 def natural_lse(o: Tensor, lse: Tensor, to_natural: float) -> tuple[Tensor, Tensor]:
@@ -351,4 +443,33 @@ VARLEN_DOC = """{title}
             different lengths or on another device, not starting at 0, decreasing, or not ending at total_q /
             total_k, a sequence longer than max_seqlen_*, a window_size value below -1. The offsets' values are
             checked only with check_offsets and outside torch.compile.
+    """
+
+
+QKVPACKED_DOC = """{title}
+
+    `{name}_attention` over one packed qkv tensor, the output of a fused q, k, v projection (flash-attn's
+    `flash_attn_qkvpacked_func`; FlashAttention-3's `num_heads_q` form for GQA). The backward writes dq, dk, dv
+    straight into one gradient shaped like qkv, so the projection's backward reads it as it is; with separate q, k,
+    v (`{name}_attention` on views of the projection), autograd concatenates three gradients into it, a copy of the
+    whole gradient (torch.compile too: ~0.8 ms a GPT-2 124M step at batch 32, context 1024, on the H200).
+
+    Args:
+        qkv: (batch, seqlen, n_heads + 2 * n_kv_heads, head_dim): the n_heads query heads, then the key heads, then
+           the value heads; or (batch, seqlen, 3, n_heads, head_dim) (n_kv_heads = n_heads). float16, bfloat16 or
+           float32, on a CUDA device (or the CPU under TRITON_INTERPRET=1); any strides with a contiguous last dim
+           (other layouts are copied once).
+        n_heads: the number of query heads; None: qkv's heads split in three equal parts (no GQA).
+        causal, softmax_scale, return_lse, window_size: as in `{name}_attention` (seqlen_q = seqlen_k = seqlen).
+
+    Returns:
+        o: (batch, seqlen, n_heads, head_dim), contiguous, qkv's dtype; or (o, lse) with lse (batch, n_heads,
+        seqlen), float32, natural log (without gradient). Differentiable w.r.t. qkv (the gradient is shaped like
+        qkv); {gradients}
+
+    Raises:
+        TypeError: qkv not a tensor, n_heads not an int or None, and as `{name}_attention`.
+        ValueError: qkv not 4-D or (batch, seqlen, 3, n_heads, head_dim); heads that do not split into n_heads + 2 *
+            n_kv_heads with both >= 1 (n_heads=None: not a multiple of 3); and as `{name}_attention` (head_dim,
+            n_heads a multiple of n_kv_heads, empty dims, softmax_scale, window_size, device).
     """

@@ -67,6 +67,10 @@ class AttentionFn(Protocol):
                  causal: bool = True, window: int = 0, docs: Optional[torch.Tensor] = None) -> torch.Tensor: ...
 
 
+class QKVPackedAttentionFn(Protocol):
+    def __call__(self, qkv: torch.Tensor, n_head: int, dropout_p: float = 0.0, window: int = 0) -> torch.Tensor: ...
+
+
 class BackendUnavailableError(RuntimeError):
     """The requested attention backend cannot be loaded (e.g. the Triton kernels are missing)."""
 
@@ -86,6 +90,7 @@ class Backend:
     supports_window: bool = False  # window > 0 (model.attn_window)
     supports_docs: bool = False  # docs (data.document_mask)
     compiles_on_cpu: bool = True  # torch.compile (trainer.compile) can train the model on the CPU
+    qkvpacked: Optional[Callable[[], QKVPackedAttentionFn]] = None  # the same on a packed qkv (get_qkvpacked_backend)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, causal: bool = True,
@@ -164,6 +169,12 @@ def _load_triton(name: str) -> Callable:
     return fn
 
 
+def _check_dropout(name: str, dropout_p: float) -> None:
+    if dropout_p > 0.0:
+        raise ValueError(f"attn={name} has no attention dropout (got dropout_p={dropout_p}); "
+                         "use model.dropout=0.0 or attn=sdpa")
+
+
 def _triton_backend(name: str) -> AttentionFn:
     kernel = _load_triton(name)
     # Looked up now, not on first use: under torch.compile that would be traced (and break fullgraph).
@@ -171,9 +182,7 @@ def _triton_backend(name: str) -> AttentionFn:
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
                   causal: bool = True, window: int = 0, docs: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if dropout_p > 0.0:
-            raise ValueError(f"attn={name} has no attention dropout (got dropout_p={dropout_p}); "
-                             "use model.dropout=0.0 or attn=sdpa")
+        _check_dropout(name, dropout_p)
         if window == 0 and docs is None:
             return kernel(q, k, v, causal=causal)  # the kernels take GQA (fewer k/v heads) and strided views
         _refuse_masks(name, window, docs)
@@ -188,6 +197,19 @@ def _triton_backend(name: str) -> AttentionFn:
         return o.view(B, T, H, D).transpose(1, 2)
 
     attention.__name__ = f"{name}_attention"
+    return attention
+
+
+def _triton_qkvpacked(name: str) -> QKVPackedAttentionFn:
+    _load_triton(name)  # the interpreter warning and the clear error if the kernels cannot be loaded
+    kernel = getattr(importlib.import_module("kernels"), f"{name}_qkvpacked_attention")
+
+    def attention(qkv: torch.Tensor, n_head: int, dropout_p: float = 0.0, window: int = 0) -> torch.Tensor:
+        _check_dropout(name, dropout_p)
+        _refuse_masks(name, window, None)
+        return kernel(qkv, n_head, causal=True, window_size=(window - 1, 0) if window else (-1, -1))
+
+    attention.__name__ = f"{name}_qkvpacked_attention"
     return attention
 
 
@@ -228,14 +250,14 @@ REGISTRY: dict[str, Backend] = {b.name: b for b in (
     Backend("sdpa_cudnn", lambda: _sdpa_pinned("sdpa_cudnn"), "PyTorch SDPA pinned to cuDNN attention",
             needs_cuda=True, supports_dropout=True),
     Backend("fa1", lambda: _triton_backend("fa1"), "our Triton FlashAttention-1 kernel",
-            head_dims=_triton_head_dims("fa1")),
+            head_dims=_triton_head_dims("fa1"), qkvpacked=lambda: _triton_qkvpacked("fa1")),
     Backend("fa2", lambda: _triton_backend("fa2"), "our Triton FlashAttention-2 kernel",
-            head_dims=_triton_head_dims("fa2"), supports_window=True, supports_docs=True),
+            head_dims=_triton_head_dims("fa2"), qkvpacked=lambda: _triton_qkvpacked("fa2"), supports_window=True, supports_docs=True),
     Backend("flex", _flex_backend, "PyTorch FlexAttention with block masks (compiled on CUDA)",
             supports_window=True, supports_docs=True, compiles_on_cpu=False),  # Inductor has no CPU Flex backward
     Backend("fa3", lambda: _triton_backend("fa3"),
             "our FlashAttention-3 kernels (Gluon, Hopper); FA2's where they do not apply",
-            head_dims=_triton_head_dims("fa3")),
+            head_dims=_triton_head_dims("fa3"), qkvpacked=lambda: _triton_qkvpacked("fa3")),
 )}
 BACKENDS = ("auto", *REGISTRY)  # the values of attn.backend
 
@@ -290,6 +312,17 @@ def get_backend(name: str) -> AttentionFn:
     unknown name and BackendUnavailableError when fa1/fa2 cannot be imported from ``kernels``.
     """
     return backend_info(name).factory()
+
+
+def get_qkvpacked_backend(name: str) -> Optional[QKVPackedAttentionFn]:
+    """The backend's causal attention on one packed qkv, or None when it has none (sdpa, flex): ``fn(qkv, n_head,
+    dropout_p=0.0, window=0) -> y`` with qkv (B, T, n_head + 2 * n_kv_head, head_dim), the fused projection's output
+    viewed per head, and y (B, T, n_head, head_dim) contiguous. Its backward writes the gradient of qkv in place,
+    where separate q, k, v views make autograd concatenate dq, dk, dv into it (a copy;
+    ``kernels.fa2_qkvpacked_attention``). Window and dropout as ``get_backend``'s functions; no document masks.
+    Raises as ``get_backend``."""
+    entry = backend_info(name)
+    return entry.qkvpacked() if entry.qkvpacked is not None else None
 
 
 def _sdpa_bottom_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,

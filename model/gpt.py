@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.attention import get_backend, get_kv_backend, get_static_kv_backend
+from model.attention import get_backend, get_kv_backend, get_qkvpacked_backend, get_static_kv_backend
 from model.kv_cache import KVCache, LayerKVCache
 
 
@@ -66,6 +66,7 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
         self.dropout = config.dropout
         self.attention = get_backend(config.attn)
+        self.qkvpacked_attention = get_qkvpacked_backend(config.attn)  # the same on the fused qkv, or None
         self.kv_attention = get_kv_backend(config.attn)  # new queries against a KV cache (generation)
         self.static_kv_attention = get_static_kv_backend(config.attn)  # the same with fixed shapes, or None
         self.attn_name = config.attn
@@ -73,7 +74,13 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, kv_cache: Optional[LayerKVCache] = None,
                 start_pos: int | torch.Tensor = 0, docs: Optional[torch.Tensor] = None) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(
+        qkv = self.c_attn(x)
+        dropout_p = self.dropout if self.training else 0.0
+        if kv_cache is None and docs is None and self.qkvpacked_attention is not None:
+            # One tensor in: the backward writes qkv's gradient in place, not three that autograd concatenates.
+            y = self.qkvpacked_attention(qkv.view(B, T, -1, self.head_dim), self.n_head, dropout_p, self.window)
+            return self.resid_dropout(self.c_proj(y.view(B, T, C)))
+        q, k, v = qkv.split(
             [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=2)
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)      # (B, n_head, T, hs)
         k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)   # (B, n_kv_head, T, hs)
@@ -86,10 +93,9 @@ class CausalSelfAttention(nn.Module):
             y = self.static_kv_attention(q, k, v, start_pos + T)
         elif kv_cache is not None:  # attend over every cached position 0 .. start_pos+T-1
             k, v = kv_cache.update(start_pos, k, v)
-            y = self.kv_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
+            y = self.kv_attention(q, k, v, dropout_p=dropout_p)
         else:
-            y = self.attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, window=self.window,
-                               docs=docs)
+            y = self.attention(q, k, v, dropout_p=dropout_p, window=self.window, docs=docs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 

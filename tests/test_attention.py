@@ -1,4 +1,5 @@
-"""Correctness of the Triton attention kernels (FA1 and FA2) against a float64 reference with explicit masks.
+"""Correctness of the Triton attention kernels (FA1, FA2, FA3; q, k, v apart and packed in one qkv) against a
+float64 reference with explicit masks.
 
 On a machine without CUDA these run through Triton's interpreter (tests/conftest.py switches it on), so the
 shapes are small. Inputs are fresh random draws every run; kernel outputs are allocated poisoned (NaN), so an
@@ -10,7 +11,10 @@ import math
 import pytest
 import torch
 
-from kernels import fa1_attention, fa2_attention, fa3, fa3_attention
+from kernels import (
+    fa1, fa1_attention, fa1_qkvpacked_attention, fa2, fa2_attention, fa2_qkvpacked_attention, fa3, fa3_attention,
+    fa3_qkvpacked_attention,
+)
 
 KERNELS = [
     pytest.param(fa2_attention, id="fa2"),
@@ -287,6 +291,134 @@ def test_opcheck(name):
     op = getattr(torch.ops.flashgpt, f"{name}_forward")
     q, k, v = (randn(1, 2, 20, 16, dtype=torch.float16).requires_grad_() for _ in range(3))
     torch.library.opcheck(op, (q, k, v, True, 0.25), test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+# ------------------------------------------------------------------------------------------ packed qkv
+QKVPACKED = [
+    pytest.param(fa2_qkvpacked_attention, id="fa2"),
+    pytest.param(fa1_qkvpacked_attention, id="fa1"),
+    pytest.param(fa3_qkvpacked_attention, id="fa3", marks=pytest.mark.gpu),
+]
+
+
+def split_heads(qkv, n_heads):
+    """q, k, v (batch, heads, seqlen, head_dim) views of a packed (batch, seqlen, heads, head_dim) qkv."""
+    n_kv_heads = (qkv.shape[2] - n_heads) // 2
+    return qkv.transpose(1, 2).split([n_heads, n_kv_heads, n_kv_heads], dim=1)
+
+
+def check_qkvpacked(attention, qkv, n_heads, causal, window_size=None):
+    """Forward + backward on a packed qkv against the float64 reference on its q, k, v heads."""
+    qkv = qkv.detach().requires_grad_()
+    mask = {} if window_size is None else dict(window_size=window_size)
+    o, lse = attention(qkv, n_heads, causal=causal, return_lse=True, **mask)
+    do = torch.randn_like(o)
+    o.backward(do)
+    assert o.is_contiguous() and qkv.grad.shape == qkv.shape
+    heads = n_heads or qkv.shape[2] // 3
+    qkv64 = qkv.detach().double().requires_grad_()
+    o_ref, lse_ref = reference(*split_heads(qkv64, heads), causal, 1.0 / math.sqrt(qkv.shape[-1]), **mask)
+    o_ref.backward(do.double().transpose(1, 2))
+    compare(o.transpose(1, 2), lse, split_heads(qkv.grad, heads), o_ref, lse_ref, split_heads(qkv64.grad, heads),
+            qkv.dtype)
+
+
+# (batch, seqlen, n_heads, n_kv_heads, head_dim, causal, dtype)
+QKVPACKED_CASES = [
+    (2, 33, 4, 4, 32, True, torch.bfloat16),
+    (1, 40, 4, 2, 64, False, torch.float16),  # GQA
+    (1, 17, 8, 1, 16, True, torch.float32),  # MQA
+]
+
+
+@pytest.mark.parametrize("attention", QKVPACKED)
+@pytest.mark.parametrize("batch,seqlen,n_heads,n_kv_heads,head_dim,causal,dtype", QKVPACKED_CASES)
+def test_qkvpacked_matches_float64_reference(attention, batch, seqlen, n_heads, n_kv_heads, head_dim, causal, dtype):
+    qkv = randn(batch, seqlen, n_heads + 2 * n_kv_heads, head_dim, dtype=dtype)
+    check_qkvpacked(attention, qkv, n_heads, causal)
+
+
+@pytest.mark.parametrize("attention", QKVPACKED)
+def test_qkvpacked_takes_flash_attn_five_dim_layout(attention):
+    """(batch, seqlen, 3, n_heads, head_dim), n_heads from the shape, and the 4-D form with n_heads=None."""
+    qkv = randn(2, 24, 3, 2, 32, dtype=torch.float16)
+    check_qkvpacked(attention, qkv.flatten(2, 3), None, True)
+    qkv.requires_grad_()
+    o = attention(qkv, causal=True)
+    o.backward(torch.ones_like(o))
+    assert o.shape == (2, 24, 2, 32) and qkv.grad.shape == qkv.shape
+    torch.testing.assert_close(o, attention(qkv.detach().flatten(2, 3), 2, causal=True), rtol=0, atol=0)
+
+
+def test_qkvpacked_window():
+    check_qkvpacked(fa2_qkvpacked_attention, randn(1, 50, 6, 32, dtype=torch.bfloat16), 2, True, window_size=(8, 0))
+
+
+@pytest.mark.parametrize("attention", QKVPACKED)
+def test_qkvpacked_compiles_in_one_graph(attention):
+    qkv = randn(1, 24, 6, 16, dtype=torch.float32).requires_grad_()
+    f = lambda qkv: attention(qkv, 2, causal=True).square().sum()
+    loss = torch.compile(f, fullgraph=True, backend="aot_eager")(qkv)
+    grad, = torch.autograd.grad(loss, qkv)
+    loss_ref = f(qkv)
+    grad_ref, = torch.autograd.grad(loss_ref, qkv)
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-4, atol=1e-4)
+    assert rel_err(grad, grad_ref) < 1e-4
+
+
+@pytest.mark.parametrize("name", ["fa1", "fa2"])
+def test_qkvpacked_opcheck(name):
+    op = getattr(torch.ops.flashgpt, f"{name}_qkvpacked_forward")
+    qkv = randn(1, 20, 6, 16, dtype=torch.float16).requires_grad_()
+    torch.library.opcheck(op, (qkv, 2, True, 0.25),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+@pytest.mark.parametrize("module", [fa2, fa1, fa3], ids=["fa2", "fa1", "fa3"])
+def test_backward_writes_into_out(module):
+    """The launchers' out=(dq, dk, dv): views into one NaN-filled packed gradient are returned as they are, every
+    element written, equal to the gradients without out; an out that does not fit raises ValueError."""
+    qkv = randn(1, 70, 4, 32, dtype=torch.bfloat16)
+    q, k, v = split_heads(qkv, 2)
+    o, lse = module.forward(q, k, v, True, 0.2)
+    do = torch.randn_like(o)
+    dqkv = torch.full_like(qkv, float("nan"))
+    out = split_heads(dqkv, 2)
+    grads = module.backward(do, q, k, v, o, lse, True, 0.2, out=out)
+    assert all(g is b for g, b in zip(grads, out)) and torch.isfinite(dqkv).all()
+    for got, ref in zip(grads, module.backward(do, q, k, v, o, lse, True, 0.2)):
+        assert torch.equal(got, ref)
+    with pytest.raises(ValueError, match="out's dk must be"):
+        module.backward(do, q, k, v, o, lse, True, 0.2, out=(out[0], out[0], out[2]))
+
+
+QKVPACKED_BAD = [
+    (dict(qkv=[1.0]), TypeError, "qkv must be a torch.Tensor"),
+    (dict(qkv=(1, 16, 6)), ValueError, r"qkv must be \(batch, seqlen"),
+    (dict(n_heads=True), TypeError, "n_heads must be an int or None"),
+    (dict(qkv=(1, 16, 7, 32), n_heads=None), ValueError, "multiple of 3"),
+    (dict(n_heads=3), ValueError, r"n_heads \+ 2 \* n_kv_heads"),
+    (dict(n_heads=6), ValueError, r"n_heads \+ 2 \* n_kv_heads"),
+    (dict(qkv=(1, 16, 7, 32), n_heads=3), ValueError, "must be a multiple of n_kv_heads"),
+    (dict(qkv=(1, 16, 3, 2, 32), n_heads=4), ValueError, "with n_heads=4"),
+    (dict(qkv=(1, 16, 6, 300)), ValueError, "head_dim=300 is out of range"),
+    (dict(causal=1), TypeError, "causal must be a bool"),
+]
+
+
+@pytest.mark.parametrize("attention", QKVPACKED)
+@pytest.mark.parametrize("overrides,error,message", QKVPACKED_BAD)
+def test_qkvpacked_bad_input_is_rejected(attention, overrides, error, message):
+    args = dict(qkv=(1, 16, 6, 32), n_heads=2, causal=True) | overrides
+    if isinstance(args["qkv"], tuple):
+        args["qkv"] = randn(*args["qkv"], dtype=torch.float16)
+    with pytest.raises(error, match=message):
+        attention(**args)
+
+
+def test_qkvpacked_window_needs_fa2():
+    with pytest.raises(ValueError, match="fa1_attention has no sliding window"):
+        fa1_qkvpacked_attention(randn(1, 16, 6, 32, dtype=torch.float16), 2, causal=True, window_size=(4, 0))
 
 
 # ------------------------------------------------------------------------------------------ bad input

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import fa2_attention, fa3, fa3_attention
+from kernels import fa2_attention, fa3, fa3_attention, fa3_qkvpacked_attention
 
 ROOT = Path(__file__).resolve().parents[1]
 SUPPORTED = isinstance(fa3._gluon_module(), type(fa3))  # the installed Triton is one the kernel supports
@@ -318,6 +318,37 @@ def test_gluon_backward_matches_float64(fresh_dispatch, monkeypatch, head_dim, c
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
+@gluon_on_hopper
+@pytest.mark.parametrize("head_dim,causal,n_heads,n_kv_heads,seqlen", [
+    (64, True, 4, 4, 1100), (64, False, 4, 2, 1030), (128, True, 4, 2, 300), (128, False, 2, 2, 517),
+])
+def test_gluon_qkvpacked_matches_float64(fresh_dispatch, monkeypatch, head_dim, causal, n_heads, n_kv_heads, seqlen):
+    """fa3_qkvpacked_attention with the Gluon forward and backward (dk, dv stored by TMA and dq by the cast pass
+    straight into the packed gradient, allocated NaN) against float64; after fa3_attention on the same shape with
+    separate tensors, so the compiled-launch cache (`fa3._COMPILED`) meets the packed strides second."""
+    monkeypatch.setattr(fa3, "_COMPILED", {})
+    empty_like = torch.empty_like  # the packed gradient is allocated by it: NaN, so an unwritten element shows
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: empty_like(*a, **kw).fill_(float("nan")))
+    heads = n_heads + 2 * n_kv_heads
+    qkv = torch.randn(2, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    do = torch.randn(2, seqlen, n_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.transpose(1, 2).split([n_heads, n_kv_heads, n_kv_heads], dim=1)
+    o_ref, grads_ref = _reference_grads(q, k, v, do.transpose(1, 2), causal)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning: the Gluon kernels ran
+        fa3_attention(*(t.contiguous().requires_grad_() for t in (q, k, v)), causal=causal).backward(
+            do.transpose(1, 2))
+        leaf = qkv.clone().requires_grad_()
+        o = fa3_qkvpacked_attention(leaf, n_heads, causal=causal)
+        o.backward(do)
+    assert o.shape == (2, seqlen, n_heads, head_dim) and leaf.grad.shape == qkv.shape
+    assert ((o.double().transpose(1, 2) - o_ref).norm() / o_ref.norm()).item() < 1e-2
+    grads = leaf.grad.transpose(1, 2).split([n_heads, n_kv_heads, n_kv_heads], dim=1)
+    for grad, ref in zip(grads, grads_ref):
+        err = ((grad.double() - ref).norm() / ref.norm()).item()
+        assert torch.isfinite(grad).all() and err < 1e-2, err
+
+
 @pytest.mark.parametrize("head_dim,causal,seqlen_q,expected", [
     (64, True, 4096, "fa2"), (64, True, 4097, "gluon"), (64, False, 1024, "gluon"), (128, True, 1024, "gluon"),
 ])
@@ -344,20 +375,21 @@ def test_forward_dispatch(fresh_dispatch, monkeypatch, head_dim, causal, seqlen_
 def test_backward_dispatch(fresh_dispatch, monkeypatch, head_dim, seqlen, deterministic, expected):
     """The Gluon backward runs where GLUON_BACKWARD_MIN_SEQLEN says (per head_dim, from that many keys on), and
     never under deterministic algorithms (its dQ reduce-adds are not bit-reproducible); FA2's backward everywhere
-    else."""
+    else; both get the `out` buffers."""
     monkeypatch.setattr(fa3, "GLUON_BACKWARD_MIN_SEQLEN", {64: 1024, 128: 1})
     calls = []
     monkeypatch.setattr(fa3, "gluon_unsupported_reason", lambda *tensors: None)
     monkeypatch.setattr(fa3, "_gluon_module", lambda name="fa3_hopper": name)
-    monkeypatch.setattr(fa3, "_launch_backward", lambda *args: calls.append("gluon"))
-    monkeypatch.setattr(fa3.fa2, "backward", lambda *args: calls.append("fa2"))
+    monkeypatch.setattr(fa3, "_launch_backward", lambda *args: calls.append(("gluon", args[-1])))
+    monkeypatch.setattr(fa3.fa2, "backward", lambda *args, out=None: calls.append(("fa2", out)))
     q = torch.randn(1, 1, seqlen, head_dim)
+    out = tuple(torch.empty_like(q) for _ in range(3))  # the gradient buffers reach whichever backward runs
     torch.use_deterministic_algorithms(deterministic)
     try:
-        fa3.backward(q, q, q, q, q, None, True, 0.1)
+        fa3.backward(q, q, q, q, q, None, True, 0.1, out=out)
     finally:
         torch.use_deterministic_algorithms(False)
-    assert calls == [expected]
+    assert calls == [(expected, out)]
 
 
 @pytest.mark.parametrize("head_dim,seqlen_q,block_m", [(64, 40, 64), (80, 64, 64), (128, 7, 64), (64, 130, 128)])

@@ -52,6 +52,32 @@ def test_gpt_shapes_and_loss(n_kv_head):
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+@pytest.mark.parametrize("attn", ["fa2", "fa1"])
+def test_fused_qkv_goes_to_the_packed_kernel_and_matches_sdpa(attn):
+    """With a kernel backend the training forward hands the fused projection's output to the backend's qkvpacked
+    function (once per layer), and the loss and every parameter's gradient match attn=sdpa's with the same weights
+    (GQA; SDPA takes separate q, k, v and has no packed function)."""
+    cfg = dict(block_size=24, vocab_size=40, n_layer=2, n_head=4, n_kv_head=2, n_embd=64)
+    sdpa = GPT(GPTConfig(**cfg))
+    with warnings.catch_warnings():  # the interpreter warning
+        warnings.simplefilter("ignore")
+        model = GPT(GPTConfig(**cfg, attn=attn))
+    model.load_state_dict(sdpa.state_dict())
+    assert attention.get_qkvpacked_backend("sdpa") is None
+    calls = []
+    for block in model.transformer.h:
+        packed = block.attn.qkvpacked_attention
+        block.attn.qkvpacked_attention = lambda *args, packed=packed: calls.append(args[0].shape) or packed(*args)
+    idx = torch.randint(0, 40, (2, 24))
+    loss, loss_ref = model(idx, idx)[1], sdpa(idx, idx)[1]
+    loss.backward()
+    loss_ref.backward()
+    assert calls == [(2, 24, 8, 16)] * 2
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-5)
+    for (name, p), p_ref in zip(model.named_parameters(), sdpa.parameters()):
+        torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_gpt_is_causal():
     model = GPT(GPTConfig(block_size=16, vocab_size=30, n_layer=2, n_head=2, n_embd=16)).eval()
     idx = torch.randint(0, 30, (1, 16))
