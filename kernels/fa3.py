@@ -22,6 +22,7 @@ import warnings
 
 import torch
 import triton
+import triton.language as tl
 
 from . import fa2
 from .common import INTERPRET, bwd_preprocess, empty_like_layout, grad_buffers, use_tma
@@ -286,8 +287,44 @@ def _launch_backward(module, do, q, k, v, o, lse, causal, softmax_scale, out=Non
          GROUP=n_heads // n_kv_heads, CAUSAL=causal, NUM_CONSUMERS=BWD_CONSUMERS, HEAD_DIM=head_dim,
          BLOCK_M=block_m, NUM_STAGES=num_stages, SPLIT_DQ=split_dq, DQ_FIRST=dq_first,
          Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, DQ_LAYOUT=dq_layout)
-    torch.mul(dq_acc[:, :, :seqlen_q], softmax_scale, out=dq)  # one pass: scale, cast, q's memory order
+    convert_dq(dq_acc, softmax_scale, dq)
     return dq, dk, dv
+
+
+@triton.jit
+def _convert_dq(DQ_ACC, DQ, softmax_scale, stride_ab, stride_ah, stride_am, stride_b, stride_h, stride_m, n_heads,
+                seqlen_q, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    # FA3's last backward step (Shah et al. 2024, Appendix B.1): dQ = softmax_scale * the float32 accumulator, cast.
+    off_bh = tl.program_id(1)
+    off_b, off_h = (off_bh // n_heads).to(tl.int64), (off_bh % n_heads).to(tl.int64)
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None]
+    cols = tl.arange(0, HEAD_DIM)[None, :]
+    mask = rows < seqlen_q
+    acc = tl.load(DQ_ACC + off_b * stride_ab + off_h * stride_ah + rows * stride_am + cols, mask=mask)
+    tl.store(DQ + off_b * stride_b + off_h * stride_h + rows * stride_m + cols,
+             (acc * softmax_scale).to(DQ.dtype.element_ty), mask=mask)
+
+
+CONVERT_DQ_BLOCK_M = 64
+
+
+def convert_dq(dq_acc, softmax_scale: float, dq) -> None:
+    """dq = (softmax_scale * dq_acc[:, :, :seqlen_q]).to(dq.dtype), one pass: dq_acc float32 (batch, n_heads,
+    seqlen_q_pad >= seqlen_q, head_dim), dq (batch, n_heads, seqlen_q, head_dim) float16/bfloat16, both with a unit
+    last stride and any other strides (e.g. dq a view into a packed qkv gradient, where torch.mul's strided path
+    measured 89 us a GPT-2 1k call against 54 into contiguous memory; docs/benchmarks.md, fifteenth session).
+    head_dim must be a power of two (64 or 128 here). ValueError for anything else."""
+    batch, n_heads, seqlen_q, head_dim = dq.shape
+    if (dq_acc.dtype != torch.float32 or dq_acc.dim() != 4 or dq_acc.shape[:2] != dq.shape[:2]
+            or dq_acc.shape[2] < seqlen_q or dq_acc.shape[3] != head_dim or dq_acc.stride(3) != 1
+            or dq.stride(3) != 1 or head_dim & (head_dim - 1)):
+        raise ValueError(f"convert_dq: dq_acc must be float32 ({batch}, {n_heads}, >= {seqlen_q}, {head_dim}) and dq "
+                         f"have a power-of-two head_dim, both with a unit last stride; got dq_acc {dq_acc.dtype} "
+                         f"{tuple(dq_acc.shape)} strides {tuple(dq_acc.stride())}, dq {tuple(dq.shape)} strides "
+                         f"{tuple(dq.stride())}")
+    grid = (triton.cdiv(seqlen_q, CONVERT_DQ_BLOCK_M), batch * n_heads)
+    _convert_dq[grid](dq_acc, dq, softmax_scale, *dq_acc.stride()[:3], *dq.stride()[:3], n_heads, seqlen_q,
+                      HEAD_DIM=head_dim, BLOCK_M=CONVERT_DQ_BLOCK_M)
 
 
 def _dq_box(head_dim: int, config: tuple | None = None) -> tuple[int, int]:

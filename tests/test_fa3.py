@@ -409,6 +409,31 @@ def test_bwd_preprocess_zeroes_the_dq_accumulator(head_dim, seqlen_q, block_m):
         assert (dq_acc == 0).all()
 
 
+@pytest.mark.parametrize("dtype,head_dim,seqlen_q,pad", [(torch.bfloat16, 64, 130, 126), (torch.float16, 128, 64, 0)])
+def test_convert_dq_scales_and_casts_into_any_layout(dtype, head_dim, seqlen_q, pad):
+    """fa3.convert_dq (the Gluon backward's last pass): a float32 accumulator in (B, T, H, D) memory with padded rows,
+    into dq views of a NaN-filled packed qkv gradient and into a (B, H, T, D) tensor, bit for bit what torch.mul in
+    float32 then the cast gives (on the GPU; Triton's interpreter rounds bfloat16 toward zero, one ulp); the padding
+    rows are not read into dq. Wrong shapes, dtypes and head dims raise."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    n_heads = 3
+    acc = torch.randn(2, seqlen_q + pad, n_heads, head_dim, device=device).transpose(1, 2)
+    expected = (acc[:, :, :seqlen_q] * 0.125).to(dtype)
+    packed = torch.full((2, seqlen_q, 3 * n_heads, head_dim), float("nan"), device=device, dtype=dtype)
+    for dq in (packed.transpose(1, 2)[:, :n_heads], torch.full_like(expected, float("nan")).contiguous()):
+        fa3.convert_dq(acc, 0.125, dq)
+        if device == "cpu" and dtype == torch.bfloat16:  # the interpreter's bfloat16 cast truncates: one ulp
+            torch.testing.assert_close(dq, expected, rtol=2 ** -7, atol=0)
+        else:
+            assert torch.equal(dq, expected)
+    assert packed[:, :, n_heads:].isnan().all()  # k and v's parts untouched
+    dq = torch.empty_like(expected)
+    bad = ((acc.half(), dq), (acc[:, :, :seqlen_q - 1], dq), (acc[:, :2], dq), (acc[..., :48], dq[..., :48]))
+    for bad_acc, bad_dq in bad:
+        with pytest.raises(ValueError, match="convert_dq: dq_acc must be float32"):
+            fa3.convert_dq(bad_acc, 0.125, bad_dq)
+
+
 def test_empty_like_layout_keeps_the_memory_order_with_another_shape_and_dtype():
     """The Gluon backward's float32 dQ accumulator: q's (B, T, H, D) memory order (here with gaps, as sliced from a
     fused projection), a padded seqlen and float32; the final scale-and-cast pass then reads and writes alike."""
