@@ -37,6 +37,9 @@ code asks about it (needs CUDA, dropout, windows, documents, head_dim range, tor
 validation, ``sample.py --attn``, ``bench/attention.py`` and the tests derive from it. A new backend = a kernel
 module, one entry here and a ``conf/attn/<name>.yaml`` (``backend: <name>``).
 
+``get_qkvpacked_backend`` gives fa1/fa2/fa3's attention on the fused qkv projection's output as one tensor (the
+backward writes its gradient in place instead of concatenating dq, dk, dv); the model uses it in training.
+
 For generation with a KV cache, ``get_kv_backend`` gives the same backends for seqlen_q <= seqlen_k
 (new queries against the cached prefix), with the causal mask aligned bottom-right, and
 ``get_static_kv_backend`` the fixed-shape decode step (CUDA graphs) where a backend has one.
