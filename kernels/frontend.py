@@ -257,7 +257,11 @@ def make_attention(name: str, forward: ForwardLauncher, backward: BackwardLaunch
     def qkvpacked_attention(qkv, n_heads=None, causal=False, softmax_scale=None, return_lse=False,
                             window_size=(-1, -1)):
         qkv, n_heads = check_qkvpacked(qkv, n_heads)
-        validate(*split_qkv(qkv, n_heads), causal, softmax_scale)
+        try:
+            validate(*split_qkv(qkv, n_heads), causal, softmax_scale)
+        except (TypeError, ValueError) as e:  # its messages name q, k, v: say what they are here
+            raise type(e)(f"{e} (q, k, v: the (batch, heads, seqlen, head_dim) views of qkv {tuple(qkv.shape)} "
+                          f"{qkv.dtype} on {qkv.device} with n_heads={n_heads})") from None
         check_return_lse(return_lse)
         window = check_window(window_size, name, masks)
         softmax_scale = 1.0 / math.sqrt(qkv.shape[-1]) if softmax_scale is None else softmax_scale
@@ -323,14 +327,14 @@ def check_qkvpacked(qkv, n_heads) -> tuple[Tensor, int]:
         raise TypeError(f"qkv must be a torch.Tensor, got {type_name(qkv)}")
     if n_heads is not None and (isinstance(n_heads, bool) or not isinstance(n_heads, int)):
         raise TypeError(f"n_heads must be an int or None, got {type_name(n_heads)}")
-    if qkv.dim() == 5 and qkv.shape[2] == 3 and n_heads in (None, qkv.shape[3]):
+    if qkv.dim() == 5 and qkv.shape[2] == 3 and qkv.shape[3] > 0 and n_heads in (None, qkv.shape[3]):
         return qkv.flatten(2, 3), qkv.shape[3]
     if qkv.dim() != 4:
         raise ValueError(f"qkv must be (batch, seqlen, n_heads + 2 * n_kv_heads, head_dim) or (batch, seqlen, 3, "
-                         f"n_heads, head_dim), got shape {tuple(qkv.shape)}" + (
+                         f"n_heads >= 1, head_dim), got shape {tuple(qkv.shape)}" + (
                              f" with n_heads={n_heads}" if qkv.dim() == 5 else ""))
     heads = qkv.shape[2]
-    if n_heads is None and heads % 3 == 0:
+    if n_heads is None and heads % 3 == 0 and heads > 0:
         return qkv, heads // 3
     if n_heads is None or not 0 < n_heads < heads or (heads - n_heads) % 2:
         raise ValueError(f"qkv has {heads} heads (dim 2), which must be n_heads + 2 * n_kv_heads with n_heads, "

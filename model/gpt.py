@@ -51,6 +51,9 @@ class GPTConfig:
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer: int = 0):
         super().__init__()
+        for name, value in (("n_embd", config.n_embd), ("n_head", config.n_head), ("n_kv_head", config.kv_heads)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
         if config.n_embd % config.n_head or config.n_head % config.kv_heads:
             raise ValueError(f"n_embd={config.n_embd} must be a multiple of n_head={config.n_head}, "
                              f"and n_head a multiple of n_kv_head={config.kv_heads}")

@@ -403,6 +403,9 @@ QKVPACKED_BAD = [
     (dict(qkv=(1, 16, 3, 2, 32), n_heads=4), ValueError, "with n_heads=4"),
     (dict(qkv=(1, 16, 6, 300)), ValueError, "head_dim=300 is out of range"),
     (dict(causal=1), TypeError, "causal must be a bool"),
+    (dict(qkv=(1, 16, 0, 32), n_heads=None), ValueError, "multiple of 3"),
+    (dict(qkv=(1, 16, 3, 0, 32), n_heads=None), ValueError, r"n_heads >= 1, head_dim\), got shape"),
+    (dict(qkv=(1, 0, 6, 32)), ValueError, r"seqlen_q and seqlen_k must be >= 1.* views of qkv \(1, 0, 6, 32\)"),
 ]
 
 

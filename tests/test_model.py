@@ -110,6 +110,11 @@ def test_gpt_rejects_bad_shapes():
         GPT(GPTConfig(block_size=8, vocab_size=10, n_layer=1, n_head=4, n_embd=30))
     with pytest.raises(ValueError, match="n_kv_head=3"):
         GPT(GPTConfig(block_size=8, vocab_size=10, n_layer=1, n_head=4, n_kv_head=3, n_embd=32))
+    for bad, message in ((dict(n_kv_head=0), "n_kv_head=0 must be an int >= 1"),
+                         (dict(n_head=0), "n_head=0 must be an int >= 1"),
+                         (dict(n_kv_head=-2), "n_kv_head=-2 must be"), (dict(n_kv_head=2.0), "n_kv_head=2.0 must be")):
+        with pytest.raises(ValueError, match=message):
+            GPT(GPTConfig(**dict(block_size=8, vocab_size=10, n_layer=1, n_head=4, n_embd=32) | bad))
     model = GPT(GPTConfig(block_size=8, vocab_size=10, n_layer=1, n_head=2, n_embd=16))
     with pytest.raises(ValueError, match="exceeds block_size=8"):
         model(torch.zeros(1, 9, dtype=torch.long))
