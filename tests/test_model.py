@@ -324,3 +324,15 @@ def test_backends_without_windows_refuse_them_by_their_registry_entry(name):
             fn(q, q, q, window=4)
         with pytest.raises(ValueError, match=f"attn={name} has no document masks"):
             fn(q, q, q, docs=torch.tensor([0, 3, 8], dtype=torch.int32))
+
+
+def test_qkvpacked_backend_refuses_dropout_and_windows_it_lacks():
+    """The registry's packed functions refuse what their backend cannot do, as the separate-tensor ones."""
+    with warnings.catch_warnings():  # the interpreter warning
+        warnings.simplefilter("ignore")
+        fa2, fa1 = attention.get_qkvpacked_backend("fa2"), attention.get_qkvpacked_backend("fa1")
+    qkv = torch.randn(1, 8, 6, 16)
+    with pytest.raises(ValueError, match="attn=fa2 has no attention dropout"):
+        fa2(qkv, 2, dropout_p=0.1)
+    with pytest.raises(ValueError, match="attn=fa1 has no sliding-window attention"):
+        fa1(qkv, 2, window=4)
