@@ -266,10 +266,8 @@ def make_attention(name: str, forward: ForwardLauncher, backward: BackwardLaunch
         window = check_window(window_size, name, masks)
         softmax_scale = 1.0 / math.sqrt(qkv.shape[-1]) if softmax_scale is None else softmax_scale
         args = (last_dim_contiguous(qkv), n_heads, causal, float(softmax_scale), *window)
-        if torch.compiler.is_compiling():
-            o, lse = packed_forward_op(*args)
-        else:
-            o, lse = EagerAttention.apply(packed_eager, *args)
+        compiling = torch.compiler.is_compiling()
+        o, lse = packed_forward_op(*args) if compiling else EagerAttention.apply(packed_eager, *args)
         return natural_lse(o, lse, to_natural) if return_lse else o
 
     attention.__name__, qkvpacked_attention.__name__ = f"{name}_attention", f"{name}_qkvpacked_attention"
@@ -301,10 +299,9 @@ class EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, impl, *inputs):
-        run_forward, _, n_tensors = impl
+        run_forward, ctx.run_backward, n_tensors = impl
         o, lse = run_forward(*inputs)
         _save(ctx, inputs, (o, lse), n_tensors)
-        ctx.run_backward = impl[1]
         ctx.mark_non_differentiable(lse)
         return o, lse
 
