@@ -12,7 +12,7 @@ import torch
 
 from bench import throughput
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def check_outputs(out_dir, stem, rows, backends):

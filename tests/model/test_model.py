@@ -12,7 +12,7 @@ from model.attention import BackendUnavailableError, get_backend, resolve_backen
 from model.gpt import GPT, GPTConfig
 
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def reference_attention(q, k, v):

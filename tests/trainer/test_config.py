@@ -263,7 +263,7 @@ def test_help_lists_every_key_with_its_meaning():
 
     from omegaconf import OmegaConf
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "train.py", "--help", "optim.lr=0.01"], cwd=root, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -2,7 +2,7 @@
 sm_90 compile of the Gluon kernel on a CPU-only machine whenever the installed Triton is one it supports.
 
 The numerical matrix for fa3 (odd lengths, seqlen_q != seqlen_k, GQA, strided views, fully masked rows,
-determinism) is tests/test_attention.py's, which runs fa3 on a CUDA GPU.
+determinism) is tests/kernels/test_attention.py's, which runs fa3 on a CUDA GPU.
 """
 
 import os
@@ -18,7 +18,7 @@ import torch
 
 from kernels import fa2_attention, fa3, fa3_attention, fa3_qkvpacked_attention
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SUPPORTED = isinstance(fa3._gluon_module(), type(fa3))  # the installed Triton is one the kernel supports
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 

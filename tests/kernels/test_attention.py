@@ -19,7 +19,7 @@ from kernels import (
 KERNELS = [
     pytest.param(fa2_attention, id="fa2"),
     pytest.param(fa1_attention, id="fa1"),
-    # Without a GPU fa3 is FA2 (tests/test_fa3.py checks that fallback); the whole matrix runs it on a GPU.
+    # Without a GPU fa3 is FA2 (tests/kernels/test_fa3.py checks that fallback); the whole matrix runs it on a GPU.
     pytest.param(fa3_attention, id="fa3", marks=pytest.mark.gpu),
 ]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

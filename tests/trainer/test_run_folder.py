@@ -16,7 +16,7 @@ import pytest
 from trainer.checkpoint import list_checkpoints
 from trainer.run_lock import RunFolderBusy, own_run_folder
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 DEFAULT_NAME = r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_[0-9a-f]{6}"
 

@@ -147,7 +147,7 @@ def test_corrupt_cache_is_rebuilt(make_cfg, caplog):
     assert "first use" not in caplog.text
 
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

@@ -1,5 +1,5 @@
 """Sliding windows and packed variable-length sequences in the FA2 kernels (`fa2_attention(window_size=...)`,
-`fa2_varlen_attention`) against the float64 reference of tests/test_attention.py with explicit masks.
+`fa2_varlen_attention`) against the float64 reference of tests/kernels/test_attention.py with explicit masks.
 
 Same rules as there: Triton's interpreter without a GPU, fresh random inputs, NaN-poisoned outputs. Under the
 interpreter the tiles are 32x16 (forward, dQ) and 16x32 (dK/dV), so lengths and windows of a few dozen cross
@@ -266,7 +266,7 @@ def test_masked_kernels_compile_for_sm90():
             "all('ld.global' in fa2.compile_for_sm90(k, grid=g).asm['ptx'] "
             "for k in ('dkdv', 'dq') for g in ('flat', 'lpt')))")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], env=env,
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split()[-1] == "True"

@@ -17,7 +17,7 @@ from model.gpt import GPT
 from trainer import ConfigError, NonFiniteLossError, train
 from trainer.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECORD_KEYS = {"step", "tokens_seen", "train/loss", "train/lr", "train/grad_norm", "perf/step_time_ms",
                "perf/tokens_per_s", "perf/tokens_per_s_per_gpu", "perf/mfu", "perf/mfu_per_gpu", "perf/peak_mem_gib"}
 
@@ -178,7 +178,7 @@ def test_cli_second_ctrl_c_aborts_with_130_and_no_traceback(tiny_overrides, tmp_
            "TEST_FAIL_KIND": "interrupt"}
     args = [a for a in tiny_overrides if not a.startswith(("run.", "trainer.max_steps"))] + [
         f"run.root={tmp_path}", "run.name=abort", "trainer.max_steps=5", "ckpt.interval=2"]
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "torchrun_entry.py"), *args], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "trainer" / "torchrun_entry.py"), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 128 + signal.SIGINT, out[-3000:]
@@ -399,7 +399,7 @@ def test_resuming_past_max_steps_says_so(make_cfg, caplog):
 
 def test_a_failed_checkpoint_write_is_one_line_without_traceback(tiny_overrides, make_cfg, tmp_path):
     """A file-size limit (`ulimit -f`) below a checkpoint's size: exit 1, one line naming the path and the
-    cause, no traceback, and no partial file left (older checkpoints: tests/test_checkpoint.py)."""
+    cause, no traceback, and no partial file left (older checkpoints: tests/trainer/test_checkpoint.py)."""
     import resource
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

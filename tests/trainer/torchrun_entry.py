@@ -1,6 +1,6 @@
-"""torchrun entry point for tests/test_distributed.py: train.py plus test-only fault injection.
+"""torchrun entry point for tests/trainer/test_distributed.py: train.py plus test-only fault injection.
 
-    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/torchrun_entry.py <overrides>
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/trainer/torchrun_entry.py <overrides>
 
 Environment (read here only, never by the trainer):
     TEST_DELAY_RANK=r             rank r sleeps 1.5 s first, so the ranks' clocks read different seconds
@@ -8,7 +8,7 @@ Environment (read here only, never by the trainer):
                                   rank r raises RuntimeError (raise), returns a NaN loss (nan) or raises
                                   KeyboardInterrupt as a second Ctrl-C does (interrupt) in its n-th training
                                   forward (a step has grad_accum / world_size of them)
-Also usable for one process: RANK=0 python tests/torchrun_entry.py <overrides>.
+Also usable for one process: RANK=0 python tests/trainer/torchrun_entry.py <overrides>.
 """
 
 import os
@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 rank = int(os.environ["RANK"])
 

@@ -1,6 +1,6 @@
 """Multi-process training: `torchrun --standalone --nproc_per_node=2` with the gloo backend on a tiny model.
 
-Each torchrun job is a subprocess (tests/torchrun_entry.py = train.py plus test-only fault injection);
+Each torchrun job is a subprocess (tests/trainer/torchrun_entry.py = train.py plus test-only fault injection);
 the single-process references run in-process. Global batch everywhere: batch_size 4 x grad_accum 4,
 so each of the 2 ranks runs 2 micro-batches per step (no_sync on the first).
 """
@@ -22,7 +22,7 @@ from trainer.config import validate_config
 from trainer.distributed import torchrun_overrides
 from trainer.runtime import DistInfo
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = 10
 
 
@@ -45,7 +45,7 @@ def base(corpus_dir, cache_dir):
 def torchrun(args, timeout=120, **env):
     """Run a 2-process torchrun job; returns the CompletedProcess (stdout and stderr merged)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "torchrun_entry.py"), *args]
+           str(ROOT / "tests" / "trainer" / "torchrun_entry.py"), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **env}
     return subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=timeout)
