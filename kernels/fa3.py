@@ -1,24 +1,24 @@
 """FlashAttention-3 for Hopper: the Gluon forward (`kernels/fa3_hopper.py`) and backward
-(`kernels/fa3_hopper_bwd.py`), and the fallback to FA2's Triton kernels.
+(`kernels/fa3_hopper_bwd.py`), and when FA2's Triton kernels run instead.
 
-`forward` runs the warp-specialised Gluon kernel where it applies and FA2's Triton forward everywhere else,
-warning once per reason (`gluon_unsupported_reason` names it). Both forwards produce the same base-2 LSE, so
-either pairs with either backward. `backward` runs the Gluon backward where `GLUON_BACKWARD_MIN_SEQLEN` says
-(measured faster than FA2's backward on the H200 there: head_dim 128 everywhere, 64 from 1k keys;
-docs/benchmarks.md) and FA2's three-kernel, atomic-free backward elsewhere. The Gluon backward adds dQ up in
-float32 through TMA reduce-add, as FA3 does, so its dQ is not bit-reproducible; under
-`torch.use_deterministic_algorithms(True)` FA2's backward runs instead.
+Every call asks `plan(direction, q, k, v, causal, ...)`, which reads one ordered table of rules (`RULES`) over the
+call's facts (`Facts`): first eligibility (an sm_90 GPU, a Triton whose Gluon API the kernels are written for,
+float16/bfloat16, head_dim 64 or 128, inputs TMA can address), whose misses fall back to FA2 with a one-time
+RuntimeWarning naming the reason; then performance (the backward below `BACKWARD_MIN_SEQLEN_K` keys, where FA2's
+measured faster); then determinism (the Gluon backward adds dQ up in float32 through TMA reduce-adds, as FA3 does,
+so it is not bit-reproducible: under `torch.use_deterministic_algorithms(True)` FA2's backward runs). The last two
+are choices, not fallbacks: no warning. The forward and the backward decide the same way.
 
-The Gluon kernel applies to: an sm_90 GPU (H100/H200), Triton 3.6.x (Gluon is experimental and its API
-changes between releases; see `GLUON_TRITON_VERSIONS`), float16/bfloat16, head_dim 64 or 128, and inputs
-whose data and strides TMA can address (16-byte aligned data, 16-byte multiple strides, unit last stride).
+The tile configs are data: `ForwardConfig` per (head_dim, causal) and `BackwardConfig` per head_dim, measured on
+the H200 with `python -m tools.fa3_variants` (docs/hopper-notes.md). `run_forward` / `run_backward` launch the Gluon
+kernels with any config (the tuning tools pass theirs).
 """
 
 import functools
-import importlib
 import os
 import sys
 import warnings
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import triton
@@ -27,104 +27,175 @@ import triton.language as tl
 from . import fa2
 from .common import INTERPRET, bwd_preprocess, empty_like_layout, grad_buffers, use_tma
 
-# Triton releases whose Gluon Hopper API the kernel is written against (major.minor).
-GLUON_TRITON_VERSIONS = ("3.6",)
+# Triton releases (major.minor) whose Gluon Hopper API the kernels are written for: `kernels/gluon_compat.py` maps
+# their differences; `tools/check_triton_versions.sh` compiles both kernels on each.
+GLUON_TRITON_VERSIONS = ("3.6", "3.7", "3.8", "3.9")
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
-BLOCK_M = 64  # the forward's query rows per consumer warpgroup
-# (NUM_CONSUMERS, BLOCK_N, NUM_STAGES, PINGPONG, PERSISTENT, SPLIT_LOOPS) per (head_dim, causal), from `python -m
-# bench.fa3_variants` on the H200 (tenth session: at 64, two consumers for causal, three for non-causal;
-# docs/hopper-notes.md, forward variant 9; eleventh: a 4-deep ring for causal at 64, variant 10; thirteenth:
-# ping-pong for non-causal at 128, variant 16); PERSISTENT: one CTA per SM (non-causal: `persistent_grid`'s count)
-# looping over tiles, else one CTA per tile;
-# SPLIT_LOOPS: the unmasked and the masked K/V blocks in two loops, else one loop with a branch per block
-# (measured: no faster, D = 64 causal slower at N <= 4k; docs/hopper-notes.md, variant 5).
-# NUM_CONSUMERS x 64 x D Q tiles plus two NUM_STAGES x BLOCK_N x D rings must fit the 227 KiB of shared memory
-# (overflow is only caught at launch).
-CONFIGS = {
-    (64, True): (2, 128, 4, True, True, False), (64, False): (3, 128, 3, True, True, False),
-    (128, True): (2, 128, 2, False, True, False), (128, False): (2, 128, 2, True, True, False),
+BLOCK_M = 64  # the forward's query rows per consumer warpgroup (a wgmma's M)
+BWD_CONSUMERS = 2  # the backward's consumer warpgroups, 64 keys each
+
+
+class ForwardConfig(NamedTuple):
+    """The Gluon forward's tiles and schedule (`kernels/fa3_hopper.py`)."""
+    num_consumers: int  # consumer warpgroups, BLOCK_M query rows each (2 or 3)
+    block_n: int  # keys per K/V block
+    num_stages: int  # depth of the K/V shared-memory ring
+    pingpong: bool  # consumers take turns issuing their GEMMs (FA3 Section 3.1)
+    persistent: bool  # one CTA per SM looping over tiles, else one CTA per tile
+
+
+class BackwardConfig(NamedTuple):
+    """The Gluon backward's tiles (`kernels/fa3_hopper_bwd.py`): BWD_CONSUMERS x 64 keys per CTA."""
+    num_stages: int  # depth of the (Q_i, dO_i) ring
+    split_dq: str  # "cols" / "rows": each warpgroup computes a share of dQ_i's columns / rows over all the keys
+    block_m: int  # query rows per step (64, or 128 with "rows")
+
+    def dq_box(self, head_dim: int) -> tuple[int, int]:
+        """(rows, columns) of one warpgroup's share of a query block's dQ; ValueError for a config the kernel
+        cannot run."""
+        if self.split_dq not in ("cols", "rows"):
+            raise ValueError(f"BackwardConfig.split_dq={self.split_dq!r}; accepted 'cols', 'rows'")
+        if self.block_m not in (64, 128) or (self.split_dq == "rows" and self.block_m != 128):
+            raise ValueError(f"BackwardConfig.block_m={self.block_m!r} with split_dq={self.split_dq!r}; accepted 64 "
+                             "or 128, and 128 for 'rows' (64 rows a warpgroup: a wgmma's M)")
+        if self.split_dq == "rows":
+            return self.block_m // BWD_CONSUMERS, head_dim
+        return self.block_m, head_dim // BWD_CONSUMERS
+
+
+# Measured on the H200 (docs/hopper-notes.md): at 64, two consumers for causal and three for non-causal, a 4-deep
+# ring for causal; ping-pong everywhere but causal 128. NUM_CONSUMERS x 64 x D Q tiles plus the K and V rings must
+# fit the 227 KiB of shared memory (an overflow is only caught at launch).
+FORWARD_CONFIGS = {
+    (64, True): ForwardConfig(2, 128, 4, True, True), (64, False): ForwardConfig(3, 128, 3, True, True),
+    (128, True): ForwardConfig(2, 128, 2, False, True), (128, False): ForwardConfig(2, 128, 2, True, True),
 }
-# Causal forwards with seqlen_q up to this, per head_dim, run FA2's Triton forward where it measured faster (not a
-# fallback, so no warning). Empty since the tenth session: from the eighth to the ninth it was {64: 4096} (FA2
-# 0.85-0.92x cuDNN there against the Gluon kernel's 0.74-0.91x); the Gluon forward with two consumers at 64 then
-# measured 0.97-0.99x at 2k-8k (FA2's 0.90-0.96x; docs/benchmarks.md).
-FA2_CAUSAL_FORWARD_MAX_SEQLEN = {}
-# Backward: (NUM_STAGES of the (Q_i, dO_i) ring, DQ_FIRST, SPLIT_DQ, BLOCK_M) per head_dim; 2 consumer warpgroups
-# x 64 keys, BLOCK_M query rows per step (`kernels/fa3_hopper_bwd.py`). DQ_FIRST: each query block's dQ GEMM before
-# its dK GEMM, dQ's reduce-add under dK (measured no faster, docs/hopper-notes.md backward variant 5). SPLIT_DQ:
-# "none", each warpgroup computes all of dQ_i over its own keys; "cols" / "rows", each a share of dQ_i's columns /
-# rows over all the CTA's keys. At 64, 128 query rows with dQ split by rows measured 3-9 % faster than 64 rows
-# (eleventh session, backward variant 9); at 128, BLOCK_M 128 fits neither the registers nor shared memory.
-# Shared memory at 64 (rows, 128): 199 KB with 2 stages, 3 do not fit; at 128 (cols, 64): 198 KB with 2 stages.
-BWD_CONFIGS = {64: (2, False, "rows", 128), 128: (2, False, "cols", 64)}
-# The Gluon backward per head_dim from this many keys (seqlen_k) on, FA2's below it and at other head dims (H200,
-# docs/benchmarks.md). 128: faster everywhere measured (eleventh session 0.93-1.02x cuDNN, FA2's 0.72-0.79x). 64:
-# from 1k keys, GPT-2's context and the shortest measured: 128-row query blocks (eleventh session) reach 0.98-0.99x
-# causal / 0.95x non-causal at 1k against FA2's 0.955x / 0.87x.
-GLUON_BACKWARD_MIN_SEQLEN = {64: 1024, 128: 1}
-BWD_CONSUMERS = 2
+# At 64, 128 query rows with dQ split by rows measured 3-9 % faster than 64 rows; at 128, BLOCK_M 128 fits neither
+# the registers nor the shared memory. Shared memory: 199 KB at 64, 198 KB at 128.
+BACKWARD_CONFIGS = {64: BackwardConfig(2, "rows", 128), 128: BackwardConfig(2, "cols", 64)}
+# The Gluon backward from this many keys (seqlen_k) on, FA2's below: at 128 faster everywhere measured; at 64 from
+# 1k keys (GPT-2's context, the shortest measured: 0.98-0.99x cuDNN causal against FA2's 0.955x).
+BACKWARD_MIN_SEQLEN_K = {64: 1024, 128: 1}
+
+
+class Facts(NamedTuple):
+    """What `plan` decides from: the call's direction and inputs, and the machine."""
+    direction: str  # "forward" or "backward"
+    environment: Optional[str]  # why the Gluon kernels cannot run here at all (`gluon_device_reason`), or None
+    dtype: torch.dtype
+    head_dim: int
+    seqlen_k: int
+    causal: bool
+    tma_ok: bool  # every tensor the kernel reads or writes through TMA meets `common.use_tma`
+    deterministic: bool  # torch.are_deterministic_algorithms_enabled()
+
+
+class Plan(NamedTuple):
+    """`plan`'s answer: which kernel runs, why FA2's when it does, and the Gluon kernel's config."""
+    kernel: str  # "gluon" or "fa2"
+    reason: Optional[str] = None  # why FA2's kernel runs
+    warn: bool = False  # the reason is a fallback the caller is warned about once, not a measured choice
+    config: Optional[ForwardConfig | BackwardConfig] = None
+
+
+def _backward_only(rule: Callable[[Facts], Optional[str]]) -> Callable[[Facts], Optional[str]]:
+    return lambda f: rule(f) if f.direction == "backward" else None
+
+
+# (warn, rule): in order, the first rule that names a reason sends the call to FA2's kernels.
+RULES: tuple[tuple[bool, Callable[[Facts], Optional[str]]], ...] = (
+    # eligibility: a fallback, warned about once per reason
+    (True, lambda f: f.environment),
+    (True, lambda f: None if f.dtype in DTYPES else f"dtype {f.dtype} (the Gluon kernel takes float16 and bfloat16)"),
+    (True, lambda f: None if f.head_dim in HEAD_DIMS else
+        f"head_dim {f.head_dim} (the Gluon kernel takes {' and '.join(map(str, HEAD_DIMS))})"),
+    (True, lambda f: None if f.tma_ok else
+        "inputs TMA cannot address (16-byte aligned data and 16-byte multiple strides needed)"),
+    # performance: FA2's backward measured faster on short keys
+    (False, _backward_only(lambda f: None if f.seqlen_k >= BACKWARD_MIN_SEQLEN_K[f.head_dim] else
+        f"seqlen_k {f.seqlen_k} < {BACKWARD_MIN_SEQLEN_K[f.head_dim]} at head_dim {f.head_dim}: FA2's backward "
+        "measured faster")),
+    # determinism: the Gluon backward's dQ reduce-adds are not bit-reproducible
+    (False, _backward_only(lambda f: "deterministic algorithms: FA2's atomic-free backward" if f.deterministic
+        else None)),
+)
+
+
+def decide(facts: Facts) -> Plan:
+    """The kernel `RULES` pick for `facts`; the Gluon kernel's config from FORWARD_CONFIGS / BACKWARD_CONFIGS."""
+    if facts.direction not in ("forward", "backward"):
+        raise ValueError(f"direction={facts.direction!r}; accepted 'forward', 'backward'")
+    for warn, rule in RULES:
+        reason = rule(facts)
+        if reason is not None:
+            return Plan("fa2", reason, warn)
+    if facts.direction == "forward":
+        return Plan("gluon", config=FORWARD_CONFIGS[facts.head_dim, facts.causal])
+    return Plan("gluon", config=BACKWARD_CONFIGS[facts.head_dim])
+
+
+def plan(direction: str, q, k, v, causal: bool, *more) -> Plan:
+    """Which kernel runs this call, from the tensors (q, k, v (batch, heads, seqlen, head_dim) and `more`, other
+    tensors the kernel moves through TMA: the backward's dO and gradient buffers) and the machine (`decide`)."""
+    return decide(Facts(
+        direction=direction, environment=gluon_device_reason(q.device), dtype=q.dtype, head_dim=q.shape[-1],
+        seqlen_k=k.shape[2], causal=causal, tma_ok=use_tma(q, k, v, *more),
+        deterministic=torch.are_deterministic_algorithms_enabled()))
 
 
 def triton_version() -> str:
     return triton.__version__
 
 
+class GluonKernels(NamedTuple):
+    forward: Callable  # fa3_hopper.fa3_fwd_kernel
+    backward: Callable  # fa3_hopper_bwd.fa3_bwd_kernel
+
+
 @functools.lru_cache(maxsize=None)
-def _gluon_module(name: str = "fa3_hopper"):
-    """The Gluon kernel module `name` (forward: fa3_hopper, backward: fa3_hopper_bwd), or the reason it cannot
-    be used with this Triton (a string)."""
-    version = triton_version()
+def gluon_kernels(version: Optional[str] = None) -> GluonKernels | str:
+    """The Gluon kernels, or the reason Triton `version` (default: the installed one) cannot build them (a string).
+    Imported on first use: their modules need Gluon's Hopper API, which a release outside GLUON_TRITON_VERSIONS may
+    lack or have renamed."""
+    version = version or triton_version()
     if not any(version == v or version.startswith(v + ".") for v in GLUON_TRITON_VERSIONS):
-        return (f"triton {version} is not a version the Gluon kernel supports "
+        return (f"triton {version} is not a version the Gluon kernels support "
                 f"({', '.join(v + '.x' for v in GLUON_TRITON_VERSIONS)})")
     try:
-        return importlib.import_module(f"{__package__}.{name}")
+        from .fa3_hopper import fa3_fwd_kernel
+        from .fa3_hopper_bwd import fa3_bwd_kernel
     except ImportError as e:  # a build of Triton without Gluon's Hopper API
         return f"triton {version} has no usable Gluon Hopper API ({e})"
+    return GluonKernels(fa3_fwd_kernel, fa3_bwd_kernel)
 
 
 def gluon_device_reason(device: torch.device) -> str | None:
-    """Why the Gluon kernels cannot run on `device` with this Triton, whatever the inputs (a short phrase), or None
-    when they can: a Triton version they are written for and an sm_90 GPU (H100/H200)."""
-    module = _gluon_module()
-    if isinstance(module, str):
-        return module
+    """Why the Gluon kernels cannot run on `device`, whatever the inputs (a short phrase naming the first missing
+    condition: a CUDA GPU, an sm_90 one, a Triton whose Gluon API they are written for), or None when they can."""
     if INTERPRET or device.type != "cuda":
-        return "no CUDA GPU (the Gluon kernel does not run under Triton's interpreter)"
+        return "no CUDA GPU (the Gluon kernels do not run under Triton's interpreter)"
     capability = _capability(device)
     if capability != (9, 0):
         return f"GPU compute capability {capability[0]}.{capability[1]} is not 9.0 (Hopper)"
-    return None
+    kernels = gluon_kernels()
+    return kernels if isinstance(kernels, str) else None
 
 
 def gluon_unsupported_reason(q, k, v, *more) -> str | None:
-    """Why the Gluon kernels cannot run these inputs (a short phrase), or None when they can. `more`: other
-    (batch, heads, seqlen, head_dim) tensors the kernel reads through TMA (the backward's dO)."""
-    module = _gluon_module()
-    if isinstance(module, str):
-        return module
-    if q.dtype not in DTYPES:
-        return f"dtype {q.dtype} (the Gluon kernel takes float16 and bfloat16)"
-    if q.shape[-1] not in HEAD_DIMS:
-        return f"head_dim {q.shape[-1]} (the Gluon kernel takes {' and '.join(map(str, HEAD_DIMS))})"
-    reason = gluon_device_reason(q.device)
-    if reason is not None:
-        return reason
-    if not use_tma(q, k, v, *more):
-        return "inputs TMA cannot address (16-byte aligned data and 16-byte multiple strides needed)"
-    return None
+    """Why the Gluon kernels cannot run these inputs (`plan`'s eligibility rules; a short phrase), or None."""
+    result = plan("forward", q, k, v, False, *more)
+    return result.reason if result.warn else None
 
 
 _WARNED: set[str] = set()
 
 # Compiled Gluon kernels by launch key. After a shape's first launch through Triton's `kernel[grid](...)`, later
 # launches call the compiled kernel's own launcher with the arguments in the kernel's order, skipping Triton's
-# argument binder and cache lookup (binder 34-60 us against the launcher's 16-19 on the H200's host; docs/benchmarks.md,
-# ninth and thirteenth sessions). A key holds every value Triton specialises the compiled code on: the kernel, its
-# config and constexprs, the dtype and head_dim (which fix the descriptors' blocks and layouts), the ints' values (the
+# argument binder and cache lookup (binder 34-60 us against the launcher's 16-19 on the H200's host;
+# docs/hopper-notes.md). A key holds every value Triton specialises the compiled code on: the kernel, its config
+# and constexprs, the dtype and head_dim (which fix the descriptors' blocks and layouts), the ints' values (the
 # shapes) and the raw pointers' 16-byte alignment; the data pointers go through the descriptors, rebuilt every call.
-# A kernel module's global constexpr changed at run time (e.g. fa3_hopper.Q_BUFFERS) is not seen: clear _COMPILED.
 _COMPILED: dict = {}
 _COMPILED_MAX = 512  # distinct shapes kept (a decode loop meets one per length); later ones take Triton's path
 
@@ -161,13 +232,14 @@ def _caller_stacklevel() -> int:
     return level if frame is not None else 1
 
 
-def _launch(module, q, k, v, causal, softmax_scale):
+def run_forward(q, k, v, causal: bool, softmax_scale: float, config: ForwardConfig):
+    """The Gluon forward with `config` (no checks: `plan` decides where it applies) -> (o, base-2 LSE)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    kernel = gluon_kernels().forward
     batch, n_heads, seqlen_q, head_dim = q.shape
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    config = CONFIGS[head_dim, causal]
-    num_consumers, block_n, num_stages, pingpong, persistent, split_loops = config
+    num_consumers, block_n, num_stages, pingpong, persistent = config
     o = empty_like_layout(q)
     lse = torch.empty((batch, n_heads, seqlen_q), device=q.device, dtype=torch.float32)
     q_layout, kv_layout = shared_layouts(q.dtype, head_dim, block_n)
@@ -182,14 +254,14 @@ def _launch(module, q, k, v, causal, softmax_scale):
         grid = (min(n_tiles, _sm_count(q.device)),)
     else:
         grid = (persistent_grid(n_tiles_m, batch * n_heads, seqlen_q, num_consumers, _sm_count(q.device)),)
-    key = (module.fa3_fwd_kernel, config, q.dtype, q.device, q.shape, k.shape, causal)
-    _run(module.fa3_fwd_kernel, key, grid,
+    key = (kernel, config, q.dtype, q.device, q.shape, k.shape, causal)
+    _run(kernel, key, grid,
          q_desc=desc(q, BLOCK_M, q_box), k_desc=desc(k, block_n, kv_box), v_desc=desc(v, block_n, kv_box),
          o_desc=desc(o, BLOCK_M, q_box), LSE=lse, n_heads=n_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
          qk_scale=softmax_scale * fa2.LOG2E, n_tiles_m=n_tiles_m, n_tiles=n_tiles,
          GROUP=n_heads // n_kv_heads, CAUSAL=causal, PINGPONG=pingpong, NUM_CONSUMERS=num_consumers,
          HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=num_stages, Q_LAYOUT=q_layout,
-         KV_LAYOUT=kv_layout, SPLIT_LOOPS=split_loops)
+         KV_LAYOUT=kv_layout)
     return o, lse
 
 
@@ -202,7 +274,7 @@ def persistent_grid(n_tiles_m: int, n_bh: int, seqlen_q: int, num_consumers: int
     Returns the grid from sm_count - 16 to sm_count (n_tiles at most) whose busiest CTA has the least work, a tile
     costing its share of busy warpgroups; the largest such grid on ties. Predicted for head_dim 64 (three
     consumers), B * N = 16k: 21.3 instead of 24 / 22 / 22 tile-times at N = 1k / 2k / 4k, unchanged from 8k;
-    measured on the H200 +1.5-2.5 % at 2k and 4k, 1k unchanged (docs/hopper-notes.md, forward variant 15)."""
+    measured on the H200 +1.5-2.5 % at 2k and 4k, 1k unchanged (docs/hopper-notes.md)."""
     n_tiles = n_tiles_m * n_bh
     if n_tiles <= sm_count:
         return n_tiles
@@ -244,29 +316,28 @@ def shared_layouts(dtype, head_dim: int, block_n: int, rank: int = 2):
 
 def forward(q, k, v, causal, softmax_scale):
     """Same contract as `fa2.forward`: o (like q, in q's memory order) and the base-2 LSE, float32
-    (batch, n_heads, seqlen_q), +inf for rows that see no key. The Gluon kernel where it applies, except the
-    causal shapes of FA2_CAUSAL_FORWARD_MAX_SEQLEN, where FA2's forward measured faster."""
-    reason = gluon_unsupported_reason(q, k, v)
-    if reason is not None:
-        _warn_fallback(reason)
-        return fa2.forward(q, k, v, causal, softmax_scale)
-    if causal and q.shape[2] <= FA2_CAUSAL_FORWARD_MAX_SEQLEN.get(q.shape[-1], 0):
-        return fa2.forward(q, k, v, causal, softmax_scale)
-    return _launch(_gluon_module(), q, k, v, causal, softmax_scale)
+    (batch, n_heads, seqlen_q), +inf for rows that see no key. The Gluon kernel where `plan` says, else FA2's."""
+    choice = plan("forward", q, k, v, causal)
+    if choice.kernel == "gluon":
+        return run_forward(q, k, v, causal, softmax_scale, choice.config)
+    if choice.warn:
+        _warn_fallback(choice.reason)
+    return fa2.forward(q, k, v, causal, softmax_scale)
 
 
-def _launch_backward(module, do, q, k, v, o, lse, causal, softmax_scale, out=None):
+def run_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, config: BackwardConfig, out=None):
+    """The Gluon backward with `config` (no checks: `plan` decides where it applies) -> (dq, dk, dv), into `out`
+    when given (`common.grad_buffers`). ValueError for a config the kernel cannot run."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    dq_rows, dq_cols = config.dq_box(q.shape[-1])  # checks the config
+    kernel = gluon_kernels().backward
     batch, n_heads, seqlen_q, head_dim = q.shape
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    config = BWD_CONFIGS[head_dim]
-    num_stages, dq_first, split_dq, block_m = config
-    dq_rows, dq_cols = _dq_box(head_dim, config)  # checks the config
+    num_stages, split_dq, block_m = config
     seqlen_q_pad = triton.cdiv(seqlen_q, block_m) * block_m  # whole blocks for the dQ reduce-adds
-    # In q's memory order, as dq: the last pass below is then a plain contiguous one. (The model's (B, T, H, D) q
-    # with a (B, H, T, D) accumulator made it a transposing copy at ~40 % of the copy rate: 110 us of GPT-2's
-    # 1k backward against cuDNN's 46; docs/benchmarks.md, fourteenth session.)
+    # In q's memory order, as dq: the last pass below is then a plain contiguous one (a (B, H, T, D) accumulator
+    # for the model's (B, T, H, D) q made it a transposing copy: 110 us of GPT-2's 1k backward, cuDNN's 46).
     dq_acc = empty_like_layout(q, (batch, n_heads, seqlen_q_pad, head_dim), torch.float32)
     delta = bwd_preprocess(o, do, dq_acc)  # also zeroes dq_acc
     dq, dk, dv = grad_buffers(q, k, v, out)
@@ -277,15 +348,15 @@ def _launch_backward(module, do, q, k, v, o, lse, causal, softmax_scale, out=Non
     block_n = BWD_CONSUMERS * 64
     grid = (triton.cdiv(seqlen_k, block_n), batch * n_kv_heads)
     lse = lse.contiguous()
-    key = (module.fa3_bwd_kernel, config, q.dtype, q.device, q.shape, k.shape, causal,
+    key = (kernel, config, q.dtype, q.device, q.shape, k.shape, causal,
            lse.data_ptr() % 16 == 0)
-    _run(module.fa3_bwd_kernel, key, grid,
+    _run(kernel, key, grid,
          q_desc=desc(q, block_m, q_box), k_desc=desc(k, block_n, k_box), v_desc=desc(v, 64, v_box),
          do_desc=desc(do, block_m, q_box), dk_desc=desc(dk, 64, v_box), dv_desc=desc(dv, 64, v_box),
          dq_desc=desc(dq_acc, dq_rows, dq_box, dq_cols), LSE=lse, DELTA=delta, n_heads=n_heads, seqlen_q=seqlen_q,
          seqlen_k=seqlen_k, qk_scale=softmax_scale * fa2.LOG2E, softmax_scale=softmax_scale,
          GROUP=n_heads // n_kv_heads, CAUSAL=causal, NUM_CONSUMERS=BWD_CONSUMERS, HEAD_DIM=head_dim,
-         BLOCK_M=block_m, NUM_STAGES=num_stages, SPLIT_DQ=split_dq, DQ_FIRST=dq_first,
+         BLOCK_M=block_m, NUM_STAGES=num_stages, SPLIT_DQ=split_dq,
          Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, DQ_LAYOUT=dq_layout)
     convert_dq(dq_acc, softmax_scale, dq)
     return dq, dk, dv
@@ -312,7 +383,7 @@ def convert_dq(dq_acc, softmax_scale: float, dq) -> None:
     """dq = (softmax_scale * dq_acc[:, :, :seqlen_q]).to(dq.dtype), one pass: dq_acc float32 (batch, n_heads,
     seqlen_q_pad >= seqlen_q, head_dim), dq (batch, n_heads, seqlen_q, head_dim) float16/bfloat16, both with a unit
     last stride and any other strides (e.g. dq a view into a packed qkv gradient, where torch.mul's strided path
-    measured 89 us a GPT-2 1k call against 54 into contiguous memory; docs/benchmarks.md, fifteenth session).
+    measured 89 us a GPT-2 1k call against 54 into contiguous memory on the H200).
     head_dim must be a power of two (64 or 128 here). ValueError for anything else."""
     batch, n_heads, seqlen_q, head_dim = dq.shape
     if (dq_acc.dtype != torch.float32 or dq_acc.dim() != 4 or dq_acc.shape[:2] != dq.shape[:2]
@@ -325,19 +396,6 @@ def convert_dq(dq_acc, softmax_scale: float, dq) -> None:
     grid = (triton.cdiv(seqlen_q, CONVERT_DQ_BLOCK_M), batch * n_heads)
     _convert_dq[grid](dq_acc, dq, softmax_scale, *dq_acc.stride()[:3], *dq.stride()[:3], n_heads, seqlen_q,
                       HEAD_DIM=head_dim, BLOCK_M=CONVERT_DQ_BLOCK_M)
-
-
-def _dq_box(head_dim: int, config: tuple | None = None) -> tuple[int, int]:
-    """(rows, columns) of one consumer warpgroup's share of a query block's dQ under `config` (default
-    BWD_CONFIGS[head_dim]); ValueError for a config the Gluon backward cannot run."""
-    _, _, split_dq, block_m = BWD_CONFIGS[head_dim] if config is None else config
-    if split_dq not in ("none", "cols", "rows"):
-        raise ValueError(f"BWD_CONFIGS[{head_dim}]: SPLIT_DQ={split_dq!r}; accepted 'none', 'cols', 'rows'")
-    if block_m not in (64, 128) or (split_dq == "rows" and block_m != 128):
-        raise ValueError(f"BWD_CONFIGS[{head_dim}]: BLOCK_M={block_m!r} with SPLIT_DQ={split_dq!r}; accepted 64 or "
-                         "128, and 128 for 'rows' (64 rows a warpgroup: a wgmma's M)")
-    return (block_m // BWD_CONSUMERS if split_dq == "rows" else block_m,
-            head_dim // BWD_CONSUMERS if split_dq == "cols" else head_dim)
 
 
 @functools.lru_cache(maxsize=None)  # pure, and made on every backward call
@@ -357,60 +415,57 @@ def _bwd_layouts(dtype, head_dim: int, block_m: int, dq_box: tuple[int, int], ra
 def backward(do, q, k, v, o, lse, causal, softmax_scale, out=None):
     """Same contract as `fa2.backward` (without masks): dq, dk, dv like q, k, v, written into `out` when given
     (`common.grad_buffers`; TMA writes dk, dv, so they must meet `use_tma` or FA2's backward runs). `lse` is the
-    forward's base-2 LSE. The Gluon backward where GLUON_BACKWARD_MIN_SEQLEN says (not under deterministic
-    algorithms), else FA2's."""
-    if k.shape[2] < GLUON_BACKWARD_MIN_SEQLEN.get(q.shape[-1], float("inf")):
-        return fa2.backward(do, q, k, v, o, lse, causal, softmax_scale, out=out)
-    reason = gluon_unsupported_reason(q, k, v, do, *(out or ())[1:])
-    if reason is not None:
-        _warn_fallback(reason)
-        return fa2.backward(do, q, k, v, o, lse, causal, softmax_scale, out=out)
-    if torch.are_deterministic_algorithms_enabled():  # atomics-free, documented above: no warning
-        return fa2.backward(do, q, k, v, o, lse, causal, softmax_scale, out=out)
-    return _launch_backward(_gluon_module("fa3_hopper_bwd"), do, q, k, v, o, lse, causal, softmax_scale, out)
+    forward's base-2 LSE. The Gluon backward where `plan` says, else FA2's."""
+    choice = plan("backward", q, k, v, causal, do, *(out or ())[1:])
+    if choice.kernel == "gluon":
+        return run_backward(do, q, k, v, o, lse, causal, softmax_scale, choice.config, out)
+    if choice.warn:
+        _warn_fallback(choice.reason)
+    return fa2.backward(do, q, k, v, o, lse, causal, softmax_scale, out=out)
 
 
-def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, kernel="fwd"):
+def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, kernel="fwd", config=None):
     """Compile the Gluon forward (kernel="fwd") or backward ("bwd") for sm_90 without a GPU (catches Gluon API
-    breaks on CPU-only machines).
+    breaks on CPU-only machines), with `config` (a ForwardConfig / BackwardConfig; default the measured one).
 
     Returns Triton's compiled kernel (`.asm` holds ttgir, ptx and cubin). Raises RuntimeError naming the
     reason when this Triton is not one the kernels support, ValueError for another `kernel`.
     """
     if kernel not in ("fwd", "bwd"):
         raise ValueError(f"kernel={kernel!r}: accepted 'fwd' and 'bwd'")
-    module = _gluon_module("fa3_hopper" if kernel == "fwd" else "fa3_hopper_bwd")
-    if isinstance(module, str):
-        raise RuntimeError(module)
+    kernels = gluon_kernels()
+    if isinstance(kernels, str):
+        raise RuntimeError(kernels)
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
     tensordesc = lambda rows, layout: f"tensordesc<{name}[1, 1, {rows}, {head_dim}],{layout!r}>"
     if kernel == "fwd":
-        num_consumers, block_n, num_stages, pingpong, _, split_loops = CONFIGS[head_dim, causal]
+        num_consumers, block_n, num_stages, pingpong, _ = config or FORWARD_CONFIGS[head_dim, causal]
         q_layout, kv_layout = shared_layouts(dtype, head_dim, block_n)
         q_box, kv_box = shared_layouts(dtype, head_dim, block_n, rank=4)
-        fn = module.fa3_fwd_kernel
+        fn = kernels.forward
         descs = dict(q_desc=tensordesc(BLOCK_M, q_box), o_desc=tensordesc(BLOCK_M, q_box),
                      k_desc=tensordesc(block_n, kv_box), v_desc=tensordesc(block_n, kv_box), LSE="*fp32",
                      qk_scale="fp32")
         constexprs = dict(GROUP=group, CAUSAL=causal, PINGPONG=pingpong, NUM_CONSUMERS=num_consumers,
                           HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=num_stages,
-                          Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, SPLIT_LOOPS=split_loops)
+                          Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout)
     else:
-        num_stages, dq_first, split_dq, block_m = BWD_CONFIGS[head_dim]
-        dq_rows, dq_cols = _dq_box(head_dim)
+        config = config or BACKWARD_CONFIGS[head_dim]
+        num_stages, split_dq, block_m = config
+        dq_rows, dq_cols = config.dq_box(head_dim)
         q_layout, kv_layout, _, ds_layout, dq_layout = _bwd_layouts(dtype, head_dim, block_m, (dq_rows, dq_cols))
         q_box, k_box, v_box, _, dq_box = _bwd_layouts(dtype, head_dim, block_m, (dq_rows, dq_cols), rank=4)
         dq_box = f"tensordesc<fp32[1, 1, {dq_rows}, {dq_cols}],{dq_box!r}>"
         q_box, k_box, v_box = (tensordesc(block_m, q_box), tensordesc(BWD_CONSUMERS * 64, k_box),
                                tensordesc(64, v_box))
-        fn = module.fa3_bwd_kernel
+        fn = kernels.backward
         descs = dict(q_desc=q_box, k_desc=k_box, v_desc=v_box, do_desc=q_box, dk_desc=v_box, dv_desc=v_box,
                      dq_desc=dq_box, LSE="*fp32", DELTA="*fp32", qk_scale="fp32", softmax_scale="fp32")
         constexprs = dict(GROUP=group, CAUSAL=causal, NUM_CONSUMERS=BWD_CONSUMERS, HEAD_DIM=head_dim,
-                          BLOCK_M=block_m, NUM_STAGES=num_stages, SPLIT_DQ=split_dq, DQ_FIRST=dq_first,
+                          BLOCK_M=block_m, NUM_STAGES=num_stages, SPLIT_DQ=split_dq,
                           Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, DQ_LAYOUT=dq_layout)
     signature = {arg: "i32" for arg in fn.arg_names}
     signature.update(descs)

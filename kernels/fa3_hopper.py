@@ -10,8 +10,8 @@ A tile is NUM_CONSUMERS * BLOCK_M query rows of one (batch, head). The grid is p
 share of the tiles (`_tile`: a few heads at a time, so their K/V stay in L2; under causal, pairs of a long and a
 short tile, so the shares are equal). Each CTA has
 NUM_CONSUMERS + 1 partitions (`gl.warp_specialize`):
-- producer (1 warp, few registers): per tile, TMA-loads the consumers' Q tiles into one of Q_BUFFERS sets (once
-  the QK GEMMs of the tile that used that set are done with it: `q_empty`), then every K and V block of the
+- producer (1 warp, few registers): per tile, TMA-loads the consumers' Q tiles (once the QK GEMMs of the
+  previous tile are done with them: `q_empty`), then every K and V block of the
   tile's key range into a NUM_STAGES-deep shared-memory ring. `k_ready`/`v_ready` mbarriers say a slot is
   full; `k_empty`/`v_empty` (one arrival per consumer) say every consumer is done with it. The ring position
   runs on across tiles, so the next tile's loads overlap this tile's last blocks and epilogue.
@@ -25,13 +25,12 @@ The producer loads the K/V blocks [0, hi) of the tile's key range (blocks past h
 [3]). Each consumer works out its own ranges for its BLOCK_M rows: blocks of [0, hi_free) are visible to all its
 rows and run unmasked, the next ones are masked (one compare and select per score against the row's key limit),
 and the tile's blocks that none of its rows see (causal: past its diagonal) are skipped, only their ring slots
-released (`_skip_block`). SPLIT_LOOPS runs the unmasked and the masked blocks as two loops over `_kv_block`, else
-one loop branches per block (the default: measured as fast or faster, docs/hopper-notes.md, variant 5).
+released (`_skip_block`). One loop runs both kinds of block, branching per block.
 
 q, k, v and o come through host-made 4-D TMA descriptors over (batch, heads, seqlen, HEAD_DIM) with the
 inputs' own strides, so any 16-byte-aligned layout with a unit last stride works (the model's (B, T, H, D)
 memory too); rows past seqlen read as 0 and are not written. Shared tiles are 2-D for wgmma and seen as
-(1, 1, rows, HEAD_DIM) by TMA (`_as_4d`: the same bytes and swizzle). This module is imported only on a
+(1, 1, rows, HEAD_DIM) by TMA (`as_4d`: the same bytes and swizzle). This module is imported only on a
 Triton whose Gluon API it was written against (`kernels/fa3.py` decides).
 """
 
@@ -41,11 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
-# Q tiles per consumer: with 2 the producer loads the next tile's Q while the current tile runs, so its latency
-# (a DRAM read: every tile's Q is new) is not paid at each tile's start. Measured no faster than 1 on the H200
-# (twelfth session, docs/hopper-notes.md forward variant 13), and 2 fills the shared memory at head_dim 128.
-Q_BUFFERS = gl.constexpr(1)
-
+from .gluon_compat import as_4d, tma_load, tma_store
 
 @gluon.jit
 def _softmax_block(s, m_i, l_i, key_limit, start_n, qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -130,12 +125,6 @@ def _row_sums(l_i, row_layout: gl.constexpr):
 
 
 @gluon.jit
-def _as_4d(tile, desc):
-    """A (rows, HEAD_DIM) shared tile as the (1, 1, rows, HEAD_DIM) box a 4-D descriptor copies."""
-    return tile._reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
-
-
-@gluon.jit
 def _n_tiles_of_cta(n_tiles, CAUSAL: gl.constexpr):
     """How many tiles this CTA runs (`_tile`'s i = 0, 1, ...)."""
     pid = gl.program_id(0)
@@ -190,12 +179,12 @@ def _key_end(row0, ROWS: gl.constexpr, seqlen_q, seqlen_k, CAUSAL: gl.constexpr)
 @gluon.jit
 def _kv_block(j, kv_it, acc, p_op, m_i, l_i, turn, q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
               turn_bars, key_limit, hi_free, qk_scale,
-              MASK: gl.constexpr, CID: gl.constexpr, NEXT: gl.constexpr, PACKED_CVT: gl.constexpr,
+              CID: gl.constexpr, NEXT: gl.constexpr, PACKED_CVT: gl.constexpr,
               PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
               s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """K/V block j >= 1 of a consumer's tile (FA3 Algorithm 2): issue S_j = Q K_j^T and O += P_{j-1} V_{j-1},
-    wait for S_j, softmax of block j under the PV GEMM, then wait for it and rescale O. MASK: 0 = block j is
-    wholly visible, 1 = masked, 2 = decided at run time (start_n >= hi_free). Returns acc, p_op (P_j as the next
+    wait for S_j, softmax of block j under the PV GEMM, then wait for it and rescale O. Block j is masked when
+    start_n >= hi_free. Returns acc, p_op (P_j as the next
     PV GEMM's A operand), m_i, l_i, turn."""
     slot = (kv_it + j) % NUM_STAGES
     prev = (kv_it + j - 1) % NUM_STAGES
@@ -212,13 +201,10 @@ def _kv_block(j, kv_it, acc, p_op, m_i, l_i, turn, q_tile, k_smem, v_smem, k_rea
     s = warpgroup_mma_wait(1, deps=(s,))  # S_j is done; the PV GEMM may still run
     mbarrier.arrive(k_empty.index(slot))
     start_n = j * BLOCK_N
-    if MASK == 2:
-        if start_n >= hi_free:
-            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, key_limit, start_n, qk_scale, True, BLOCK_N, s_layout)
-        else:
-            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, key_limit, start_n, qk_scale, False, BLOCK_N, s_layout)
+    if start_n >= hi_free:
+        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, key_limit, start_n, qk_scale, True, BLOCK_N, s_layout)
     else:
-        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, key_limit, start_n, qk_scale, MASK == 1, BLOCK_N, s_layout)
+        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, key_limit, start_n, qk_scale, False, BLOCK_N, s_layout)
     acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
     mbarrier.arrive(v_empty.index(prev))
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -249,8 +235,7 @@ def _skip_block(j, kv_it, turn, k_ready, v_ready, k_empty, v_empty, turn_bars,
 def _consumer(q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars,
               o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, qk_scale,
               CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-              SPLIT_LOOPS: gl.constexpr):
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
     """Consumer warpgroup CID: rows [start_m + CID * BLOCK_M, + BLOCK_M) of each of the CTA's tiles."""
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -286,9 +271,8 @@ def _consumer(q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, 
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_layout)
         l_i = _halve_columns(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout), False, BLOCK_N)
         acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
-        q_index = (tile_count % Q_BUFFERS) * NUM_CONSUMERS + CID
-        q_tile = q_smem.index(q_index)
-        mbarrier.wait(q_bar.index(q_index), (tile_count // Q_BUFFERS) & 1)
+        q_tile = q_smem.index(CID)
+        mbarrier.wait(q_bar.index(CID), tile_count & 1)
 
         # Block 0: S_0 and its softmax (there is no PV GEMM to overlap yet).
         slot = kv_it % NUM_STAGES
@@ -308,24 +292,14 @@ def _consumer(q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, 
             p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, key_limit, 0, qk_scale, False, BLOCK_N, s_layout)
         p_op = gl.convert_layout(_to_operand(p, dtype, PACKED_CVT), p_layout)
 
-        # Blocks [1, n_first) then [n_first, n_own). SPLIT_LOOPS: the unmasked ones, then the masked ones, each
-        # loop without the other's code; else one loop over all of them with a runtime branch per block.
-        FIRST_MASK: gl.constexpr = 0 if SPLIT_LOOPS else 2
-        if SPLIT_LOOPS:
-            n_first = gl.minimum(gl.maximum(hi_free // BLOCK_N, 1), n_own)
-        else:
-            n_first = n_own
-        for j in range(1, n_first):
+        # Blocks [1, n_own), masked or not decided per block at run time (one loop measured as fast as separate
+        # unmasked and masked loops, and faster for causal at head_dim 64 up to 4k: docs/hopper-notes.md).
+        for j in range(1, n_own):
             acc, p_op, m_i, l_i, turn = _kv_block(
                 j, kv_it, acc, p_op, m_i, l_i, turn, q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                turn_bars, key_limit, hi_free, qk_scale, FIRST_MASK, CID, NEXT, PACKED_CVT, PINGPONG,
+                turn_bars, key_limit, hi_free, qk_scale, CID, NEXT, PACKED_CVT, PINGPONG,
                 BLOCK_M, BLOCK_N, NUM_STAGES, s_layout, o_layout, p_layout)
-        for j in range(n_first, n_own):  # empty unless SPLIT_LOOPS
-            acc, p_op, m_i, l_i, turn = _kv_block(
-                j, kv_it, acc, p_op, m_i, l_i, turn, q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                turn_bars, key_limit, hi_free, qk_scale, 1, CID, NEXT, PACKED_CVT, PINGPONG,
-                BLOCK_M, BLOCK_N, NUM_STAGES, s_layout, o_layout, p_layout)
-        mbarrier.arrive(q_empty.index(q_index))  # every QK GEMM of ours is done: the buffer may take a new Q
+        mbarrier.arrive(q_empty.index(CID))  # every QK GEMM of ours is done: the buffer may take a new Q
 
         last = (kv_it + n_own - 1) % NUM_STAGES
         mbarrier.wait(v_ready.index(last), ((kv_it + n_own - 1) // NUM_STAGES) & 1)
@@ -351,7 +325,7 @@ def _consumer(q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, 
         tma.store_wait(0)  # the previous tile's O has left o_tile
         o_tile.store(o.to(dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [off_b, off_h, row0, 0], _as_4d(o_tile, o_desc))
+        tma_store(o_desc, [off_b, off_h, row0, 0], as_4d(o_tile, o_desc))
     tma.store_wait(0)
 
 
@@ -367,24 +341,22 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_
         off_b, off_h, bh, start_m, n_blocks = _tile(tile_i, n_tiles_m, n_heads, seqlen_q, seqlen_k, CAUSAL,
                                                     NUM_CONSUMERS * BLOCK_M, BLOCK_N)
         off_hk = off_h // GROUP  # GQA: GROUP query heads share one K/V head
-        q_phase = ((tile_count // Q_BUFFERS) & 1) ^ 1  # a fresh barrier passes phase 1 at once
+        q_phase = (tile_count & 1) ^ 1  # a fresh barrier passes phase 1 at once
         for i in gl.static_range(NUM_CONSUMERS):
-            q_index = (tile_count % Q_BUFFERS) * NUM_CONSUMERS + i
-            mbarrier.wait(q_empty.index(q_index), q_phase)
-            mbarrier.expect(q_bar.index(q_index), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m + i * BLOCK_M, 0], q_bar.index(q_index),
-                                            _as_4d(q_smem.index(q_index), q_desc))
+            mbarrier.wait(q_empty.index(i), q_phase)
+            mbarrier.expect(q_bar.index(i), q_desc.block_type.nbytes)
+            tma_load(q_desc, [off_b, off_h, start_m + i * BLOCK_M, 0], q_bar.index(i), as_4d(q_smem.index(i), q_desc))
         for j in range(n_blocks):
             slot = kv_it % NUM_STAGES
             phase = (kv_it // NUM_STAGES) & 1
             mbarrier.wait(k_empty.index(slot), phase ^ 1)
             mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [off_b, off_hk, j * BLOCK_N, 0], k_ready.index(slot),
-                                            _as_4d(k_smem.index(slot), k_desc))
+            tma_load(k_desc, [off_b, off_hk, j * BLOCK_N, 0], k_ready.index(slot),
+                                            as_4d(k_smem.index(slot), k_desc))
             mbarrier.wait(v_empty.index(slot), phase ^ 1)
             mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [off_b, off_hk, j * BLOCK_N, 0], v_ready.index(slot),
-                                            _as_4d(v_smem.index(slot), v_desc))
+            tma_load(v_desc, [off_b, off_hk, j * BLOCK_N, 0], v_ready.index(slot),
+                                            as_4d(v_smem.index(slot), v_desc))
             kv_it += 1
         tile_count += 1
 
@@ -395,22 +367,22 @@ def fa3_fwd_kernel(
     n_heads, seqlen_q, seqlen_k, qk_scale, n_tiles_m, n_tiles,
     GROUP: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-    Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr, SPLIT_LOOPS: gl.constexpr = False,
+    Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr,
 ):
     """Grid (min(n_tiles, CTAs that fit at once),): see the module docstring. n_tiles = n_tiles_m * batch * n_heads."""
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [Q_BUFFERS * NUM_CONSUMERS, BLOCK_M, HEAD_DIM], Q_LAYOUT)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BLOCK_M, HEAD_DIM], Q_LAYOUT)
     o_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BLOCK_M, HEAD_DIM], Q_LAYOUT)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], KV_LAYOUT)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], KV_LAYOUT)
-    q_bar = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS * NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS * NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     turn_bars = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(Q_BUFFERS * NUM_CONSUMERS):
+    for i in gl.static_range(NUM_CONSUMERS):
         mbarrier.init(q_bar.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)
     for i in gl.static_range(NUM_CONSUMERS):
@@ -431,12 +403,10 @@ def fa3_fwd_kernel(
             [
             (_consumer, (q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                          turn_bars, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, qk_scale,
-                         0, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES,
-                         SPLIT_LOOPS)),
+                         0, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES)),
             (_consumer, (q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                          turn_bars, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, qk_scale,
-                         1, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES,
-                         SPLIT_LOOPS)),
+                         1, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          k_empty, v_empty, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k,
                          GROUP, CAUSAL, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES)),
@@ -449,16 +419,13 @@ def fa3_fwd_kernel(
             [
             (_consumer, (q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                          turn_bars, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, qk_scale,
-                         0, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES,
-                         SPLIT_LOOPS)),
+                         0, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES)),
             (_consumer, (q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                          turn_bars, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, qk_scale,
-                         1, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES,
-                         SPLIT_LOOPS)),
+                         1, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES)),
             (_consumer, (q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                          turn_bars, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, qk_scale,
-                         2, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES,
-                         SPLIT_LOOPS)),
+                         2, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          k_empty, v_empty, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k,
                          GROUP, CAUSAL, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES)),

@@ -15,9 +15,8 @@ head in its GQA group) that can see them. Partitions (`gl.warp_specialize`):
 - NUM_CONSUMERS consumer warpgroups, one per 64 keys. Per query block (BLOCK_M = 64 or 128 rows) a consumer
   issues S^T = K Q^T and dP^T = V dO^T (async wgmmas), waits for S^T only, computes P^T while dP^T runs, issues
   dV += P^T dO (P^T from registers), waits for dP^T, computes dS^T, issues dK += dS^T Q (dS^T from registers),
-  stores dS^T to shared memory and computes its part of dQ_i = dS K (SPLIT_DQ: "none", all of dQ_i over its
-  own 64 keys; "cols", a share of the columns over all the CTA's keys; "rows", a share of the rows over all the
-  CTA's keys), which goes through its own float32 shared tile and one TMA reduce-add
+  stores dS^T to shared memory and computes its part of dQ_i = dS K (SPLIT_DQ: "cols", a share of the columns
+  over all the CTA's keys; "rows", a share of the rows over all the CTA's keys), which goes through its own float32 shared tile and one TMA reduce-add
   (`cp.reduce.async.bulk.tensor`) into the float32 dQ accumulator, completing under the next block. dQ's order
   of additions varies, so it is not bit-reproducible (FA3's trade).
 Rows past seqlen_q read as 0 through TMA (Q, dO) and cp.async's zero-fill (LSE, delta), so their P is 1 but
@@ -27,31 +26,16 @@ store. Only the causal band
 needs a mask (query blocks [lo, m_free)); blocks no query of which sees a key are never visited.
 """
 
-from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
+from .gluon_compat import as_4d, cp_async_load, tma_load, tma_reduce_add, tma_store
+
 BLOCK_KEYS = gl.constexpr(64)  # keys per consumer warpgroup (a wgmma's 64 rows)
-
-
-@builtin
-def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
-    """Global tile at `coord` += shared tile `src` through TMA (`cp.reduce.async.bulk.tensor.add`), FA3's dQ path.
-    Triton 3.6's Gluon builder has the op (`ttng.async_tma_reduce`) but its `tma` module does not wrap it; like
-    `tma.async_copy_shared_to_global`, completion is awaited with `tma.store_wait`."""
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
-
-
-@gluon.jit
-def _as_4d(tile, desc):
-    """A (rows, HEAD_DIM) shared tile as the (1, 1, rows, HEAD_DIM) box a 4-D descriptor copies."""
-    return tile._reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
 
 
 @gluon.jit
@@ -61,7 +45,7 @@ def _dq_reduce(dq, dq_tile, dq_desc, off_b, off_h, start_m, dq_col):
     tma.store_wait(0)  # the previous block's reduce-add has read dq_tile
     dq_tile.store(dq)
     fence_async_shared()
-    _tma_reduce_add(dq_desc, [off_b, off_h, start_m, dq_col], _as_4d(dq_tile, dq_desc))
+    tma_reduce_add(dq_desc, [off_b, off_h, start_m, dq_col], as_4d(dq_tile, dq_desc))
 
 
 @gluon.jit
@@ -73,7 +57,7 @@ def _load_stats(stats, bar, LSE, DELTA, bh, start_m, seqlen_q, BLOCK_M: gl.const
     i = gl.arange(0, 2 * BLOCK_M, layout=layout)
     rows = start_m + i % BLOCK_M
     offs = bh.to(gl.int64) * seqlen_q + rows
-    async_copy.async_copy_global_to_shared(stats, gl.where(i < BLOCK_M, LSE + offs, DELTA + offs),
+    cp_async_load(stats, gl.where(i < BLOCK_M, LSE + offs, DELTA + offs),
                                            mask=rows < seqlen_q)
     async_copy.mbarrier_arrive(bar, increment_count=False)
 
@@ -113,15 +97,12 @@ def _query_range(start_n, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.
 def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, stats_smem, kv_bar, ready, empty, ds_ready, ds_free,
               dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, qk_scale, softmax_scale,
               CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-              BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT_DQ: gl.constexpr,
-              DQ_FIRST: gl.constexpr):
+              BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT_DQ: gl.constexpr):
     """Consumer warpgroup CID: keys [start_n + 64 * CID, + 64) of the CTA's key block.
 
-    SPLIT_DQ "cols" or "rows" (`kernels.fa3.BWD_CONFIGS`): the warpgroups share dS through shared memory and each
-    computes HEAD_DIM / NUM_CONSUMERS columns, or BLOCK_M / NUM_CONSUMERS rows, of dQ_i over all the CTA's keys
-    (FA3's split: each dQ element is added once per CTA). "none": each computes all of dQ_i over its own 64 keys.
-    DQ_FIRST: the dQ GEMM is issued before the dK GEMM, so dQ_i's store and reduce-add run under dK's GEMM instead
-    of after every GEMM of the block.
+    SPLIT_DQ "cols" or "rows" (`kernels.fa3.BackwardConfig`): the warpgroups share dS through shared memory and
+    each computes HEAD_DIM / NUM_CONSUMERS columns, or BLOCK_M / NUM_CONSUMERS rows, of dQ_i over all the CTA's
+    keys (FA3's split: each dQ element is added once per CTA).
     """
     dtype: gl.constexpr = q_smem.dtype
     BLOCK_N: gl.constexpr = NUM_CONSUMERS * BLOCK_KEYS
@@ -148,10 +129,8 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, stats_smem, kv_
     v_tile = v_smem.index(CID)
     if SPLIT_DQ == "cols":
         dq_b = k_smem.slice(CID * DQ_N, DQ_N, dim=1)  # dQ_i[:, cols] = dS_i K[:, cols]
-    elif SPLIT_DQ == "rows":
-        dq_b = k_smem  # dQ_i[rows, :] = dS_i[rows, :] K
     else:
-        dq_b = k_tile
+        dq_b = k_smem  # dQ_i[rows, :] = dS_i[rows, :] K
     keys = start_n + CID * BLOCK_KEYS + gl.arange(0, BLOCK_KEYS, layout=gl.SliceLayout(1, s_layout))
     diag_offset = seqlen_k - seqlen_q
 
@@ -189,8 +168,7 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, stats_smem, kv_
         dp_t, p_op = warpgroup_mma_wait(1, deps=(dp_t, p_op))
         ds_t = (p_t * dp_t).to(dtype)
         ds_op = gl.convert_layout(ds_t, op_layout)
-        if not DQ_FIRST:
-            dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)  # dK += dS^T Q (scaled at the end)
+        dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)  # dK += dS^T Q (scaled at the end)
 
         # dS^T to shared memory (double-buffered: the other warpgroup may still read the previous block's).
         buf = it % 2
@@ -198,36 +176,25 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, stats_smem, kv_
         mbarrier.wait(ds_free.index(buf), ((it // 2) & 1) ^ 1)  # a fresh barrier passes phase 1
         ds_all.slice(CID * BLOCK_KEYS, BLOCK_KEYS, dim=0).store(ds_t)
         fence_async_shared()
-        if SPLIT_DQ == "none":
-            dq_a = ds_all.slice(CID * BLOCK_KEYS, BLOCK_KEYS, dim=0).permute((1, 0))
-        else:
-            mbarrier.arrive(ds_ready.index(buf))
-            mbarrier.wait(ds_ready.index(buf), (it // 2) & 1)  # every warpgroup's dS^T is in
-            dq_a = ds_all.slice(DQ_ROW, DQ_M, dim=1).permute((1, 0))
+        mbarrier.arrive(ds_ready.index(buf))
+        mbarrier.wait(ds_ready.index(buf), (it // 2) & 1)  # every warpgroup's dS^T is in
+        dq_a = ds_all.slice(DQ_ROW, DQ_M, dim=1).permute((1, 0))
         dq = warpgroup_mma(dq_a, dq_b, gl.zeros([DQ_M, DQ_N], gl.float32, layout=dq_layout), use_acc=False,
                            is_async=True)
-        if DQ_FIRST:
-            dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)  # dK += dS^T Q (scaled at the end)
-            dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))  # dK may still run
-            mbarrier.arrive(ds_free.index(buf))
-            _dq_reduce(dq, dq_tile, dq_desc, off_b, off_h, start_m + DQ_ROW, dq_col)
-            dk, ds_op = warpgroup_mma_wait(0, deps=(dk, ds_op))
-            mbarrier.arrive(empty.index(slot))  # every GEMM that reads Q_i and dO_i is done
-        else:
-            dv, dk, dq, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, ds_op))
-            mbarrier.arrive(ds_free.index(buf))
-            mbarrier.arrive(empty.index(slot))  # every GEMM that reads Q_i and dO_i is done
-            _dq_reduce(dq, dq_tile, dq_desc, off_b, off_h, start_m + DQ_ROW, dq_col)
+        dv, dk, dq, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, ds_op))
+        mbarrier.arrive(ds_free.index(buf))
+        mbarrier.arrive(empty.index(slot))  # every GEMM that reads Q_i and dO_i is done
+        _dq_reduce(dq, dq_tile, dq_desc, off_b, off_h, start_m + DQ_ROW, dq_col)
     # This warpgroup's V tile is no longer read (K is: the other warpgroup's dQ GEMM may still run under
     # a split dQ): it stages dV, then dK, for the TMA stores.
     row_k = start_n + CID * BLOCK_KEYS
     v_tile.store(dv.to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(dv_desc, [off_b, off_hk, row_k, 0], _as_4d(v_tile, dv_desc))
+    tma_store(dv_desc, [off_b, off_hk, row_k, 0], as_4d(v_tile, dv_desc))
     tma.store_wait(0)
     v_tile.store((dk * softmax_scale).to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [off_b, off_hk, row_k, 0], _as_4d(v_tile, dk_desc))
+    tma_store(dk_desc, [off_b, off_hk, row_k, 0], as_4d(v_tile, dk_desc))
     tma.store_wait(0)
 
 
@@ -244,10 +211,10 @@ def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, 
     off_b = bhk // n_kv_heads
     off_hk = bhk % n_kv_heads
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + NUM_CONSUMERS * v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [off_b, off_hk, start_n, 0], kv_bar, _as_4d(k_smem, k_desc))
+    tma_load(k_desc, [off_b, off_hk, start_n, 0], kv_bar, as_4d(k_smem, k_desc))
     for c in gl.static_range(NUM_CONSUMERS):
         row = start_n + c * BLOCK_KEYS
-        tma.async_copy_global_to_shared(v_desc, [off_b, off_hk, row, 0], kv_bar, _as_4d(v_smem.index(c), v_desc))
+        tma_load(v_desc, [off_b, off_hk, row, 0], kv_bar, as_4d(v_smem.index(c), v_desc))
     lo, m_free, n_m = _query_range(start_n, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
     for it in range(GROUP * n_m):
         slot = it % NUM_STAGES
@@ -255,10 +222,10 @@ def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, 
         start_m = lo + (it % n_m) * BLOCK_M
         mbarrier.wait(empty.index(slot), ((it // NUM_STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
         mbarrier.expect(ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m, 0], ready.index(slot),
-                                        _as_4d(q_smem.index(slot), q_desc))
-        tma.async_copy_global_to_shared(do_desc, [off_b, off_h, start_m, 0], ready.index(slot),
-                                        _as_4d(do_smem.index(slot), do_desc))
+        tma_load(q_desc, [off_b, off_h, start_m, 0], ready.index(slot),
+                                        as_4d(q_smem.index(slot), q_desc))
+        tma_load(do_desc, [off_b, off_h, start_m, 0], ready.index(slot),
+                                        as_4d(do_smem.index(slot), do_desc))
         _load_stats(stats_smem.index(slot), ready.index(slot), LSE, DELTA, off_b * n_heads + off_h, start_m, seqlen_q,
                     BLOCK_M)
 
@@ -268,7 +235,7 @@ def fa3_bwd_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA,
     n_heads, seqlen_q, seqlen_k, qk_scale, softmax_scale,
     GROUP: gl.constexpr, CAUSAL: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr,
-    BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT_DQ: gl.constexpr, DQ_FIRST: gl.constexpr,
+    BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT_DQ: gl.constexpr,
     Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr, DS_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr,
 ):
     """Grid (cdiv(seqlen_k, NUM_CONSUMERS * 64), batch * n_kv_heads): see the module docstring. LSE, DELTA:
@@ -307,10 +274,10 @@ def fa3_bwd_kernel(
         [
         (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, stats_smem, kv_bar, ready, empty, ds_ready,
                      ds_free, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, qk_scale, softmax_scale,
-                     0, NUM_CONSUMERS, GROUP, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, SPLIT_DQ, DQ_FIRST)),
+                     0, NUM_CONSUMERS, GROUP, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, SPLIT_DQ)),
         (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, stats_smem, kv_bar, ready, empty, ds_ready,
                      ds_free, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, qk_scale, softmax_scale,
-                     1, NUM_CONSUMERS, GROUP, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, SPLIT_DQ, DQ_FIRST)),
+                     1, NUM_CONSUMERS, GROUP, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, SPLIT_DQ)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, ready,
                      empty, LSE, DELTA, n_heads, seqlen_q, seqlen_k, NUM_CONSUMERS, GROUP, CAUSAL, BLOCK_M,
                      NUM_STAGES)),

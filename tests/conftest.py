@@ -23,8 +23,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for path in (ROOT, ROOT / "tests"):  # the project's packages; tests/reference.py
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
 _TMP = Path(tempfile.mkdtemp(prefix="gpt-tests-"))
 for var, value in {

@@ -29,12 +29,6 @@ TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 5e-3 if D
 
 
 @pytest.fixture(autouse=True)
-def gluon_forward_everywhere(monkeypatch):
-    """fa3's matrix tests its Gluon forward, also on the causal shapes where attn=fa3 runs FA2's (fa3.forward)."""
-    monkeypatch.setattr(fa3, "FA2_CAUSAL_FORWARD_MAX_SEQLEN", {})
-
-
-@pytest.fixture(autouse=True)
 def poisoned_allocations(monkeypatch):
     """Make torch.empty / torch.empty_like return NaN-filled floating tensors while a test runs."""
     empty, empty_like = torch.empty, torch.empty_like

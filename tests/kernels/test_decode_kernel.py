@@ -5,7 +5,7 @@ import torch
 
 from kernels.decode import fa2_decode
 from model.gpt import GPT, GPTConfig
-from test_kv_cache import reference_attention
+from reference import reference_attention
 
 
 @pytest.mark.parametrize("batch,n_heads,n_kv_heads,seqlen_k,head_dim,num_splits,dtype", [

@@ -1,5 +1,6 @@
-"""fa3's dispatch: where the Gluon kernel runs, where FA2 stands in (with one warning naming the reason), and an
-sm_90 compile of the Gluon kernel on a CPU-only machine whenever the installed Triton is one it supports.
+"""fa3's dispatch (`fa3.plan` / `fa3.decide`): where the Gluon kernels run, where FA2 stands in (with one warning
+naming the reason); an sm_90 compile of both Gluon kernels on a CPU-only machine on the installed Triton; and, on
+an H200/H100, the Gluon kernels against float64.
 
 The numerical matrix for fa3 (odd lengths, seqlen_q != seqlen_k, GQA, strided views, fully masked rows,
 determinism) is tests/kernels/test_attention.py's, which runs fa3 on a CUDA GPU.
@@ -16,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import fa2_attention, fa3, fa3_attention, fa3_qkvpacked_attention
+from kernels import fa2, fa2_attention, fa3, fa3_attention, fa3_qkvpacked_attention
 
 ROOT = Path(__file__).resolve().parents[2]
-SUPPORTED = isinstance(fa3._gluon_module(), type(fa3))  # the installed Triton is one the kernel supports
+SUPPORTED = not isinstance(fa3.gluon_kernels(), str)  # the installed Triton is one the kernels support
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
@@ -32,86 +33,93 @@ def gluon_on_hopper(test):
 
 @pytest.fixture
 def fresh_dispatch(monkeypatch):
-    """Forget the cached Gluon module and the warnings already given, so each test sees its own; the Gluon
-    forward on every shape it covers (no FA2_CAUSAL_FORWARD_MAX_SEQLEN shapes)."""
-    cached = fa3._gluon_module  # tests may replace it; clear the real cache before and after
-    cached.cache_clear()
+    """Forget the warnings already given, so each test sees its own."""
     monkeypatch.setattr(fa3, "_WARNED", set())
-    monkeypatch.setattr(fa3, "FA2_CAUSAL_FORWARD_MAX_SEQLEN", {})
-    yield
-    cached.cache_clear()
 
 
 def _qkv(dtype=torch.bfloat16, head_dim=64, device="cuda" if torch.cuda.is_available() else "cpu"):
     return [torch.randn(1, 2, 24, head_dim, dtype=dtype, device=device) for _ in range(3)]
 
 
-def test_other_triton_versions_fall_back_with_one_warning(fresh_dispatch, monkeypatch):
-    monkeypatch.setattr(fa3, "triton_version", lambda: "9.1.0")
-    q, k, v = _qkv()
-    assert "triton 9.1.0 is not a version the Gluon kernel supports" in fa3.gluon_unsupported_reason(q, k, v)
+def _facts(**changes) -> fa3.Facts:
+    """The facts of a call the Gluon forward takes on an H200, with `changes`."""
+    facts = fa3.Facts(direction="forward", environment=None, dtype=torch.bfloat16, head_dim=64, seqlen_k=4096,
+                      causal=True, tma_ok=True, deterministic=False)
+    return facts._replace(**changes)
+
+
+def test_other_triton_versions_are_named():
+    assert "triton 9.1.0 is not a version the Gluon kernels support" in fa3.gluon_kernels("9.1.0")
+    for version in fa3.GLUON_TRITON_VERSIONS:  # each supported release is accepted by its version
+        assert fa3.gluon_kernels(version + ".0") == fa3.gluon_kernels() or not SUPPORTED
+
+
+def test_a_fallback_warns_once_from_the_callers_line(fresh_dispatch):
+    """head_dim 80: FA2 runs everywhere (on the CPU for want of a GPU, on an H200 for the head_dim), with one
+    warning naming the reason, at the caller's line, and FA2's result."""
+    q, k, v = _qkv(head_dim=80)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         o = fa3_attention(q, k, v, causal=True)
         fa3_attention(q, k, v, causal=True)
     fallback = [w for w in caught if "fa3_attention: running FA2's" in str(w.message)]
-    assert len(fallback) == 1 and "triton 9.1.0" in str(fallback[0].message)
+    assert len(fallback) == 1 and fa3.gluon_unsupported_reason(q, k, v) in str(fallback[0].message)
     assert fallback[0].filename == __file__  # the warning names the caller's line, not a library frame
     torch.testing.assert_close(o, fa2_attention(q, k, v, causal=True), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("dtype,head_dim,reason", [
-    (torch.float32, 64, "dtype torch.float32"),
-    (torch.bfloat16, 80, "head_dim 80"),
-    (torch.float16, 256, "head_dim 256"),
+@pytest.mark.parametrize("changes,reason", [
+    (dict(dtype=torch.float32), "dtype torch.float32"),
+    (dict(head_dim=80), "head_dim 80"),
+    (dict(head_dim=256, dtype=torch.float16), "head_dim 256"),
+    (dict(tma_ok=False), "inputs TMA cannot address"),
+    (dict(environment="no CUDA GPU (x)", head_dim=80), "no CUDA GPU"),  # the machine is named first
 ])
-def test_inputs_the_kernel_does_not_cover_are_named(fresh_dispatch, monkeypatch, dtype, head_dim, reason):
-    monkeypatch.setattr(fa3, "_gluon_module", lambda: fa3)  # as if the Triton were supported
-    assert reason in fa3.gluon_unsupported_reason(*_qkv(dtype, head_dim))
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_inputs_the_kernel_does_not_cover_fall_back_with_a_warning(direction, changes, reason):
+    """The forward and the backward decide eligibility alike: FA2 with a warning naming the first reason."""
+    choice = fa3.decide(_facts(direction=direction, **changes))
+    assert choice.kernel == "fa2" and choice.warn and reason in choice.reason
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")
-def test_no_gpu_is_named(fresh_dispatch, monkeypatch):
-    monkeypatch.setattr(fa3, "_gluon_module", lambda: fa3)
-    assert "no CUDA GPU" in fa3.gluon_unsupported_reason(*_qkv())
+def test_no_gpu_is_named_before_the_inputs():
+    assert "no CUDA GPU" in fa3.gluon_device_reason(torch.device("cpu"))
+    assert "no CUDA GPU" in fa3.gluon_unsupported_reason(*_qkv(torch.float32, 80))
+    assert fa3.plan("forward", *_qkv(), True).kernel == "fa2"
 
 
-@pytest.mark.skipif(not SUPPORTED, reason=f"triton {fa3.triton_version()} is not a Gluon version the kernel supports")
-@pytest.mark.parametrize("kernel", ["fwd", "bwd", "fwd_split_loops", "bwd_none_64"])
-@pytest.mark.parametrize("dtype,head_dim,causal,group", [
-    (torch.bfloat16, 128, True, 1), (torch.float16, 64, False, 4), (torch.bfloat16, 64, True, 2),
-])
-def test_gluon_kernel_compiles_for_sm90(dtype, head_dim, causal, group, kernel):
-    """No GPU needed: Triton compiles for a named target. Catches Gluon API breaks before a user's GPU does.
+@pytest.mark.skipif(not SUPPORTED, reason=f"triton {fa3.triton_version()} is not a release the Gluon kernels support")
+@pytest.mark.parametrize("kernel", ["fwd", "bwd"])
+def test_gluon_kernels_compile_for_sm90(kernel):
+    """No GPU needed: Triton compiles for a named target, on whatever release is installed (CI's is the one
+    `pip install -r requirements.txt` gives). Every head_dim, causal or not, bfloat16 and float16, with GQA in
+    some: the compile must succeed, not fall back. Catches Gluon API breaks before a user's GPU does.
 
     Runs in a fresh process without TRITON_INTERPRET: under the interpreter Triton's own jitted helpers (the
     reductions' combine functions) are interpreted objects a compiled kernel cannot reference.
     """
-    split = kernel == "fwd_split_loops"  # the forward with CONFIGS' SPLIT_LOOPS on
-    # bwd_none_64: the backward with 64 query rows a step, each warpgroup all of dQ over its keys (not a default)
-    bwd_config = "(2, False, 'none', 64)" if kernel == "bwd_none_64" else f"fa3.BWD_CONFIGS[{head_dim}]"
-    code = (f"import torch; from kernels import fa3; c = fa3.CONFIGS[{head_dim}, {causal}]; "
-            f"fa3.CONFIGS[{head_dim}, {causal}] = (*c[:5], {split}); fa3.BWD_CONFIGS[{head_dim}] = {bwd_config}; "
-            f"k = fa3.compile_for_sm90(torch.{str(dtype)[6:]}, {head_dim}, {causal}, {group}, "
-            f"{kernel[:3]!r}); ptx = k.asm['ptx']; "
-            "print(k.metadata.shared, all(s in ptx for s in ('wgmma.mma_async', 'setmaxnreg', 'cp.async.bulk.tensor')))")
+    code = (f"import itertools, torch; from kernels import fa3\n"
+            f"for d, c, t in itertools.product(fa3.HEAD_DIMS, (True, False), (torch.bfloat16, torch.float16)):\n"
+            f"    k = fa3.compile_for_sm90(t, d, c, 1 if c else 4, {kernel!r}); ptx = k.asm['ptx']\n"
+            "    print(d, c, t, k.metadata.shared,"
+            " all(s in ptx for s in ('wgmma.mma_async', 'setmaxnreg', 'cp.async.bulk.tensor')))")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    shared, has_hopper_instructions = done.stdout.split()[-2:]
-    assert has_hopper_instructions == "True", "wgmma, setmaxnreg and TMA copies expected in the PTX"
-    assert int(shared) <= 232448, "more shared memory than an sm_90 block may have"
+    lines = [line.split() for line in done.stdout.splitlines()]
+    assert len(lines) == 2 * len(fa3.HEAD_DIMS) * 2
+    for *combination, shared, has_hopper_instructions in lines:
+        assert has_hopper_instructions == "True", f"{combination}: wgmma, setmaxnreg and TMA copies expected"
+        assert int(shared) <= 232448, f"{combination}: more shared memory than an sm_90 block may have"
 
 
 @pytest.mark.skipif(SUPPORTED, reason="the installed Triton is supported: the compile test runs instead")
 def test_unsupported_triton_takes_the_fallback(fresh_dispatch):
-    q, k, v = _qkv()
-    reason = fa3.gluon_unsupported_reason(q, k, v)
+    reason = fa3.gluon_kernels()
     assert reason.startswith(f"triton {fa3.triton_version()}")
-    with pytest.raises(RuntimeError, match="not a version the Gluon kernel supports"):
+    with pytest.raises(RuntimeError, match="not a version the Gluon kernels support"):
         fa3.compile_for_sm90()
-    with pytest.warns(RuntimeWarning, match=f"triton {fa3.triton_version()}"):
-        fa3_attention(q, k, v, causal=True)
 
 
 @gluon_on_hopper
@@ -126,13 +134,11 @@ def test_gluon_kernel_runs_on_hopper(fresh_dispatch):
 
 
 @gluon_on_hopper
-@pytest.mark.parametrize("split_loops", [False, True])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_gluon_forward_loop_variants_match_float64(fresh_dispatch, monkeypatch, head_dim, causal, split_loops):
-    """Both K/V loop structures of the Gluon forward (CONFIGS' SPLIT_LOOPS), with seqlen_q != seqlen_k (the
-    bottom-right causal diagonal mid-block), lengths off the block sizes and GQA."""
-    monkeypatch.setitem(fa3.CONFIGS, (head_dim, causal), (*fa3.CONFIGS[head_dim, causal][:5], split_loops))
+def test_gluon_forward_matches_float64(fresh_dispatch, head_dim, causal):
+    """The Gluon forward with seqlen_q != seqlen_k (the bottom-right causal diagonal mid-block), lengths off the
+    block sizes and GQA."""
     q = torch.randn(2, 4, 333, head_dim, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(2, 2, 717, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     with warnings.catch_warnings():
@@ -170,16 +176,15 @@ def test_gluon_relaunch_of_a_shape_reads_the_new_inputs(fresh_dispatch, monkeypa
     binder skipped): new data, other strides (a (B, T, H, D) view) and another softmax_scale must all be read anew.
     Checked against float64, forward and backward, with the outputs' memory poisoned before each call."""
     monkeypatch.setattr(fa3, "_COMPILED", {})
-    monkeypatch.setattr(fa3, "GLUON_BACKWARD_MIN_SEQLEN", dict.fromkeys(fa3.HEAD_DIMS, 1))
-    shape = (2, 3, 200, head_dim)
+    shape = (2, 3, 1030, head_dim)  # past BACKWARD_MIN_SEQLEN_K: the Gluon backward runs
     for call in range(2):
         if call == 0:
             q, k, v, do = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
         else:  # same shape, (B, T, H, D) memory
-            q, k, v, do = (torch.randn(2, 200, 3, head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+            q, k, v, do = (torch.randn(2, 1030, 3, head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
                            for _ in range(4))
         scale = head_dim ** -0.5 * (1 + call)
-        poison = torch.full((16 * 2 * 3 * 200 * head_dim,), float("nan"), device="cuda")
+        poison = torch.full((16 * 2 * 3 * 1030 * head_dim,), float("nan"), device="cuda")
         del poison
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         with warnings.catch_warnings():
@@ -286,12 +291,12 @@ def _reference_grads(q, k, v, do, causal):
     (128, True, 4, 4, 333, 333), (64, True, 8, 2, 200, 455), (128, False, 2, 1, 517, 130), (64, False, 4, 4, 64, 64),
     (64, True, 4, 4, 455, 200), (64, False, 2, 1, 129, 300),  # 128-row query blocks at 64: partial last blocks
 ])
-def test_gluon_backward_matches_float64(fresh_dispatch, monkeypatch, head_dim, causal, n_heads, n_kv_heads,
-                                        seqlen_q, seqlen_k):
-    """The Gluon backward (dQ through float32 TMA reduce-adds) against float64, in the model's (B, T, H, D) memory
-    order, at every head dim it covers; under torch.use_deterministic_algorithms FA2's backward runs and repeats
+def test_gluon_backward_matches_float64(fresh_dispatch, head_dim, causal, n_heads, n_kv_heads, seqlen_q,
+                                        seqlen_k):
+    """The Gluon backward (dQ through float32 TMA reduce-adds, run directly: the shapes are shorter than
+    BACKWARD_MIN_SEQLEN_K) against float64, in the model's (B, T, H, D) memory order, at every head dim it covers,
+    its outputs poisoned first; under torch.use_deterministic_algorithms fa3_attention's backward (FA2's) repeats
     bit for bit."""
-    monkeypatch.setattr(fa3, "GLUON_BACKWARD_MIN_SEQLEN", dict.fromkeys(fa3.HEAD_DIMS, 1))
     def bthd(heads, seqlen):  # (B, H, T, D) views of (B, T, H, D) memory, as the model passes them
         return torch.randn(2, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
 
@@ -299,13 +304,13 @@ def test_gluon_backward_matches_float64(fresh_dispatch, monkeypatch, head_dim, c
     do = bthd(n_heads, seqlen_q)
     assert fa3.gluon_unsupported_reason(q, k, v, do) is None
     o_ref, grads_ref = _reference_grads(q, k, v, do, causal)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no fallback warning
-        fa3_attention(*leaves, causal=causal).backward(do)
-    for leaf, ref in zip(leaves, grads_ref):
-        err = ((leaf.grad.double() - ref).norm() / ref.norm()).item()
-        assert torch.isfinite(leaf.grad).all() and err < 1e-2, err
+    scale = head_dim ** -0.5
+    o, lse = fa3.run_forward(q, k, v, causal, scale, fa3.FORWARD_CONFIGS[head_dim, causal])
+    out = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+    grads = fa3.run_backward(do, q, k, v, o, lse, causal, scale, fa3.BACKWARD_CONFIGS[head_dim], out)
+    for grad, buffer, ref in zip(grads, out, grads_ref):
+        err = ((grad.double() - ref).norm() / ref.norm()).item()
+        assert grad is buffer and torch.isfinite(grad).all() and err < 1e-2, err
     torch.use_deterministic_algorithms(True)
     try:
         runs = []
@@ -349,47 +354,52 @@ def test_gluon_qkvpacked_matches_float64(fresh_dispatch, monkeypatch, head_dim, 
         assert torch.isfinite(grad).all() and err < 1e-2, err
 
 
-@pytest.mark.parametrize("head_dim,causal,seqlen_q,expected", [
-    (64, True, 4096, "fa2"), (64, True, 4097, "gluon"), (64, False, 1024, "gluon"), (128, True, 1024, "gluon"),
-])
-def test_forward_dispatch(fresh_dispatch, monkeypatch, head_dim, causal, seqlen_q, expected):
-    """Causal forwards up to FA2_CAUSAL_FORWARD_MAX_SEQLEN[head_dim] run FA2's forward (measured faster), without
-    a warning; the Gluon forward runs everywhere else it applies."""
-    calls = []
-    monkeypatch.setattr(fa3, "FA2_CAUSAL_FORWARD_MAX_SEQLEN", {64: 4096})
-    monkeypatch.setattr(fa3, "gluon_unsupported_reason", lambda *tensors: None)
-    monkeypatch.setattr(fa3, "_gluon_module", lambda name="fa3_hopper": name)
-    monkeypatch.setattr(fa3, "_launch", lambda *args: calls.append("gluon"))
-    monkeypatch.setattr(fa3.fa2, "forward", lambda *args: calls.append("fa2"))
-    q = torch.empty(1, 1, seqlen_q, head_dim)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        fa3.forward(q, q, q, causal, 0.1)
-    assert calls == [expected]
+@pytest.mark.parametrize("head_dim,causal", [(64, True), (64, False), (128, True), (128, False)])
+def test_forward_plan_runs_gluon_with_the_measured_config(head_dim, causal):
+    """An eligible forward runs the Gluon kernel at every length, with FORWARD_CONFIGS' entry, and no warning."""
+    for seqlen_k in (1, 1024, 32768):
+        choice = fa3.decide(_facts(head_dim=head_dim, causal=causal, seqlen_k=seqlen_k))
+        assert choice == fa3.Plan("gluon", config=fa3.FORWARD_CONFIGS[head_dim, causal])
 
 
-@pytest.mark.parametrize("head_dim,seqlen,deterministic,expected", [
-    (128, 8, False, "gluon"), (64, 8, False, "fa2"), (64, 1024, False, "gluon"), (128, 8, True, "fa2"),
-    (64, 1024, True, "fa2"), (96, 4096, False, "fa2"),
+@pytest.mark.parametrize("head_dim,seqlen_k,deterministic,expected", [
+    (128, 8, False, "gluon"), (64, 8, False, "fa2"), (64, 1023, False, "fa2"), (64, 1024, False, "gluon"),
+    (128, 8, True, "fa2"), (64, 1024, True, "fa2"), (96, 4096, False, "fa2"),
 ])
-def test_backward_dispatch(fresh_dispatch, monkeypatch, head_dim, seqlen, deterministic, expected):
-    """The Gluon backward runs where GLUON_BACKWARD_MIN_SEQLEN says (per head_dim, from that many keys on), and
-    never under deterministic algorithms (its dQ reduce-adds are not bit-reproducible); FA2's backward everywhere
-    else; both get the `out` buffers."""
-    monkeypatch.setattr(fa3, "GLUON_BACKWARD_MIN_SEQLEN", {64: 1024, 128: 1})
-    calls = []
-    monkeypatch.setattr(fa3, "gluon_unsupported_reason", lambda *tensors: None)
-    monkeypatch.setattr(fa3, "_gluon_module", lambda name="fa3_hopper": name)
-    monkeypatch.setattr(fa3, "_launch_backward", lambda *args: calls.append(("gluon", args[-1])))
-    monkeypatch.setattr(fa3.fa2, "backward", lambda *args, out=None: calls.append(("fa2", out)))
-    q = torch.randn(1, 1, seqlen, head_dim)
-    out = tuple(torch.empty_like(q) for _ in range(3))  # the gradient buffers reach whichever backward runs
+def test_backward_plan(head_dim, seqlen_k, deterministic, expected):
+    """The Gluon backward from BACKWARD_MIN_SEQLEN_K keys on (FA2's measured faster below) and never under
+    deterministic algorithms (its dQ reduce-adds are not bit-reproducible); only an ineligible input warns."""
+    choice = fa3.decide(_facts(direction="backward", head_dim=head_dim, seqlen_k=seqlen_k,
+                               deterministic=deterministic))
+    assert choice.kernel == expected
+    if expected == "gluon":
+        assert choice.config == fa3.BACKWARD_CONFIGS[head_dim] and choice.reason is None
+    else:
+        assert choice.reason and choice.warn == (head_dim not in fa3.HEAD_DIMS)
+    assert fa3.decide(_facts(seqlen_k=seqlen_k, deterministic=deterministic, head_dim=head_dim)).kernel == (
+        "gluon" if head_dim in fa3.HEAD_DIMS else "fa2")  # the forward: neither length nor determinism matter
+
+
+def test_plan_refuses_an_unknown_direction():
+    with pytest.raises(ValueError, match="direction='sideways'; accepted 'forward', 'backward'"):
+        fa3.decide(_facts(direction="sideways"))
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_fallback_backward_gets_the_gradient_buffers(fresh_dispatch, deterministic):
+    """Where FA2's backward runs (here: the CPU), it writes into `out`, as the Gluon one does."""
+    q, k, v, do = (torch.randn(1, 2, 24, 64) for _ in range(4))
+    out = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
     torch.use_deterministic_algorithms(deterministic)
     try:
-        fa3.backward(q, q, q, q, q, None, True, 0.1, out=out)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the fallback's warning on a machine without an H200
+            o, lse = fa3.forward(q, k, v, True, 0.125)
+            grads = fa3.backward(do, q, k, v, o, lse, True, 0.125, out=out)
     finally:
         torch.use_deterministic_algorithms(False)
-    assert calls == [(expected, out)]
+    assert all(g is b and torch.isfinite(g).all() for g, b in zip(grads, out))
+    torch.testing.assert_close(grads[0], fa2.backward(do, q, k, v, o, lse, True, 0.125)[0], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("head_dim,seqlen_q,block_m", [(64, 40, 64), (80, 64, 64), (128, 7, 64), (64, 130, 128)])
@@ -447,16 +457,17 @@ def test_empty_like_layout_keeps_the_memory_order_with_another_shape_and_dtype()
 
 
 @pytest.mark.parametrize("config,message", [
-    ((2, False, "row", 128), "SPLIT_DQ='row'; accepted 'none', 'cols', 'rows'"),
-    ((2, False, "rows", 64), "BLOCK_M=64 with SPLIT_DQ='rows'"),
-    ((2, False, "none", 96), "BLOCK_M=96 with SPLIT_DQ='none'"),
+    (fa3.BackwardConfig(2, "row", 128), "split_dq='row'; accepted 'cols', 'rows'"),
+    (fa3.BackwardConfig(2, "none", 64), "split_dq='none'; accepted 'cols', 'rows'"),
+    (fa3.BackwardConfig(2, "rows", 64), "block_m=64 with split_dq='rows'"),
+    (fa3.BackwardConfig(2, "cols", 96), "block_m=96 with split_dq='cols'"),
 ])
-def test_backward_configs_are_checked(monkeypatch, config, message):
-    """A BWD_CONFIGS entry the Gluon backward cannot run (e.g. one typed into bench.fa3_variants) is named before
+def test_backward_configs_are_checked(config, message):
+    """A BackwardConfig the Gluon backward cannot run (e.g. one typed into tools.fa3_variants) is named before
     anything is compiled."""
-    monkeypatch.setitem(fa3.BWD_CONFIGS, 64, config)
     with pytest.raises(ValueError, match=re.escape(message)):
-        fa3._dq_box(64)
+        config.dq_box(64)
+    assert fa3.BACKWARD_CONFIGS[64].dq_box(64) == (64, 64) and fa3.BACKWARD_CONFIGS[128].dq_box(128) == (64, 64)
 
 
 def test_bwd_preprocess_refuses_a_wrong_dq_accumulator():

@@ -1,6 +1,5 @@
 """KV cache: attention over a cached prefix, cached vs uncached generation, input validation."""
 
-import math
 
 import pytest
 import torch
@@ -8,16 +7,7 @@ import torch
 from model.attention import get_kv_backend
 from model.gpt import GPT, GPTConfig
 from model.kv_cache import KVCache
-
-
-def reference_attention(q, k, v):
-    """Softmax attention in float64, causal mask aligned bottom-right (query i sees key j <= i + Tk - Tq)."""
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
-    s = (q.double() @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    Tq, Tk = q.shape[2], k.shape[2]
-    s = s.masked_fill(~torch.ones(Tq, Tk, dtype=torch.bool).tril(Tk - Tq), float("-inf"))
-    return s.softmax(-1) @ v
+from reference import reference_attention
 
 
 @pytest.mark.parametrize("attn,Tq", [(attn, Tq) for attn in ("sdpa", "fa2", "fa1", "fa3", "flex") for Tq in (1, 3, 9)]
