@@ -187,11 +187,12 @@ def cases(args) -> list[Case]:
     """The cells of ``args`` (parse_args' namespace) in running order: head_dim, causal, N, batch."""
     out = []
     for head_dim in args.head_dims:
-        heads = args.heads or WIDTH // head_dim
+        heads = WIDTH // head_dim if args.heads is None else args.heads
+        kv_heads = heads if args.kv_heads is None else args.kv_heads
         for causal in args.causal:
             for seqlen in args.seqlens:
                 for batch in args.batch or [max(1, TOKENS // seqlen)]:
-                    out.append(Case(batch, heads, args.kv_heads or heads, seqlen, head_dim, causal))
+                    out.append(Case(batch, heads, kv_heads, seqlen, head_dim, causal))
     return out
 
 
@@ -348,8 +349,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     check_names(args.backends, extra=(SPLIT_KV,) if args.shape == "decode" else ())
     if args.repeats < 1:
         raise SystemExit(f"--repeats {args.repeats}: give 1 or more")
-    heads = [args.heads] if args.heads else [WIDTH // d for d in args.head_dims]
-    if any(h < 1 or (args.kv_heads and (args.kv_heads < 1 or h % args.kv_heads)) for h in heads):
+    heads = [WIDTH // d for d in args.head_dims] if args.heads is None else [args.heads]
+    kv_heads = args.kv_heads
+    if any(h < 1 or (kv_heads is not None and (kv_heads < 1 or h % kv_heads)) for h in heads):
         raise SystemExit(f"query heads {heads} with key/value heads {args.kv_heads} (--heads, --kv-heads): give "
                          "positive head counts, the query heads a multiple of the key/value heads")
     args.timing = "cuda_graph" if args.cuda_graph else "eager"

@@ -91,3 +91,119 @@ def test_repeats_skip_a_backend_that_refuses_the_shape():
 def test_repeats_must_be_positive():
     with pytest.raises(SystemExit, match="--repeats 0"):
         attention.main(["--repeats", "0"])
+
+
+def test_decode_shape_smoke(tmp_path):
+    """--shape decode on the CPU: every backend's decode-step function at two cache lengths."""
+    import csv
+    import json
+
+    rows = attention.main(["--shape", "decode", "--out", str(tmp_path), "--dtype", "float32", "--heads", "2",
+                           "--head-dims", "16", "--seqlens", "16,70", "--batch", "1",
+                           "--backends", "sdpa,fa2,fa2_splitkv"])
+    assert [(r["backend"], r["seqlen_k"]) for r in rows] == [
+        (b, n) for n in (16, 70) for b in ("sdpa", "fa2", "fa2_splitkv")]
+    assert all(r["us"] > 0 and r["speedup_vs_fa2"] > 0 for r in rows)
+    with open(tmp_path / "attention_decode.csv") as f:
+        assert len(list(csv.DictReader(f))) == len(rows)
+    assert json.loads((tmp_path / "attention_decode.json").read_text())["device"] == "CPU"
+    assert (tmp_path / "attention_decode_b1.png").stat().st_size > 0
+
+
+def test_decode_backends_compute_attention_over_the_cache():
+    """The decode shape's functions: one query per (batch, head) against a strided cache prefix, grouped-query
+    heads, each equal to a float64 softmax reference."""
+    import torch
+
+    batch, heads, kv_heads, n, d = 2, 4, 2, 37, 16
+    cache = torch.randn(2, batch, kv_heads, 50, d)
+    k, v = cache[0, :, :, :n], cache[1, :, :, :n]
+    q = torch.randn(batch, heads, 1, d)
+    kr, vr = (t.double().repeat_interleave(heads // kv_heads, 1) for t in (k, v))
+    ref = torch.softmax(q.double() @ kr.transpose(-1, -2) / d ** 0.5, -1) @ vr
+    for name, fn in attention.kv_backends(["sdpa", "fa2", "fa2_splitkv", "flex"]).items():
+        torch.testing.assert_close(fn(q, k, v).double(), ref, atol=1e-4, rtol=1e-4, msg=name)
+
+
+def grid_cells():
+    """Today's default grid, written out: B * N = 16k, H * D = 2048, D 64 then 128, causal then not."""
+    return [attention.Case(max(1, 16384 // n), 2048 // d, 2048 // d, n, d, causal)
+            for d in (64, 128) for causal in (True, False) for n in (512, 1024, 2048, 4096, 8192, 16384)]
+
+
+@pytest.mark.parametrize("argv,expected", [
+    ([], grid_cells()),
+    (["--shape", "grid"], grid_cells()),
+    (["--shape", "llama"], [attention.Case(2, 64, 8, n, 128, causal) for causal in (True, False)
+                            for n in (2048, 4096, 8192, 16384, 32768)]),
+    (["--shape", "llama", "--seqlens", "4096", "--causal", "false"], [attention.Case(2, 64, 8, 4096, 128, False)]),
+    (["--shape", "decode", "--batch", "8", "--seqlens", "128,1024"],
+     [attention.Case(8, 12, 12, 128, 64, True), attention.Case(8, 12, 12, 1024, 64, True)]),
+    (["--head-dims", "128", "--seqlens", "4096", "--causal", "TRUE"], [attention.Case(4, 16, 16, 4096, 128, True)]),
+])
+def test_shapes_yield_their_cells(argv, expected):
+    assert attention.cases(attention.parse_args(argv)) == expected
+
+
+def test_each_shape_has_its_default_backends():
+    every = list(reversed(list(attention.REGISTRY)))
+    assert attention.parse_args([]).backends == every
+    assert attention.parse_args(["--shape", "llama"]).backends == every
+    assert attention.parse_args(["--shape", "decode"]).backends == ["sdpa", "fa2", "fa2_splitkv", "fa3"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--shape", "llama", "--kv-heads", "3"], r"query heads \[64\] with key/value heads 3"),
+    (["--heads", "0"], r"query heads \[0\]"),
+    (["--backends", "fa2_splitkv"], r"unknown backend\(s\) \['fa2_splitkv'\].*--shape decode only"),
+])
+def test_bad_shape_arguments_are_named(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        attention.parse_args(argv)
+
+
+@pytest.mark.parametrize("argv", [["--shape", "square"], ["--causal", "yes"], ["--seqlens", "0,512"],
+                                  ["--head-dims", "sixty-four"]])
+def test_bad_lists_are_refused_by_the_parser(argv, capsys):
+    with pytest.raises(SystemExit):
+        attention.parse_args(argv)
+    assert argv[1] in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--shape", "llama"], [], ["--shape", "decode", "--cuda-graph"]])
+def test_shapes_that_need_a_gpu_say_so(argv, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        attention.main(argv)
+
+
+def test_dense_cells_pass_grouped_query_inputs_and_count_query_heads(monkeypatch, capsys):
+    """A llama-like cell on the CPU (do_bench faked: timing needs a GPU): k and v have the key/value heads, the
+    FLOPs count the query heads, one printed line per backend."""
+    import torch
+
+    seen = []
+    monkeypatch.setattr("triton.testing.do_bench", lambda fn, grad_to_none=None, return_mode="median": 2.0)
+    args = attention.parse_args(["--shape", "llama", "--heads", "4", "--kv-heads", "2", "--head-dims", "16",
+                                 "--seqlens", "32", "--causal", "true", "--backends", "sdpa,fa2"])
+    real = attention.backends
+    monkeypatch.setattr(attention, "backends", lambda names: {
+        n: (lambda q, k, v, causal, fn=fn: seen.append((q.shape[1], k.shape[1], v.shape[1])) or fn(q, k, v, causal))
+        for n, fn in real(names).items()})
+    rows = attention.run_dense(args, torch.float32, device="cpu")
+    assert {s for s in seen} == {(4, 2, 2)}
+    assert [(r["backend"], r["batch"], r["n_heads"], r["n_kv_heads"]) for r in rows] == [("sdpa", 2, 4, 2),
+                                                                                          ("fa2", 2, 4, 2)]
+    assert rows[0]["fwd_tflops"] == pytest.approx(attention.flops(2, 4, 32, 16, True, "fwd") / 2.0 / 1e9)
+    assert capsys.readouterr().out.count("\nsdpa ") == 1
+
+
+def test_fallback_rows_are_named():
+    """fa3 without a Hopper GPU runs FA2's kernels; the note names it, the others run their own."""
+    import torch
+
+    notes = attention.fallback_notes(["sdpa", "fa2", "fa3"], "cpu", torch.float32, [64, 128])
+    assert notes == ["fa3 at head_dim 64: runs FA2's Triton kernels (no CUDA GPU)",
+                     "fa3 at head_dim 128: runs FA2's Triton kernels (no CUDA GPU)"]
