@@ -273,9 +273,9 @@ def plan(parser, args):
     if not valid_run_name(args.name):
         parser.error(f"--name {args.name!r}: {RUN_NAME_RULE}")
     jobs = [(args.overrides, b, b) for b in args.backends]
-    sweep_jobs = [(args.overrides + [f"model.block_size={context}", f"trainer.batch_size={args.sweep_tokens // context}",
-                   "trainer.grad_accum=1"], b, f"{b}_ctx{context}")
-                  for context in args.sweep for b in args.backends]
+    sweep_jobs = [(args.overrides + [f"model.block_size={context}",
+                                     f"trainer.batch_size={args.sweep_tokens // context}", "trainer.grad_accum=1"],
+                   b, f"{b}_ctx{context}") for context in args.sweep for b in args.backends]
     try:
         out_dir = Path(compose_config(args.overrides).run.root) / args.name
         for overrides, backend, label in jobs + sweep_jobs:

@@ -82,8 +82,9 @@ def test_help_shows_defaults():
     import sys
     from pathlib import Path
 
-    out = subprocess.run([sys.executable, "-m", "tools.profile_step", "--help"], cwd=Path(__file__).resolve().parents[2],
-                         capture_output=True, text=True, timeout=120)
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-m", "tools.profile_step", "--help"], cwd=root, capture_output=True,
+                         text=True, timeout=120)
     assert out.returncode == 0 and "(default: " in out.stdout, out.stderr[-2000:]
 
 
