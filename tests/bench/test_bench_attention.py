@@ -207,3 +207,27 @@ def test_fallback_rows_are_named():
     notes = attention.fallback_notes(["sdpa", "fa2", "fa3"], "cpu", torch.float32, [64, 128])
     assert notes == ["fa3 at head_dim 64: runs FA2's Triton kernels (no CUDA GPU)",
                      "fa3 at head_dim 128: runs FA2's Triton kernels (no CUDA GPU)"]
+
+
+def test_ratio_table_and_plots_of_dense_rows(tmp_path, capsys):
+    """The first backend's speed-up over the others per cell (other time / first time, fwd / bwd), and one PNG per
+    (head_dim, causal, direction) named as before the shapes existed."""
+    import random
+
+    def row(backend, seqlen, fwd, bwd):
+        return dict(backend=backend, dtype="bfloat16", batch=16384 // seqlen, n_heads=32, n_kv_heads=32, seqlen=seqlen,
+                    head_dim=64, causal=True, timing="eager", repeats=1, fwd_ms=fwd, bwd_ms=bwd,
+                    fwd_tflops=fwd and 1 / fwd, bwd_tflops=bwd and 1 / bwd)
+
+    fwd, bwd = random.uniform(0.1, 1), random.uniform(0.1, 1)
+    rows = [row("fa3", 1024, fwd, bwd), row("sdpa", 1024, 2 * fwd, 3 * bwd), row("fa2", 1024, None, None),
+            row("fa3", 2048, fwd, bwd), row("sdpa", 2048, 4 * fwd, None)]
+    attention.print_ratios(rows)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == "fa3 speed-up (other time / fa3 time), fwd / bwd"
+    assert lines[2].split() == ["D", "causal", "N", "vs", "sdpa", "vs", "fa2"]
+    assert lines[3].split() == ["64", "True", "1024", "2.00", "/", "3.00", "-", "/", "-"]
+    assert lines[4].split() == ["64", "True", "2048", "4.00", "/", "-", "-", "/", "-"]
+    paths = attention.plot_dense(rows, tmp_path / "attention")
+    assert [p.name for p in paths] == ["attention_fwd_d64_causal.png", "attention_bwd_d64_causal.png"]
+    assert all(p.stat().st_size > 0 for p in paths)

@@ -32,9 +32,9 @@ def test_generate_bench_smoke(tmp_path, capsys):
 
 
 def test_generate_bench_case_order():
-    """The issue's comparison first (batch 8: cache on as an eager CUDA graph, cache off eager and compiled, cache on
-    as a compiled CUDA graph); no graph modes without the cache or without a fixed-shape decode step (fa1); fa3 and
-    fa2_splitkv take fa2's fixed-shape step, so they skip it."""
+    """The cache-against-no-cache comparison first (batch 8: cache on as an eager CUDA graph, cache off eager and
+    compiled, cache on as a compiled CUDA graph); no graph modes without the cache or without a fixed-shape decode
+    step (fa1); fa3 and fa2_splitkv take fa2's fixed-shape step, so they skip it."""
     todo = generate.cases(["sdpa", "fa1", "fa3", "fa2_splitkv"], [8, 1], ["on", "off"], list(generate.MODES))
     assert todo[:6] == [(8, "sdpa", "on", "eager-graph"), (8, "sdpa", "off", "eager"), (8, "sdpa", "off", "compiled"),
                         (8, "sdpa", "on", "compiled-graph"), (8, "sdpa", "on", "compiled"), (8, "sdpa", "on", "eager")]
