@@ -27,9 +27,9 @@ measurements per cell, the backends' order alternating) of eager calls, as user 
 takes less GPU time than its call takes on the host (Python, the custom-op layers, Triton's launcher: ~0.3 ms
 forward and ~1.4 ms forward + backward for our backends on the H200's host, docs/benchmarks.md) that is what gets
 timed. --cuda-graph times the same calls replayed from a CUDA graph (`triton.testing.do_bench_cudagraph`,
-medians, calls back to back without an L2 flush): the GPU time alone; the backward there is (forward + backward)
-- forward, both captured. A backend that runs another's kernels here (fa3 off Hopper: FA2's) is named under
-the table.
+medians, calls back to back without an L2 flush): the GPU time alone; the backward there is the captured forward
+and backward minus the captured forward. A backend that runs another's kernels here (fa3 off Hopper: FA2's) is
+named under the table.
 Writes into --out a CSV and a JSON (attention.* for grid, attention_<shape>.* otherwise) and PNGs: TFLOP/s
 against N per (head_dim, causal, direction), or decode GB/s against N per batch size; one line per backend.
 """
@@ -315,19 +315,32 @@ def plot_decode(rows, stem: Path) -> list[Path]:
     return paths
 
 
+def shape_values(name: str) -> str:
+    """Each shape's value of option ``name``, for --help: "grid: 64,128; llama: 128; decode: 64"."""
+    def text(value):
+        if value is None:
+            return "-"
+        return ",".join(map(str, value)).lower() if isinstance(value, list) else str(value)
+
+    return "; ".join(f"{shape}: {text(values[name])}" for shape, values in SHAPES.items())
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--shape", choices=SHAPES, default="grid", help="which cells (see above)")
     p.add_argument("--backends", type=csv_list(str),
                    help="comma-separated, from model.attention.REGISTRY (decode: also fa2_splitkv); ratios are "
                         "against the first. Default: every backend (decode: sdpa,fa2,fa2_splitkv,fa3)")
-    p.add_argument("--head-dims", type=csv_list(int), help="comma-separated head dimensions D")
-    p.add_argument("--seqlens", type=csv_list(int), help="comma-separated sequence lengths N (decode: cached keys)")
+    p.add_argument("--head-dims", type=csv_list(int),
+                   help=f"comma-separated head dimensions D ({shape_values('head_dims')})")
+    p.add_argument("--seqlens", type=csv_list(int),
+                   help=f"comma-separated sequence lengths N, decode: cached keys ({shape_values('seqlens')})")
     p.add_argument("--causal", type=csv_list(lambda s: s.strip().lower(), ("true", "false")),
-                   help="comma-separated: true, false, or true,false for both")
-    p.add_argument("--batch", type=csv_list(int), help="comma-separated batch sizes B (grid: 16k / N)")
-    p.add_argument("--heads", type=int, help="query heads H (grid: 2048 / D)")
-    p.add_argument("--kv-heads", type=int, help="key/value heads (default: --heads; llama: 8)")
+                   help=f"comma-separated: true, false, or true,false for both ({shape_values('causal')})")
+    p.add_argument("--batch", type=csv_list(int),
+                   help=f"comma-separated batch sizes B ({shape_values('batch')}; -: 16k / N)")
+    p.add_argument("--heads", type=int, help=f"query heads H ({shape_values('heads')}; -: 2048 / D)")
+    p.add_argument("--kv-heads", type=int, help=f"key/value heads ({shape_values('kv_heads')}; -: --heads)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="input dtype; auto: bfloat16 on a GPU, float32 on the CPU")
     p.add_argument("--out", default="runs/bench_attention", help="folder for CSV, JSON and PNG files")
