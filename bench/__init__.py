@@ -1,4 +1,22 @@
+"""User benchmarks, one command each (``python -m bench.<name> --help``):
+
+    attention   kernel TFLOP/s of every attention backend, forward and backward; --shape grid (default), llama
+                (NVIDIA's published H200 shape) or decode (one query against a KV cache)
+    masks       sliding windows and packed documents: fa2 against FlexAttention and SDPA with a dense mask
+    throughput  training tokens/s, MFU and memory per backend through the trainer (--baseline: the bare loop too)
+    baseline    the bare training loop that throughput --baseline measures the trainer against
+    generate    generation tokens/s with and without the KV cache, eager, compiled and as CUDA graphs
+    report      the shared table, CSV/JSON and plot helpers
+
+Developer tools (kernel tuning, profiling) are in tools/.
+"""
+
+from __future__ import annotations
+
 import argparse
+from typing import Callable, Optional
+
+import torch
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -9,3 +27,35 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
         if action.default is None or action.default is False or action.default == "":
             return action.help
         return super()._get_help_string(action)
+
+
+def csv_list(kind: Callable, choices=None) -> Callable[[str], list]:
+    """An argparse ``type``: a comma-separated list of ``kind`` values, each from ``choices`` (when given) and, for
+    ints, >= 1. Raises argparse.ArgumentTypeError naming the text and what is accepted."""
+    def parse(text: str) -> list:
+        try:
+            items = [kind(x) for x in text.split(",") if x]
+        except ValueError:
+            items = []
+        bad = [x for x in items if (choices is not None and x not in choices) or (kind is int and x < 1)]
+        if not items or bad:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a comma-separated list of "
+                                             + (", ".join(map(str, choices)) if choices else "positive integers"))
+        return items
+    return parse
+
+
+def fallback(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> Optional[str]:
+    """The kernels ``backend`` runs instead of its own on ``device`` for attention inputs of ``dtype`` and
+    ``head_dim`` (a phrase with the reason, e.g. "FA2's Triton kernels (no CUDA GPU)"), or None when it runs its
+    own. Today only fa3 has a fallback: FA2's kernels where its Gluon kernels do not apply (``kernels.fa3``)."""
+    if backend != "fa3":
+        return None
+    if device.type != "cuda":  # named first: on a CPU no Triton version would help
+        reason = "no CUDA GPU"
+    else:
+        from kernels import fa3
+
+        q = torch.empty(1, 1, 128, head_dim, device=device, dtype=dtype)  # the kernels' own rules decide
+        reason = fa3.gluon_unsupported_reason(q, q, q)
+    return None if reason is None else f"FA2's Triton kernels ({reason})"

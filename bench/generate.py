@@ -1,7 +1,7 @@
 """Generation speed: tokens/s with and without the KV cache, eager, compiled and as CUDA graphs, per backend.
 
     python -m bench.generate --out runs/bench_generate                      # GPT-2 124M shape on the GPU
-    python -m bench.generate --out runs/gen --backends sdpa --batch 8 --max-seconds 150   # the issue's cells first
+    python -m bench.generate --out runs/gen --backends sdpa --batch 8 --max-seconds 150   # the headline cells first
     python -m bench.generate --out /tmp/gen --model tiny --device cpu --backends sdpa \\
         --prompt-len 4 --new-tokens 8 --modes eager,compiled                 # CPU smoke test
 
@@ -21,9 +21,9 @@ kernel over the whole cache), so fa3 and fa2_splitkv skip the compiled and graph
 summary uses fa2's rows there). The extra backend `fa2_splitkv` is fa2 with eager decode steps through the
 split-K/V kernel; it runs with the cache only and is compared with fa2's no-cache rows.
 
-Order: batch sizes in the order given (default 8 first: the issue's bar is at batch 8), then backends; per
-(batch, backend) the cases the issue's comparison needs first (cache on as an eager CUDA graph, cache off eager
-and compiled, cache on as a compiled CUDA graph), then cache on compiled and eager. Each case runs one
+Order: batch sizes in the order given (default 8 first: the headline comparison is at batch 8), then backends;
+per (batch, backend) the cases of the cache-against-no-cache comparison first (cache on as an eager CUDA graph,
+cache off eager and compiled, cache on as a compiled CUDA graph), then cache on compiled and eager. Each case runs one
 untimed generation of the same length first (compilation, CUDA graph capture, Triton autotuning of every
 sequence-length bucket; its time is the row's warmup_s, and the graphs dynamo compiled in it are `compiles`),
 then --repeats timed ones (the fastest counts). tokens/s = batch * new tokens / seconds, prefill included;
@@ -31,8 +31,8 @@ ms/step = seconds / new tokens. "x cache" is the speed-up of the cache over no c
 batch and mode (eager-graph and compiled-graph against eager and compiled); a summary line per (batch,
 backend) compares each side in its fastest mode.
 
-Every row is printed and appended to generate.csv in --out as soon as it is measured (and generate.json, with
-device, versions, arguments, summary, skipped cases and errors, is rewritten), so a killed run keeps its rows.
+Every row is printed as soon as it is measured, and generate.csv and generate.json (device, versions, arguments,
+summary, skipped cases and errors) in --out are rewritten then (atomically), so a killed run keeps its rows.
 --max-seconds stops starting cases once that much time has passed, and interrupts the case running then
 (SIGALRM), so the command ends, with its files written, shortly after. A case that fails is reported and
 skipped (the exit status is then 1).
@@ -41,8 +41,6 @@ skipped (the exit status is then 1).
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import signal
 import sys
 import time
@@ -51,7 +49,8 @@ from pathlib import Path
 
 import torch
 
-from bench import HelpFormatter
+from bench import HelpFormatter, csv_list
+from bench.report import Column, Table, environment, write_csv, write_json
 from model.attention import BACKENDS
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
@@ -63,8 +62,8 @@ MODES = {"eager": (False, False), "compiled": (True, False), "eager-graph": (Fal
          "compiled-graph": (True, True)}
 GRAPH_MODES = ("eager-graph", "compiled-graph")
 STATIC_BACKENDS = ("sdpa", "fa2")  # their own fixed-shape decode step (fa3's and fa2_splitkv's is fa2's)
-# (cache, mode) per (batch, backend), first to last: the issue's comparison (each side in its fastest mode) first,
-# cheap cases before compiles, compiled-graph before compiled (they share the compiled graph).
+# (cache, mode) per (batch, backend), first to last: the cache-against-no-cache comparison (each side in its fastest
+# mode) first, cheap cases before compiles, compiled-graph before compiled (they share the compiled graph).
 ORDER = [("on", "eager-graph"), ("off", "eager"), ("off", "compiled"), ("on", "compiled-graph"),
          ("on", "compiled"), ("on", "eager")]
 FIELDS = ["backend", "batch", "kv_cache", "mode", "prompt_len", "new_tokens", "seconds", "tokens_per_s",
@@ -158,37 +157,18 @@ def add_speedups(rows: list[dict]) -> list[str]:
     return lines
 
 
-def format_row(r: dict) -> str:
-    speedup = "-" if r["speedup_vs_no_cache"] is None else f"{r['speedup_vs_no_cache']:.2f}"
-    return (f"{r['backend']:<11} {r['batch']:>5} {'on' if r['kv_cache'] else 'off':>5} {r['mode']:>14} "
-            f"{r['seconds']:>9.3f} {r['tokens_per_s']:>11,.1f} {r['ms_per_step']:>8.3f} {speedup:>7} "
-            f"{r['warmup_s']:>8.1f} {r['compiles']:>8}")
+TABLE = Table([
+    Column("backend", "backend", width=11, left=True), Column("batch", "batch"),
+    Column("cache", lambda r: "on" if r["kv_cache"] else "off"), Column("mode", "mode", width=14),
+    Column("seconds", "seconds", ".3f", 9), Column("tokens/s", "tokens_per_s", ",.1f", 11),
+    Column("ms/step", "ms_per_step", ".3f", 8), Column("x cache", "speedup_vs_no_cache", ".2f"),
+    Column("warmup_s", "warmup_s", ".1f"), Column("compiles", "compiles")])
 
 
-HEADER = (f"{'backend':<11} {'batch':>5} {'cache':>5} {'mode':>14} {'seconds':>9} {'tokens/s':>11} {'ms/step':>8} "
-          f"{'x cache':>7} {'warmup_s':>8} {'compiles':>8}")
-
-
-def print_table(rows: list[dict]) -> None:
-    print(HEADER)
-    for r in rows:
-        print(format_row(r))
-
-
-def write_results(stem: Path, fields: list[str], rows: list[dict], device: str, **meta) -> None:
-    """rows to <stem>.csv, and with the device, versions, date and ``meta`` to <stem>.json."""
-    with open(stem.with_suffix(".csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
-    write_json(stem, rows, device, **meta)
-    print(f"wrote {stem}.{{csv,json}}")
-
-
-def write_json(stem: Path, rows: list[dict], device: str, **meta) -> None:
-    meta = dict(device=torch.cuda.get_device_name() if device == "cuda" else "CPU", torch=torch.__version__,
-                triton=__import__("triton").__version__, date=time.strftime("%Y-%m-%d"), **meta)
-    stem.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
+def save(stem: Path, rows: list[dict], device: str, **meta) -> None:
+    """rows to <stem>.csv, and with the device, versions, date and ``meta`` to <stem>.json (both atomically)."""
+    write_csv(stem.with_suffix(".csv"), rows, FIELDS)
+    write_json(stem.with_suffix(".json"), rows, **environment(device), **meta)
 
 
 class BudgetExceeded(Exception):
@@ -214,18 +194,8 @@ def deadline(at: float | None):
         signal.signal(signal.SIGALRM, previous)
 
 
-def csv_list(kind, choices=None):
-    def parse(text: str) -> list:
-        items = [kind(x) for x in text.split(",") if x]
-        bad = [x for x in items if (choices is not None and x not in choices) or (kind is int and x < 1)]
-        if not items or bad:
-            raise argparse.ArgumentTypeError(f"{text!r}: expected a comma-separated list of "
-                                             + (", ".join(map(str, choices)) if choices else "positive integers"))
-        return items
-    return parse
 
-
-def main(argv: list[str] | None = None) -> list[dict]:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--out", required=True, help="folder for generate.csv and generate.json")
     ap.add_argument("--model", default="gpt2", choices=sorted(p.stem for p in CONF.glob("*.yaml")),
@@ -245,88 +215,103 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="time budget: no case starts after it, the running one is interrupted (0 = none)")
     ap.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA if available")
+    return ap
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The options, checked (argparse's exit naming a bad one), with --device and --dtype resolved and the CUDA
+    graph modes dropped on the CPU (with a note)."""
+    ap = build_parser()
     args = ap.parse_args(argv)
-    t_start = time.monotonic()
     for name in ("vocab_size", "prompt_len", "new_tokens", "repeats"):
         if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+            ap.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     if args.max_seconds < 0:
-        ap.error("--max-seconds must be >= 0")
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    if device == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--max-seconds {args.max_seconds:g}: must be >= 0")
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA GPU")
-    if device == "cpu" and any(m in GRAPH_MODES for m in args.modes) and "on" in args.cache:
+    if args.device == "cpu" and any(m in GRAPH_MODES for m in args.modes) and "on" in args.cache:
         args.modes = [m for m in args.modes if m not in GRAPH_MODES]
         if not args.modes:
             ap.error("--modes eager-graph / compiled-graph: CUDA graphs need a GPU")
         print("note: CUDA graphs need a GPU: the eager-graph and compiled-graph modes are skipped on the CPU")
-    dtype_name = ("bf16" if device == "cuda" else "fp32") if args.dtype == "auto" else args.dtype
+    if args.dtype == "auto":
+        args.dtype = "bf16" if args.device == "cuda" else "fp32"
+    return args
+
+
+def run_case(models: dict, args, batch: int, backend: str, cache: str, mode: str) -> dict:
+    """Time one case (building the backend's model first if ``models`` lacks it); its row."""
+    if backend not in models:
+        models[backend] = build_model(args.model, args.vocab_size, backend, DTYPES[args.dtype], args.device)
+        if args.prompt_len + args.new_tokens > models[backend].config.block_size:
+            print(f"note: {args.prompt_len} + {args.new_tokens} tokens exceed block_size="
+                  f"{models[backend].config.block_size}: the cache re-prefills the most recent half when full, "
+                  "the uncached path slides its window")
+    s, warmup, compiles = time_case(models[backend], batch, args.prompt_len, args.new_tokens, cache == "on", mode,
+                                    args.repeats)
+    return dict(backend=backend, batch=batch, kv_cache=cache == "on", mode=mode, prompt_len=args.prompt_len,
+                new_tokens=args.new_tokens, seconds=s, tokens_per_s=batch * args.new_tokens / s,
+                ms_per_step=1e3 * s / args.new_tokens, speedup_vs_no_cache=None, warmup_s=warmup, compiles=compiles,
+                dtype=args.dtype, device=args.device)
+
+
+def run_cases(todo: list[tuple], args, stem: Path, at: float | None) -> tuple[list[dict], list[str], list[str]]:
+    """(rows, skipped, errors) of the cases in ``todo``; the files are rewritten after every row."""
+    rows, skipped, errors, models, group = [], [], [], {}, None
+    save(stem, rows, args.device, args=vars(args), summary=[], skipped=skipped, errors=errors)
+    print(TABLE.header(), flush=True)
+    for batch, backend, cache, mode in todo:
+        name = f"{backend} batch {batch} cache {cache} {mode}"
+        if at is not None and time.monotonic() >= at:
+            skipped.append(name)
+            continue
+        if group != (batch, backend):
+            # Fresh compile caches per (batch, backend): nothing compiled for another one is reused, and each
+            # model's code would otherwise count against dynamo's recompile limit.
+            if group is not None:
+                models[group[1]].release_decode_graph()
+            torch._dynamo.reset()
+            group = (batch, backend)
+        try:
+            with deadline(at):
+                rows.append(run_case(models, args, batch, backend, cache, mode))
+        except BudgetExceeded:
+            skipped.append(name + " (interrupted: --max-seconds)")
+            print(f"  {name}: interrupted at --max-seconds={args.max_seconds:g}", flush=True)
+            continue
+        except Exception as e:  # report, keep the rows measured so far, go on with the next case
+            errors.append(f"{name}: {type(e).__name__}: {e}")
+            print(f"  {name}: FAILED: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            continue
+        save(stem, rows, args.device, args=vars(args), summary=add_speedups(rows), skipped=skipped, errors=errors)
+        print(TABLE.line(rows[-1]), flush=True)
+    return rows, skipped, errors
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    t_start = time.monotonic()
+    args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / "generate"
-    at = t_start + args.max_seconds if args.max_seconds else None
-
     # One compiled graph per (batch, backend) and kind of step; room for a few more, and an error rather than a
     # silent eager fallback timed as "compiled" past the limit.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     todo = cases(args.backends, args.batch, args.cache, args.modes)
     print(f"{len(todo)} cases, in this order: " + "; ".join(f"{be} b{b} cache {c} {m}" for b, be, c, m in todo))
-    rows, skipped, errors, models, group = [], [], [], {}, None
-    with open(stem.with_suffix(".csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        f.flush()
-        print(HEADER, flush=True)
-        for batch, backend, cache, mode in todo:
-            name = f"{backend} batch {batch} cache {cache} {mode}"
-            if at is not None and time.monotonic() >= at:
-                skipped.append(name)
-                continue
-            if group != (batch, backend):
-                # Fresh compile caches per (batch, backend): nothing compiled for another one is reused, and each
-                # model's code would otherwise count against dynamo's recompile limit.
-                if group is not None:
-                    models[group[1]].release_decode_graph()
-                torch._dynamo.reset()
-                group = (batch, backend)
-            try:
-                with deadline(at):
-                    if backend not in models:
-                        models[backend] = build_model(args.model, args.vocab_size, backend, DTYPES[dtype_name], device)
-                        model = models[backend]
-                        if args.prompt_len + args.new_tokens > model.config.block_size:
-                            print(f"note: {args.prompt_len} + {args.new_tokens} tokens exceed block_size="
-                                  f"{model.config.block_size}: the cache re-prefills the most recent half when full, "
-                                  "the uncached path slides its window")
-                    s, warmup, compiles = time_case(models[backend], batch, args.prompt_len, args.new_tokens,
-                                                    cache == "on", mode, args.repeats)
-            except BudgetExceeded:
-                skipped.append(name + " (interrupted: --max-seconds)")
-                print(f"  {name}: interrupted at --max-seconds={args.max_seconds:g}", flush=True)
-                continue
-            except Exception as e:  # report, keep the rows measured so far, go on with the next case
-                errors.append(f"{name}: {type(e).__name__}: {e}")
-                print(f"  {name}: FAILED: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-                continue
-            rows.append(dict(backend=backend, batch=batch, kv_cache=cache == "on", mode=mode,
-                             prompt_len=args.prompt_len, new_tokens=args.new_tokens, seconds=s,
-                             tokens_per_s=batch * args.new_tokens / s, ms_per_step=1e3 * s / args.new_tokens,
-                             speedup_vs_no_cache=None, warmup_s=warmup, compiles=compiles, dtype=dtype_name,
-                             device=device))
-            summary = add_speedups(rows)
-            writer.writerow(rows[-1])
-            f.flush()
-            write_json(stem, rows, device, args=vars(args), summary=summary, skipped=skipped, errors=errors)
-            print(format_row(rows[-1]), flush=True)
+    rows, skipped, errors = run_cases(todo, args, stem, t_start + args.max_seconds if args.max_seconds else None)
     summary = add_speedups(rows)
-    print()
-    print_table(rows)
+    print("\n" + TABLE.render(rows))
     print("\n".join(summary))
     if skipped:
         print(f"skipped ({len(skipped)}, --max-seconds={args.max_seconds:g}): " + "; ".join(skipped))
-    write_results(stem, FIELDS, rows, device, args=vars(args), summary=summary, skipped=skipped, errors=errors,
-                  seconds=time.monotonic() - t_start)
+    save(stem, rows, args.device, args=vars(args), summary=summary, skipped=skipped, errors=errors,
+         seconds=time.monotonic() - t_start)
+    print(f"wrote {stem}.{{csv,json}}")
     if errors:
         print("errors:\n  " + "\n  ".join(errors), file=sys.stderr)
         sys.exit(1)

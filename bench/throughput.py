@@ -7,11 +7,15 @@ Every backend trains the same model from the same seed (`train()` in-process, so
 train.py applies) for `--warmup` + `--steps` optimizer steps; the warm-up steps, which include torch.compile
 and Triton autotuning, are left out of the statistics. A step's time is the device time from the end of the
 previous step to the end of this one (CUDA events; host time on the CPU). Per backend it reports the median
-step time (ms) and the mean, tokens/s (tokens per step / median step time), median MFU, peak GPU memory, the
-final train loss and the speed-up over `sdpa`. Each backend is its own W&B run in one W&B group (`wandb.group`),
-so the loss and step time curves overlay in the W&B UI. Files go to runs/<name>/: throughput.csv,
-throughput.json, throughput.png, rewritten after every run (a backend that crashes the process leaves the rows
-measured before it).
+step time (ms) and the mean, the spread (interquartile range of the step times over their median, %: rows above
+10% are named under the table), tokens/s (tokens per step / median step time), median MFU, peak GPU memory, the
+final train loss and the speed-up over `sdpa`. A backend that runs another's kernels here (fa3 without a Hopper
+GPU: FA2's) is starred, and named under the table. On a CPU the table is a smoke test, not a benchmark: the
+ratios between backends change from run to run. Each backend is its own W&B run in one W&B group
+(`wandb.group`), so the loss and step time curves overlay in the W&B UI. Files go to runs/<name>/:
+throughput.csv, throughput.json, throughput.png, rewritten after every run (a backend that crashes the process
+leaves the rows measured before it), and one run folder per backend (metrics, W&B files; its checkpoints are
+deleted after the run).
 
 `--baseline` also runs, per backend and in the same process, the bare training loop of `bench.baseline` (same
 model, data, dtype, compile and optimizer; forward, backward, clip, step, zero_grad and nothing else), timed the
@@ -28,30 +32,34 @@ and `vs bare mem` are the ratios to the mean of those two. Rows have `loop` = `b
 starts to dominate the step.
 """
 
+from __future__ import annotations
+
 import argparse
-import csv
-import json
 import logging
+import shutil
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from bench import HelpFormatter
+from bench import HelpFormatter, fallback
+from bench.report import Column, Table, bar_chart, environment, write_csv, write_json
 from model.attention import BACKENDS
 
 log = logging.getLogger("bench.throughput")
 FIELDS = ["backend", "loop", "run", "block_size", "batch_size", "tokens_per_step", "step_time_ms",
-          "step_time_mean_ms", "tokens_per_s", "mfu", "peak_mem_gib", "final_train_loss", "speedup_vs_sdpa",
-          "tokens_per_s_vs_bare", "tokens_per_s_vs_bare_before", "tokens_per_s_vs_bare_after", "peak_mem_vs_bare",
-          "num_params"]
+          "step_time_mean_ms", "step_time_spread_pct", "tokens_per_s", "mfu", "peak_mem_gib", "final_train_loss",
+          "speedup_vs_sdpa", "tokens_per_s_vs_bare", "tokens_per_s_vs_bare_before", "tokens_per_s_vs_bare_after",
+          "peak_mem_vs_bare", "num_params", "fallback"]
 RATIOS = dict(speedup_vs_sdpa=None, tokens_per_s_vs_bare=None, tokens_per_s_vs_bare_before=None,
               tokens_per_s_vs_bare_after=None, peak_mem_vs_bare=None)  # filled in by add_speedups
+NOISY_PCT = 10  # a row whose step times spread more than this is named under the table
 
 
 def backend_config(overrides, backend, out_dir, label, warmup, steps):
-    """The train() config of one backend's run: out_dir/label, W&B group out_dir.name, no eval or checkpoints."""
+    """The train() config of one backend's run: out_dir/label, W&B group out_dir.name, no eval or periodic
+    checkpoints (the trainer's final checkpoint is deleted after the run: ``run_backend``)."""
     from trainer import compose_config
 
     return compose_config([
@@ -70,6 +78,28 @@ def fresh_device():
         torch.cuda.reset_peak_memory_stats()
 
 
+def run_device(cfg) -> torch.device:
+    """The device a run of ``cfg`` trains on (trainer.device: auto, cpu or cuda)."""
+    return torch.device("cuda" if torch.cuda.is_available() and cfg.trainer.device != "cpu" else "cpu")
+
+
+def spread_pct(times) -> float | None:
+    """The interquartile range of the step times over their median, in percent (None for fewer than 2 steps): how
+    far apart the steps of one run are, a floor for the noise of a comparison between runs."""
+    if len(times) < 2:
+        return None
+    q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
+    return 100 * (q3 - q1) / statistics.median(times)
+
+
+def kernels_used(cfg, backend) -> str | None:
+    """``bench.fallback`` for a run of ``cfg``: the kernels ``backend`` runs instead of its own (None: its own)."""
+    from trainer.runtime import select_dtype
+
+    device = run_device(cfg)
+    return fallback(backend, device, select_dtype(cfg.trainer.dtype, device), cfg.model.n_embd // cfg.model.n_head)
+
+
 def run_bare(overrides, backend, out_dir, label, warmup, steps, run=1):
     """The bare loop (bench.baseline) on one backend's config; a row like run_backend's, loop='bare'."""
     from bench.baseline import run_bare_loop
@@ -79,35 +109,41 @@ def run_bare(overrides, backend, out_dir, label, warmup, steps, run=1):
     fresh_device()
     bare = run_bare_loop(cfg, warmup, steps)
     tokens_per_s = bare["tokens_per_step"] / bare["step_time_s"]
-    peak = peak_flops(torch.device("cuda" if torch.cuda.is_available() and cfg.trainer.device != "cpu" else "cpu"),
-                      cfg.trainer.peak_flops)
+    peak = peak_flops(run_device(cfg), cfg.trainer.peak_flops)
     return dict(
         backend=backend, loop="bare", run=run, block_size=cfg.model.block_size, batch_size=cfg.trainer.batch_size,
         tokens_per_step=bare["tokens_per_step"], step_time_ms=bare["step_time_s"] * 1e3,
-        step_time_mean_ms=bare["step_time_mean_s"] * 1e3, tokens_per_s=tokens_per_s,
-        mfu=bare["flops_per_token"] * tokens_per_s / peak if peak else None, peak_mem_gib=bare["peak_mem_gib"],
-        final_train_loss=bare["losses"][-1], **RATIOS, num_params=bare["num_params"],
+        step_time_mean_ms=bare["step_time_mean_s"] * 1e3, step_time_spread_pct=spread_pct(bare["step_times_s"]),
+        tokens_per_s=tokens_per_s, mfu=bare["flops_per_token"] * tokens_per_s / peak if peak else None,
+        peak_mem_gib=bare["peak_mem_gib"], final_train_loss=bare["losses"][-1], **RATIOS,
+        num_params=bare["num_params"], fallback=kernels_used(cfg, backend),
     )
 
 
 def run_backend(overrides, backend, out_dir, label, warmup, steps, run=1):
-    """Train one backend into out_dir/label and summarise its timed steps (those after the warm-up)."""
+    """Train one backend into out_dir/label and summarise its timed steps (those after the warm-up). The run's
+    checkpoints are deleted (the comparison never resumes, and a GPT-2 checkpoint is 1.4 GB)."""
     from trainer import train
+    from trainer.checkpoint import checkpoint_dir
 
     cfg = backend_config(overrides, backend, out_dir, label, warmup, steps)
     fresh_device()
-    summary = train(cfg)
+    try:
+        summary = train(cfg)
+    finally:
+        shutil.rmtree(checkpoint_dir(out_dir / label), ignore_errors=True)
     timed = summary.records[warmup:]
-    step_ms = statistics.median(r["perf/step_time_ms"] for r in timed)  # the bare loop's statistic too
+    step_ms = [r["perf/step_time_ms"] for r in timed]
     mfus = [r["perf/mfu"] for r in timed if r["perf/mfu"] is not None]
     mems = [r["perf/peak_mem_gib"] for r in timed if r["perf/peak_mem_gib"] is not None]
+    median_ms = statistics.median(step_ms)  # the bare loop's statistic too
     return dict(
         backend=backend, loop="trainer", run=run, block_size=cfg.model.block_size, batch_size=cfg.trainer.batch_size,
-        tokens_per_step=summary.tokens_per_step, step_time_ms=step_ms,
-        step_time_mean_ms=statistics.mean(r["perf/step_time_ms"] for r in timed),
-        tokens_per_s=summary.tokens_per_step / (step_ms / 1e3),
+        tokens_per_step=summary.tokens_per_step, step_time_ms=median_ms, step_time_mean_ms=statistics.mean(step_ms),
+        step_time_spread_pct=spread_pct(step_ms), tokens_per_s=summary.tokens_per_step / (median_ms / 1e3),
         mfu=statistics.median(mfus) if mfus else None, peak_mem_gib=max(mems) if mems else None,
         final_train_loss=summary.records[-1]["train/loss"], **RATIOS, num_params=summary.num_params,
+        fallback=kernels_used(cfg, backend),
     )
 
 
@@ -139,63 +175,62 @@ def add_speedups(rows):
             r["peak_mem_vs_bare"] = r["peak_mem_gib"] / statistics.mean(b["peak_mem_gib"] for b in bares)
 
 
-def print_table(rows):
-    cell = lambda x, f, width: format("-" if x is None else format(x, f), f">{width}")  # noqa: E731
-    print(f"{'backend':<11} {'loop':<9} {'context':>7} {'batch':>5} {'step ms':>9} {'mean ms':>9} {'tokens/s':>11} "
-          f"{'MFU %':>6} {'mem GiB':>8} {'loss':>7} {'vs sdpa':>7} {'vs bare tok/s':>13} {'before':>7} {'after':>7} "
-          f"{'vs bare mem':>11}")
-    for r in rows:
-        loop = f"{r['loop']} {r['run']}"
-        print(f"{r['backend']:<11} {loop:<9} {r['block_size']:>7} {r['batch_size']:>5} {r['step_time_ms']:>9.2f} "
-              f"{r['step_time_mean_ms']:>9.2f} {r['tokens_per_s']:>11,.0f} "
-              f"{cell(r['mfu'] and 100 * r['mfu'], '.1f', 6)} "
-              f"{cell(r['peak_mem_gib'], '.2f', 8)} {r['final_train_loss']:>7.4f} {cell(r['speedup_vs_sdpa'], '.2f', 7)} "
-              f"{cell(r['tokens_per_s_vs_bare'], '.3f', 13)} {cell(r['tokens_per_s_vs_bare_before'], '.3f', 7)} "
-              f"{cell(r['tokens_per_s_vs_bare_after'], '.3f', 7)} {cell(r['peak_mem_vs_bare'], '.3f', 11)}")
+TABLE = Table([
+    Column("backend", lambda r: r["backend"] + ("*" if r["fallback"] else ""), width=11, left=True),
+    Column("loop", lambda r: f"{r['loop']} {r['run']}", width=9, left=True), Column("context", "block_size"),
+    Column("batch", "batch_size"), Column("step ms", "step_time_ms", ".2f", 9),
+    Column("mean ms", "step_time_mean_ms", ".2f", 9), Column("spread %", "step_time_spread_pct", ".1f"),
+    Column("tokens/s", "tokens_per_s", ",.0f", 11), Column("MFU %", lambda r: r["mfu"] and 100 * r["mfu"], ".1f"),
+    Column("mem GiB", "peak_mem_gib", ".2f"), Column("loss", "final_train_loss", ".4f", 7),
+    Column("vs sdpa", "speedup_vs_sdpa", ".2f"), Column("vs bare tok/s", "tokens_per_s_vs_bare", ".3f"),
+    Column("before", "tokens_per_s_vs_bare_before", ".3f", 7), Column("after", "tokens_per_s_vs_bare_after", ".3f", 7),
+    Column("vs bare mem", "peak_mem_vs_bare", ".3f")])
+
+
+def notes(rows, device: str) -> list[str]:
+    """What a reader must know to read the table: backends that ran other kernels (starred), and the noise."""
+    out = [f"{b}*: runs {f}" for b, f in dict.fromkeys((r["backend"], r["fallback"]) for r in rows if r["fallback"])]
+    if device == "CPU":
+        out.append("CPU: not a benchmark. Step times on a CPU (shared cores; fa1, fa2 and fa3 under Triton's "
+                   "interpreter) change from run to run, and the ratios between backends with them")
+    noisy = [f"{r['backend']} {r['loop']} {r['run']} at context {r['block_size']} ({r['step_time_spread_pct']:.0f}%)"
+             for r in rows if (r["step_time_spread_pct"] or 0) > NOISY_PCT]
+    if noisy:
+        out.append(f"spread % (interquartile range of the timed steps over their median) above {NOISY_PCT}%: "
+                   + ", ".join(noisy) + "; more --steps, or --baseline --repeats, tell how far the ratios hold")
+    return out
+
+
+def print_table(rows, device: str):
+    """The rows as a table, then ``notes`` (``device``: the environment's device name, "CPU" without a GPU)."""
+    print(TABLE.render(rows))
+    for note in notes(rows, device):
+        print("note:", note)
+
+
+def plot(rows, path, meta) -> list[str]:
+    """A bar chart of tokens/s per backend (and bare loop, and run) and context; returns the bar labels."""
+    def series(r):
+        name = r["backend"] if r["loop"] == "trainer" else f"{r['backend']} (bare loop)"
+        name = name if r["run"] == 1 else f"{name} #{r['run']}"
+        return f"{name}, {r['fallback'].split(' (')[0]}" if r["fallback"] else name
+
+    contexts = sorted({r["block_size"] for r in rows})
+    names = list(dict.fromkeys(series(r) for r in rows))
+    values = {name: [next((r["tokens_per_s"] for r in rows if series(r) == name and r["block_size"] == c), None)
+                     for c in contexts] for name in names}
+    return bar_chart(path, [f"context {c}" for c in contexts], values, ylabel="training tokens/s",
+                     title=f"{meta['device']}: tokens/s per attention backend")
 
 
 def write(rows, out_dir, stem, meta):
-    with open(out_dir / f"{stem}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
-    (out_dir / f"{stem}.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    write_csv(out_dir / f"{stem}.csv", rows, FIELDS)
+    write_json(out_dir / f"{stem}.json", rows, **meta, notes=notes(rows, meta["device"]))
     plot(rows, out_dir / f"{stem}.png", meta)
 
 
-def plot(rows, path, meta):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    contexts = sorted({r["block_size"] for r in rows})
-    def series(r):
-        name = r["backend"] if r["loop"] == "trainer" else f"{r['backend']} (bare loop)"
-        return name if r["run"] == 1 else f"{name} #{r['run']}"
-
-    backends = list(dict.fromkeys(series(r) for r in rows))
-    fig, ax = plt.subplots(figsize=(max(5, 1.6 * len(contexts) * len(backends) / 2), 4))
-    width = 0.8 / len(backends)
-    for i, backend in enumerate(backends):
-        xs, ys = [], []
-        for j, context in enumerate(contexts):
-            r = next((r for r in rows if series(r) == backend and r["block_size"] == context), None)
-            if r:
-                xs.append(j + (i - (len(backends) - 1) / 2) * width)
-                ys.append(r["tokens_per_s"])
-        bars = ax.bar(xs, ys, width, label=backend)
-        ax.bar_label(bars, labels=[f"{y / 1e3:,.1f}k" for y in ys], fontsize=7)
-    ax.set_xticks(range(len(contexts)), [f"context {c}" for c in contexts])
-    ax.set_ylabel("training tokens/s")
-    ax.set_title(f"{meta['device']}: tokens/s per attention backend", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def main(argv=None):
+def parse_args(argv):
+    """(parser, args) with --backends, --steps, --warmup, --repeats and --sweep checked (SystemExit naming them)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--backends", default="fa1,fa2,sdpa", help=f"comma-separated, from {', '.join(BACKENDS[1:])}")
     parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per backend")
@@ -212,17 +247,23 @@ def main(argv=None):
                         help="run group: runs/<name>/<backend>, W&B group <name>")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for train.py, e.g. model=gpt2")
     args = parser.parse_args(argv)
-
-    backends = args.backends.split(",")
-    bad = [b for b in backends if b not in BACKENDS or b == "auto"]
+    args.backends = args.backends.split(",")
+    bad = [b for b in args.backends if b not in BACKENDS or b == "auto"]
     if bad or args.steps < 1 or args.warmup < 0 or args.repeats < 1:
         parser.error(f"--backends: unknown {bad}; accepted {', '.join(BACKENDS[1:])}" if bad
                      else "--steps and --repeats must be >= 1 and --warmup >= 0")
-    sweep = [int(c) for c in args.sweep.split(",") if c]
-    if any(c < 1 or args.sweep_tokens % c for c in sweep):
+    try:
+        args.sweep = [int(c) for c in args.sweep.split(",") if c]
+    except ValueError:
+        args.sweep = [0]
+    if any(c < 1 or args.sweep_tokens % c for c in args.sweep):
         parser.error(f"--sweep lengths must be positive divisors of --sweep-tokens={args.sweep_tokens}")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    return parser, args
 
+
+def plan(parser, args):
+    """(out_dir, jobs, sweep_jobs), each job (overrides, backend, label), once every run's config is valid and the
+    comparison's folder new; parser.error naming the problem otherwise. Nothing is written."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
@@ -231,35 +272,33 @@ def main(argv=None):
 
     if not valid_run_name(args.name):
         parser.error(f"--name {args.name!r}: {RUN_NAME_RULE}")
-    jobs = [(args.overrides, b, b) for b in backends]
-    sweep_jobs = [(args.overrides + [f"model.block_size={context}", f"trainer.batch_size={args.sweep_tokens // context}",
-                   "trainer.grad_accum=1"], b, f"{b}_ctx{context}")
-                  for context in sweep for b in backends]
-    try:  # every run's config is checked before anything is written
-        root = Path(compose_config(args.overrides).run.root)
-        out_dir = root / args.name
+    jobs = [(args.overrides, b, b) for b in args.backends]
+    sweep_jobs = [(args.overrides + [f"model.block_size={context}",
+                                     f"trainer.batch_size={args.sweep_tokens // context}", "trainer.grad_accum=1"],
+                   b, f"{b}_ctx{context}") for context in args.sweep for b in args.backends]
+    try:
+        out_dir = Path(compose_config(args.overrides).run.root) / args.name
         for overrides, backend, label in jobs + sweep_jobs:
             validate_config(backend_config(overrides, backend, out_dir, label, args.warmup, args.steps))
     except (ConfigError, HydraException, OmegaConfBaseException) as e:
         parser.error(str(e))
     if out_dir.exists() and any(out_dir.iterdir()):
         parser.error(f"--name {args.name}: {out_dir} already holds a comparison; choose a new --name")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    meta = dict(device=torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU",
-                torch=torch.__version__, triton=__import__("triton").__version__,
-                date=time.strftime("%Y-%m-%d"), overrides=args.overrides, warmup=args.warmup, steps=args.steps)
+    return out_dir, jobs, sweep_jobs
 
-    rows, sweep_rows, sweep_meta = [], [], {**meta, "sweep_tokens": args.sweep_tokens}
 
-    def record(row, into=rows, stem="throughput", meta=meta):
-        # The files are rewritten after every run: a backend that takes the process down (a CUDA error aborts it)
-        # leaves the rows measured before it.
-        into.append(row)
-        add_speedups(into)
-        write(into, out_dir, stem, meta)
+def compare(jobs, args, out_dir, stem, meta, baseline) -> list[dict]:
+    """Run the jobs in order (with ``baseline``: bare, then per repeat trainer and bare), rewriting the stem's files
+    after every run: a backend that takes the process down (a CUDA error aborts it) leaves the rows before it."""
+    rows = []
+
+    def record(row):
+        rows.append(row)
+        add_speedups(rows)
+        write(rows, out_dir, stem, meta)
 
     for overrides, b, label in jobs:
-        if not args.baseline:
+        if not baseline:
             record(run_backend(overrides, b, out_dir, label, args.warmup, args.steps))
             continue
         record(run_bare(overrides, b, out_dir, f"{label}_bare", args.warmup, args.steps, run=1))
@@ -267,15 +306,24 @@ def main(argv=None):
             record(run_backend(overrides, b, out_dir, label if k == 1 else f"{label}_{k}", args.warmup,
                                args.steps, run=k))
             record(run_bare(overrides, b, out_dir, f"{label}_bare", args.warmup, args.steps, run=k + 1))
-    print_table(rows)
+    return rows
 
-    if sweep:
-        for overrides, b, label in sweep_jobs:
-            record(run_backend(overrides, b, out_dir, label, args.warmup, args.steps), sweep_rows, "throughput_sweep",
-                   sweep_meta)
+
+def main(argv=None):
+    parser, args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    out_dir, jobs, sweep_jobs = plan(parser, args)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = environment("cuda" if torch.cuda.is_available() else "cpu")
+    meta = dict(**env, overrides=args.overrides, warmup=args.warmup, steps=args.steps)
+    rows = compare(jobs, args, out_dir, "throughput", meta, args.baseline)
+    print_table(rows, env["device"])
+    if sweep_jobs:
+        sweep_rows = compare(sweep_jobs, args, out_dir, "throughput_sweep", {**meta, "sweep_tokens": args.sweep_tokens},
+                             baseline=False)
         print(f"\nsweep at {args.sweep_tokens} tokens per step")
-        print_table(sweep_rows)
-    print(f"wrote {out_dir}/throughput.{{csv,json,png}}" + (" and throughput_sweep.*" if sweep else ""))
+        print_table(sweep_rows, env["device"])
+    print(f"wrote {out_dir}/throughput.{{csv,json,png}}" + (" and throughput_sweep.*" if sweep_jobs else ""))
     return rows
 
 

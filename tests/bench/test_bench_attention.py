@@ -1,4 +1,4 @@
-"""bench.attention, bench.fa2_configs and bench.fa3_variants: their CPU-checkable parts (timing needs a GPU)."""
+"""bench.attention: its CPU-checkable parts (the dense shapes' timing needs a GPU; the decode shape runs on the CPU)."""
 
 import pytest
 
@@ -66,83 +66,6 @@ def test_measure_times_eager_calls_or_cuda_graph_replays(monkeypatch, cuda_graph
     assert (fwd, bwd) == ((2.0, 3.0) if cuda_graph else (2.0, 5.0))
 
 
-def test_fa2_configs_candidates_cover_tma_on_and_off_and_sets_one_config():
-    """bench.fa2_configs: every candidate tile is measured with TMA loads on and off, and set_config makes it the
-    kernel's only autotune config (so the timing is that config's)."""
-    from bench import fa2_configs
-    from kernels import fa2
-
-    for kernel, candidates in fa2_configs.CANDIDATES.items():
-        assert fa2_configs.variants(kernel) == [(c, t) for c in candidates for t in (True, False)]
-    saved = list(fa2._fwd.configs)
-    try:
-        fa2_configs.set_config("fwd", (64, 32, 4, 2), tma=False)
-        (config,) = fa2._fwd.configs
-        assert config.kwargs == {"BLOCK_M": 64, "BLOCK_N": 32, "TMA": False}
-        assert (config.num_warps, config.num_stages) == (4, 2)
-    finally:
-        fa2._fwd.configs = saved
-        fa2._fwd.cache.clear()
-
-
-def test_fa2_configs_needs_a_gpu(monkeypatch):
-    from bench import fa2_configs
-
-    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
-    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
-        fa2_configs.main(["--head-dims", "64"])
-
-
-def test_fa3_variant_fields():
-    from bench.fa3_variants import forward_config
-
-    assert forward_config("3:128:2:1:1") == (3, 128, 2, True, True, False)  # SPLIT_LOOPS off by default
-    assert forward_config("3:128:2:1:1:1") == (3, 128, 2, True, True, True)
-    with pytest.raises(SystemExit, match="variant 3:128:2: give 5 or 6 fields"):
-        forward_config("3:128:2")
-
-
-def test_fa3_backward_variant_fields_default_to_the_head_dims_config():
-    from bench.fa3_variants import backward_config
-
-    assert backward_config("4", (2, False, "cols", 64)) == (4, False, "cols", 64)
-    assert backward_config("3:1:none", (2, False, "cols", 64)) == (3, True, "none", 64)
-    assert backward_config("2:0:rows:128", (4, False, "none", 64)) == (2, False, "rows", 128)
-
-
-@pytest.mark.parametrize("argv,message", [
-    (["--variants", "foo"], "variant 'foo': give colon-separated integers"),
-    (["--variants", "2:128:2"], "variant 2:128:2: give 5 or 6 fields"),
-    (["--backward", "--variants", "2:128:2:1:1"], "backward variant 2:128:2:1:1: give 1 to 4 fields"),
-    (["--backward", "--variants", "2:0:1"], "SPLIT_DQ '1'; accepted none, cols, rows"),
-    (["--backward", "--variants", "2:0:rows:96"], "BLOCK_M 96; accepted 64, 128"),
-    (["--backward", "--variants", "x:0"], "backward variant x:0: NUM_STAGES and DQ_FIRST are integers"),
-    (["--backward", "--variants", "0:0"], "NUM_STAGES 0; give 1 or more"),
-    (["--backward", "--variants", "2:0:rows:64"], "2:0:rows:64 at head_dim 64: .*BLOCK_M=64 with SPLIT_DQ='rows'"),
-    (["--backward", "--variants", "2:0:rows", "--head-dims", "128"],
-     "2:0:rows at head_dim 128: .*BLOCK_M=64 with SPLIT_DQ='rows'"),
-    (["--backward", "--head-dims", "96"], "--head-dims 96: the Gluon backward takes 64, 128"),
-])
-def test_fa3_variants_checks_its_variants_on_any_machine(monkeypatch, argv, message):
-    """bench.fa3_variants parses --variants (in the --backward format with --backward) before it looks for a GPU,
-    so a typo is named on a CPU-only machine too."""
-    from bench import fa3_variants
-
-    with pytest.raises(SystemExit, match=message):
-        fa3_variants.main(argv)
-
-
-@pytest.mark.parametrize("argv", [[], ["--backward"]])
-def test_fa3_variants_default_variants_parse_in_both_modes(monkeypatch, argv):
-    """Each mode's default --variants passes its own format's check; then, without CUDA, the GPU check refuses."""
-    import torch
-    from bench import fa3_variants
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
-        fa3_variants.main(argv)
-
-
 def test_repeats_take_the_median_with_the_order_alternating():
     """--repeats: each backend's fwd and bwd medians over the repeats, the backends' order reversed every other one."""
     calls = []
@@ -168,3 +91,143 @@ def test_repeats_skip_a_backend_that_refuses_the_shape():
 def test_repeats_must_be_positive():
     with pytest.raises(SystemExit, match="--repeats 0"):
         attention.main(["--repeats", "0"])
+
+
+def test_decode_shape_smoke(tmp_path):
+    """--shape decode on the CPU: every backend's decode-step function at two cache lengths."""
+    import csv
+    import json
+
+    rows = attention.main(["--shape", "decode", "--out", str(tmp_path), "--dtype", "float32", "--heads", "2",
+                           "--head-dims", "16", "--seqlens", "16,70", "--batch", "1",
+                           "--backends", "sdpa,fa2,fa2_splitkv"])
+    assert [(r["backend"], r["seqlen_k"]) for r in rows] == [
+        (b, n) for n in (16, 70) for b in ("sdpa", "fa2", "fa2_splitkv")]
+    assert all(r["us"] > 0 and r["speedup_vs_fa2"] > 0 for r in rows)
+    with open(tmp_path / "attention_decode.csv") as f:
+        assert len(list(csv.DictReader(f))) == len(rows)
+    assert json.loads((tmp_path / "attention_decode.json").read_text())["device"] == "CPU"
+    assert (tmp_path / "attention_decode_b1.png").stat().st_size > 0
+
+
+def test_decode_backends_compute_attention_over_the_cache():
+    """The decode shape's functions: one query per (batch, head) against a strided cache prefix, grouped-query
+    heads, each equal to a float64 softmax reference."""
+    import torch
+
+    batch, heads, kv_heads, n, d = 2, 4, 2, 37, 16
+    cache = torch.randn(2, batch, kv_heads, 50, d)
+    k, v = cache[0, :, :, :n], cache[1, :, :, :n]
+    q = torch.randn(batch, heads, 1, d)
+    kr, vr = (t.double().repeat_interleave(heads // kv_heads, 1) for t in (k, v))
+    ref = torch.softmax(q.double() @ kr.transpose(-1, -2) / d ** 0.5, -1) @ vr
+    for name, fn in attention.kv_backends(["sdpa", "fa2", "fa2_splitkv", "flex"]).items():
+        torch.testing.assert_close(fn(q, k, v).double(), ref, atol=1e-4, rtol=1e-4, msg=name)
+
+
+def grid_cells():
+    """Today's default grid, written out: B * N = 16k, H * D = 2048, D 64 then 128, causal then not."""
+    return [attention.Case(max(1, 16384 // n), 2048 // d, 2048 // d, n, d, causal)
+            for d in (64, 128) for causal in (True, False) for n in (512, 1024, 2048, 4096, 8192, 16384)]
+
+
+@pytest.mark.parametrize("argv,expected", [
+    ([], grid_cells()),
+    (["--shape", "grid"], grid_cells()),
+    (["--shape", "llama"], [attention.Case(2, 64, 8, n, 128, causal) for causal in (True, False)
+                            for n in (2048, 4096, 8192, 16384, 32768)]),
+    (["--shape", "llama", "--seqlens", "4096", "--causal", "false"], [attention.Case(2, 64, 8, 4096, 128, False)]),
+    (["--shape", "decode", "--batch", "8", "--seqlens", "128,1024"],
+     [attention.Case(8, 12, 12, 128, 64, True), attention.Case(8, 12, 12, 1024, 64, True)]),
+    (["--head-dims", "128", "--seqlens", "4096", "--causal", "TRUE"], [attention.Case(4, 16, 16, 4096, 128, True)]),
+])
+def test_shapes_yield_their_cells(argv, expected):
+    assert attention.cases(attention.parse_args(argv)) == expected
+
+
+def test_each_shape_has_its_default_backends():
+    every = list(reversed(list(attention.REGISTRY)))
+    assert attention.parse_args([]).backends == every
+    assert attention.parse_args(["--shape", "llama"]).backends == every
+    assert attention.parse_args(["--shape", "decode"]).backends == ["sdpa", "fa2", "fa2_splitkv", "fa3"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--shape", "llama", "--kv-heads", "3"], r"query heads \[64\] with key/value heads 3"),
+    (["--heads", "0"], r"query heads \[0\]"),
+    (["--backends", "fa2_splitkv"], r"unknown backend\(s\) \['fa2_splitkv'\].*--shape decode only"),
+])
+def test_bad_shape_arguments_are_named(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        attention.parse_args(argv)
+
+
+@pytest.mark.parametrize("argv", [["--shape", "square"], ["--causal", "yes"], ["--seqlens", "0,512"],
+                                  ["--head-dims", "sixty-four"]])
+def test_bad_lists_are_refused_by_the_parser(argv, capsys):
+    with pytest.raises(SystemExit):
+        attention.parse_args(argv)
+    assert argv[1] in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--shape", "llama"], [], ["--shape", "decode", "--cuda-graph"]])
+def test_shapes_that_need_a_gpu_say_so(argv, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        attention.main(argv)
+
+
+def test_dense_cells_pass_grouped_query_inputs_and_count_query_heads(monkeypatch, capsys):
+    """A llama-like cell on the CPU (do_bench faked: timing needs a GPU): k and v have the key/value heads, the
+    FLOPs count the query heads, one printed line per backend."""
+    import torch
+
+    seen = []
+    monkeypatch.setattr("triton.testing.do_bench", lambda fn, grad_to_none=None, return_mode="median": 2.0)
+    args = attention.parse_args(["--shape", "llama", "--heads", "4", "--kv-heads", "2", "--head-dims", "16",
+                                 "--seqlens", "32", "--causal", "true", "--backends", "sdpa,fa2"])
+    real = attention.backends
+    monkeypatch.setattr(attention, "backends", lambda names: {
+        n: (lambda q, k, v, causal, fn=fn: seen.append((q.shape[1], k.shape[1], v.shape[1])) or fn(q, k, v, causal))
+        for n, fn in real(names).items()})
+    rows = attention.run_dense(args, torch.float32, device="cpu")
+    assert {s for s in seen} == {(4, 2, 2)}
+    assert [(r["backend"], r["batch"], r["n_heads"], r["n_kv_heads"]) for r in rows] == [("sdpa", 2, 4, 2),
+                                                                                          ("fa2", 2, 4, 2)]
+    assert rows[0]["fwd_tflops"] == pytest.approx(attention.flops(2, 4, 32, 16, True, "fwd") / 2.0 / 1e9)
+    assert capsys.readouterr().out.count("\nsdpa ") == 1
+
+
+def test_fallback_rows_are_named():
+    """fa3 without a Hopper GPU runs FA2's kernels; the note names it, the others run their own."""
+    import torch
+
+    notes = attention.fallback_notes(["sdpa", "fa2", "fa3"], "cpu", torch.float32, [64, 128])
+    assert notes == ["fa3 at head_dim 64: runs FA2's Triton kernels (no CUDA GPU)",
+                     "fa3 at head_dim 128: runs FA2's Triton kernels (no CUDA GPU)"]
+
+
+def test_ratio_table_and_plots_of_dense_rows(tmp_path, capsys):
+    """The first backend's speed-up over the others per cell (other time / first time, fwd / bwd), and one PNG per
+    (head_dim, causal, direction) named as before the shapes existed."""
+    import random
+
+    def row(backend, seqlen, fwd, bwd):
+        return dict(backend=backend, dtype="bfloat16", batch=16384 // seqlen, n_heads=32, n_kv_heads=32, seqlen=seqlen,
+                    head_dim=64, causal=True, timing="eager", repeats=1, fwd_ms=fwd, bwd_ms=bwd,
+                    fwd_tflops=fwd and 1 / fwd, bwd_tflops=bwd and 1 / bwd)
+
+    fwd, bwd = random.uniform(0.1, 1), random.uniform(0.1, 1)
+    rows = [row("fa3", 1024, fwd, bwd), row("sdpa", 1024, 2 * fwd, 3 * bwd), row("fa2", 1024, None, None),
+            row("fa3", 2048, fwd, bwd), row("sdpa", 2048, 4 * fwd, None)]
+    attention.print_ratios(rows)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == "fa3 speed-up (other time / fa3 time), fwd / bwd"
+    assert lines[2].split() == ["D", "causal", "N", "vs", "sdpa", "vs", "fa2"]
+    assert lines[3].split() == ["64", "True", "1024", "2.00", "/", "3.00", "-", "/", "-"]
+    assert lines[4].split() == ["64", "True", "2048", "4.00", "/", "-", "-", "/", "-"]
+    paths = attention.plot_dense(rows, tmp_path / "attention")
+    assert [p.name for p in paths] == ["attention_fwd_d64_causal.png", "attention_bwd_d64_causal.png"]
+    assert all(p.stat().st_size > 0 for p in paths)

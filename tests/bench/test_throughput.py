@@ -2,6 +2,7 @@
 
 import csv
 import json
+import random
 import statistics
 import subprocess
 import sys
@@ -57,6 +58,61 @@ def test_compares_backends_and_sweeps_context(tmp_path, tiny_overrides, capsys):
 
 
 
+def test_fallback_rows_and_noise_are_marked(tmp_path, tiny_overrides, capsys):
+    """On a CPU: fa3 runs FA2's kernels and its row says so (starred, named under the table); every row has the
+    spread of its step times; the table says a CPU is not a benchmark."""
+    overrides = [o for o in tiny_overrides if not o.startswith(("run.", "attn=", "trainer.max_steps"))]
+    overrides += [f"run.root={tmp_path}", "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=16",
+                  "trainer.batch_size=2"]
+    rows = throughput.main(["--backends", "fa3,sdpa", "--steps", "3", "--warmup", "1", "--name", "fb", *overrides])
+    assert [(r["backend"], r["fallback"]) for r in rows] == [("fa3", "FA2's Triton kernels (no CUDA GPU)"),
+                                                            ("sdpa", None)]
+    assert all(r["step_time_spread_pct"] >= 0 for r in rows)
+    printed = capsys.readouterr().out
+    assert "\nfa3* " in printed and "note: fa3*: runs FA2's Triton kernels (no CUDA GPU)" in printed
+    assert "note: CPU: not a benchmark" in printed and "spread %" in printed
+    meta = json.loads((tmp_path / "fb" / "throughput.json").read_text())
+    assert meta["rows"] == rows and any("not a benchmark" in n for n in meta["notes"])
+
+
+def test_runs_leave_no_checkpoint(tmp_path, tiny_overrides):
+    """A throughput run keeps its metrics and W&B files but not the trainer's final checkpoint (1.4 GB for GPT-2)."""
+    overrides = [o for o in tiny_overrides if not o.startswith(("run.", "attn=", "trainer.max_steps"))]
+    overrides += [f"run.root={tmp_path}", "model.n_layer=1", "model.block_size=16", "trainer.batch_size=2"]
+    throughput.main(["--backends", "sdpa", "--steps", "1", "--warmup", "1", "--name", "nock", *overrides])
+    run_dir = tmp_path / "nock" / "sdpa"
+    assert (run_dir / "metrics.jsonl").stat().st_size > 0 and not (run_dir / "checkpoints").exists()
+
+
+def test_spread_is_the_interquartile_range_over_the_median():
+    import numpy as np
+
+    times = [random.uniform(1, 2) for _ in range(random.randint(2, 30))]
+    q1, q3 = np.percentile(times, [25, 75])
+    assert throughput.spread_pct(times) == pytest.approx(100 * (q3 - q1) / np.median(times))
+    assert throughput.spread_pct([5.0]) is None
+
+
+def test_notes_name_fallbacks_and_noisy_rows_only():
+    row = lambda backend, spread, fb=None: dict(backend=backend, loop="trainer", run=1, block_size=1024,
+                                                step_time_spread_pct=spread, fallback=fb)
+    assert throughput.notes([row("fa2", 3.0), row("sdpa", None)], "NVIDIA H200") == []
+    notes = throughput.notes([row("fa3", 25.0, "FA2's Triton kernels (GPU compute capability 8.0 is not 9.0 (Hopper))"),
+                              row("sdpa", 4.0)], "NVIDIA A100-SXM4-80GB")
+    assert notes[0] == "fa3*: runs FA2's Triton kernels (GPU compute capability 8.0 is not 9.0 (Hopper))"
+    assert "fa3 trainer 1 at context 1024 (25%)" in notes[1] and "sdpa" not in notes[1]
+    assert any("not a benchmark" in n for n in throughput.notes([row("sdpa", 1.0)], "CPU"))
+
+
+def test_bar_labels_keep_small_values(tmp_path):
+    """Bars of 23, 12 and 10 tokens/s read 23, 12 and 10 (not 0.0k); large ones are shortened."""
+    row = lambda backend, context, tps: dict(backend=backend, loop="trainer", run=1, block_size=context,
+                                             tokens_per_s=tps, fallback=None)
+    rows = [row("flex", 16, 23.0), row("sdpa", 16, 12.4), row("fa2", 16, 10.0), row("fa2", 32, 123_456.0)]
+    labels = throughput.plot(rows, tmp_path / "t.png", {"device": "CPU"})
+    assert labels == ["23", "12", "10", "123k"] and (tmp_path / "t.png").stat().st_size > 0
+
+
 def test_rows_measured_before_a_backend_fails_are_kept(tmp_path, tiny_overrides, monkeypatch):
     """A backend that ends the process (on the GPU a CUDA error aborts it) must not take the rows measured before
     it along: the files are rewritten after every run."""
@@ -77,8 +133,8 @@ def test_rows_measured_before_a_backend_fails_are_kept(tmp_path, tiny_overrides,
     assert [r["backend"] for r in rows] == ["sdpa"] and rows[0]["tokens_per_s"] > 0
 
 def test_document_masks_compare_fa2_flex_and_sdpa(tmp_path, tiny_overrides):
-    """Issue 14's table on a micro model: --backends fa2,flex,sdpa with data.document_mask=true, one row per backend,
-    the same losses (the same masked model)."""
+    """The document-mask comparison on a micro model: --backends fa2,flex,sdpa with data.document_mask=true, one row
+    per backend, the same losses (the same masked model)."""
     overrides = [o for o in tiny_overrides if not o.startswith(("run.", "attn=", "trainer.max_steps"))]
     overrides += [f"run.root={tmp_path}", "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=16",
                   "trainer.batch_size=2", "data.document_mask=true", "model.attn_window=6"]
@@ -184,7 +240,7 @@ def test_bare_loop_times_every_step_like_the_trainer(make_cfg):
 
 
 def test_bench_help_shows_defaults():
-    for module in ("throughput", "masks", "profile_step"):
+    for module in ("throughput", "masks", "attention", "generate"):  # tools.profile_step: tests/tools
         out = subprocess.run([sys.executable, "-m", f"bench.{module}", "--help"], cwd=ROOT, capture_output=True,
                              text=True, timeout=120)
         assert out.returncode == 0 and "(default: " in out.stdout, out.stderr[-2000:]
@@ -193,7 +249,8 @@ def test_bench_help_shows_defaults():
 @pytest.mark.gpu
 @pytest.mark.parametrize("compile_", ["false", "true"])
 def test_trainer_peak_memory_is_within_5_percent_of_the_bare_loop(make_cfg, compile_):
-    """The issue-13 memory target on a vocabulary-heavy small model (logits dominate), bf16 autocast."""
+    """The trainer's memory target (within 5% of the bare loop's peak) on a vocabulary-heavy small model (logits
+    dominate), bf16 autocast."""
     from bench.baseline import run_bare_loop
     from trainer import train
 

@@ -1,7 +1,7 @@
 """Check and time variants of the Gluon FA3 forward (or backward) side by side in one process (H200, Triton 3.6).
 
-    python -m bench.fa3_variants --variants 2:128:2:1:1,2:128:2:1:0 --head-dims 128 --seqlens 4096,16384
-    python -m bench.fa3_variants --backward --variants 2:0:cols,3:0:cols --head-dims 128 --seqlens 2048,8192
+    python -m tools.fa3_variants --variants 2:128:2:1:1,2:128:2:1:0 --head-dims 128 --seqlens 4096,16384
+    python -m tools.fa3_variants --backward --variants 2:0:cols,3:0:cols --head-dims 128 --seqlens 2048,8192
 
 Backward: a variant is NUM_STAGES[:DQ_FIRST[:SPLIT_DQ[:BLOCK_M]]] (`kernels.fa3.BWD_CONFIGS[head_dim]`, the fields
 left out as there; SPLIT_DQ is none, cols or rows); each is checked against float32 gradients (dq, dk, dv by
@@ -224,7 +224,7 @@ def main(argv=None):
     if args.backward:
         check_backward_configs(args.variants, map(int, args.head_dims.split(",")))
     if not torch.cuda.is_available():
-        raise SystemExit("bench.fa3_variants needs a CUDA GPU (an sm_90 one for the Gluon kernels)")
+        raise SystemExit("tools.fa3_variants needs a CUDA GPU (an sm_90 one for the Gluon kernels)")
     from triton.testing import do_bench
 
     dtype = getattr(torch, args.dtype)

@@ -1,11 +1,11 @@
-"""bench.profile_step: the trace analysis on a hand-made GPU trace, and a short CPU run of both loops."""
+"""tools.profile_step: the trace analysis on a hand-made GPU trace, and a short CPU run of both loops."""
 
 import gzip
 import json
 
 import pytest
 
-from bench import profile_step
+from tools import profile_step
 
 
 def span(cat, name, ts, dur, **args):
@@ -75,3 +75,21 @@ def test_profile_both_loops_on_cpu(tmp_path, tiny_overrides, capsys):
                                                      "trace_trainer.json.gz"]  # no run folder or checkpoint
     profile_step.main(["--analyze", str(out / "trace_trainer.json.gz")])
     assert "2 profiled steps" in capsys.readouterr().out
+
+
+def test_help_shows_defaults():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-m", "tools.profile_step", "--help"], cwd=root, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "(default: " in out.stdout, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("argv", [["--steps", "0"], ["--warmup", "-1"], ["--loops", "bare,train"]])
+def test_bad_arguments_are_named(argv, capsys):
+    with pytest.raises(SystemExit):
+        profile_step.main(argv)
+    assert f"{argv[0]} {argv[1]}" in capsys.readouterr().err

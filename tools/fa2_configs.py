@@ -1,7 +1,7 @@
 """Time every candidate tile config of each FA2 kernel on its own, per shape, next to SDPA's cuDNN kernel.
 
-    python -m bench.fa2_configs --out runs/fa2_configs            # head_dim 64/128, causal and not, N 1k/4k/16k
-    python -m bench.fa2_configs --head-dims 64 --seqlens 1024 --causal true
+    python -m tools.fa2_configs --out runs/fa2_configs            # head_dim 64/128, causal and not, N 1k/4k/16k
+    python -m tools.fa2_configs --head-dims 64 --seqlens 1024 --causal true
 
 This is the tool behind the `_*_SHAPES` config lists in kernels/fa2.py and the variant table in
 docs/hopper-notes.md. Autotune is bypassed: each candidate is made the kernel's only config, so its time is
@@ -108,10 +108,10 @@ def main(argv=None):
     parser.add_argument("--out", default="runs/fa2_configs", help="folder for configs.csv")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("bench.fa2_configs needs a CUDA GPU")
+        raise SystemExit("tools.fa2_configs needs a CUDA GPU")
     from triton.testing import do_bench
 
-    from bench.attention import flops, measure, sdpa
+    from bench.attention import backends, flops, measure
 
     head_dims = [int(d) for d in args.head_dims.split(",")]
     causals = [c.strip().lower() == "true" for c in args.causal.split(",")]
@@ -130,8 +130,8 @@ def main(argv=None):
         writer.writeheader()
         for head_dim, causal, seqlen in itertools.product(head_dims, causals, map(int, args.seqlens.split(","))):
             batch, n_heads = max(1, TOKENS // seqlen), WIDTH // head_dim
-            cudnn = dict(zip(("fwd", "bwd"), measure(sdpa("sdpa_cudnn"), batch, n_heads, seqlen, head_dim, causal,
-                                                     torch.bfloat16)))
+            cudnn = dict(zip(("fwd", "bwd"), measure(backends(["sdpa_cudnn"])["sdpa_cudnn"], batch, n_heads, seqlen,
+                                                     head_dim, causal, torch.bfloat16)))
             print(f"D={head_dim} causal={causal} N={seqlen}: cuDNN fwd "
                   f"{flops(batch, n_heads, seqlen, head_dim, causal, 'fwd') / cudnn['fwd'] / 1e9:.0f} TFLOP/s, bwd "
                   f"{flops(batch, n_heads, seqlen, head_dim, causal, 'bwd') / cudnn['bwd'] / 1e9:.0f}", flush=True)

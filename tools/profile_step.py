@@ -1,8 +1,8 @@
 """Where a training step's time goes: the trainer's steps and the bare loop's under torch.profiler, side by side.
 
-    python -m bench.profile_step --out runs/profile model=gpt2 model.vocab_size=50304 data=shakespeare_char \\
-        wandb.mode=disabled trainer.compile=true trainer.batch_size=32        # the issue-13 setting, attn=sdpa
-    python -m bench.profile_step --analyze runs/profile/trace_trainer.json.gz   # summarise a trace again (no GPU)
+    python -m tools.profile_step --out runs/profile model=gpt2 model.vocab_size=50304 data=shakespeare_char \\
+        wandb.mode=disabled trainer.compile=true trainer.batch_size=32        # GPT-2 at context 1024, attn=sdpa
+    python -m tools.profile_step --analyze runs/profile/trace_trainer.json.gz   # summarise a trace again (no GPU)
 
 Each loop trains the config of `bench.throughput` for `--backend` (the same overrides, model, data, compile):
 the bare loop of `bench.baseline`, then the trainer (`train()`, whose fit loop is what runs). `--warmup` steps
@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from bench import HelpFormatter
+from utils.atomic import atomic_write_text
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 RUNTIME_CATS = ("cuda_runtime", "cuda_driver")
@@ -289,7 +290,8 @@ def main(argv=None):
         return None
     loops = args.loops.split(",")
     if args.steps < 1 or args.warmup < 0 or not set(loops) <= set(LOOPS):
-        parser.error(f"--steps must be >= 1, --warmup >= 0, --loops from {', '.join(LOOPS)}")
+        parser.error(f"--steps {args.steps} --warmup {args.warmup} --loops {args.loops}: give --steps >= 1, "
+                     f"--warmup >= 0 and --loops from {', '.join(LOOPS)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     return run(args, loops)
 
@@ -308,7 +310,7 @@ def run(args, loops: list[str]) -> dict:
             summaries[loop] = analyze(load_trace(out_dir / f"trace_{loop}.json.gz"))
             tables[loop] = op_table(prof)
             text = format_summary(loop, summaries[loop], tables[loop])
-            (out_dir / f"summary_{loop}.txt").write_text(text + "\n")
+            atomic_write_text(out_dir / f"summary_{loop}.txt", text + "\n")
             print(text)
     meta = dict(device=torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU", torch=torch.__version__,
                 backend=args.backend, overrides=args.overrides, warmup=args.warmup, steps=args.steps)
@@ -316,8 +318,8 @@ def run(args, loops: list[str]) -> dict:
     if set(summaries) == set(LOOPS):
         result["comparison"] = compare(summaries)
         print(result["comparison"])
-        (out_dir / "comparison.txt").write_text(result["comparison"] + "\n")
-    (out_dir / "summary.json").write_text(json.dumps(result, indent=1, default=str))
+        atomic_write_text(out_dir / "comparison.txt", result["comparison"] + "\n")
+    atomic_write_text(out_dir / "summary.json", json.dumps(result, indent=1, default=str))
     print(f"wrote {out_dir}/trace_<loop>.json.gz, summary_<loop>.txt, summary.json")
     return result
 

@@ -1,0 +1,8 @@
+"""Developer tools, one command each (``python -m tools.<name> --help``):
+
+    fa2_configs   time every candidate tile config of each FA2 kernel on its own (the autotune lists in kernels/fa2.py)
+    fa3_variants  check and time variants of the Gluon FA3 forward or backward side by side
+    profile_step  where a training step's time goes: the trainer's and the bare loop's steps under torch.profiler
+
+User benchmarks are in bench/.
+"""
