@@ -27,27 +27,25 @@ import torch
 import torch._functorch.config  # the donated_buffer switch used in measure()
 
 from bench import HelpFormatter
-from model.attention import REGISTRY
+from model.backends import REGISTRY
 
 TOKENS = 16 * 1024
 WIDTH = 2048  # n_heads * head_dim
 
 
 def check_names(names):
-    """Refuse (SystemExit) names that are not backends of ``model.attention.REGISTRY``, listing the accepted ones."""
+    """Refuse (SystemExit) names that are not backends of ``model.backends.REGISTRY``, listing the accepted ones."""
     unknown = set(names) - set(REGISTRY)
     if unknown:
         raise SystemExit(f"unknown backend(s) {sorted(unknown)}; choose from {sorted(REGISTRY)}")
 
 
 def backends(names):
-    """{name: attention(q, k, v, causal)} for backends of ``model.attention.REGISTRY``."""
-    from model.attention import get_backend
-
+    """{name: attention(q, k, v, causal)} for backends of ``model.backends.REGISTRY``."""
     check_names(names)
     chosen = {}
     for name in names:
-        fn = get_backend(name)
+        fn = REGISTRY[name].load().attention
         chosen[name] = lambda q, k, v, causal, fn=fn: fn(q, k, v, causal=causal)
     return chosen
 
@@ -160,7 +158,7 @@ def plot(rows, out_dir):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--backends", default=",".join(reversed(REGISTRY)),  # the ratios are against the first
-                        help="comma-separated, from model.attention.REGISTRY; ratios are against the first")
+                        help="comma-separated, from model.backends.REGISTRY; ratios are against the first")
     parser.add_argument("--head-dims", default="64,128", help="comma-separated head dimensions D")
     parser.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384", help="comma-separated sequence lengths N")
     parser.add_argument("--causal", default="true,false", help="comma-separated: true, false, or true,false for both")
@@ -181,7 +179,7 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype)
     timing = "cuda_graph" if args.cuda_graph else "eager"
     chosen = backends(args.backends.split(","))
-    # Compiled backends (flex) build one static-shape kernel per shape (model/flex.py): room for every case.
+    # Compiled backends (flex) build one static-shape kernel per shape (model/backends/flex_masks.py): room for every case.
     cases = len(args.head_dims.split(",")) * len(args.causal.split(",")) * len(args.seqlens.split(","))
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, cases + 8)
     out_dir = Path(args.out)

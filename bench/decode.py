@@ -4,8 +4,8 @@
     python -m bench.decode --out /tmp/dec --dtype fp32 --heads 2 --head-dim 16 --seqlens 16,70 --batch 1 \\
         --backends sdpa,fa2,fa2_splitkv                      # CPU smoke test (Triton interpreter)
 
-Each backend is the function the model calls in a decode step (``model.attention.get_kv_backend``; `fa2_splitkv`
-is fa2 with ``split_kv=True``, i.e. ``kernels.decode.fa2_decode``), on q (batch, heads, 1, head_dim) and k, v
+Each backend is the function the model calls in a decode step (the backend's ``kv_attention``; `fa2_splitkv`
+is fa2's ``split_kv_attention``, i.e. ``kernels.decode.fa2_decode``), on q (batch, heads, 1, head_dim) and k, v
 views of the first N positions of a (batch, kv_heads, max N, head_dim) cache. Times are
 ``triton.testing.do_bench`` medians on a GPU (after a first call that autotunes), the mean of 3 calls on the
 CPU. GB/s counts the K and V bytes read, the floor of a decode step's memory traffic. "vs fa2" is fa2's time
@@ -28,11 +28,11 @@ FIELDS = ["backend", "batch", "heads", "kv_heads", "head_dim", "seqlen_k", "us",
 
 
 def attention_fn(backend: str):
-    from model.attention import get_kv_backend
+    from model.backends import REGISTRY
 
     if backend == "fa2_splitkv":
-        return get_kv_backend("fa2", split_kv=True)
-    return get_kv_backend(backend)
+        return REGISTRY["fa2"].load().split_kv_attention
+    return REGISTRY[backend].load().kv_attention
 
 
 def measure_us(fn) -> float:

@@ -52,7 +52,7 @@ from pathlib import Path
 import torch
 
 from bench import HelpFormatter
-from model.attention import BACKENDS
+from model.backends import BACKENDS
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
 SHAPE_KEYS = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "bias")

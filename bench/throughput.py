@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from bench import HelpFormatter
-from model.attention import BACKENDS
+from model.backends import BACKENDS
 
 log = logging.getLogger("bench.throughput")
 FIELDS = ["backend", "loop", "run", "block_size", "batch_size", "tokens_per_step", "step_time_ms",
