@@ -122,8 +122,10 @@ class Backend:
 
     def refuse_dropout(self, dropout_p: float) -> None:
         if dropout_p > 0.0:
+            anywhere = [f"attn={b.name}" for b in _TABLE.values()
+                        if b.supports_dropout and b.cpu_dropout and not b.needs_cuda]
             raise ValueError(f"attn={self.name} has no attention dropout (got dropout_p={dropout_p}); "
-                             "use model.dropout=0.0 or attn=sdpa")
+                             f"use model.dropout=0.0 or {one_of(anywhere)}")
 
     def refuse_masks(self, window: int, docs: Optional[torch.Tensor]) -> None:
         if window and not self.supports_window:
