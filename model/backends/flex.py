@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
-from model.backends.base import Backend
+from model.backends.base import Backend, BackendUnavailableError
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -29,8 +29,11 @@ class FlexBackend(Backend):
         if not torch.cuda.is_available():
             warnings.warn("attn=flex: no CUDA GPU, running FlexAttention's unfused eager implementation (it "
                           "materializes the scores); slow, meant for testing only", RuntimeWarning, stacklevel=4)
-        from model.backends.flex_masks import attention
-
+        try:
+            from model.backends.flex_masks import attention
+        except ImportError as e:  # torch < 2.5 has no torch.nn.attention.flex_attention
+            raise BackendUnavailableError(f"attn=flex is not available with torch {torch.__version__} "
+                                          f"({type(e).__name__}: {e}); it needs torch >= 2.5") from e
         return attention
 
     def load(self) -> "FlexBackend":
