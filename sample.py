@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from data.tokenizers import tokenizer_from_meta
-from model.attention import REGISTRY
+from model.backends import REGISTRY, backends_with
 from model.gpt import GPT, GPTConfig
 from trainer.checkpoint import CheckpointError, clean_state_dict, latest_checkpoint, load_checkpoint
 from trainer.runtime import NO_CUDA
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                          "with --kv-cache); '--compile cudagraphs' = --compile --cuda-graph")
     ap.add_argument("--cuda-graph", action="store_true",
                     help="capture the fixed-shape decode step (eager, or compiled with --compile) as one CUDA graph "
-                         "and replay it per token (GPU, --kv-cache; sdpa, fa2 or fa3)")
+                         f"and replay it per token (GPU, --kv-cache; {', '.join(backends_with('static_decode'))})")
     args = ap.parse_args(argv)
     for name, ok, accepted in (("--num-tokens", args.num_tokens >= 1, ">= 1"),
                                ("--num-samples", args.num_samples >= 1, ">= 1"),

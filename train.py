@@ -31,7 +31,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from data.prepare import PreparationInterrupted
 from data.sources import DataError
-from model.attention import BackendUnavailableError
+from model.backends import BackendUnavailableError
 from trainer import ConfigError, NonFiniteLossError, register_configs, train
 from trainer.checkpoint import CheckpointError, latest_checkpoint
 from trainer.config import compose_config, continue_command

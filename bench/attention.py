@@ -14,8 +14,8 @@ Shapes (--batch, --heads, --kv-heads, --head-dims, --seqlens and --causal replac
 - llama: NVIDIA's published H200 attention shape, so our ratios compare with its table: B = 2, 64 query heads,
   8 key/value heads (grouped-query attention), D = 128, N = 2k, 4k, 8k, 16k, 32k, causal and not.
 - decode: the attention of one decode step, forward only: q (B, H, 1, D) against k, v views of the first N
-  positions of a (B, Hkv, max N, D) cache, through the function the model calls (``model.attention.
-  get_kv_backend``; `fa2_splitkv` is fa2 with ``split_kv=True``, i.e. ``kernels.decode.fa2_decode``). Defaults:
+  positions of a (B, Hkv, max N, D) cache, through the function the model calls (the backend's
+  ``kv_attention``; `fa2_splitkv` is fa2's ``split_kv_attention``, i.e. ``kernels.decode.fa2_decode``). Defaults:
   GPT-2's heads (12 x 64), B = 1 and 8. GB/s counts the K and V bytes read, the floor of a decode step's memory
   traffic; "vs fa2" is fa2's time over the backend's. The only shape that runs without a GPU (float32, the mean of
   3 calls under Triton's interpreter: a smoke test, not a benchmark).
@@ -46,7 +46,7 @@ import torch._functorch.config  # the donated_buffer switch used in measure()
 
 from bench import HelpFormatter, csv_list, fallback
 from bench.report import Column, Table, environment, line_plot, write_csv, write_json
-from model.attention import REGISTRY
+from model.backends import REGISTRY
 
 TOKENS = 16 * 1024
 WIDTH = 2048  # n_heads * head_dim
@@ -75,7 +75,7 @@ class Case(NamedTuple):
 
 
 def check_names(names, extra=()):
-    """Refuse (SystemExit) names that are not backends of ``model.attention.REGISTRY`` (or ``extra``), listing the
+    """Refuse (SystemExit) names that are not backends of ``model.backends.REGISTRY`` (or ``extra``), listing the
     accepted ones."""
     unknown = set(names) - set(REGISTRY) - set(extra)
     if unknown:
@@ -84,24 +84,21 @@ def check_names(names, extra=()):
 
 
 def backends(names):
-    """{name: attention(q, k, v, causal)} for backends of ``model.attention.REGISTRY``."""
-    from model.attention import get_backend
-
+    """{name: attention(q, k, v, causal)} for backends of ``model.backends.REGISTRY``."""
     check_names(names)
     chosen = {}
     for name in names:
-        fn = get_backend(name)
+        fn = REGISTRY[name].load().attention
         chosen[name] = lambda q, k, v, causal, fn=fn: fn(q, k, v, causal=causal)
     return chosen
 
 
 def kv_backends(names):
-    """{name: attention(q, k, v)} the model's decode-step functions (``model.attention.get_kv_backend``) of
-    ``REGISTRY``'s backends and fa2_splitkv."""
-    from model.attention import get_kv_backend
-
+    """{name: attention(q, k, v)} the model's decode-step functions (each backend's ``kv_attention``) of
+    ``REGISTRY``'s backends, and fa2_splitkv (fa2's ``split_kv_attention``)."""
     check_names(names, extra=(SPLIT_KV,))
-    return {name: get_kv_backend("fa2", split_kv=True) if name == SPLIT_KV else get_kv_backend(name) for name in names}
+    return {name: REGISTRY["fa2"].load().split_kv_attention if name == SPLIT_KV else REGISTRY[name].load().kv_attention
+            for name in names}
 
 
 def flops(batch, n_heads, seqlen, head_dim, causal, direction):
@@ -329,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--shape", choices=SHAPES, default="grid", help="which cells (see above)")
     p.add_argument("--backends", type=csv_list(str),
-                   help="comma-separated, from model.attention.REGISTRY (decode: also fa2_splitkv); ratios are "
+                   help="comma-separated, from model.backends.REGISTRY (decode: also fa2_splitkv); ratios are "
                         "against the first. Default: every backend (decode: sdpa,fa2,fa2_splitkv,fa3)")
     p.add_argument("--head-dims", type=csv_list(int),
                    help=f"comma-separated head dimensions D ({shape_values('head_dims')})")
@@ -378,7 +375,7 @@ def main(argv=None):
         raise SystemExit(f"bench.attention --shape {args.shape}{' --cuda-graph' * args.cuda_graph} needs a CUDA GPU "
                          "(--shape decode runs on the CPU too, as a smoke test)")
     dtype = getattr(torch, {"cuda": "bfloat16", "cpu": "float32"}[device] if args.dtype == "auto" else args.dtype)
-    # Compiled backends (flex) build one static-shape kernel per shape (model/flex.py): room for every case.
+    # Compiled backends (flex) build one static-shape kernel per shape (model/backends/flex_masks.py): room for every case.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(cases(args)) + 8)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

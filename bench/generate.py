@@ -51,7 +51,7 @@ import torch
 
 from bench import HelpFormatter, csv_list
 from bench.report import Column, Table, environment, write_csv, write_json
-from model.attention import BACKENDS
+from model.backends import BACKENDS
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
 SHAPE_KEYS = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "bias")

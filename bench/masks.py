@@ -84,7 +84,7 @@ def window_backends(seqlen: int, window: int, device, compile_flex: bool = True)
         return (kv_idx <= q_idx) & (q_idx - kv_idx <= window)
 
     block_mask = create_block_mask(in_window, B=None, H=None, Q_LEN=seqlen, KV_LEN=seqlen, device=device)
-    flex = torch.compile(flex_attention, dynamic=False) if compile_flex else flex_attention  # see model/flex.py
+    flex = torch.compile(flex_attention, dynamic=False) if compile_flex else flex_attention  # see model/backends/flex_masks.py
     i = torch.arange(seqlen, device=device)[:, None]
     dense = in_window(None, None, i, torch.arange(seqlen, device=device)[None, :])
     return {
@@ -111,7 +111,7 @@ def varlen_backends(documents: list[list[int]], device, compile_flex: bool = Tru
         return (kv_idx <= q_idx) & (doc[q_idx] == doc[kv_idx])
 
     block_mask = create_block_mask(same_document, B=None, H=None, Q_LEN=total, KV_LEN=total, device=device)
-    flex = torch.compile(flex_attention, dynamic=False) if compile_flex else flex_attention  # see model/flex.py
+    flex = torch.compile(flex_attention, dynamic=False) if compile_flex else flex_attention  # see model/backends/flex_masks.py
     i = torch.arange(total, device=device)
     dense = same_document(None, None, i[:, None], i[None, :])
 

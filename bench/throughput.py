@@ -45,7 +45,7 @@ import torch
 
 from bench import HelpFormatter, fallback
 from bench.report import Column, Table, bar_chart, environment, write_csv, write_json
-from model.attention import BACKENDS
+from model.backends import BACKENDS
 
 log = logging.getLogger("bench.throughput")
 FIELDS = ["backend", "loop", "run", "block_size", "batch_size", "tokens_per_step", "step_time_ms",

@@ -36,7 +36,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from data.prepare import TOKENIZERS
 from data.sources import SOURCES
-from model.attention import BACKENDS, REGISTRY, head_dim_limits, mask_backends, resolve_backend
+from model.backends import BACKENDS, REGISTRY, mask_backends, resolve_backend
 from trainer.config_help import option_table
 from trainer.runtime import NO_CUDA
 
@@ -231,12 +231,12 @@ def attn_windows(m: DictConfig) -> Optional[list[int]]:
 
 def config_backend(cfg: DictConfig) -> str:
     """cfg.attn.backend as a concrete backend: 'auto' resolved for this model's head_dim and for whether it needs
-    window or document masks (``model.attention.resolve_backend``). Raises ValueError for an unknown name."""
+    window or document masks (``model.backends.resolve_backend``). Raises ValueError for an unknown name."""
     m = cfg.model
     head_dim = m.n_embd // m.n_head if m.n_head >= 1 and m.n_embd % m.n_head == 0 else None
     windows = attn_windows(m)
     masks = bool(windows and any(windows)) or bool(cfg.data.document_mask)
-    return resolve_backend(cfg.attn.backend, head_dim, masks)
+    return resolve_backend(cfg.attn.backend, head_dim, masks).name
 
 
 def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -> None:
@@ -361,7 +361,7 @@ def _check_optim(check, o) -> None:
 
 
 def _check_backend(check, backend: str, m, t) -> None:
-    """What the backend's registry entry (model.attention.REGISTRY) says it needs."""
+    """What the backend's registry entry (model.backends.REGISTRY) says it needs."""
     import torch
 
     entry = REGISTRY[backend]
@@ -374,8 +374,8 @@ def _check_backend(check, backend: str, m, t) -> None:
     elif not entry.cpu_dropout:
         check(m.dropout == 0.0 or not on_cpu, "model.dropout",
               f"attn={backend} has no attention dropout on the CPU; use model.dropout=0.0 or {with_dropout}")
-    if entry.head_dims is not None and m.n_head >= 1 and m.n_embd % m.n_head == 0:
-        lo, hi = head_dim_limits(backend)  # raises BackendUnavailableError if the kernels are missing
+    if entry.limits_head_dim and m.n_head >= 1 and m.n_embd % m.n_head == 0:
+        lo, hi = entry.head_dim_limits()  # raises BackendUnavailableError if the kernels are missing
         head_dim = m.n_embd // m.n_head
         check(lo <= head_dim <= hi, "model.n_embd",
               f"head_dim = n_embd / n_head = {head_dim}, but attn={backend} supports {lo} to {hi}")

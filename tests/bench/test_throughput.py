@@ -149,9 +149,10 @@ def test_the_long_context_document_comparison_validates_on_a_gpu(monkeypatch, tm
     """The README's GPT-2 context-8192 document-mask command: every backend's config passes validation on a GPU
     machine (a CUDA device is pretended; nothing runs)."""
     import trainer.config as tc
+    from model.backends.triton import TritonBackend
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(tc, "head_dim_limits", lambda name: (16, 256))  # no kernel import needed
+    monkeypatch.setattr(TritonBackend, "head_dim_limits", lambda self: (16, 256))  # no kernel import needed
     overrides = ["model=gpt2", "model.vocab_size=50304", "model.block_size=8192", "trainer.batch_size=2",
                  "data=shakespeare_scenes", "data.tokenizer=tiktoken", "data.document_mask=true", "trainer.compile=true"]
     for backend in ("fa2", "flex", "sdpa"):

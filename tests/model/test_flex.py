@@ -1,9 +1,10 @@
-"""attn=flex (model/flex.py): FlexAttention with block masks against a float64 reference with an explicit dense
-mask (causal, sliding window, documents, GQA, fewer queries than keys), forward and gradients; the block-mask
-caches; what the registry and config validation say about it. Fresh random inputs every run.
+"""attn=flex (model/backends/flex.py and flex_masks.py): FlexAttention with block masks against a float64
+reference with an explicit dense mask (causal, sliding window, documents, GQA, fewer queries than keys), forward and
+gradients; the block-mask caches; what the registry and config validation say about it. Fresh random inputs every
+run.
 
-On the CPU Flex runs PyTorch's eager implementation (its autograd through the eager operator, see model/flex.py);
-the `gpu` test runs the compiled kernels.
+On the CPU Flex runs PyTorch's eager implementation (its autograd through the eager operator, see
+model/backends/flex_masks.py); the `gpu` test runs the compiled kernels.
 """
 
 import math
@@ -13,8 +14,8 @@ import warnings
 import pytest
 import torch
 
-from model import flex
-from model.attention import REGISTRY, get_backend
+from model.backends import REGISTRY, BackendUnavailableError
+from model.backends import flex_masks as flex
 from model.gpt import GPT, GPTConfig
 
 
@@ -22,7 +23,7 @@ from model.gpt import GPT, GPTConfig
 def attention():
     with warnings.catch_warnings():  # the CPU warning
         warnings.simplefilter("ignore")
-        return get_backend("flex")
+        return REGISTRY["flex"].load().attention
 
 
 def reference(q, k, v, window=0, docs=None):
@@ -140,8 +141,6 @@ def test_registry_entry_and_refusals(attention):
 def test_cpu_training_without_the_eager_operator_is_a_clear_error(attention, monkeypatch):
     """The CPU backward goes through a private PyTorch operator: where it is missing, one error that says so."""
     import sys
-
-    from model.attention import BackendUnavailableError
 
     monkeypatch.delattr(sys.modules["torch._higher_order_ops.flex_attention"], "flex_attention")
     q = torch.randn(1, 2, 8, 16, requires_grad=True)

@@ -1,10 +1,11 @@
 """KV cache: attention over a cached prefix, cached vs uncached generation, input validation."""
 
+import warnings
 
 import pytest
 import torch
 
-from model.attention import get_kv_backend
+from model.backends import REGISTRY
 from model.gpt import GPT, GPTConfig
 from model.kv_cache import KVCache
 from reference import reference_attention
@@ -17,7 +18,7 @@ def test_kv_attention_matches_reference(attn, Tq):
     q = torch.randn(B, 4, Tq, hs)
     # k, v as the cache hands them out: a prefix view of a longer buffer
     k, v = (torch.randn(B, 2, 16, hs)[:, :, :Tk] for _ in range(2))
-    o = get_kv_backend(attn)(q, k, v)
+    o = REGISTRY[attn].load().kv_attention(q, k, v)
     assert o.shape == q.shape and o.dtype == q.dtype
     torch.testing.assert_close(o.double(), reference_attention(q, k, v), atol=1e-5, rtol=1e-5)
 
@@ -150,10 +151,10 @@ def fake_capture(captures):
 def test_cuda_graph_generation_matches_uncached(monkeypatch, compile):
     """cuda_graph=True: the fixed-shape decode step, captured once at the first decode step, replayed per token from
     fixed token / position buffers (the capture replaced by re-running the step: no CUDA graphs on the CPU)."""
-    import model.gpt
+    import model.generate
 
     captures = []
-    monkeypatch.setattr(model.gpt, "capture_cuda_graph", fake_capture(captures))
+    monkeypatch.setattr(model.generate, "capture_cuda_graph", fake_capture(captures))
     gpt = tiny_gpt()
     idx = torch.randint(0, 50, (2, 3))
     expected = gpt.generate(idx, 10, top_k=1)
@@ -176,10 +177,10 @@ def test_cuda_graph_generation_matches_uncached(monkeypatch, compile):
 
 def test_cuda_graph_is_recaptured_when_the_parameters_move(monkeypatch):
     """A graph reads the parameters where they were at capture: a model moved (to float64 and back) gets a new one."""
-    import model.gpt
+    import model.generate
 
     captures = []
-    monkeypatch.setattr(model.gpt, "capture_cuda_graph", fake_capture(captures))
+    monkeypatch.setattr(model.generate, "capture_cuda_graph", fake_capture(captures))
     gpt = tiny_gpt()
     idx = torch.randint(0, 50, (1, 3))
     first = gpt.generate(idx, 4, top_k=1, kv_cache=True, compile="cudagraphs")  # = compile=True, cuda_graph=True
@@ -197,8 +198,13 @@ def test_cuda_graph_refusals():
         model.generate(idx, 2, cuda_graph=True)
     with pytest.raises(ValueError, match="compile must be"):
         model.generate(idx, 2, kv_cache=True, compile="max-autotune")
+    with warnings.catch_warnings():  # the interpreter warning
+        warnings.simplefilter("ignore")
+        fa1 = tiny_gpt("fa1")
     with pytest.raises(ValueError, match="attn=fa1 has no static-shape decode"):
-        tiny_gpt("fa1").generate(idx, 2, kv_cache=True, cuda_graph=True)
+        fa1.generate(idx, 2, kv_cache=True, cuda_graph=True)
+    with pytest.raises(ValueError, match=r"attn=fa1 has no static-shape decode \(CUDA graphs\); use sdpa, fa2 or fa3"):
+        fa1(idx[:, :1], kv_cache=KVCache.for_model(fa1, 2), start_pos=torch.tensor(0))
     with pytest.raises(ValueError, match="need a CUDA device"):
         model.generate(idx, 2, kv_cache=True, cuda_graph=True)  # the real capture, on the CPU
 

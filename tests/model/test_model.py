@@ -1,5 +1,6 @@
-"""GPT shapes, GQA, initialisation, FLOP count and the attention registry."""
+"""GPT shapes, GQA, initialisation, FLOP count and the attention backends (model.backends)."""
 
+import copy
 import math
 import warnings
 from pathlib import Path
@@ -7,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import attention
-from model.attention import BackendUnavailableError, get_backend, resolve_backend
+from model.backends import REGISTRY, BackendUnavailableError, resolve_backend
+from model.backends.triton import TritonBackend
 from model.gpt import GPT, GPTConfig
 
 
@@ -30,7 +31,7 @@ def test_sdpa_backend_matches_reference(n_head, n_kv_head):
     B, T, hs = 2, 17, 8
     q = torch.randn(B, n_head, T, hs)
     k, v = torch.randn(B, n_kv_head, T, hs), torch.randn(B, n_kv_head, T, hs)
-    o = get_backend("sdpa")(q, k, v)
+    o = REGISTRY["sdpa"].attention(q, k, v)
     assert o.shape == q.shape and o.dtype == q.dtype
     torch.testing.assert_close(o, reference_attention(q, k, v), atol=1e-5, rtol=1e-5)
 
@@ -53,7 +54,7 @@ def test_gpt_shapes_and_loss(n_kv_head):
 
 
 @pytest.mark.parametrize("attn", ["fa2", "fa1"])
-def test_fused_qkv_goes_to_the_packed_kernel_and_matches_sdpa(attn):
+def test_fused_qkv_goes_to_the_packed_kernel_and_matches_sdpa(attn, monkeypatch):
     """With a kernel backend the training forward hands the fused projection's output to the backend's qkvpacked
     function (once per layer), and the loss and every parameter's gradient match attn=sdpa's with the same weights
     (GQA; SDPA takes separate q, k, v and has no packed function)."""
@@ -63,11 +64,11 @@ def test_fused_qkv_goes_to_the_packed_kernel_and_matches_sdpa(attn):
         warnings.simplefilter("ignore")
         model = GPT(GPTConfig(**cfg, attn=attn))
     model.load_state_dict(sdpa.state_dict())
-    assert attention.get_qkvpacked_backend("sdpa") is None
+    assert not REGISTRY["sdpa"].qkvpacked and all(block.attn.backend is REGISTRY[attn] for block in model.transformer.h)
     calls = []
-    for block in model.transformer.h:
-        packed = block.attn.qkvpacked_attention
-        block.attn.qkvpacked_attention = lambda *args, packed=packed: calls.append(args[0].shape) or packed(*args)
+    packed = TritonBackend.qkvpacked_attention
+    monkeypatch.setattr(TritonBackend, "qkvpacked_attention",
+                        lambda self, *args: calls.append(args[0].shape) or packed(self, *args))
     idx = torch.randint(0, 40, (2, 24))
     loss, loss_ref = model(idx, idx)[1], sdpa(idx, idx)[1]
     loss.backward()
@@ -138,38 +139,63 @@ def test_generate():
 def test_resolve_backend(monkeypatch):
     from kernels import fa3
 
+    def resolved(*args, **kwargs):
+        return resolve_backend(*args, **kwargs).name
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert resolve_backend("auto") == "sdpa"
+    assert resolve_backend("auto") is REGISTRY["sdpa"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     # A CUDA GPU where the Gluon kernels do not run (this machine: no GPU, or another Triton): fa2.
     assert fa3.gluon_device_reason(torch.device("cpu")) is not None
     monkeypatch.setattr(fa3, "gluon_device_reason", lambda device: "GPU compute capability 8.0 is not 9.0 (Hopper)")
-    assert resolve_backend("auto") == resolve_backend("auto", 64) == "fa2"
+    assert resolved("auto") == resolved("auto", 64) == "fa2"
     # Where they do (a Hopper GPU, a supported Triton): fa3, unless head_dim or masks rule it out.
     monkeypatch.setattr(fa3, "gluon_device_reason", lambda device: None)
-    assert resolve_backend("auto") == resolve_backend("auto", 64) == resolve_backend("auto", 128) == "fa3"
-    assert resolve_backend("auto", 96) == resolve_backend("auto", 64, masks=True) == "fa2"
-    assert resolve_backend("fa1") == "fa1" and resolve_backend("sdpa") == "sdpa"
+    assert resolved("auto") == resolved("auto", 64) == resolved("auto", 128) == "fa3"
+    assert resolved("auto", 96) == resolved("auto", 64, masks=True) == "fa2"
+    assert resolved("fa1") == "fa1" and resolved("sdpa") == "sdpa"
     with pytest.raises(ValueError, match="attn=.flash.*auto, sdpa, sdpa_flash, sdpa_cudnn, fa1, fa2"):
         resolve_backend("flash")
 
 
+def test_the_backend_is_resolved_once_per_model_and_shared_by_its_layers(monkeypatch):
+    """GPT resolves config.attn once (auto: with the model's head_dim and windows) and hands that one object to every
+    layer; a model with a window on a Hopper GPU gets fa2, as config validation resolves it."""
+    import model.gpt
+    from kernels import fa3
+
+    calls = []
+    monkeypatch.setattr(model.gpt, "resolve_backend", lambda *args: calls.append(args) or resolve_backend(*args))
+    cfg = dict(block_size=8, vocab_size=10, n_layer=3, n_head=2, n_embd=128)  # head_dim 64: one fa3 takes
+    gpt = GPT(GPTConfig(**cfg, attn="sdpa"))
+    assert calls == [("sdpa", 64, False)] and gpt.backend is REGISTRY["sdpa"]
+    assert all(block.attn.backend is gpt.backend for block in gpt.transformer.h)
+    assert copy.deepcopy(gpt).transformer.h[1].attn.backend is gpt.backend  # one object per backend
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(fa3, "gluon_device_reason", lambda device: None)
+    with warnings.catch_warnings():  # the interpreter warning
+        warnings.simplefilter("ignore")
+        assert GPT(GPTConfig(**cfg, attn="auto")).backend is REGISTRY["fa3"]
+        windowed = GPT(GPTConfig(**cfg, attn="auto", attn_window=[4, 0, 4]))
+    assert windowed.backend is REGISTRY["fa2"] and calls[-1] == ("auto", 64, True)
+
+
 def test_triton_backend_warns_and_reports_missing_kernels(monkeypatch):
-    import importlib
+    import dataclasses
+    import sys
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(attention, "_LOADED", {})
-    real_import = importlib.import_module
-
-    def no_kernels(name, *a, **kw):
-        if name == "kernels":
-            raise ImportError("No module named 'kernels'")
-        return real_import(name, *a, **kw)
-
-    monkeypatch.setattr(attention.importlib, "import_module", no_kernels)
+    monkeypatch.setitem(sys.modules, "kernels", None)  # `import kernels` raises ImportError
+    fa2 = dataclasses.replace(REGISTRY["fa2"])  # a fresh object: nothing loaded yet
     with pytest.warns(RuntimeWarning, match="interpreter"):
         with pytest.raises(BackendUnavailableError, match="attn=fa2 is not available.*kernels.fa2_attention"):
-            get_backend("fa2")
+            fa2.load()
+    import model.gpt  # the model loads its backend when it is built: the error comes before any forward
+
+    monkeypatch.setattr(model.gpt, "resolve_backend", lambda *args: fa2)
+    with pytest.raises(BackendUnavailableError, match="attn=fa2 is not available"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        GPT(GPTConfig(block_size=8, vocab_size=10, n_layer=1, n_head=2, n_embd=32, attn="fa2"))
 
 
 def test_sdpa_then_fa2_in_one_process_without_gpu(tmp_path):
@@ -192,16 +218,17 @@ def test_sdpa_then_fa2_in_one_process_without_gpu(tmp_path):
     assert "sdpa 1" in out.stdout and "fa2 1" in out.stdout
 
 
-def test_triton_backend_rejects_dropout(monkeypatch):
-    import types
+def test_triton_backend_rejects_dropout():
+    import dataclasses
 
-    fake = types.SimpleNamespace(fa1_attention=lambda q, k, v, causal: q)
-    monkeypatch.setattr(attention, "_LOADED", {})
-    monkeypatch.setattr(attention.importlib, "import_module", lambda name: fake)
-    fn = attention._triton_backend("fa1") if torch.cuda.is_available() else None
-    if fn is None:
+    from model.backends.triton import Kernels
+
+    fake = dataclasses.replace(REGISTRY["fa1"], load_kernels=lambda: Kernels(lambda q, k, v, causal: q, None))
+    if torch.cuda.is_available():
+        fn = fake.load().attention
+    else:
         with pytest.warns(RuntimeWarning):
-            fn = attention._triton_backend("fa1")
+            fn = fake.load().attention
     q = torch.randn(1, 2, 4, 16)
     with pytest.raises(ValueError, match="no attention dropout"):
         fn(q, q, q, dropout_p=0.1)
@@ -311,13 +338,11 @@ def test_training_forward_can_skip_the_logits():
 @pytest.mark.parametrize("name", ["fa1", "fa3", "sdpa_flash"])
 def test_backends_without_windows_refuse_them_by_their_registry_entry(name):
     """fa3 (FA2's backward, no window) and the others without supports_window / supports_docs: a clear ValueError."""
-    from model.attention import REGISTRY, get_backend
-
     assert not REGISTRY[name].supports_window and not REGISTRY[name].supports_docs
     q = torch.randn(1, 2, 8, 16)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        fn = get_backend(name)
+        fn = REGISTRY[name].load().attention
         refusal = (rf"attn={name} has no sliding-window attention \(a layer has a window of 4 tokens: "
                    r"model.attn_window\); use one of: sdpa, fa2")
         with pytest.raises(ValueError, match=refusal):
@@ -330,7 +355,7 @@ def test_qkvpacked_backend_refuses_dropout_and_windows_it_lacks():
     """The registry's packed functions refuse what their backend cannot do, as the separate-tensor ones."""
     with warnings.catch_warnings():  # the interpreter warning
         warnings.simplefilter("ignore")
-        fa2, fa1 = attention.get_qkvpacked_backend("fa2"), attention.get_qkvpacked_backend("fa1")
+        fa2, fa1 = REGISTRY["fa2"].load().qkvpacked_attention, REGISTRY["fa1"].load().qkvpacked_attention
     qkv = torch.randn(1, 8, 6, 16)
     with pytest.raises(ValueError, match="attn=fa2 has no attention dropout"):
         fa2(qkv, 2, dropout_p=0.1)

@@ -7,7 +7,8 @@ import torch
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf.errors import ValidationError
 
-from model.attention import BACKENDS, REGISTRY
+from model.backends import BACKENDS, REGISTRY
+from model.backends.triton import TritonBackend
 from trainer.config import CONF_DIR, ConfigError, compose_config, config_backend, override_arg, validate_config
 
 GROUPS = {g: sorted(p.stem for p in (Path(CONF_DIR) / g).glob("*.yaml")) for g in ("model", "data", "attn")}
@@ -41,7 +42,7 @@ def test_every_group_option_composes(group, option):
     if entry is not None and entry.needs_cuda and not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="needs a CUDA GPU"):
             validate_config(cfg)
-    elif entry is None or entry.head_dims is None:  # backends with a head_dim range import their kernels (own test)
+    elif entry is None or not entry.limits_head_dim:  # backends with a head_dim range import their kernels (own test)
         validate_config(cfg)
 
 
@@ -142,9 +143,7 @@ def test_non_finite_numbers_are_rejected(key, value):
 
 
 def test_dropout_with_triton_backend_is_rejected(monkeypatch):
-    import trainer.config as tc
-
-    monkeypatch.setattr(tc, "head_dim_limits", lambda name: (16, 256))  # no kernel import needed
+    monkeypatch.setattr(TritonBackend, "head_dim_limits", lambda self: (16, 256))  # no kernel import needed
     with pytest.raises(ConfigError, match="model.dropout=0.1: attn=fa2 has no attention dropout"):
         validate_config(compose_config(["attn=fa2", "model.dropout=0.1"]))
     with pytest.raises(ConfigError, match=r"model.n_embd=32: head_dim = n_embd / n_head = 8"):
@@ -167,10 +166,8 @@ def test_dropout_with_sdpa_flash_is_rejected_on_the_cpu_only(monkeypatch):
 
 @pytest.mark.parametrize("name", list(REGISTRY))
 def test_every_backend_is_validated_by_its_registry_entry(name, monkeypatch):
-    import trainer.config as tc
-
     entry = REGISTRY[name]
-    monkeypatch.setattr(tc, "head_dim_limits", lambda name: (16, 256))  # no kernel import needed
+    monkeypatch.setattr(TritonBackend, "head_dim_limits", lambda self: (16, 256))  # no kernel import needed
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # pretend a GPU, so needs_cuda is not in the way
     cfg = compose_config([f"attn={name}", "model.dropout=0.1", "model.n_embd=32", "model.n_head=4",
                           "model.attn_window=8", "data.document_mask=true"])
@@ -180,7 +177,7 @@ def test_every_backend_is_validated_by_its_registry_entry(name, monkeypatch):
     except ConfigError as e:
         errors = str(e)
     assert (f"attn={name} has no attention dropout" in errors) == (not entry.supports_dropout)
-    assert ("head_dim = n_embd / n_head = 8" in errors) == (entry.head_dims is not None)
+    assert ("head_dim = n_embd / n_head = 8" in errors) == entry.limits_head_dim
     assert (f"attn={name} has no sliding-window attention" in errors) == (not entry.supports_window)
     assert (f"attn={name} has no document masks" in errors) == (not entry.supports_docs)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -248,9 +245,7 @@ def test_attn_window_accepts_an_int_or_one_per_layer(window):
     (["attn=sdpa_flash", "data.document_mask=true"], "data.document_mask=True: attn=sdpa_flash has no document masks"),
 ])
 def test_bad_attn_window_is_refused_before_training(monkeypatch, overrides, message):
-    import trainer.config as tc
-
-    monkeypatch.setattr(tc, "head_dim_limits", lambda name: (16, 256))  # no kernel import needed
+    monkeypatch.setattr(TritonBackend, "head_dim_limits", lambda self: (16, 256))  # no kernel import needed
     with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
         validate_config(compose_config(["trainer.device=cpu"] + overrides))
 

@@ -1,12 +1,13 @@
-"""``attn=flex``: PyTorch FlexAttention (``torch.nn.attention.flex_attention``) with block masks, the peer that
-fa2's sliding windows and packed documents are compared against.
+"""FlexAttention with block masks: the masks, their caches and the call behind ``attn=flex``
+(``model/backends/flex.py``, which imports this module when the backend is loaded: it compiles).
 
-``attention(q, k, v, dropout_p=0.0, causal=True, window=0, docs=None)`` has the contract of every backend in
-``model.attention`` (q (B, n_head, T_q, D), k, v (B, n_kv_head, T_k, D), T_q <= T_k; o like q; softmax scale
-1/sqrt(D)). The mask is one ``mask_mod``: key j is visible to query i iff j <= i + T_k - T_q (causal, aligned
-bottom-right as for the other backends' KV-cache path), i - j < window if window > 0 (the query itself and the
-window - 1 keys before it, as fa2's ``window_size=(window - 1, 0)``), and i, j lie in one segment of ``docs``
-(cu_seqlens of the flattened (B * T) batch, the fa2 varlen path's input). A window or docs implies causal.
+``attention(q, k, v, causal=True, window=0, docs=None)`` has the contract of every backend's
+``attention`` and ``kv_attention`` (``model.backends.base.Backend``: q (B, n_head, T_q, D), k, v (B, n_kv_head, T_k, D),
+T_q <= T_k; o like q; softmax scale 1/sqrt(D)). The mask is one ``mask_mod``: key j is visible to query i iff
+j <= i + T_k - T_q (causal, aligned bottom-right as for the other backends' KV-cache path), i - j < window if
+window > 0 (the query itself and the window - 1 keys before it, as fa2's ``window_size=(window - 1, 0)``), and i, j
+lie in one segment of ``docs`` (cu_seqlens of the flattened (B * T) batch, the fa2 varlen path's input). A window or
+docs implies causal.
 
 Block masks: one per (T_q, T_k, window, device) for causal and windowed attention, built once and cached;
 document masks change with every batch, so they are built once per ``docs`` tensor (every layer of a forward
@@ -17,16 +18,13 @@ Devices:
 - CUDA: ``torch.compile(flex_attention, dynamic=False)`` (one compiled function per process, as PyTorch advises,
   with one kernel per shape; eager Flex materializes the (T_q, T_k) scores) and a compiled ``create_block_mask``
   (eager, it materializes (B, T_q, T_k) indices).
-- CPU (tests): eager FlexAttention, PyTorch's unfused implementation; slow, it warns once. PyTorch's
+- CPU (tests): eager FlexAttention, PyTorch's unfused implementation; slow, the backend warns once. PyTorch's
   ``flex_attention`` refuses inputs that need gradients on CPU (its fused CPU kernel has no backward, torch 2.13),
   so training on CPU calls the operator that ``flex_attention`` runs in eager mode,
   ``torch._higher_order_ops.flex_attention``, whose math forward and backward run on any device (a private
   PyTorch API: on a version where it moved, training on CPU fails with a ``BackendUnavailableError``).
-  ``torch.compile`` of the model cannot train it on the CPU (Inductor has no CPU Flex backward; the registry's
+  ``torch.compile`` of the model cannot train it on the CPU (Inductor has no CPU Flex backward; the backend's
   ``compiles_on_cpu=False`` makes config validation refuse trainer.compile there).
-
-Flex has no attention dropout: ``dropout_p > 0`` raises ValueError (config validation refuses
-``model.dropout > 0`` with attn=flex before training).
 """
 
 from __future__ import annotations
@@ -39,10 +37,12 @@ from typing import Callable, Optional
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention, noop_mask
 
+from model.backends.base import BackendUnavailableError, segment_ids
+
 # Compiled lazily, on the first call; one compiled function for every layer and model of the process. Static
 # shapes: by default a call with a second shape (another batch or length) recompiles for dynamic shapes and every
-# later call runs that generic kernel ("automatic dynamic"; the likely cause of a slow Flex in one H200 benchmark,
-# docs/benchmarks.md, seventh session); with dynamic=False each shape gets its own kernel, up to torch._dynamo's
+# later call runs that generic kernel ("automatic dynamic"; the likely cause of a slow Flex in an H200 benchmark,
+# docs/benchmarks.md); with dynamic=False each shape gets its own kernel, up to torch._dynamo's
 # recompile limit (8). Inside a compiled model this function is traced like any other, with the model's settings.
 _compiled_flex = torch.compile(flex_attention, dynamic=False)
 _compiled_block_mask = torch.compile(create_block_mask)
@@ -100,8 +100,6 @@ _DOCUMENT_MASKS = _DocumentMasks()
 def document_block_mask(docs: torch.Tensor, batch: int, seqlen: int, window: int) -> BlockMask:
     """Block mask of causal attention within the segments of ``docs`` (int32 cu_seqlens of the flattened
     (batch * seqlen) tokens), and within ``window`` keys if > 0; shape (batch, 1, seqlen, seqlen)."""
-    from model.attention import segment_ids
-
     return _create(mask_mod(0, window, segment_ids(docs, batch, seqlen)), batch, seqlen, seqlen, docs.device)
 
 
@@ -129,7 +127,7 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[Bloc
         return _flex_cpu_autograd(q, k, v, mask)
     if torch.compiler.is_compiling():
         return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
-    with warnings.catch_warnings():  # "called without torch.compile": eager on purpose here (see _warn_cpu)
+    with warnings.catch_warnings():  # "called without torch.compile": eager on purpose here (the backend warns once)
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
 
@@ -144,8 +142,6 @@ def _flex_cpu_autograd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
             mask = create_block_mask(noop_mask, None, None, q.shape[2], k.shape[2], device=q.device)
         out = flex_op(q, k, v, _identity_score, mask.as_tuple(), 1.0 / math.sqrt(q.shape[-1]), {})
     except (ImportError, TypeError) as e:  # the private operator moved or changed its signature
-        from model.attention import BackendUnavailableError
-
         raise BackendUnavailableError(
             f"attn=flex cannot train on the CPU with torch {torch.__version__}: FlexAttention has no CPU backward "
             f"and its eager operator failed ({type(e).__name__}: {e}); use attn=sdpa on the CPU") from e
@@ -156,27 +152,7 @@ def _identity_score(score, b, h, q_idx, kv_idx):
     return score
 
 
-_WARNED_CPU = []
-
-
-def _warn_cpu() -> None:
-    if not _WARNED_CPU and not torch.cuda.is_available():
-        _WARNED_CPU.append(True)
-        warnings.warn("attn=flex: no CUDA GPU, running FlexAttention's unfused eager implementation (it materializes "
-                      "the scores); slow, meant for testing only", RuntimeWarning, stacklevel=5)
-
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, causal: bool = True,
-              window: int = 0, docs: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """FlexAttention with the block mask of (causal, window, docs); see the module docstring.
-    Raises ValueError for dropout_p > 0 (Flex has no attention dropout)."""
-    if dropout_p > 0.0:
-        raise ValueError(f"attn=flex has no attention dropout (got dropout_p={dropout_p}); "
-                         "use model.dropout=0.0 or attn=sdpa")
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, window: int = 0,
+              docs: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """FlexAttention with the block mask of (causal, window, docs); see the module docstring."""
     return _flex(q, k, v, block_mask(q, k, causal, window, docs))
-
-
-def factory() -> Callable:
-    """The registry's factory: the attention function (warns once without a CUDA GPU)."""
-    _warn_cpu()
-    return attention

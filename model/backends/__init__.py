@@ -1,0 +1,84 @@
+"""The attention backends: one object per backend, in one table.
+
+``REGISTRY`` maps each concrete backend's name to its ``Backend`` object (``base.py``), which carries what the
+rest of the code asks about it (needs CUDA, dropout, windows, documents, head_dim range, torch.compile on the CPU,
+packed qkv, split-K/V and static-shape decode) and its call forms (``attention``, ``qkvpacked_attention``,
+``kv_attention``, ``split_kv_attention``, ``static_kv_attention``; contracts in ``Backend``'s docstring). Config
+validation, ``sample.py --attn``, the benchmarks and the tests derive their lists from it. ``attn=auto`` is
+resolved once per model by ``resolve_backend``, and the model hands the object to its layers.
+
+Backends:
+- ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention``, PyTorch picks its kernel; every call form,
+  dropout; windows and documents as a dense mask (slow).
+- ``sdpa_flash`` / ``sdpa_cudnn``: SDPA pinned to PyTorch's FlashAttention-2 or cuDNN kernel (cuDNN: CUDA only).
+- ``fa1`` / ``fa2`` / ``fa3``: the project's Triton FlashAttention-1 / -2 and Gluon FlashAttention-3 kernels
+  (``kernels/``); no dropout; fa2 does windows and documents in the kernel. Without a CUDA GPU they run under
+  Triton's interpreter (very slow).
+- ``flex``: PyTorch FlexAttention with block masks for windows and documents.
+
+Modules:
+base        the Backend base class, BackendUnavailableError, segment_ids, capability look-ups (a leaf)
+sdpa        sdpa, sdpa_flash, sdpa_cudnn
+triton      fa1, fa2, fa3: every use of the kernels package (their functions, head_dim range, fa3's device check)
+flex        flex; flex_masks: its block masks and call (imported when it is loaded)
+
+A new backend = a ``Backend`` subclass or instance, one entry in ``REGISTRY`` and a ``conf/attn/<name>.yaml``
+(``backend: <name>``).
+"""
+
+import os
+
+import torch
+from torch.nn.attention import SDPBackend
+
+from model.backends.base import Backend, BackendUnavailableError, backends_with, register, segment_ids
+from model.backends.flex import FlexBackend
+from model.backends.sdpa import PinnedSdpaBackend, SdpaBackend
+from model.backends.triton import TritonBackend, fa1_kernels, fa2_kernels, fa3_kernels, fa3_runs
+
+if not torch.cuda.is_available():
+    # Without a GPU the Triton kernels only run under Triton's interpreter, which Triton switches on when
+    # `triton.language` is first imported; torch imports it too (building an optimizer does), possibly long
+    # before fa1/fa2 is chosen (e.g. an sdpa job, then an fa2 job in one process). So set it now.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+REGISTRY: dict[str, Backend] = register(
+    SdpaBackend(name="sdpa", description="PyTorch SDPA, PyTorch picks the kernel"),
+    PinnedSdpaBackend(name="sdpa_flash", description="PyTorch SDPA pinned to its FlashAttention-2 kernel",
+                      kernel=SDPBackend.FLASH_ATTENTION, cpu_dropout=False),  # PyTorch's CPU flash kernel: no dropout
+    PinnedSdpaBackend(name="sdpa_cudnn", description="PyTorch SDPA pinned to cuDNN attention",
+                      kernel=SDPBackend.CUDNN_ATTENTION, needs_cuda=True),
+    TritonBackend(name="fa1", description="our Triton FlashAttention-1 kernel", load_kernels=fa1_kernels),
+    TritonBackend(name="fa2", description="our Triton FlashAttention-2 kernel", load_kernels=fa2_kernels,
+                  supports_window=True, supports_docs=True, split_kv=True, static_decode=True),
+    FlexBackend(name="flex", description="PyTorch FlexAttention with block masks (compiled on CUDA)"),
+    TritonBackend(name="fa3", description="our FlashAttention-3 kernels (Gluon, Hopper); FA2's where they do not apply",
+                  load_kernels=fa3_kernels, split_kv=True, static_decode=True),
+)
+BACKENDS = ("auto", *REGISTRY)  # the values of attn.backend
+
+
+def resolve_backend(name: str, head_dim: int | None = None, masks: bool = False) -> Backend:
+    """The backend object of ``name``. 'auto': without CUDA sdpa; with CUDA fa3 where its Gluon kernels run
+    (``triton.fa3_runs``: an sm_90 GPU and a Triton they support), the model's head_dim (None: not known) is one
+    they take and no window or document masks are needed (``masks``: fa3 has none), else fa2. On the H200 fa3
+    measured faster than fa2 in every cell (docs/benchmarks.md). Nothing is loaded (``Backend.load``).
+
+    Raises ValueError for a name outside ``BACKENDS``.
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"attn={name!r} is not a known attention backend; accepted: {', '.join(BACKENDS)}")
+    if name == "auto":
+        if not torch.cuda.is_available():
+            return REGISTRY["sdpa"]
+        return REGISTRY["fa3" if not masks and fa3_runs(head_dim) else "fa2"]
+    return REGISTRY[name]
+
+
+def mask_backends(kind: str) -> list[str]:
+    """The backends with ``supports_window`` (kind 'window') or ``supports_docs`` (kind 'docs')."""
+    return backends_with(f"supports_{kind}")
+
+
+__all__ = ["BACKENDS", "REGISTRY", "Backend", "BackendUnavailableError", "backends_with", "mask_backends",
+           "resolve_backend", "segment_ids"]
