@@ -10,6 +10,7 @@ Trainer tests: no network, every generated file in a temporary folder, tiny conf
 variables below are set at import, before wandb / datasets are imported by any test.
 """
 
+import functools
 import os
 import random
 import sys
@@ -39,11 +40,34 @@ for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
     os.environ.pop(var, None)
 
 
+# `slow`: whole training runs, torchrun jobs, subprocesses that compile for sm_90 or build token caches, and the
+# largest interpreter matrices (over ~1 s each on the 2-core CI machine). `pytest -m "not slow"` is the inner loop.
+SLOW_MODULES = {"test_train.py", "test_distributed.py", "test_run_folder.py", "test_throughput.py",
+                "test_bench_generate.py"}
+SLOW_TESTS = {
+    "test_varlen_backward_variants", "test_varlen_matches_reference",
+    "test_varlen_flat_grid_random_lengths_gqa_pointer_path",
+    "test_matches_float64_reference", "test_masked_kernels_compile_for_sm90", "test_gluon_kernels_compile_for_sm90",
+    "test_split_kv_decode_in_the_model", "test_backward_is_deterministic", "test_fa2_pointer_path_matches_reference",
+    "test_qkvpacked_matches_float64_reference", "test_cli_signal_while_the_cache_is_written",
+    "test_compiled_decode_step_compiles_once", "test_cached_greedy_matches_uncached",
+    "test_help_lists_every_key_with_its_meaning", "test_sdpa_then_fa2_in_one_process_without_gpu",
+    "test_document_mask_and_window_compile_in_one_graph", "test_sample_py_greedy_same_with_and_without_cache",
+    "test_document_mask_matches_sdpa_and_isolates_documents",
+    "test_fused_qkv_goes_to_the_packed_kernel_and_matches_sdpa",
+}
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
+    config.addinivalue_line("markers", "slow: a whole training run, a subprocess or a large interpreter matrix")
 
 
 def pytest_collection_modifyitems(config, items):
+    slow = pytest.mark.slow
+    for item in items:
+        if item.path.name in SLOW_MODULES or getattr(item, "originalname", item.name) in SLOW_TESTS:
+            item.add_marker(slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="no CUDA GPU")
@@ -64,10 +88,9 @@ def random_text(rng: random.Random, n_lines: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-@pytest.fixture(scope="session")
-def corpus_dir() -> Path:
-    """Three text files of random (seeded per session) English-like lines, ~60 KB in all."""
-    rng = random.Random()  # fresh inputs every session
+@functools.cache  # made once per pytest run
+def _corpus() -> Path:
+    rng = random.Random()  # fresh inputs every run
     folder = _TMP / "corpus"
     folder.mkdir(exist_ok=True)
     for i in range(3):
@@ -75,9 +98,15 @@ def corpus_dir() -> Path:
     return folder
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
+def corpus_dir() -> Path:
+    """Three text files of random English-like lines (new every pytest run, shared by its tests), ~60 KB in all."""
+    return _corpus()
+
+
+@pytest.fixture
 def cache_dir() -> Path:
-    """Token cache shared by the whole session (prepared once per data config)."""
+    """Token cache shared by every test of a pytest run (prepared once per data config)."""
     return _TMP / "cache"
 
 

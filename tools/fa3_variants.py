@@ -1,14 +1,15 @@
-"""Check and time variants of the Gluon FA3 forward (or backward) side by side in one process (H200, Triton 3.6).
+"""Check and time variants of the Gluon FA3 forward (or backward) side by side in one process (an H100/H200).
 
     python -m tools.fa3_variants --variants 2:128:2:1:1,2:128:2:1:0 --head-dims 128 --seqlens 4096,16384
     python -m tools.fa3_variants --backward --variants 2:0:cols,3:0:cols --head-dims 128 --seqlens 2048,8192
 
-Backward: a variant is NUM_STAGES[:DQ_FIRST[:SPLIT_DQ[:BLOCK_M]]] (`kernels.fa3.BWD_CONFIGS[head_dim]`, the fields
-left out as there; SPLIT_DQ is none, cols or rows); each is checked against float32 gradients (dq, dk, dv by
+Backward: a variant is NUM_STAGES[:SPLIT_DQ[:BLOCK_M]] (a `kernels.fa3.BackwardConfig`, the fields left out as in
+`BACKWARD_CONFIGS[head_dim]`; SPLIT_DQ is cols or rows); each is checked against float32 gradients (dq, dk, dv by
 relative error) on the shapes below, then backward medians of the Gluon kernel are printed next to FA2's backward
 and cuDNN's on the same inputs (forward excluded).
-Forward: a variant is NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT[:SPLIT_LOOPS] and replaces
-`kernels.fa3.CONFIGS[head_dim, causal]` for both values of causal. Every variant is first checked against a
+Forward: a variant is NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT (a `kernels.fa3.ForwardConfig`), run
+for both values of causal. The kernels run with each variant's config passed in (`fa3.run_forward` /
+`fa3.run_backward`); nothing in `kernels` is changed. Every variant is first checked against a
 float32 reference (SDPA's math kernel on upcast inputs) on odd lengths, seqlen_q != seqlen_k both ways, GQA and
 strided views, with NaN-poisoned outputs; then forward medians (`triton.testing.do_bench`) are printed next to FA2's
 forward and SDPA's cuDNN kernel on the same inputs (B * N = 16k, H * D = 2048).
@@ -36,7 +37,7 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def check(head_dim, dtype):
+def check(head_dim, dtype, config):
     worst = 0.0
     for batch, n_heads, n_kv, seqlen_q, seqlen_k, causal, strided in CHECKS:
         if strided:  # the model's layout: (B, T, H, D) in memory, seen as (B, H, T, D)
@@ -48,12 +49,12 @@ def check(head_dim, dtype):
             k, v = (torch.randn(batch, n_kv, seqlen_k, head_dim, device="cuda", dtype=dtype) for _ in range(2))
         reason = fa3.gluon_unsupported_reason(q, k, v)
         if reason:
-            raise SystemExit(f"the Gluon kernel does not apply: {reason}")
+            raise SystemExit(f"the Gluon kernels do not apply: {reason}")
         empty = torch.empty
         poison = lambda t: t.fill_(float("nan")) if t.is_floating_point() else t
         torch.empty = lambda *a, **kw: poison(empty(*a, **kw))  # poison o and lse
         try:
-            o, lse = fa3.forward(q, k, v, causal, 1 / math.sqrt(head_dim))
+            o, lse = fa3.run_forward(q, k, v, causal, 1 / math.sqrt(head_dim), config)
         finally:
             torch.empty = empty
         group = n_heads // n_kv
@@ -76,7 +77,7 @@ def check(head_dim, dtype):
     return worst
 
 
-def check_backward(head_dim, dtype):
+def check_backward(head_dim, dtype, config):
     """Worst relative error of the Gluon backward's dq, dk, dv against float32 autograd over CHECKS."""
     worst = 0.0
     for batch, n_heads, n_kv, seqlen_q, seqlen_k, causal, strided in CHECKS:
@@ -88,8 +89,8 @@ def check_backward(head_dim, dtype):
             return torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=dtype)
         q, k, v, do = make(n_heads, seqlen_q), make(n_kv, seqlen_k), make(n_kv, seqlen_k), make(n_heads, seqlen_q)
         scale = 1 / math.sqrt(head_dim)
-        o, lse = fa3.forward(q, k, v, causal, scale)
-        dq, dk, dv = fa3.backward(do, q, k, v, o, lse, causal, scale)
+        o, lse = fa2.forward(q, k, v, causal, scale)
+        dq, dk, dv = fa3.run_backward(do, q, k, v, o, lse, causal, scale, config)
         leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
         group = n_heads // n_kv
         s = leaves[0] @ leaves[1].repeat_interleave(group, 1).transpose(-1, -2) * scale
@@ -107,13 +108,12 @@ def check_backward(head_dim, dtype):
 def main_backward(args, dtype):
     from triton.testing import do_bench
 
-    fa3.GLUON_BACKWARD_MIN_SEQLEN = dict.fromkeys(fa3.HEAD_DIMS, 1)
     for head_dim in map(int, args.head_dims.split(",")):
-        variants = args.variants
-        for variant in variants:
-            fa3.BWD_CONFIGS[head_dim] = backward_config(variant, DEFAULT_BWD_CONFIGS[head_dim])
+        variants = {variant: backward_config(variant, fa3.BACKWARD_CONFIGS[head_dim]) for variant in args.variants}
+        for variant, config in variants.items():
             try:
-                print(f"D={head_dim} bwd {variant}: max rel err {check_backward(head_dim, dtype):.2e}", flush=True)
+                print(f"D={head_dim} bwd {variant}: max rel err {check_backward(head_dim, dtype, config):.2e}",
+                      flush=True)
             except Exception as e:
                 print(f"D={head_dim} bwd {variant}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
         for causal in (True, False):
@@ -130,11 +130,10 @@ def main_backward(args, dtype):
                 cells["cudnn"] = do_bench(lambda: out.backward(do, retain_graph=True), grad_to_none=leaves,
                                           return_mode="median")
                 cells["fa2"] = do_bench(lambda: fa2.backward(do, q, k, v, o, lse, causal, 0.1), return_mode="median")
-                for variant in variants:
-                    fa3.BWD_CONFIGS[head_dim] = backward_config(variant, DEFAULT_BWD_CONFIGS[head_dim])
+                for variant, config in variants.items():
                     try:
                         cells[variant] = do_bench(
-                            lambda: fa3.backward(do, q, k, v, o, lse, causal, 0.1), return_mode="median")
+                            lambda: fa3.run_backward(do, q, k, v, o, lse, causal, 0.1, config), return_mode="median")
                     except Exception as e:
                         print(f"  {variant} failed: {type(e).__name__}: {str(e)[:200]}")
                 line = " ".join(f"{name}={tf(ms):.0f}" for name, ms in cells.items())
@@ -143,7 +142,7 @@ def main_backward(args, dtype):
 
 
 FORWARD_DEFAULT = "2:128:2:1:1,2:128:2:1:0"
-BACKWARD_DEFAULT = "2:0,2:0:none:64"  # each head_dim's config, and one that fits both head dims
+BACKWARD_DEFAULT = "2,2:cols:64"  # each head_dim's config, and one that fits both head dims
 
 
 def parse_variants(text, config):
@@ -162,57 +161,53 @@ def _ints(variant, fields):
         raise SystemExit(f"variant {variant!r}: give colon-separated integers (see --help)") from None
 
 
-DEFAULT_BWD_CONFIGS = dict(fa3.BWD_CONFIGS)
-
-
-def backward_config(variant, default=(2, False, "none", 64)):
-    """'NUM_STAGES[:DQ_FIRST[:SPLIT_DQ[:BLOCK_M]]]' -> a `kernels.fa3.BWD_CONFIGS` entry, the fields left out taken
-    from `default`; SPLIT_DQ is none, cols or rows, BLOCK_M 64 or 128."""
+def backward_config(variant, default=fa3.BackwardConfig(2, "cols", 64)):
+    """'NUM_STAGES[:SPLIT_DQ[:BLOCK_M]]' -> a `kernels.fa3.BackwardConfig`, the fields left out taken from
+    `default`; SPLIT_DQ is cols or rows, BLOCK_M 64 or 128."""
     fields = variant.split(":")
-    if not 1 <= len(fields) <= 4:
-        raise SystemExit(f"backward variant {variant}: give 1 to 4 fields (see --help)")
-    if len(fields) >= 3 and fields[2] not in ("none", "cols", "rows"):
-        raise SystemExit(f"backward variant {variant}: SPLIT_DQ {fields[2]!r}; accepted none, cols, rows")
-    if len(fields) == 4 and fields[3] not in ("64", "128"):
-        raise SystemExit(f"backward variant {variant}: BLOCK_M {fields[3]}; accepted 64, 128")
+    if not 1 <= len(fields) <= 3:
+        raise SystemExit(f"backward variant {variant}: give 1 to 3 fields (see --help)")
+    if len(fields) >= 2 and fields[1] not in ("cols", "rows"):
+        raise SystemExit(f"backward variant {variant}: SPLIT_DQ {fields[1]!r}; accepted cols, rows")
+    if len(fields) == 3 and fields[2] not in ("64", "128"):
+        raise SystemExit(f"backward variant {variant}: BLOCK_M {fields[2]}; accepted 64, 128")
     try:
-        ints = [int(x) for x in fields[:2]]
+        num_stages = int(fields[0])
     except ValueError:
-        raise SystemExit(f"backward variant {variant}: NUM_STAGES and DQ_FIRST are integers (see --help)") from None
-    if ints[0] < 1:
-        raise SystemExit(f"backward variant {variant}: NUM_STAGES {ints[0]}; give 1 or more")
-    config = [ints[0], *(bool(x) for x in ints[1:]), *fields[2:3], *(int(x) for x in fields[3:])]
-    return (*config, *default[len(config):])
+        raise SystemExit(f"backward variant {variant}: NUM_STAGES is an integer (see --help)") from None
+    if num_stages < 1:
+        raise SystemExit(f"backward variant {variant}: NUM_STAGES {num_stages}; give 1 or more")
+    return default._replace(num_stages=num_stages, **dict(zip(("split_dq", "block_m"), (
+        *fields[1:2], *(int(x) for x in fields[2:])))))
 
 
 def check_backward_configs(variants, head_dims):
-    """SystemExit naming a backward variant the Gluon kernel cannot run at one of head_dims (`kernels.fa3._dq_box`'s
-    rules), before any GPU is looked for."""
+    """SystemExit naming a backward variant the Gluon kernel cannot run at one of head_dims
+    (`BackwardConfig.dq_box`'s rules), before any GPU is looked for."""
     for head_dim in head_dims:
-        if head_dim not in DEFAULT_BWD_CONFIGS:
+        if head_dim not in fa3.BACKWARD_CONFIGS:
             raise SystemExit(f"--head-dims {head_dim}: the Gluon backward takes {', '.join(map(str, fa3.HEAD_DIMS))}")
         for variant in variants:
             try:
-                fa3._dq_box(head_dim, backward_config(variant, DEFAULT_BWD_CONFIGS[head_dim]))
+                backward_config(variant, fa3.BACKWARD_CONFIGS[head_dim]).dq_box(head_dim)
             except ValueError as e:
                 raise SystemExit(f"backward variant {variant} at head_dim {head_dim}: {e}") from None
 
 
 def forward_config(variant):
-    """'NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT[:SPLIT_LOOPS]' (ints) -> a `kernels.fa3.CONFIGS`
-    entry."""
+    """'NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT' (ints) -> a `kernels.fa3.ForwardConfig`."""
     fields = _ints(variant, variant.split(":"))
-    if len(fields) not in (5, 6):
-        raise SystemExit(f"variant {variant}: give 5 or 6 fields (see --help)")
-    return (*fields[:3], bool(fields[3]), bool(fields[4]), bool(fields[5]) if len(fields) == 6 else False)
+    if len(fields) != 5:
+        raise SystemExit(f"variant {variant}: give 5 fields (see --help)")
+    return fa3.ForwardConfig(*fields[:3], bool(fields[3]), bool(fields[4]))
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--variants", default=None,
-                        help="comma-separated NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT[:SPLIT_LOOPS] "
+                        help="comma-separated NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT "
                              f"(default {FORWARD_DEFAULT}); with --backward "
-                             f"NUM_STAGES[:DQ_FIRST[:SPLIT_DQ[:BLOCK_M]]] (default {BACKWARD_DEFAULT})")
+                             f"NUM_STAGES[:SPLIT_DQ[:BLOCK_M]] (default {BACKWARD_DEFAULT})")
     parser.add_argument("--head-dims", default="64,128", help="comma-separated head dimensions D")
     parser.add_argument("--seqlens", default="2048,8192", help="comma-separated sequence lengths N")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"], help="input dtype")
@@ -228,15 +223,13 @@ def main(argv=None):
     from triton.testing import do_bench
 
     dtype = getattr(torch, args.dtype)
-    fa3.FA2_CAUSAL_FORWARD_MAX_SEQLEN = {}  # the Gluon forward on every shape: these are its variants
     if args.backward:
         return main_backward(args, dtype)
     for head_dim in map(int, args.head_dims.split(",")):
-        variants = args.variants
-        for variant in variants:
-            fa3.CONFIGS[head_dim, True] = fa3.CONFIGS[head_dim, False] = forward_config(variant)
+        variants = {variant: forward_config(variant) for variant in args.variants}
+        for variant, config in variants.items():
             try:
-                print(f"D={head_dim} variant {variant}: max rel err {check(head_dim, dtype):.2e}", flush=True)
+                print(f"D={head_dim} variant {variant}: max rel err {check(head_dim, dtype, config):.2e}", flush=True)
             except Exception as e:  # report and keep going with the next variant
                 print(f"D={head_dim} variant {variant}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
         for causal in (True, False):
@@ -249,10 +242,10 @@ def main(argv=None):
                     cells["cudnn"] = do_bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
                                               return_mode="median")
                 cells["fa2"] = do_bench(lambda: fa2.forward(q, k, v, causal, 0.1), return_mode="median")
-                for variant in variants:
-                    fa3.CONFIGS[head_dim, causal] = forward_config(variant)
+                for variant, config in variants.items():
                     try:
-                        cells[variant] = do_bench(lambda: fa3.forward(q, k, v, causal, 0.1), return_mode="median")
+                        cells[variant] = do_bench(lambda: fa3.run_forward(q, k, v, causal, 0.1, config),
+                                                  return_mode="median")
                     except Exception as e:
                         print(f"  {variant} failed: {type(e).__name__}: {str(e)[:200]}")
                 line = " ".join(f"{name}={tf(ms):.0f}" for name, ms in cells.items())
