@@ -1,8 +1,18 @@
 """Our FlashAttention kernels: `fa3_attention` (FlashAttention-3 in Gluon for Hopper, forward and backward),
 `fa2_attention` / `fa2_varlen_attention` (FlashAttention-2 in Triton, with sliding windows and packed
 variable-length sequences), `fa1_attention` (the FA1 baseline) and `fa2_decode` (split-K/V decode: one query per
-(batch, head) against a KV cache; kernels/decode.py). `fa*_qkvpacked_attention` take one packed qkv tensor (a fused
-projection's output) and write its gradient in place.
+(batch, head) against a KV cache). `fa*_qkvpacked_attention` take one packed qkv tensor (a fused projection's
+output) and write its gradient in place.
+
+    frontend.py        validation, layouts, the torch.library ops and autograd shared by every kernel
+    common.py          Triton helpers the kernels share: tile loads/stores, masks, TMA checks, the backward's preprocess
+    fa1.py             FlashAttention-1 (Triton): forward and backward launchers
+    fa2.py             FlashAttention-2 (Triton): forward, three-kernel backward, sliding windows, varlen
+    fa3.py             FlashAttention-3: `plan()` (Gluon kernel or FA2, from one table of rules), configs, launchers
+    fa3_hopper.py      the Gluon forward (warp-specialised, ping-pong, persistent)
+    fa3_hopper_bwd.py  the Gluon backward (dQ through TMA reduce-adds)
+    gluon_compat.py    the Gluon API names that differ between Triton 3.6 and 3.9, in one place
+    decode.py          split-K/V decode kernel
 
 To run them without a GPU, set TRITON_INTERPRET=1 before importing this package (slow; for tests).
 """
@@ -47,9 +57,9 @@ fa3_attention, fa3_qkvpacked_attention = make_attention("fa3", fa3.forward, fa3.
 fa3_attention.__doc__ = PUBLIC_DOC.format(
     title="FlashAttention-3 (Gluon, Hopper): exact scaled dot-product attention, forward and backward.",
     source="Shah et al. 2024, FlashAttention-3, Section 3.1 and Algorithm 2 (forward), Appendix B.1 (backward: dQ "
-           "through TMA reduce-add; FA2's Algorithm 2 where it measured faster: kernels.fa3.GLUON_BACKWARD_MIN_SEQLEN); "
+           "through TMA reduce-add; FA2's Algorithm 2 where it measured faster: kernels.fa3.BACKWARD_MIN_SEQLEN_K); "
            "see kernels/fa3.py. Where the Gluon kernels do not apply (not an sm_90 GPU, head_dim other than 64/128, "
-           "float32, inputs TMA cannot address, a Triton other than 3.6) FA2's kernels run, with a one-time "
+           "float32, inputs TMA cannot address, a Triton outside 3.6-3.9) FA2's kernels run, with a one-time "
            "RuntimeWarning naming the reason.",
     gradients=FA3_GRADIENTS,
 )

@@ -40,7 +40,7 @@ from .common import (
 
 LOG2E = math.log2(math.e)
 # Inner-loop tiles through TMA descriptors where the inputs allow it (`common.use_tma`); False forces the pointer
-# path everywhere (bench/fa2_configs.py measures the two against each other).
+# path everywhere (tools/fa2_configs.py measures the two against each other).
 USE_TMA = True
 
 
@@ -80,7 +80,7 @@ def _dkdv_broken(config, args):
 
 
 _KEY = ["M_BUCKET", "N_BUCKET", "HEAD_DIM", "LEFT", "RIGHT", "VARLEN", "GROUP", "TMA_OK"]
-# (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA): per kernel, the winners of `python -m bench.fa2_configs` on
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA): per kernel, the winners of `python -m tools.fa2_configs` on
 # the H200 (docs/hopper-notes.md); the last one fits every head dim. Few on purpose: every config is compiled
 # on the first use of a shape bucket.
 _FWD_SHAPES = [(128, 64, 8, 3, False), (128, 64, 4, 2, True), (64, 128, 4, 3, True), (64, 64, 4, 3, True),

@@ -147,8 +147,8 @@ def _tile(i, n_tiles_m, n_heads, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, ROWS:
     the middle one alone when there is an odd number: it pairs with the next head's, whose order is reversed), so
     every pair has about the same number of K/V blocks; CTA p runs pairs p, p + grid, ..., the long tile first
     (except in the reversed heads, whose pairs come short tile first).
-    This balances the persistent CTAs' work as running all heads' longest blocks first did (the ninth session's
-    order, which read ~130 heads' K/V at once: 78 % DRAM bandwidth, 12 % L2 hits at D = 128, N = 2k).
+    This balances the persistent CTAs' work as running all heads' longest blocks first did (an earlier order,
+    which read ~130 heads' K/V at once: 78 % DRAM bandwidth, 12 % L2 hits at D = 128, N = 2k).
     """
     if CAUSAL:
         s = 2 * (gl.program_id(0) + (i // 2) * gl.num_programs(0)) + i % 2

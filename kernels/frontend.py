@@ -292,7 +292,7 @@ def _gradients(ctx, do, dlse, backward_fn):
 class EagerAttention(torch.autograd.Function):
     """The ops' autograd for eager calls, with the launchers called directly: custom_op's own autograd wrapper
     costs ~70 us of Python per eager call (it re-fills the schema's defaults every call) and its dispatch still
-    ~15-30 us each way (measured on the CPU with stub kernels, docs/benchmarks.md, ninth and thirteenth sessions).
+    ~15-30 us each way (measured on the CPU with stub kernels; docs/hopper-notes.md).
     torch.compile traces the ops' registration instead (no per-call cost there, and it takes one tensor passed
     twice, which dynamo refuses for an autograd.Function). `impl`: (run_forward, run_backward, n_tensors) as the
     op's body, backward body and count of differentiable leading inputs."""

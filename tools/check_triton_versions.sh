@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Compile both Gluon FA3 kernels for sm_90 (no GPU needed) on each Triton release, each in a throwaway venv that
+# sees this machine's torch (--system-site-packages) and installs only `triton==VERSION`.
+#   bash tools/check_triton_versions.sh               # 3.6.0 3.7.1 3.8.0 3.9.0
+#   bash tools/check_triton_versions.sh 3.9.0 3.10.0  # any releases
+# Prints one line per release and kernel: compiled (PTX size, shared memory) or the reason it falls back to FA2.
+set -u
+cd "$(dirname "$0")/.."
+versions=${*:-3.6.0 3.7.1 3.8.0 3.9.0}
+root=$(mktemp -d)
+trap 'rm -rf "$root"' EXIT
+for version in $versions; do
+  venv=$root/$version
+  if ! { python3 -m venv --system-site-packages "$venv" && "$venv/bin/pip" install -q "triton==$version"; } >"$root/log" 2>&1; then
+    echo "triton $version: not installed ($(tail -n 1 "$root/log"))"; continue
+  fi
+  env -u TRITON_INTERPRET "$venv/bin/python" - "$version" <<'PY' 2>&1 | grep -v "nanobind\|leaked\|FP_FUSION\|warn_once\|skipped remainder\|refleaks"
+import itertools, sys
+import torch
+from kernels import fa3
+version = sys.argv[1]
+kernels = fa3.gluon_kernels()
+if isinstance(kernels, str):
+    print(f"triton {version}: falls back to FA2: {kernels}")
+    sys.exit()
+for kernel in ("fwd", "bwd"):
+    ok, shared = 0, 0
+    for head_dim, causal, dtype in itertools.product(fa3.HEAD_DIMS, (True, False), (torch.bfloat16, torch.float16)):
+        try:
+            compiled = fa3.compile_for_sm90(dtype, head_dim, causal, 1, kernel)
+        except Exception as e:
+            print(f"triton {version} {kernel} D={head_dim} causal={causal} {dtype}: FAILED {type(e).__name__}: {str(e)[:200]}")
+            continue
+        ok, shared = ok + 1, max(shared, compiled.metadata.shared)
+    print(f"triton {version} {kernel}: {ok} of 8 compiled for sm_90 (head_dim 64/128, causal or not, bf16/fp16; "
+          f"max shared memory {shared} B)")
+PY
+done
