@@ -475,3 +475,42 @@ def test_a_checkpoint_from_before_the_attention_window_resumes(make_cfg, caplog)
     caplog.clear()
     second = train(make_cfg("run.name=prewindow", "trainer.max_steps=3", "ckpt.interval=0"))
     assert second.start_step == 2 and "changed settings" not in caplog.text
+
+
+def test_resuming_with_another_dropout_is_a_warning(make_cfg, caplog):
+    """model.dropout shapes no weight: resuming with another value warns, listing it, as other settings do."""
+    train(make_cfg("run.name=drop", "trainer.max_steps=2", "ckpt.interval=0"))
+    caplog.clear()
+    again = train(make_cfg("run.name=drop", "trainer.max_steps=3", "ckpt.interval=0", "model.dropout=0.1"))
+    assert again.start_step == 2 and again.step == 3
+    warnings = "\n".join(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    assert "with changed settings" in warnings and "model.dropout: 0.0 -> 0.1" in warnings
+
+
+def test_resuming_on_changed_data_warns_with_both_token_counts_and_checksums(make_cfg, tmp_path, corpus_dir, caplog):
+    """A glob that matches one more file since the checkpoint: a new token cache, whose val split is other text.
+    The warning names each split's token count and sha256, the checkpoint's and the cache's."""
+    import random
+    import shutil
+
+    from conftest import random_text
+
+    grow = tmp_path / "grow"
+    shutil.copytree(corpus_dir, grow)
+    common = (f"data.files={grow}/*.txt", "data.name=grow", "run.name=grow", "ckpt.interval=0")
+    first = train(make_cfg(*common, "trainer.max_steps=2"))
+    old = load_checkpoint(first.checkpoint)["data_meta"]
+    (grow / "more.txt").write_text(random_text(random.Random(), 100))
+    caplog.clear()
+    second = train(make_cfg(*common, "trainer.max_steps=3"))
+    new = load_checkpoint(second.checkpoint)["data_meta"]
+    assert second.start_step == 2 and new["train_tokens"] > old["train_tokens"]
+    warnings = "\n".join(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    assert "on other data than it was trained on" in warnings, warnings
+    for split in ("train", "val"):
+        a, b = old, new
+        assert (f"{split}.bin: {a[f'{split}_tokens']} tokens, sha256 {a['files'][f'{split}.bin']['sha256']} -> "
+                f"{b[f'{split}_tokens']} tokens, sha256 {b['files'][f'{split}.bin']['sha256']}") in warnings
+    caplog.clear()
+    train(make_cfg(*common, "trainer.max_steps=4"))  # the same data as the last checkpoint: no warning
+    assert "other data" not in caplog.text
