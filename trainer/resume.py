@@ -10,8 +10,8 @@ from typing import Optional
 from omegaconf import DictConfig, OmegaConf
 
 from model.gpt import GPTConfig
-from trainer.checkpoint import (Checkpoint, CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint,
-                                step_of)
+from trainer.checkpoint import (Checkpoint, CheckpointError, UnreadableCheckpoint, latest_checkpoint, list_checkpoints,
+                                load_checkpoint, step_of)
 from trainer.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -74,15 +74,27 @@ def find_checkpoint(resume: str, run_dir: Path) -> tuple[Optional[Checkpoint], O
         return None, None
     if resume == "auto":
         path = latest_checkpoint(run_dir)
-        return (load_checkpoint(path), path) if path is not None else (None, None)
+        return (_load(path), path) if path is not None else (None, None)
     path = Path(resume)
     if not path.exists():  # also a mistyped policy, e.g. resume=sometimes
         raise CheckpointError(f"checkpoint {path} does not exist (resume= takes auto, never or a checkpoint path)")
-    ckpt = load_checkpoint(path)
+    ckpt = _load(path)
     reason = _newer_refusal(path, ckpt["step"], list_checkpoints(run_dir), run_dir)  # files named otherwise
     if reason:
         raise ConfigError(reason)
     return ckpt, path
+
+
+def _load(path: Path) -> Checkpoint:
+    """``load_checkpoint``; an unreadable file in a run's checkpoints folder gets the ways to resume without it."""
+    try:
+        return load_checkpoint(path)
+    except UnreadableCheckpoint as e:
+        if path.parent.name != "checkpoints":
+            raise
+        raise UnreadableCheckpoint(f"{e}; it was left as is: move it out of the checkpoints folder to resume from "
+                                   "the one before, or start a new run.name (resume=<path> of an older checkpoint "
+                                   "works there too)") from None
 
 
 # GPTConfig fields that do not shape the weights: a change is a warning (the config diff lists it), not a refusal.

@@ -114,9 +114,27 @@ def test_corrupt_latest_checkpoint_is_reported_and_kept(make_cfg):
     s = train(make_cfg("run.name=corrupt", "trainer.max_steps=3"))
     content = s.checkpoint.read_bytes()[:1000]
     s.checkpoint.write_bytes(content)
-    with pytest.raises(CheckpointError, match="step_00000003.pt is corrupt"):
+    with pytest.raises(CheckpointError, match="step_00000003.pt is corrupt.*move it out of the checkpoints folder"):
         train(make_cfg("run.name=corrupt", "trainer.max_steps=6"))
     assert s.checkpoint.read_bytes() == content and list_checkpoints(s.run_dir) == [s.checkpoint]
+
+
+def test_a_file_that_is_not_a_checkpoint_is_named_so_and_advice_is_for_run_folders(make_cfg, tmp_path, capsys):
+    """resume=<random bytes>: 'not a checkpoint file', without advice about a checkpoints folder it is not in;
+    sample.py on a corrupt checkpoint of a run names it, with no advice about resuming (it resumes nothing)."""
+    import sample
+
+    noise = tmp_path / "random.pt"
+    noise.write_bytes(os.urandom(8192))
+    with pytest.raises(CheckpointError) as e:
+        train(make_cfg("run.name=noise", f"resume={noise}"))
+    assert str(e.value) == f"not a checkpoint file: {noise} (not a file torch.save writes)"
+    s = train(make_cfg("run.name=cut", "trainer.max_steps=1"))
+    s.checkpoint.write_bytes(s.checkpoint.read_bytes()[:1000])
+    assert sample.main(["--run", str(s.run_dir), "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert f"checkpoint {s.checkpoint} is corrupt or unreadable" in err and "checkpoints folder" not in err
+    assert "resume" not in err and "run.name" not in err
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
