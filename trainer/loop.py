@@ -162,7 +162,8 @@ class Trainer:
         scaler = torch.amp.GradScaler(device.type, enabled=self.dtype == torch.float16)
         sampler = ShardedBatchSampler(self.data.train, cfg.model.block_size, cfg.trainer.batch_size, cfg.seed,
                                       self.grad_accum, dist.rank, dist.world_size, device,
-                                      doc_starts=self.data.train_docs if cfg.data.document_mask else None)
+                                      doc_starts=self.data.train_docs if cfg.data.document_mask else None,
+                                      vocab_size=self.data.vocab_size, source=self.data.dir / "train.bin")
         return TrainState(model, optimizer, scaler, sampler, dist)
 
     def _wrap(self, model: GPT) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -404,7 +405,8 @@ def evaluate(model: torch.nn.Module, data: PreparedData, cfg: DictConfig, device
     Under torchrun the batches are dealt out to the ranks (batch i to rank i % world_size) and the
     per-batch losses summed over ranks, so the value is the same for any number of processes."""
     sampler = BatchSampler(data.val, cfg.model.block_size, cfg.trainer.batch_size, cfg.seed + VAL_SEED_OFFSET,
-                           device=device, doc_starts=data.val_docs if cfg.data.document_mask else None)
+                           device=device, doc_starts=data.val_docs if cfg.data.document_mask else None,
+                           vocab_size=data.vocab_size, source=data.dir / "val.bin")
     model.eval()
     losses = torch.zeros(cfg.eval.iters, device=device)
     for i in range(cfg.eval.iters):

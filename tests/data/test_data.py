@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -213,6 +214,40 @@ def test_changed_bytes_in_a_cache_file_are_detected_and_rebuilt(make_cfg):
     assert path.stat().st_size == expected.nbytes
     rebuilt = prepare_data(cfg)
     assert np.array_equal(rebuilt.train, expected)
+
+
+def test_damaged_tokens_with_the_old_mtime_are_named_when_drawn(make_cfg):
+    """Random bytes over train.bin with its mtime put back (so the checksum is not read at load): the first
+    batch that draws a token id outside the vocabulary stops the run naming the file and what to do, instead of
+    an IndexError in the embedding."""
+    from trainer import train
+
+    cfg = make_cfg("data.name=rot_same_mtime", "run.name=rot", "trainer.max_steps=2", "eval.iters=0")
+    data = prepare_data(cfg.data)
+    path, vocab = data.dir / "train.bin", data.vocab_size
+    del data
+    st = path.stat()
+    noise = np.frombuffer(os.urandom(st.st_size), dtype=np.uint16).copy()
+    noise[::2] = vocab + noise[::2] % (2**16 - vocab)  # every other token outside the vocabulary: each window has some
+    path.write_bytes(noise.tobytes())
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(DataError) as e:
+        train(cfg)
+    assert re.fullmatch(rf"token id (\d+) at offset \d+ of {re.escape(str(path))} is not below the vocabulary size "
+                        rf"{vocab}: the token cache is damaged .*; delete {re.escape(str(path.parent))} to rebuild it",
+                        str(e.value)), str(e.value)
+    assert int(re.match(r"token id (\d+)", str(e.value)).group(1)) >= vocab
+
+
+def test_sampler_refuses_token_ids_outside_the_vocabulary():
+    tokens = np.random.randint(0, 50, size=500).astype(np.uint16)
+    BatchSampler(tokens, 8, 4, seed=0, vocab_size=50).next_batch()  # every id below 50: fine
+    where = np.random.randint(0, 500)
+    tokens[where] = 50
+    sampler = BatchSampler(tokens, 499, 1, seed=0, vocab_size=50)  # one window: the whole array
+    with pytest.raises(DataError, match=rf"token id 50 at offset {where} of the tokens is not below the vocabulary "
+                                        "size 50"):
+        sampler.next_batch()
 
 
 @pytest.mark.parametrize("edit, field", [
