@@ -29,14 +29,14 @@ from data.prepare import PreparedData, prepare_data
 from data.sampler import BatchSampler, ShardedBatchSampler, rank_seed
 from model.gpt import GPT, GPTConfig
 from trainer import checkpoint
-from trainer.config import (config_backend, continue_command, padded_vocab_size, resolved_grad_accum,
+from trainer.config import (ConfigError, config_backend, continue_command, padded_vocab_size, resolved_grad_accum,
                             validate_against_data, validate_config)
 from trainer.distributed import all_reduce_sum, barrier, broadcast_object, gather_objects, init_process_group
 from trainer.lr_schedule import lr_at
 from trainer.metrics import MetricsLogger, StepTimer, Throughput, peak_flops, step_record
 from trainer.optim import build_optimizer
 from trainer.resume import check_compatible, find_checkpoint
-from trainer.runtime import DistInfo, autocast, seed_everything, select_device, select_dtype
+from trainer.runtime import DistInfo, autocast, device_memory, seed_everything, select_device, select_dtype
 from trainer.state import TrainState
 from trainer.stop import StopRequest
 
@@ -123,6 +123,7 @@ class Trainer:
         self.data = _prepare_data(cfg, dist)
         validate_against_data(cfg, len(self.data.train), len(self.data.val), self.data.vocab_size)
         self.model_args = model_config(cfg, self.data.vocab_size, backend)
+        check_memory(self.model_args, device)
         if ckpt is not None:
             check_compatible(ckpt, self.model_args, self.data.meta, cfg)
         if on_accept is not None:
@@ -384,6 +385,29 @@ def model_config(cfg: DictConfig, data_vocab: int, backend: str) -> GPTConfig:
                      n_layer=cfg.model.n_layer, n_head=cfg.model.n_head, n_kv_head=cfg.model.n_kv_head,
                      n_embd=cfg.model.n_embd, dropout=cfg.model.dropout, bias=cfg.model.bias, attn=backend,
                      attn_window=OmegaConf.to_container(cfg.model)["attn_window"])  # an int or a plain list
+
+
+TRAINING_BYTES_PER_PARAM = 16  # fp32 weight, gradient and AdamW's two moments
+
+
+def min_params(args: GPTConfig) -> int:
+    """The GPT's parameters without biases and layer norms (a lower bound of ``GPT(args)``'s count)."""
+    E, L = args.n_embd, args.n_layer
+    attn = E * E * (2 + 2 * args.kv_heads / args.n_head)  # q and output projections; k and v (GQA: fewer)
+    return int(E * (args.vocab_size + args.block_size) + L * (attn + 8 * E * E))  # embeddings (tied), blocks
+
+
+def check_memory(args: GPTConfig, device: torch.device) -> None:
+    """Refuse (ConfigError) a model whose parameters alone, with their gradients and AdamW state, need more than
+    the device's memory (``trainer.runtime.device_memory``). ``min_params`` is a lower bound, so a model that
+    fits is never refused. Catches e.g. a mistyped model.vocab_size before an allocator error does."""
+    params, memory = min_params(args), device_memory(device)
+    if memory and params * TRAINING_BYTES_PER_PARAM > memory:
+        raise ConfigError(
+            f"the model is too large for {device}: {params:,} parameters (model.vocab_size={args.vocab_size}, "
+            f"model.n_embd={args.n_embd}, model.n_layer={args.n_layer}, model.block_size={args.block_size}) need at "
+            f"least {params * TRAINING_BYTES_PER_PARAM / 2**30:,.0f} GiB for weights, gradients and AdamW state "
+            f"({TRAINING_BYTES_PER_PARAM} bytes each), and it has {memory / 2**30:,.0f} GiB; choose smaller values")
 
 
 def _every(interval: int, step: int) -> bool:

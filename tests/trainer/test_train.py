@@ -532,3 +532,17 @@ def test_resuming_on_changed_data_warns_with_both_token_counts_and_checksums(mak
     caplog.clear()
     train(make_cfg(*common, "trainer.max_steps=4"))  # the same data as the last checkpoint: no warning
     assert "other data" not in caplog.text
+
+
+def test_a_model_larger_than_the_memory_is_one_error_naming_its_size(make_cfg):
+    """model.vocab_size=10**12: a clear error with the parameter count and memory, not an allocator failure."""
+    with pytest.raises(ConfigError, match=r"the model is too large for cpu: 32,000,\d{3},\d{3},\d{3} parameters "
+                                          r"\(model.vocab_size=1000000000000, model.n_embd=32.*GiB"):
+        train(make_cfg("model.vocab_size=1000000000000", "run.name=huge"))
+    from trainer.loop import check_memory, min_params, model_config
+
+    args = model_config(make_cfg("model.bias=true"), 65, "sdpa")
+    check_memory(args, torch.device("cpu"))  # the tiny model fits
+    for shape in (args, model_config(make_cfg("model.n_kv_head=4", "model.n_layer=3"), 1000, "sdpa")):
+        matrices = [p for p in GPT(shape).parameters() if p.dim() == 2]  # the tied embedding once
+        assert min_params(shape) == sum(p.numel() for p in matrices)  # exact: only biases and layer norms left out
