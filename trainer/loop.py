@@ -148,6 +148,7 @@ class Trainer:
                                     num_params=self.state.model.num_params(),
                                     tokens_per_step=self.throughput.tokens_per_step)
         self.last_saved: Optional[int] = None
+        self.folder_id = _folder_id(run_dir)  # made by _logger; see _check_folder
         if ckpt is not None:
             self.resume(ckpt)  # last: restores the RNG states, so nothing after it draws random numbers
         self.state.wandb_run_id = self.logger.wandb_id  # a branch (resume=<path>) is a new W&B run
@@ -300,6 +301,7 @@ class Trainer:
         state = self.state.state_dict()  # collective
         path = checkpoint.checkpoint_path(self.run_dir, self.state.step)
         if self.dist.is_main:
+            self._check_folder()
             run_info = {"config": self.config_dict, "model_args": dataclasses.asdict(self.model_args),
                         "data_meta": self.data.meta, "attn_backend": self.model_args.attn}
             path = checkpoint.save_checkpoint(checkpoint.pack(state, run_info), self.run_dir, self.state.step,
@@ -308,6 +310,15 @@ class Trainer:
         barrier(self.dist)  # the file is complete before any rank moves on
         self.summary.checkpoint, self.last_saved = path, self.state.step
         return path
+
+    def _check_folder(self) -> None:
+        """Warn once if the run folder was deleted or replaced (e.g. ``rm -rf``) since the run started: the save
+        would make a new one silently."""
+        if self.folder_id is not None and _folder_id(self.run_dir) != self.folder_id:
+            self.folder_id = None
+            log.warning("run folder %s was deleted or replaced while this run trained: its checkpoints now go to a "
+                        "new folder without the run's metrics.jsonl, train.log, .hydra/, W&B files and lock (another "
+                        "process could start in it); the metrics of the steps since are not kept", self.run_dir)
 
     def fit(self) -> TrainSummary:
         """Train to trainer.max_steps (or a stop request). A plain step's numbers are read one step late,
@@ -408,6 +419,14 @@ def check_memory(args: GPTConfig, device: torch.device) -> None:
             f"model.n_embd={args.n_embd}, model.n_layer={args.n_layer}, model.block_size={args.block_size}) need at "
             f"least {params * TRAINING_BYTES_PER_PARAM / 2**30:,.0f} GiB for weights, gradients and AdamW state "
             f"({TRAINING_BYTES_PER_PARAM} bytes each), and it has {memory / 2**30:,.0f} GiB; choose smaller values")
+
+
+def _folder_id(folder: Path) -> Optional[tuple[int, int]]:
+    try:
+        st = folder.stat()
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _every(interval: int, step: int) -> bool:

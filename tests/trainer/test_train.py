@@ -546,3 +546,22 @@ def test_a_model_larger_than_the_memory_is_one_error_naming_its_size(make_cfg):
     for shape in (args, model_config(make_cfg("model.n_kv_head=4", "model.n_layer=3"), 1000, "sdpa")):
         matrices = [p for p in GPT(shape).parameters() if p.dim() == 2]  # the tied embedding once
         assert min_params(shape) == sum(p.numel() for p in matrices)  # exact: only biases and layer norms left out
+
+
+def test_a_run_folder_deleted_while_training_is_a_warning(make_cfg, caplog):
+    """`rm -rf` of the run folder mid-run: the next save warns (once) that the folder was deleted, naming it."""
+    import shutil
+
+    def on_step(record):
+        if record["step"] == 2:
+            shutil.rmtree(run_dir)
+
+    cfg = make_cfg("run.name=vanished", "trainer.max_steps=5", "ckpt.interval=3")
+    run_dir = Path(cfg.run.root) / "vanished"
+    s = train(cfg, on_step=on_step)
+    assert s.step == 5 and list_checkpoints(run_dir)  # the run went on; its checkpoints are in a new folder
+    warned = [r.getMessage() for r in caplog.records if "was deleted or replaced" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith(f"run folder {run_dir} was deleted or replaced"), warned
+    caplog.clear()
+    train(make_cfg("run.name=vanished", "trainer.max_steps=6", "ckpt.interval=3"))  # nothing deleted: no warning
+    assert "was deleted" not in caplog.text
