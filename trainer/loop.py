@@ -302,6 +302,7 @@ class Trainer:
         path = checkpoint.checkpoint_path(self.run_dir, self.state.step)
         if self.dist.is_main:
             self._check_folder()
+            self.logger.sync()  # metrics.jsonl holds every step up to a checkpoint (rows W&B may lose)
             run_info = {"config": self.config_dict, "model_args": dataclasses.asdict(self.model_args),
                         "data_meta": self.data.meta, "attn_backend": self.model_args.attn}
             path = checkpoint.save_checkpoint(checkpoint.pack(state, run_info), self.run_dir, self.state.step,

@@ -565,3 +565,57 @@ def test_a_run_folder_deleted_while_training_is_a_warning(make_cfg, caplog):
     caplog.clear()
     train(make_cfg("run.name=vanished", "trainer.max_steps=6", "ckpt.interval=3"))  # nothing deleted: no warning
     assert "was deleted" not in caplog.text
+
+
+def wandb_history_steps(path: Path) -> list[int]:
+    """The steps of the history rows in a W&B .wandb file: a 7-byte header, then LevelDB log records (32 KiB
+    blocks; 7-byte headers: CRC-32C, length, type FULL/FIRST/MIDDLE/LAST) holding wandb_internal_pb2.Record's."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, pos, steps, parts = path.read_bytes(), 7, [], b""
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        if left < 7:  # a block's trailer
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0:  # zero padding up to the block's end
+            pos += left
+            continue
+        parts, pos = (b"" if kind in (1, 2) else parts) + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):
+            record = pb.Record.FromString(parts)
+            if record.WhichOneof("record_type") == "history":
+                steps.append(record.history.step.num)
+    return steps
+
+
+def test_wandb_holds_every_step_up_to_the_checkpoint_after_kill_9(tiny_overrides, tmp_path):
+    """kill -9 right after a checkpoint, then the same command: W&B's client had written none or few of the killed
+    process's rows (it writes its .wandb file every 15 s), so the resumed run logs the rows up to the checkpoint
+    again from metrics.jsonl: its offline folder holds every step, once, in order."""
+    # Each process its own W&B service, as from a shell (an in-process W&B run of this test process set
+    # WANDB_SERVICE, which would make both share this process's service, where the killed run's id stays in use).
+    env = {**{k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}, "PYTHONPATH": str(ROOT)}
+    args = [a for a in tiny_overrides if not a.startswith(("run.", "trainer.max_steps", "wandb.", "ckpt.", "eval."))]
+    args += [f"run.root={tmp_path}", "run.name=wbk", "wandb.mode=offline", "ckpt.interval=5", "eval.interval=5",
+             "trainer.max_steps=12"]
+    proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    first = tmp_path / "wbk" / "checkpoints" / "step_00000005.pt"
+    deadline = time.time() + 120
+    while not first.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    proc.kill()
+    proc.wait()
+    assert first.exists() and not (tmp_path / "wbk" / "checkpoints" / "step_00000010.pt").exists()
+    again = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    folders = sorted((tmp_path / "wbk" / "wandb").glob("offline-run-*"))
+    assert len(folders) == 2
+    assert wandb_history_steps(next(folders[-1].glob("*.wandb"))) == list(range(1, 13))
+    assert "logged steps 1-5 again from metrics.jsonl" in again.stdout
+    assert [r["step"] for r in read_jsonl(tmp_path / "wbk" / "metrics.jsonl")] == list(range(1, 13))
