@@ -39,6 +39,7 @@ from trainer.distributed import destroy_process_group, torchrun_overrides
 from trainer.resume import refusal_for_overrides
 from trainer.run_lock import RunFolderBusy, own_run_folder
 from trainer.runtime import DistInfo
+from trainer.stop import TrainingAborted
 
 log = logging.getLogger("train")
 logging.captureWarnings(True)  # warnings (e.g. a kernel fallback) reach train.log once, through logging
@@ -80,11 +81,15 @@ def run(cfg: DictConfig) -> float | None:
         refused(held)
         log.error("%s", e)
         sys.exit(128 + e.signum)
-    except KeyboardInterrupt:  # a second Ctrl-C: abort now, without saving; the last checkpoint stays the latest
+    except TrainingAborted:  # a second Ctrl-C: abort now, without saving; the last checkpoint stays the latest
         refused(held)
         last = latest_checkpoint(Path(run_dir))
         log.error("aborted by a second Ctrl-C; this step was not saved (%s)",
                   f"resume continues from {last.name}" if last else "no checkpoint was saved yet")
+        sys.exit(128 + signal.SIGINT)
+    except KeyboardInterrupt:  # Ctrl-C before the training loop took over the signal (model build, W&B start)
+        refused(held)
+        log.error("interrupted before training started; nothing to save")
         sys.exit(128 + signal.SIGINT)
     if summary.stop_reason == "interrupted":  # saved and resumable, but not finished: say so to the caller
         sys.exit(128 + summary.stop_signal)

@@ -38,7 +38,7 @@ from trainer.optim import build_optimizer
 from trainer.resume import check_compatible, find_checkpoint
 from trainer.runtime import DistInfo, autocast, device_memory, seed_everything, select_device, select_dtype
 from trainer.state import TrainState
-from trainer.stop import StopRequest
+from trainer.stop import StopRequest, TrainingAborted
 
 log = logging.getLogger(__name__)
 
@@ -371,6 +371,8 @@ class Trainer:
         except NonFiniteLossError:
             agreed_failure = True  # raised by every rank at the same step; its caller reports it (train.py logs it)
             raise
+        except KeyboardInterrupt:  # in the loop it is a second Ctrl-C (StopRequest took the first)
+            raise TrainingAborted from None
         finally:
             self._close(exit_code, agreed_failure)
         return summary

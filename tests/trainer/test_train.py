@@ -205,6 +205,19 @@ def test_cli_second_ctrl_c_aborts_with_130_and_no_traceback(tiny_overrides, tmp_
     assert [p.name for p in list_checkpoints(tmp_path / "abort")] == kept
 
 
+def test_cli_ctrl_c_before_training_says_nothing_was_trained(tiny_overrides, tmp_path):
+    """A (first) Ctrl-C while the model is built, before the training loop handles signals: exit 130, one line
+    saying nothing was trained, not the second Ctrl-C's message."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": "0", "TEST_INTERRUPT_BUILD": "0"}
+    args = [a for a in tiny_overrides if not a.startswith("run.")] + [f"run.root={tmp_path}", "run.name=early"]
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "trainer" / "torchrun_entry.py"), *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 128 + signal.SIGINT, out[-3000:]
+    assert "interrupted before training started; nothing to save" in out and "Traceback" not in out, out[-3000:]
+    assert "second Ctrl-C" not in out and list_checkpoints(tmp_path / "early") == []
+
+
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(make_cfg, monkeypatch):
     real_forward = GPT.forward
     calls = {"n": 0}
