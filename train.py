@@ -93,13 +93,17 @@ def run(cfg: DictConfig) -> float | None:
         sys.exit(128 + signal.SIGINT)
     if summary.stop_reason == "interrupted":  # saved and resumable, but not finished: say so to the caller
         sys.exit(128 + summary.stop_signal)
+    if Path(run_dir).resolve() != (Path(cfg.run.root) / cfg.run.name).resolve() and \
+            HydraConfig.get().mode != RunMode.MULTIRUN:
+        log.warning("hydra.run.dir put this run in %s, not in run.root/run.name: to continue it, give the same "
+                    "hydra.run.dir; run.root and run.name choose the run folder without it", run_dir)
     if HydraConfig.get().mode == RunMode.MULTIRUN:  # `run.name=X` alone would start a run in the sweep's folder
         log.info("finished at step %d; to continue these runs: the same `python train.py -m ...` command with "
                  "trainer.max_steps=<more than %d>", summary.step, summary.step)
     else:
         log.info("finished at step %d; to continue this run: %s trainer.max_steps=<more than %d> "
                  "(with the same settings, and resume=auto, the default, in place of any resume=<file>)",
-                 summary.step, continue_command(cfg.run.name, dist.world_size), summary.step)
+                 summary.step, continue_command(cfg.run, dist.world_size), summary.step)
     return summary.final_val_loss  # the value a Hydra sweeper would optimise
 
 

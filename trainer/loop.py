@@ -390,7 +390,7 @@ class Trainer:
                      s.final_val_loss, s.final_val_step)
         if s.stop_reason == "interrupted":
             log.info("interrupted at step %d; to resume: %s (with the same settings)", self.state.step,
-                     continue_command(self.cfg.run.name, self.dist.world_size))
+                     continue_command(self.cfg.run, self.dist.world_size))
 
 
 def model_config(cfg: DictConfig, data_vocab: int, backend: str) -> GPTConfig:

@@ -306,17 +306,18 @@ def test_config_help_imports_nothing_of_trainer():
 
 
 @pytest.mark.parametrize("name", ["exp1", "2026-12-01_04-45-43_3f9a1c", "-dash", "sp ace", "ümlaut", "$HOME", "a*b",
-                                  'quo"te', "it's", "back\\slash", "end\\", "a\\'b", "a=b", "x,y", "[1]", "ok!"])
+                                  'quo"te', "it's", "back\\slash", "end\\", "a\\'b", "a=b", "x,y", "[1]", "ok!",
+                                  "/tmp/a-b/runs", "runs/x y"])
 def test_printed_overrides_survive_the_shell_and_hydra(name):
     """The commands the trainer prints (continue / resume hints): one shell word that Hydra parses back to name."""
     import shlex
 
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    words = shlex.split(override_arg("run.name", name))
+    words = shlex.split(override_arg("run.root", name))
     assert len(words) == 1
     override = OverridesParser.create().parse_override(words[0])
-    assert override.key_or_group == "run.name" and override.value() == name
+    assert override.key_or_group == "run.root" and override.value() == name
 
 
 def test_auto_backend_follows_the_model(monkeypatch):
@@ -332,3 +333,13 @@ def test_auto_backend_follows_the_model(monkeypatch):
     assert config_backend(windowed) == "fa2"
     validate_config(windowed)
     assert config_backend(compose_config(["model=gpt2", "data=shakespeare_scenes", "data.document_mask=true"])) == "fa2"
+
+
+def test_the_continue_command_names_run_root_unless_it_is_the_default():
+    """Pasted as printed, the command continues the run: run.root is in it when it is not 'runs'."""
+    from trainer.config import continue_command
+
+    assert continue_command(compose_config(["run.name=a"]).run, 1) == "python train.py run.name=a"
+    run = compose_config(["run.name=a", "run.root=/tmp/my runs"]).run
+    assert continue_command(run, 1) == "python train.py run.name=a \"run.root='/tmp/my runs'\""
+    assert continue_command(run, 2) == "torchrun ... train.py run.name=a \"run.root='/tmp/my runs'\""

@@ -154,3 +154,11 @@ def test_lock_in_process(tmp_path, monkeypatch, caplog):
     with own_run_folder(tmp_path / "r"):
         pass
     assert "cannot lock run folder" in caplog.text and "No locks available" in caplog.text
+
+
+def test_hydra_run_dir_says_that_it_bypasses_run_root_and_name(args, tmp_path):
+    """hydra.run.dir puts the run elsewhere than run.root/run.name, which the printed command would name."""
+    out = cli(args, f"hydra.run.dir={tmp_path / 'hd'}", "trainer.max_steps=1")
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-3000:]
+    assert f"hydra.run.dir put this run in {tmp_path / 'hd'}, not in run.root/run.name" in text, text[-3000:]

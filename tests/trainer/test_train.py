@@ -183,6 +183,7 @@ def test_cli_exit_code_after_sigterm_is_143(tiny_overrides, tmp_path):
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
     assert len(list_checkpoints(tmp_path / "term")) == 1 and "interrupted at step" in out
+    assert f"to resume: python train.py run.name=term run.root={tmp_path} (with the same settings)" in out
     assert "received SIGTERM: stopping after this step and saving a checkpoint (Ctrl-C to abort)" in out
     assert "last val loss" in out and "final val loss" not in out  # an interrupted run has steps to go
 
@@ -282,8 +283,8 @@ def test_cli_entry_point(tiny_overrides, tmp_path):
     log = (run_dir / "train.log").read_text()
     assert "attention backend: sdpa" in log and "final val loss" in log
     # A finished run says how to continue it, as an interrupted one does.
-    assert "finished at step 2; to continue this run: python train.py run.name=cli " \
-           "trainer.max_steps=<more than 2>" in log
+    assert f"finished at step 2; to continue this run: python train.py run.name=cli run.root={tmp_path} " \
+           "trainer.max_steps=<more than 2>" in log  # run.root is not the default: the command names it
     assert [p.name for p in list_checkpoints(run_dir)] == ["step_00000002.pt"]
     record = {p.name: p.read_text() for p in (run_dir / ".hydra").iterdir()}
     bad = subprocess.run([sys.executable, "train.py", *args, "model.n_embd=30"], cwd=ROOT, env=env,
