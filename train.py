@@ -21,6 +21,7 @@ import logging.handlers
 import shutil
 import signal
 import sys
+import warnings
 from pathlib import Path
 
 import hydra
@@ -42,7 +43,16 @@ from trainer.runtime import DistInfo
 from trainer.stop import TrainingAborted
 
 log = logging.getLogger("train")
-logging.captureWarnings(True)  # warnings (e.g. a kernel fallback) reach train.log once, through logging
+
+
+def log_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """``warnings.showwarning`` for train.py: a warning (e.g. a kernel fallback) reaches the console and train.log
+    once, through logging, as its message alone (Python's display adds the warning's source line, which is some
+    caller's code and tells a user nothing)."""
+    logging.getLogger("py.warnings").warning("%s", message)
+
+
+warnings.showwarning = log_warning
 register_configs()
 
 

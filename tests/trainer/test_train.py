@@ -316,6 +316,26 @@ def test_fa2_backend_trains_like_sdpa(make_cfg):
         assert b["train/loss"] == pytest.approx(a["train/loss"], abs=1e-4)
 
 
+def test_cli_warnings_are_their_message_alone(tiny_overrides, tmp_path):
+    """attn=fa2 on the CPU warns that it runs under Triton's interpreter: the warning is one log record, its
+    message alone, without the source line of whatever code triggered it."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    micro = ("model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.n_kv_head=1", "model.block_size=16",
+             "trainer.batch_size=2", "trainer.max_steps=1", "eval.iters=1", "attn=fa2")
+    args = [a for a in tiny_overrides if not a.startswith("run.")] + [f"run.root={tmp_path}", "run.name=warn", *micro]
+    proc = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for text in (proc.stdout, (tmp_path / "warn" / "train.log").read_text()):
+        lines = text.splitlines()
+        at = [i for i, line in enumerate(lines) if "running the Triton kernels under the Triton interpreter" in line]
+        assert len(at) == 1, text[-3000:]
+        assert lines[at[0]].endswith("][py.warnings][WARNING] - attn=fa2: no CUDA GPU, running the Triton kernels "
+                                     "under the Triton interpreter (TRITON_INTERPRET=1); this is very slow and meant "
+                                     "for testing only")
+        assert lines[at[0] + 1].startswith("[20"), lines[at[0] + 1]  # the next log record, not a source line
+
+
 def test_wandb_disabled_needs_no_wandb_package(make_cfg, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` now raises ImportError
     s = train(make_cfg("wandb.mode=disabled", "trainer.max_steps=2"))
