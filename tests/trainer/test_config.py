@@ -114,7 +114,7 @@ def test_cuda_device_without_gpu_is_rejected(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="trainer.device='cuda': no CUDA GPU is available; use auto or cpu"):
         validate_config(compose_config(["trainer.device=cuda"]))
-    # D17: sample.py gives the same message (it was torch's 'Found no NVIDIA driver' traceback).
+    # sample.py gives the same message, not torch's 'Found no NVIDIA driver' traceback.
     with pytest.raises(SystemExit) as e:
         sample.main(["--run", "any", "--device", "cuda"])
     assert e.value.code == 2 and "--device cuda: no CUDA GPU is available; use auto or cpu" in capsys.readouterr().err
@@ -134,7 +134,7 @@ def test_cuda_device_without_gpu_is_rejected(monkeypatch, capsys):
                                  "optim.min_lr_ratio", "trainer.peak_flops"])
 @pytest.mark.parametrize("value", ["inf", "nan"])
 def test_non_finite_numbers_are_rejected(key, value):
-    """D21: optim.lr=inf and optim.weight_decay=inf were accepted (the NaN stop came at step 2). One line per key:
+    """optim.lr=inf or optim.weight_decay=inf is refused at start (not by the NaN stop at step 2). One line per key:
     the range check of a non-finite value ('optim.lr=nan: must be > 0') is not added to it."""
     with pytest.raises(ConfigError, match=rf"{key}={value}: must be a finite number") as e:
         validate_config(compose_config(["trainer.device=cpu", f"{key}={value}"]))
@@ -256,7 +256,7 @@ def test_bad_attn_window_is_refused_before_training(monkeypatch, overrides, mess
 
 
 def test_help_lists_every_key_with_its_meaning():
-    """`python train.py --help` was Hydra's generic key list: now the option table, generated from trainer/config.py."""
+    """`python train.py --help`: the option table, generated from trainer/config.py, each key with its meaning."""
     import subprocess
     import sys
     from pathlib import Path
