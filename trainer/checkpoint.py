@@ -29,7 +29,7 @@ import re
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 import torch
 
