@@ -21,6 +21,7 @@ import logging.handlers
 import shutil
 import signal
 import sys
+import warnings
 from pathlib import Path
 
 import hydra
@@ -39,9 +40,19 @@ from trainer.distributed import destroy_process_group, torchrun_overrides
 from trainer.resume import refusal_for_overrides
 from trainer.run_lock import RunFolderBusy, own_run_folder
 from trainer.runtime import DistInfo
+from trainer.stop import TrainingAborted
 
 log = logging.getLogger("train")
-logging.captureWarnings(True)  # warnings (e.g. a kernel fallback) reach train.log once, through logging
+
+
+def log_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """``warnings.showwarning`` for train.py: a warning (e.g. a kernel fallback) reaches the console and train.log
+    once, through logging, as its message alone (Python's display adds the warning's source line, which is some
+    caller's code and tells a user nothing)."""
+    logging.getLogger("py.warnings").warning("%s", message)
+
+
+warnings.showwarning = log_warning
 register_configs()
 
 
@@ -80,21 +91,29 @@ def run(cfg: DictConfig) -> float | None:
         refused(held)
         log.error("%s", e)
         sys.exit(128 + e.signum)
-    except KeyboardInterrupt:  # a second Ctrl-C: abort now, without saving; the last checkpoint stays the latest
+    except TrainingAborted:  # a second Ctrl-C: abort now, without saving; the last checkpoint stays the latest
         refused(held)
         last = latest_checkpoint(Path(run_dir))
         log.error("aborted by a second Ctrl-C; this step was not saved (%s)",
                   f"resume continues from {last.name}" if last else "no checkpoint was saved yet")
         sys.exit(128 + signal.SIGINT)
+    except KeyboardInterrupt:  # Ctrl-C before the training loop took over the signal (model build, W&B start)
+        refused(held)
+        log.error("interrupted before training started; nothing to save")
+        sys.exit(128 + signal.SIGINT)
     if summary.stop_reason == "interrupted":  # saved and resumable, but not finished: say so to the caller
         sys.exit(128 + summary.stop_signal)
+    if Path(run_dir).resolve() != (Path(cfg.run.root) / cfg.run.name).resolve() and \
+            HydraConfig.get().mode != RunMode.MULTIRUN:
+        log.warning("hydra.run.dir put this run in %s, not in run.root/run.name: to continue it, give the same "
+                    "hydra.run.dir; run.root and run.name choose the run folder without it", run_dir)
     if HydraConfig.get().mode == RunMode.MULTIRUN:  # `run.name=X` alone would start a run in the sweep's folder
         log.info("finished at step %d; to continue these runs: the same `python train.py -m ...` command with "
                  "trainer.max_steps=<more than %d>", summary.step, summary.step)
     else:
         log.info("finished at step %d; to continue this run: %s trainer.max_steps=<more than %d> "
                  "(with the same settings, and resume=auto, the default, in place of any resume=<file>)",
-                 summary.step, continue_command(cfg.run.name, dist.world_size), summary.step)
+                 summary.step, continue_command(cfg.run, dist.world_size), summary.step)
     return summary.final_val_loss  # the value a Hydra sweeper would optimise
 
 

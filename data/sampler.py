@@ -19,8 +19,12 @@ depend on the number of processes.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
+
+from data.sources import DataError
 
 
 def rank_seed(seed: int, rank: int, *purpose: int) -> int:
@@ -31,9 +35,11 @@ def rank_seed(seed: int, rank: int, *purpose: int) -> int:
 class BatchSampler:
     def __init__(self, tokens: np.ndarray, block_size: int, batch_size: int, seed: int,
                  rank: int = 0, world_size: int = 1, device: torch.device | str = "cpu",
-                 doc_starts: np.ndarray | None = None):
+                 doc_starts: np.ndarray | None = None, vocab_size: int | None = None, source: Path | None = None):
         """tokens: 1-D integer array (e.g. a uint16/uint32 memmap); yields int64 (batch_size, block_size).
-        doc_starts: ascending offsets in tokens where documents start; batches then carry cu_seqlens."""
+        doc_starts: ascending offsets in tokens where documents start; batches then carry cu_seqlens.
+        vocab_size: every drawn token id must be below it, else DataError naming ``source`` (the .bin file of
+        the tokens): a damaged cache whose mtime was kept is caught here instead of in the embedding."""
         if tokens.ndim != 1:
             raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
         if len(tokens) < block_size + 1:
@@ -47,6 +53,7 @@ class BatchSampler:
         self.doc_starts = None if doc_starts is None else np.asarray(doc_starts, dtype=np.int64)
         self.generator = torch.Generator().manual_seed(rank_seed(seed, rank))
         self.batches_drawn = 0
+        self.vocab_size, self.source = vocab_size, source
 
     def _offsets(self) -> torch.Tensor:
         self.batches_drawn += 1
@@ -64,6 +71,8 @@ class BatchSampler:
         windows = np.empty((len(ix), T + 1), dtype=np.int64)
         for b, i in enumerate(ix):  # row by row from a plain view: 2-4x less host time than np.stack + astype
             windows[b] = self._rows[i: i + T + 1]
+        if self.vocab_size is not None and windows.max() >= self.vocab_size:  # a few us per batch
+            self._refuse_token(windows, ix)
         w = torch.from_numpy(windows)
         # On CUDA x and y are written straight into pinned memory (no pageable copy first), then copied asynchronously.
         batch = [torch.empty((len(ix), T), dtype=torch.int64, pin_memory=pin).copy_(part)
@@ -74,6 +83,14 @@ class BatchSampler:
         if pin:
             batch = [t.to(self.device, non_blocking=True) for t in batch]
         return tuple(batch)
+
+    def _refuse_token(self, windows: np.ndarray, offsets: list[int]) -> None:
+        b, i = np.argwhere(windows >= self.vocab_size)[0]
+        where = f"{self.source}" if self.source is not None else "the tokens"
+        advice = f"; delete {self.source.parent} to rebuild it" if self.source is not None else ""
+        raise DataError(f"token id {windows[b, i]} at offset {offsets[b] + i} of {where} is not below the vocabulary "
+                        f"size {self.vocab_size}: the token cache is damaged (its checksum is read only when a "
+                        f"file's mtime changed){advice}")
 
     def _cu_seqlens(self, offsets: list[int]) -> np.ndarray:
         T, starts = self.block_size, self.doc_starts
@@ -109,13 +126,13 @@ class ShardedBatchSampler:
 
     def __init__(self, tokens: np.ndarray, block_size: int, batch_size: int, seed: int, num_shards: int,
                  rank: int = 0, world_size: int = 1, device: torch.device | str = "cpu",
-                 doc_starts: np.ndarray | None = None):
+                 doc_starts: np.ndarray | None = None, vocab_size: int | None = None, source: Path | None = None):
         if num_shards < 1 or num_shards % world_size:
             raise ValueError(f"num_shards={num_shards} must be a positive multiple of world_size={world_size}")
         m = num_shards // world_size
         self.num_shards = num_shards
         self.shards = [BatchSampler(tokens, block_size, batch_size, seed, rank=k, world_size=num_shards, device=device,
-                                    doc_starts=doc_starts)
+                                    doc_starts=doc_starts, vocab_size=vocab_size, source=source)
                        for k in range(rank * m, rank * m + m)]
 
     def next_batches(self) -> list[tuple[torch.Tensor, ...]]:

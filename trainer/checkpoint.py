@@ -29,7 +29,7 @@ import re
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 import torch
 
@@ -68,6 +68,10 @@ def _with_defaults(value: dict, defaults: dict) -> dict:
 
 class CheckpointError(RuntimeError):
     """A checkpoint file is missing, unreadable, not a checkpoint of this trainer, or could not be written."""
+
+
+class UnreadableCheckpoint(CheckpointError):
+    """A checkpoint file that cannot be resumed from: not a checkpoint of this trainer, or corrupt."""
 
 
 class CheckpointWriteError(CheckpointError, OSError):
@@ -217,10 +221,10 @@ def _save(state: dict, f) -> None:
 
 
 def load_checkpoint(path: Path) -> Checkpoint:
-    """Load a checkpoint onto the CPU. Raises CheckpointError naming ``path`` if the file is missing,
-    not a checkpoint (another file type, or a torch file without the trainer's keys), corrupt
-    (truncated, or changed bytes: every record's CRC-32 in the zip file torch.save writes is checked, one extra
-    read of the file), or of a newer format than this code reads."""
+    """Load a checkpoint onto the CPU. Raises CheckpointError naming ``path`` if the file is missing
+    or of a newer format than this code reads; UnreadableCheckpoint (a CheckpointError) if it is not a checkpoint
+    (not a zip file torch.save writes, or a torch file without the trainer's keys) or corrupt (truncated, or
+    changed bytes: every record's CRC-32 in the zip file is checked, one extra read of the file)."""
     path = Path(path)
     if path.is_dir():
         raise CheckpointError(f"checkpoint {path} is a folder; give a checkpoint file (e.g. "
@@ -230,7 +234,7 @@ def load_checkpoint(path: Path) -> Checkpoint:
     state = _read(path)
     missing = [k for k in REQUIRED_KEYS if not isinstance(state, dict) or k not in state]
     if missing:
-        raise CheckpointError(f"not a checkpoint file: {path} (a torch file, but not a trainer checkpoint: "
+        raise UnreadableCheckpoint(f"not a checkpoint file: {path} (a torch file, but not a trainer checkpoint: "
                               f"missing {', '.join(missing)})")
     ckpt = Checkpoint(path, state)
     if not isinstance(ckpt.version, int) or ckpt.version > FORMAT_VERSION:
@@ -239,10 +243,15 @@ def load_checkpoint(path: Path) -> Checkpoint:
     return ckpt
 
 
+ZIP_MAGIC = b"PK\x03\x04"  # the start of every file torch.save writes (a zip archive)
+
+
 def _read(path: Path) -> Any:
+    with open(path, "rb") as f:
+        head = f.read(len(ZIP_MAGIC))
+    if head and head != ZIP_MAGIC:  # random bytes, text, an old-style pickle: not even a cut-short checkpoint
+        raise UnreadableCheckpoint(f"not a checkpoint file: {path} (not a file torch.save writes)")
     is_zip = zipfile.is_zipfile(path)
-    if not is_zip and path.suffix not in (".pt", ".pth"):  # torch.save writes zip files
-        raise CheckpointError(f"not a checkpoint file: {path}")
     try:
         if is_zip:  # torch.load does not check the records' CRC-32: a flipped byte would load
             with zipfile.ZipFile(path) as archive:
@@ -252,10 +261,8 @@ def _read(path: Path) -> Any:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises several types for truncated / foreign files
         if isinstance(e, pickle.UnpicklingError) and "Weights only load failed" in str(e) and is_zip:
-            raise CheckpointError(f"not a checkpoint file: {path} (a torch file holding Python objects, "
-                                  "not a trainer checkpoint)") from None
+            raise UnreadableCheckpoint(f"not a checkpoint file: {path} (a torch file holding Python objects, "
+                                       "not a trainer checkpoint)") from None
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else "the file ends early: empty or cut short"
-        raise CheckpointError(f"checkpoint {path} is corrupt or unreadable ({type(e).__name__}: {first_line}); "
-                              "it was left as is; move it out of the checkpoints folder to resume from the one "
-                              "before, or start a new run.name (resume=<path> of an older checkpoint works there too)"
-                              ) from None
+        raise UnreadableCheckpoint(f"checkpoint {path} is corrupt or unreadable ({type(e).__name__}: {first_line})"
+                                   ) from None

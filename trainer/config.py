@@ -166,7 +166,7 @@ def override_arg(key: str, value: Any) -> str:
     """``key=value`` as one shell word that Hydra reads back as ``value`` (for the commands the trainer prints):
     bare if value is plain, else a Hydra quoted string, itself quoted for the shell."""
     text = str(value)
-    if re.fullmatch(r"[A-Za-z0-9_.:+-]+", text):
+    if re.fullmatch(r"[A-Za-z0-9_.:+/-]+", text):  # e.g. a path
         return f"{key}={text}"
     # Hydra: in a quoted string a quote is escaped by a backslash, and backslashes just before a quote (or the
     # closing one) are doubled; other backslashes are literal.
@@ -175,10 +175,12 @@ def override_arg(key: str, value: Any) -> str:
     return f'"{word}"' if not re.search(r'[$`"\\!]', word) else shlex.quote(word)
 
 
-def continue_command(run_name: str, world_size: int) -> str:
-    """The start of the command that continues run ``run_name`` with the same number of processes."""
+def continue_command(run: DictConfig, world_size: int) -> str:
+    """The start of the command that continues the run of config section ``run`` (name, and root unless it is the
+    default) with the same number of processes."""
     launcher = "torchrun ... train.py" if world_size > 1 else "python train.py"
-    return f"{launcher} {override_arg('run.name', run_name)}"
+    root = f" {override_arg('run.root', run.root)}" if run.root != RunConfig.root else ""
+    return f"{launcher} {override_arg('run.name', run.name)}{root}"
 
 
 @functools.cache

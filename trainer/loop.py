@@ -29,16 +29,16 @@ from data.prepare import PreparedData, prepare_data
 from data.sampler import BatchSampler, ShardedBatchSampler, rank_seed
 from model.gpt import GPT, GPTConfig
 from trainer import checkpoint
-from trainer.config import (config_backend, continue_command, padded_vocab_size, resolved_grad_accum,
+from trainer.config import (ConfigError, config_backend, continue_command, padded_vocab_size, resolved_grad_accum,
                             validate_against_data, validate_config)
 from trainer.distributed import all_reduce_sum, barrier, broadcast_object, gather_objects, init_process_group
 from trainer.lr_schedule import lr_at
 from trainer.metrics import MetricsLogger, StepTimer, Throughput, peak_flops, step_record
 from trainer.optim import build_optimizer
 from trainer.resume import check_compatible, find_checkpoint
-from trainer.runtime import DistInfo, autocast, seed_everything, select_device, select_dtype
+from trainer.runtime import DistInfo, autocast, device_memory, seed_everything, select_device, select_dtype
 from trainer.state import TrainState
-from trainer.stop import StopRequest
+from trainer.stop import StopRequest, TrainingAborted
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +123,7 @@ class Trainer:
         self.data = _prepare_data(cfg, dist)
         validate_against_data(cfg, len(self.data.train), len(self.data.val), self.data.vocab_size)
         self.model_args = model_config(cfg, self.data.vocab_size, backend)
+        check_memory(self.model_args, device)
         if ckpt is not None:
             check_compatible(ckpt, self.model_args, self.data.meta, cfg)
         if on_accept is not None:
@@ -147,6 +148,7 @@ class Trainer:
                                     num_params=self.state.model.num_params(),
                                     tokens_per_step=self.throughput.tokens_per_step)
         self.last_saved: Optional[int] = None
+        self.folder_id = _folder_id(run_dir)  # made by _logger; see _check_folder
         if ckpt is not None:
             self.resume(ckpt)  # last: restores the RNG states, so nothing after it draws random numbers
         self.state.wandb_run_id = self.logger.wandb_id  # a branch (resume=<path>) is a new W&B run
@@ -162,7 +164,8 @@ class Trainer:
         scaler = torch.amp.GradScaler(device.type, enabled=self.dtype == torch.float16)
         sampler = ShardedBatchSampler(self.data.train, cfg.model.block_size, cfg.trainer.batch_size, cfg.seed,
                                       self.grad_accum, dist.rank, dist.world_size, device,
-                                      doc_starts=self.data.train_docs if cfg.data.document_mask else None)
+                                      doc_starts=self.data.train_docs if cfg.data.document_mask else None,
+                                      vocab_size=self.data.vocab_size, source=self.data.dir / "train.bin")
         return TrainState(model, optimizer, scaler, sampler, dist)
 
     def _wrap(self, model: GPT) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -298,6 +301,8 @@ class Trainer:
         state = self.state.state_dict()  # collective
         path = checkpoint.checkpoint_path(self.run_dir, self.state.step)
         if self.dist.is_main:
+            self._check_folder()
+            self.logger.sync()  # metrics.jsonl holds every step up to a checkpoint (rows W&B may lose)
             run_info = {"config": self.config_dict, "model_args": dataclasses.asdict(self.model_args),
                         "data_meta": self.data.meta, "attn_backend": self.model_args.attn}
             path = checkpoint.save_checkpoint(checkpoint.pack(state, run_info), self.run_dir, self.state.step,
@@ -306,6 +311,15 @@ class Trainer:
         barrier(self.dist)  # the file is complete before any rank moves on
         self.summary.checkpoint, self.last_saved = path, self.state.step
         return path
+
+    def _check_folder(self) -> None:
+        """Warn once if the run folder was deleted or replaced (e.g. ``rm -rf``) since the run started: the save
+        would make a new one silently."""
+        if self.folder_id is not None and _folder_id(self.run_dir) != self.folder_id:
+            self.folder_id = None
+            log.warning("run folder %s was deleted or replaced while this run trained: its checkpoints now go to a "
+                        "new folder without the run's metrics.jsonl, train.log, .hydra/, W&B files and lock (another "
+                        "process could start in it); the metrics of the steps since are not kept", self.run_dir)
 
     def fit(self) -> TrainSummary:
         """Train to trainer.max_steps (or a stop request). A plain step's numbers are read one step late,
@@ -357,6 +371,8 @@ class Trainer:
         except NonFiniteLossError:
             agreed_failure = True  # raised by every rank at the same step; its caller reports it (train.py logs it)
             raise
+        except KeyboardInterrupt:  # in the loop it is a second Ctrl-C (StopRequest took the first)
+            raise TrainingAborted from None
         finally:
             self._close(exit_code, agreed_failure)
         return summary
@@ -374,7 +390,7 @@ class Trainer:
                      s.final_val_loss, s.final_val_step)
         if s.stop_reason == "interrupted":
             log.info("interrupted at step %d; to resume: %s (with the same settings)", self.state.step,
-                     continue_command(self.cfg.run.name, self.dist.world_size))
+                     continue_command(self.cfg.run, self.dist.world_size))
 
 
 def model_config(cfg: DictConfig, data_vocab: int, backend: str) -> GPTConfig:
@@ -383,6 +399,37 @@ def model_config(cfg: DictConfig, data_vocab: int, backend: str) -> GPTConfig:
                      n_layer=cfg.model.n_layer, n_head=cfg.model.n_head, n_kv_head=cfg.model.n_kv_head,
                      n_embd=cfg.model.n_embd, dropout=cfg.model.dropout, bias=cfg.model.bias, attn=backend,
                      attn_window=OmegaConf.to_container(cfg.model)["attn_window"])  # an int or a plain list
+
+
+TRAINING_BYTES_PER_PARAM = 16  # fp32 weight, gradient and AdamW's two moments
+
+
+def min_params(args: GPTConfig) -> int:
+    """The GPT's parameters without biases and layer norms (a lower bound of ``GPT(args)``'s count)."""
+    E, L = args.n_embd, args.n_layer
+    attn = E * E * (2 + 2 * args.kv_heads / args.n_head)  # q and output projections; k and v (GQA: fewer)
+    return int(E * (args.vocab_size + args.block_size) + L * (attn + 8 * E * E))  # embeddings (tied), blocks
+
+
+def check_memory(args: GPTConfig, device: torch.device) -> None:
+    """Refuse (ConfigError) a model whose parameters alone, with their gradients and AdamW state, need more than
+    the device's memory (``trainer.runtime.device_memory``). ``min_params`` is a lower bound, so a model that
+    fits is never refused. Catches e.g. a mistyped model.vocab_size before an allocator error does."""
+    params, memory = min_params(args), device_memory(device)
+    if memory and params * TRAINING_BYTES_PER_PARAM > memory:
+        raise ConfigError(
+            f"the model is too large for {device}: {params:,} parameters (model.vocab_size={args.vocab_size}, "
+            f"model.n_embd={args.n_embd}, model.n_layer={args.n_layer}, model.block_size={args.block_size}) need at "
+            f"least {params * TRAINING_BYTES_PER_PARAM / 2**30:,.0f} GiB for weights, gradients and AdamW state "
+            f"({TRAINING_BYTES_PER_PARAM} bytes each), and it has {memory / 2**30:,.0f} GiB; choose smaller values")
+
+
+def _folder_id(folder: Path) -> Optional[tuple[int, int]]:
+    try:
+        st = folder.stat()
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _every(interval: int, step: int) -> bool:
@@ -404,7 +451,8 @@ def evaluate(model: torch.nn.Module, data: PreparedData, cfg: DictConfig, device
     Under torchrun the batches are dealt out to the ranks (batch i to rank i % world_size) and the
     per-batch losses summed over ranks, so the value is the same for any number of processes."""
     sampler = BatchSampler(data.val, cfg.model.block_size, cfg.trainer.batch_size, cfg.seed + VAL_SEED_OFFSET,
-                           device=device, doc_starts=data.val_docs if cfg.data.document_mask else None)
+                           device=device, doc_starts=data.val_docs if cfg.data.document_mask else None,
+                           vocab_size=data.vocab_size, source=data.dir / "val.bin")
     model.eval()
     losses = torch.zeros(cfg.eval.iters, device=device)
     for i in range(cfg.eval.iters):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -111,7 +112,15 @@ class StepTimer:
 
 class MetricsLogger:
     """Writes records to W&B (``wandb.init(mode=..., dir=run_dir, resume="allow")``), appends them to
-    ``run_dir/metrics.jsonl`` and shows a progress bar. Does nothing unless ``enabled`` (rank 0)."""
+    ``run_dir/metrics.jsonl`` and shows a progress bar. Does nothing unless ``enabled`` (rank 0).
+
+    Resuming the W&B run ``wandb_id`` at ``start_step``, it logs again the rows of metrics.jsonl up to that step
+    that the W&B run may lack: W&B's client writes its rows to the run's .wandb file every 15 s and at finish, so
+    a killed process (``kill -9``) loses the rows of its last seconds, and W&B offers no call that writes them at a
+    checkpoint. metrics.jsonl has them: its rows are flushed at once and fsynced before each checkpoint
+    (``sync``). Online, W&B's ``starting_step`` (the first step its server lacks) bounds what is sent again;
+    offline it is 0, so the resumed run's offline folder holds every step from 1.
+    """
 
     def __init__(self, run_dir: Path, wandb_cfg, run_name: str, config: dict, wandb_id: Optional[str],
                  start_step: int, max_steps: int, enabled: bool = True):
@@ -125,6 +134,8 @@ class MetricsLogger:
         if wandb_cfg.mode != "disabled":  # disabled: no W&B import at all (it need not be installed)
             self._init_wandb(wandb_cfg, run_name, config, run_dir)
         _truncate_jsonl(self.jsonl_path, start_step)
+        if self.run is not None and wandb_id is not None:  # the W&B run of the checkpoint continues
+            self._resend(start_step)
         self._jsonl = open(self.jsonl_path, "a")
         self.bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
                         mininterval=0.1 if sys.stderr.isatty() else 30.0)  # redirected output: fewer lines
@@ -151,13 +162,30 @@ class MetricsLogger:
         elif wandb_cfg.mode == "online":
             log.info("W&B run %s: %s", self.run.id, self.run.url)
 
+    def _resend(self, start_step: int) -> None:
+        first = getattr(self.run, "starting_step", 0) or 0
+        rows = [r for r in _read_jsonl(self.jsonl_path) if first <= r["step"] <= start_step]
+        for record in rows:
+            self._log_wandb(record)
+        if rows:
+            log.info("W&B run %s: logged steps %d-%d again from metrics.jsonl (a killed process may not have "
+                     "written them to W&B)", self.run.id, rows[0]["step"], rows[-1]["step"])
+
+    def _log_wandb(self, record: dict) -> None:
+        self.run.log({k: v for k, v in record.items() if v is not None and k != "step"}, step=record["step"])
+
+    def sync(self) -> None:
+        """Make the rows written so far durable (called before a checkpoint is saved)."""
+        if self._jsonl is not None:
+            os.fsync(self._jsonl.fileno())
+
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
         if self.run is not None:
-            self.run.log({k: v for k, v in record.items() if v is not None and k != "step"}, step=record["step"])
+            self._log_wandb(record)
         postfix = {"loss": f"{record['train/loss']:.4f}"}
         if record.get("perf/tokens_per_s"):
             postfix["tok/s"] = f"{record['perf/tokens_per_s']:.0f}"
@@ -181,6 +209,14 @@ class MetricsLogger:
         if self.run is not None:
             self.run.finish(exit_code=exit_code)
             self.run = None
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    """The readable records of a metrics.jsonl, in file order ([] if it does not exist)."""
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    return [json.loads(line) for line in lines if _record_step(line) != math.inf]
 
 
 def _truncate_jsonl(path: Path, start_step: int) -> None:

@@ -10,8 +10,8 @@ from typing import Optional
 from omegaconf import DictConfig, OmegaConf
 
 from model.gpt import GPTConfig
-from trainer.checkpoint import (Checkpoint, CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint,
-                                step_of)
+from trainer.checkpoint import (Checkpoint, CheckpointError, UnreadableCheckpoint, latest_checkpoint, list_checkpoints,
+                                load_checkpoint, step_of)
 from trainer.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -74,22 +74,39 @@ def find_checkpoint(resume: str, run_dir: Path) -> tuple[Optional[Checkpoint], O
         return None, None
     if resume == "auto":
         path = latest_checkpoint(run_dir)
-        return (load_checkpoint(path), path) if path is not None else (None, None)
+        return (_load(path), path) if path is not None else (None, None)
     path = Path(resume)
     if not path.exists():  # also a mistyped policy, e.g. resume=sometimes
         raise CheckpointError(f"checkpoint {path} does not exist (resume= takes auto, never or a checkpoint path)")
-    ckpt = load_checkpoint(path)
+    ckpt = _load(path)
     reason = _newer_refusal(path, ckpt["step"], list_checkpoints(run_dir), run_dir)  # files named otherwise
     if reason:
         raise ConfigError(reason)
     return ckpt, path
 
 
+def _load(path: Path) -> Checkpoint:
+    """``load_checkpoint``; an unreadable file in a run's checkpoints folder gets the ways to resume without it."""
+    try:
+        return load_checkpoint(path)
+    except UnreadableCheckpoint as e:
+        if path.parent.name != "checkpoints":
+            raise
+        raise UnreadableCheckpoint(f"{e}; it was left as is: move it out of the checkpoints folder to resume from "
+                                   "the one before, or start a new run.name (resume=<path> of an older checkpoint "
+                                   "works there too)") from None
+
+
+# GPTConfig fields that do not shape the weights: a change is a warning (the config diff lists it), not a refusal.
+NOT_SHAPE = ("attn", "dropout")
+
+
 def check_compatible(ckpt: Checkpoint, model_args: GPTConfig, data_meta: dict, cfg: DictConfig) -> None:
-    """Refuse (ConfigError) a checkpoint of another model shape or tokenizer; warn, listing the keys,
-    when other settings changed (e.g. the attention backend), as a resumed run then mixes two setups."""
-    old = {k: v for k, v in ckpt["model_args"].items() if k != "attn"}
-    new = {k: v for k, v in dataclasses.asdict(model_args).items() if k != "attn"}
+    """Refuse (ConfigError) a checkpoint of another model shape, attention window or tokenizer; warn, listing the
+    keys, when other settings changed (e.g. the attention backend or model.dropout), as a resumed run then mixes
+    two setups; warn when the token cache holds other tokens than the checkpoint's (``changed_data``)."""
+    old = {k: v for k, v in ckpt["model_args"].items() if k not in NOT_SHAPE}
+    new = {k: v for k, v in dataclasses.asdict(model_args).items() if k not in NOT_SHAPE}
     diffs = [f"model.{k}: checkpoint {old.get(k)!r}, config {new[k]!r}" for k in new if old.get(k) != new[k]]
     old_meta = ckpt["data_meta"]
     for k in ("tokenizer", "encoding", "chars", "vocab_size"):
@@ -102,6 +119,27 @@ def check_compatible(ckpt: Checkpoint, model_args: GPTConfig, data_meta: dict, c
         changed.append(f"attention backend (resolved): {ckpt['attn_backend']} -> {model_args.attn}")
     if changed:
         log.warning("resuming %s with changed settings (the run mixes both):\n  %s", ckpt.path, "\n  ".join(changed))
+    data = changed_data(old_meta, data_meta)
+    if data:
+        log.warning("resuming %s on other data than it was trained on: the val split is other text now (the old "
+                    "val text may lie in the train split), so val losses before and after do not compare:\n  %s",
+                    ckpt.path, "\n  ".join(data))
+
+
+def changed_data(old: dict, new: dict) -> list[str]:
+    """'train.bin: <tokens> tokens, sha256 <hex> -> ...' for each split whose token count or sha256 differs
+    between two token caches' meta.json (a checkpoint's ``data_meta`` and the cache now)."""
+    out = []
+    for split in ("train", "val"):
+        a, b = (_split_id(meta, split) for meta in (old, new))
+        if a != b:
+            out.append(f"{split}.bin: {a[0]} tokens, sha256 {a[1]} -> {b[0]} tokens, sha256 {b[1]}")
+    return out
+
+
+def _split_id(meta: dict, split: str) -> tuple:
+    files = meta.get("files") if isinstance(meta.get("files"), dict) else {}
+    return meta.get(f"{split}_tokens"), (files.get(f"{split}.bin") or {}).get("sha256")
 
 
 def changed_settings(old: dict, new: dict, prefix: str = "") -> list[str]:

@@ -50,6 +50,16 @@ def select_device(name: str, dist: DistInfo = DistInfo()) -> torch.device:
     raise ValueError(f"trainer.device={name!r}; accepted: auto, cpu, cuda")
 
 
+def device_memory(device: torch.device) -> int | None:
+    """Bytes of memory of ``device``: the GPU's total, or the machine's RAM for the CPU; None where unknown."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # no sysconf names on this system
+        return None
+
+
 def select_dtype(name: str, device: torch.device) -> torch.dtype:
     """Compute dtype for autocast: 'auto' = bf16 on CUDA (fp16 if the GPU has no bf16), fp32 on CPU."""
     if name == "auto":

@@ -10,6 +10,11 @@ from typing import Optional
 log = logging.getLogger("trainer.loop")
 
 
+class TrainingAborted(KeyboardInterrupt):
+    """Ctrl-C while training, after the first one asked to stop: the step in flight was not saved. (A
+    KeyboardInterrupt outside the training loop is a first Ctrl-C: nothing was trained.)"""
+
+
 class StopRequest:
     """First Ctrl-C / SIGTERM: finish the current step, save, exit cleanly (``signum`` is set).
     Second Ctrl-C: raise KeyboardInterrupt at once. Handlers are installed in the main thread only."""

@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -152,7 +153,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_cli_signal_while_the_cache_is_written(tiny_overrides, tmp_path, sig):
-    """D6/D7: SIGTERM or a first Ctrl-C while train.bin is written: temporary files removed, one line that says
+    """SIGTERM or a first Ctrl-C while train.bin is written: temporary files removed, one line that says
     what happened, exit 128 + signal; the next start prepares the cache."""
     cache = tmp_path / "cache"
     args = [a for a in tiny_overrides if not a.startswith(("run.", "data.cache_dir"))] + [
@@ -175,7 +176,7 @@ def test_cli_signal_while_the_cache_is_written(tiny_overrides, tmp_path, sig):
 
 
 def test_temporary_files_of_dead_processes_are_removed_at_start(make_cfg):
-    """D6: a process killed with SIGKILL while writing leaves <name>.tmp-<pid>; the next start removes it,
+    """A process killed with SIGKILL while writing leaves <name>.tmp-<pid>; the next start removes it,
     but not the temporary file of a live process (another run preparing the same cache)."""
     cfg = data_cfg(make_cfg, "data.name=orphans")
     folder = cache_folder(cfg)
@@ -200,7 +201,8 @@ def test_temporary_files_of_dead_processes_are_removed_at_start(make_cfg):
 
 
 def test_changed_bytes_in_a_cache_file_are_detected_and_rebuilt(make_cfg):
-    """D12: random bytes written into train.bin (size unchanged) would train on garbage or fail mid-run."""
+    """Random bytes written into train.bin (size unchanged, mtime moved on): the checksum catches them and the
+    cache is rebuilt, instead of a run on garbage or a failure mid-run."""
     cfg = data_cfg(make_cfg, "data.name=bitrot")
     data = prepare_data(cfg)
     expected = np.array(data.train)
@@ -213,6 +215,40 @@ def test_changed_bytes_in_a_cache_file_are_detected_and_rebuilt(make_cfg):
     assert path.stat().st_size == expected.nbytes
     rebuilt = prepare_data(cfg)
     assert np.array_equal(rebuilt.train, expected)
+
+
+def test_damaged_tokens_with_the_old_mtime_are_named_when_drawn(make_cfg):
+    """Random bytes over train.bin with its mtime put back (so the checksum is not read at load): the first
+    batch that draws a token id outside the vocabulary stops the run naming the file and what to do, instead of
+    an IndexError in the embedding."""
+    from trainer import train
+
+    cfg = make_cfg("data.name=rot_same_mtime", "run.name=rot", "trainer.max_steps=2", "eval.iters=0")
+    data = prepare_data(cfg.data)
+    path, vocab = data.dir / "train.bin", data.vocab_size
+    del data
+    st = path.stat()
+    noise = np.frombuffer(os.urandom(st.st_size), dtype=np.uint16).copy()
+    noise[::2] = vocab + noise[::2] % (2**16 - vocab)  # every other token outside the vocabulary: each window has some
+    path.write_bytes(noise.tobytes())
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(DataError) as e:
+        train(cfg)
+    assert re.fullmatch(rf"token id (\d+) at offset \d+ of {re.escape(str(path))} is not below the vocabulary size "
+                        rf"{vocab}: the token cache is damaged .*; delete {re.escape(str(path.parent))} to rebuild it",
+                        str(e.value)), str(e.value)
+    assert int(re.match(r"token id (\d+)", str(e.value)).group(1)) >= vocab
+
+
+def test_sampler_refuses_token_ids_outside_the_vocabulary():
+    tokens = np.random.randint(0, 50, size=500).astype(np.uint16)
+    BatchSampler(tokens, 8, 4, seed=0, vocab_size=50).next_batch()  # every id below 50: fine
+    where = np.random.randint(0, 500)
+    tokens[where] = 50
+    sampler = BatchSampler(tokens, 499, 1, seed=0, vocab_size=50)  # one window: the whole array
+    with pytest.raises(DataError, match=rf"token id 50 at offset {where} of the tokens is not below the vocabulary "
+                                        "size 50"):
+        sampler.next_batch()
 
 
 @pytest.mark.parametrize("edit, field", [
@@ -228,7 +264,7 @@ def test_changed_bytes_in_a_cache_file_are_detected_and_rebuilt(make_cfg):
     (lambda m: {**m, "train_docs": 0}, "'train_docs'"),
 ])
 def test_an_unusable_meta_json_means_rebuild(make_cfg, caplog, edit, field):
-    """D13: meta.json edited (dtype float16 read every token as 0) or replaced by [] / null (TypeError)."""
+    """meta.json edited (dtype float16 would read every token as 0) or replaced by [] / null: the cache is rebuilt."""
     cfg = data_cfg(make_cfg, "data.name=badmeta")
     data = prepare_data(cfg)
     expected, meta = np.array(data.train), data.meta
@@ -251,7 +287,7 @@ def test_bad_data_inputs(make_cfg, tmp_path):
 
 
 def test_a_file_that_is_not_utf8_is_named(make_cfg, tmp_path):
-    """D3: a latin-1 file among UTF-8 ones: one message naming data.files and the file."""
+    """A latin-1 file among UTF-8 ones: one message naming data.files and the file."""
     (tmp_path / "a.txt").write_text("plain text\n")
     (tmp_path / "b.txt").write_bytes("caf\u00e9 cr\u00e8me\n".encode("latin-1"))
     with pytest.raises(DataError, match=rf"data.files='.*\*.txt': {tmp_path / 'b.txt'} is not UTF-8 text"):
@@ -260,7 +296,7 @@ def test_a_file_that_is_not_utf8_is_named(make_cfg, tmp_path):
 
 @pytest.mark.parametrize("tokenizer", ["char", "tiktoken"])
 def test_an_empty_file_has_too_few_tokens(make_cfg, tmp_path, tokenizer):
-    """D4: the char tokenizer failed with 'CharTokenizer needs a non-empty string'."""
+    """An empty file: 'too few tokens' from both tokenizers (not the char tokenizer's own error)."""
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(DataError, match=r"data 'empty' has [01] tokens: too few"):
         prepare_data(data_cfg(make_cfg, f"data.files={tmp_path}/empty.txt", "data.name=empty",
@@ -268,7 +304,7 @@ def test_an_empty_file_has_too_few_tokens(make_cfg, tmp_path, tokenizer):
 
 
 def test_a_tiny_val_fraction_blames_the_validation_split(make_cfg):
-    """D20: was 'has <millions of> tokens: too few'."""
+    """A val fraction too small for one token blames data.val_fraction, not the amount of data."""
     with pytest.raises(DataError, match=r"data.val_fraction=1e-07 gives 0 validation tokens of the \d+ tokens"):
         prepare_data(data_cfg(make_cfg, "data.name=tinyval", "data.val_fraction=0.0000001"))
 

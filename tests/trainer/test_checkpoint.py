@@ -75,9 +75,10 @@ def test_missing_and_corrupt_files_are_reported_by_path(tmp_path):
     bad = tmp_path / "bad.pt"
     content = bytes(random.randrange(256) for _ in range(1000))
     bad.write_bytes(content)
+    bad.write_bytes(b"PK\x03\x04" + content)  # a zip file's start, then garbage: a damaged torch.save file
     with pytest.raises(CheckpointError, match=f"{bad} is corrupt"):
         load_checkpoint(bad)
-    assert bad.read_bytes() == content
+    assert bad.read_bytes() == b"PK\x03\x04" + content
     good = save_checkpoint(fake_state(1), tmp_path, 1, keep_last=1)
     truncated = tmp_path / "truncated.pt"
     truncated.write_bytes(good.read_bytes()[:-100])
@@ -172,11 +173,14 @@ def test_files_that_are_not_checkpoints_say_so(tmp_path):
     text.write_text("ROMEO: but soft\n")
     pickled = tmp_path / "model.pt"
     torch.save(torch.nn.Linear(2, 2), pickled)  # a whole module: not loadable with weights_only
-    for path in (text, pickled):
+    noise = tmp_path / "random.pt"  # random bytes named like a checkpoint
+    noise.write_bytes(os.urandom(4096))
+    for path in (text, pickled, noise):
         with pytest.raises(CheckpointError) as e:
             load_checkpoint(path)
         assert str(e.value).startswith(f"not a checkpoint file: {path}")
-        assert "weights_only" not in str(e.value) and "issue" not in str(e.value)
+        assert "weights_only" not in str(e.value) and "issue" not in str(e.value) and "Weights only" not in str(e.value)
+        assert "checkpoints folder" not in str(e.value)  # the resume advice is train.py's, for a run's own files
 
 
 def test_a_missing_or_malformed_key_names_file_and_key(tmp_path):

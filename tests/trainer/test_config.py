@@ -115,7 +115,7 @@ def test_cuda_device_without_gpu_is_rejected(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="trainer.device='cuda': no CUDA GPU is available; use auto or cpu"):
         validate_config(compose_config(["trainer.device=cuda"]))
-    # D17: sample.py gives the same message (it was torch's 'Found no NVIDIA driver' traceback).
+    # sample.py gives the same message, not torch's 'Found no NVIDIA driver' traceback.
     with pytest.raises(SystemExit) as e:
         sample.main(["--run", "any", "--device", "cuda"])
     assert e.value.code == 2 and "--device cuda: no CUDA GPU is available; use auto or cpu" in capsys.readouterr().err
@@ -135,7 +135,7 @@ def test_cuda_device_without_gpu_is_rejected(monkeypatch, capsys):
                                  "optim.min_lr_ratio", "trainer.peak_flops"])
 @pytest.mark.parametrize("value", ["inf", "nan"])
 def test_non_finite_numbers_are_rejected(key, value):
-    """D21: optim.lr=inf and optim.weight_decay=inf were accepted (the NaN stop came at step 2). One line per key:
+    """optim.lr=inf or optim.weight_decay=inf is refused at start (not by the NaN stop at step 2). One line per key:
     the range check of a non-finite value ('optim.lr=nan: must be > 0') is not added to it."""
     with pytest.raises(ConfigError, match=rf"{key}={value}: must be a finite number") as e:
         validate_config(compose_config(["trainer.device=cpu", f"{key}={value}"]))
@@ -251,7 +251,7 @@ def test_bad_attn_window_is_refused_before_training(monkeypatch, overrides, mess
 
 
 def test_help_lists_every_key_with_its_meaning():
-    """`python train.py --help` was Hydra's generic key list: now the option table, generated from trainer/config.py."""
+    """`python train.py --help`: the option table, generated from trainer/config.py, each key with its meaning."""
     import subprocess
     import sys
     from pathlib import Path
@@ -301,17 +301,18 @@ def test_config_help_imports_nothing_of_trainer():
 
 
 @pytest.mark.parametrize("name", ["exp1", "2026-12-01_04-45-43_3f9a1c", "-dash", "sp ace", "ümlaut", "$HOME", "a*b",
-                                  'quo"te', "it's", "back\\slash", "end\\", "a\\'b", "a=b", "x,y", "[1]", "ok!"])
+                                  'quo"te', "it's", "back\\slash", "end\\", "a\\'b", "a=b", "x,y", "[1]", "ok!",
+                                  "/tmp/a-b/runs", "runs/x y"])
 def test_printed_overrides_survive_the_shell_and_hydra(name):
     """The commands the trainer prints (continue / resume hints): one shell word that Hydra parses back to name."""
     import shlex
 
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    words = shlex.split(override_arg("run.name", name))
+    words = shlex.split(override_arg("run.root", name))
     assert len(words) == 1
     override = OverridesParser.create().parse_override(words[0])
-    assert override.key_or_group == "run.name" and override.value() == name
+    assert override.key_or_group == "run.root" and override.value() == name
 
 
 def test_auto_backend_follows_the_model(monkeypatch):
@@ -327,3 +328,13 @@ def test_auto_backend_follows_the_model(monkeypatch):
     assert config_backend(windowed) == "fa2"
     validate_config(windowed)
     assert config_backend(compose_config(["model=gpt2", "data=shakespeare_scenes", "data.document_mask=true"])) == "fa2"
+
+
+def test_the_continue_command_names_run_root_unless_it_is_the_default():
+    """Pasted as printed, the command continues the run: run.root is in it when it is not 'runs'."""
+    from trainer.config import continue_command
+
+    assert continue_command(compose_config(["run.name=a"]).run, 1) == "python train.py run.name=a"
+    run = compose_config(["run.name=a", "run.root=/tmp/my runs"]).run
+    assert continue_command(run, 1) == "python train.py run.name=a \"run.root='/tmp/my runs'\""
+    assert continue_command(run, 2) == "torchrun ... train.py run.name=a \"run.root='/tmp/my runs'\""

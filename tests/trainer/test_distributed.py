@@ -158,7 +158,7 @@ def test_error_on_one_rank_ends_the_job_with_its_message(base, tmp_path):
 
 
 def test_torchrun_job_on_a_folder_another_process_owns_is_refused(base, tmp_path):
-    """#16 D2 under torchrun: rank 0 takes the run folder's lock for the job, so a folder owned by another
+    """Under torchrun, rank 0 takes the run folder's lock for the job, so a folder owned by another
     process (here this test) stops the job with the owner's PID, and nothing is written there."""
     from trainer.run_lock import own_run_folder
 

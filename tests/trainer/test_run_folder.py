@@ -45,7 +45,7 @@ def wait_for(path: Path, proc, timeout=120):
 
 
 def test_runs_started_in_the_same_second_get_different_default_names(args, tmp_path):
-    """D1: two default-named runs launched together write two folders, each with its own steps once."""
+    """Two default-named runs launched together write two folders, each with its own steps once."""
     procs = [start(args, "trainer.max_steps=2", f"optim.lr={lr}") for lr in (1e-3, 2e-3)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
@@ -59,7 +59,7 @@ def test_runs_started_in_the_same_second_get_different_default_names(args, tmp_p
 
 
 def test_a_second_process_on_a_live_run_folder_is_refused(args, tmp_path):
-    """D2: while one run trains, a second one with the same run.name stops at once, naming the owner,
+    """While one run trains, a second one with the same run.name stops at once, naming the owner,
     and touches nothing of the first run; the first finishes normally."""
     first = start(args, "run.name=shared", "trainer.max_steps=100000", "ckpt.interval=0", "optim.lr=0.001")
     run_dir = tmp_path / "runs" / "shared"
@@ -86,7 +86,7 @@ def test_a_second_process_on_a_live_run_folder_is_refused(args, tmp_path):
 
 
 def test_a_lock_left_by_a_killed_process_is_taken_over(args, tmp_path):
-    """D2: a run killed with SIGKILL leaves its lock file; the next run on that folder takes it over, with a warning."""
+    """A run killed with SIGKILL leaves its lock file; the next run on that folder takes it over, with a warning."""
     run_dir = tmp_path / "runs" / "killed"
     holder = start(args, "run.name=killed", "trainer.max_steps=100000", "ckpt.interval=0")
     wait_for(run_dir / "metrics.jsonl", holder)
@@ -112,8 +112,8 @@ def test_single_process_multirun_jobs_each_own_their_folder(args, tmp_path):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("run.name=" + "x" * 300, "run.name='xxx.*': must be a non-empty folder name of at most 128 characters"),  # D14
-    ("run.name=${oc.env:HOME}", "run.name='/.*': must be a non-empty folder name"),  # D15
+    ("run.name=" + "x" * 300, "run.name='xxx.*': must be a non-empty folder name of at most 128 characters"),
+    ("run.name=${oc.env:HOME}", "run.name='/.*': must be a non-empty folder name"),  # an interpolation's path
     ("run.name=a/b", "run.name='a/b': must be a non-empty folder name"),
 ])
 def test_bad_run_name_is_one_line(args, tmp_path, override, message):
@@ -125,7 +125,7 @@ def test_bad_run_name_is_one_line(args, tmp_path, override, message):
 
 
 def test_unusable_run_root_is_one_line(args, tmp_path):
-    """D16: run.root that cannot hold run folders (here a file where the folder should be; tests run as root,
+    """A run.root that cannot hold run folders (here a file where the folder should be; tests run as root,
     so permission bits would not stop them)."""
     blocker = tmp_path / "not_a_folder"
     blocker.write_text("")
@@ -154,3 +154,11 @@ def test_lock_in_process(tmp_path, monkeypatch, caplog):
     with own_run_folder(tmp_path / "r"):
         pass
     assert "cannot lock run folder" in caplog.text and "No locks available" in caplog.text
+
+
+def test_hydra_run_dir_says_that_it_bypasses_run_root_and_name(args, tmp_path):
+    """hydra.run.dir puts the run elsewhere than run.root/run.name, which the printed command would name."""
+    out = cli(args, f"hydra.run.dir={tmp_path / 'hd'}", "trainer.max_steps=1")
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-3000:]
+    assert f"hydra.run.dir put this run in {tmp_path / 'hd'}, not in run.root/run.name" in text, text[-3000:]

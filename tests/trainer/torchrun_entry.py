@@ -8,6 +8,8 @@ Environment (read here only, never by the trainer):
                                   rank r raises RuntimeError (raise), returns a NaN loss (nan) or raises
                                   KeyboardInterrupt as a second Ctrl-C does (interrupt) in its n-th training
                                   forward (a step has grad_accum / world_size of them)
+    TEST_INTERRUPT_BUILD=r        rank r raises KeyboardInterrupt while the model is built, as a first Ctrl-C
+                                  does before the training loop handles the signal
 Also usable for one process: RANK=0 python tests/trainer/torchrun_entry.py <overrides>.
 """
 
@@ -44,6 +46,14 @@ if os.environ.get("TEST_FAIL_RANK") == str(rank):
         return logits, loss
 
     GPT.forward = forward
+
+if os.environ.get("TEST_INTERRUPT_BUILD") == str(rank):
+    from model.gpt import GPT
+
+    def interrupted_build(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    GPT.__init__ = interrupted_build
 
 sys.argv[0] = str(ROOT / "train.py")
 runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
