@@ -336,15 +336,6 @@ def test_cli_warnings_are_their_message_alone(tiny_overrides, tmp_path):
         assert lines[at[0] + 1].startswith("[20"), lines[at[0] + 1]  # the next log record, not a source line
 
 
-def _triton_version() -> str:
-    import triton
-
-    return triton.__version__
-
-
-@pytest.mark.xfail(not torch.cuda.is_available() and not _triton_version().startswith("3.6."), strict=True,
-                   reason="kernels/fa3.py names the Triton version before the missing GPU; delete this marker with "
-                          "the change that checks the device first")
 def test_cli_fa3_without_a_gpu_names_the_gpu_as_the_reason(tiny_overrides, tmp_path):
     """attn=fa3 on the CPU runs FA2's kernels; the warning names the first missing condition, the GPU, and not
     the Triton version (no Triton version makes the Gluon kernel run without a Hopper GPU)."""
