@@ -98,13 +98,13 @@ def _corpus() -> Path:
     return folder
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")  # module-scoped fixtures use it
 def corpus_dir() -> Path:
     """Three text files of random English-like lines (new every pytest run, shared by its tests), ~60 KB in all."""
     return _corpus()
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def cache_dir() -> Path:
     """Token cache shared by every test of a pytest run (prepared once per data config)."""
     return _TMP / "cache"
