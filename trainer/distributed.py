@@ -3,9 +3,9 @@
 torchrun starts one process per GPU (or per CPU worker) and gives each RANK, LOCAL_RANK,
 WORLD_SIZE, MASTER_ADDR and MASTER_PORT (read by ``trainer.runtime.DistInfo``). This module:
 
-- ``torchrun_overrides``: run by train.py before Hydra starts. Every rank gets the same default
-  ``run.name`` (rank 0's default name, handed over through torchrun's TCPStore), and ranks > 0 write
-  no Hydra files and no log file, so a job makes one run folder whatever the clocks say.
+- ``torchrun_overrides``: run by train.py before the config is composed. Every rank gets the same default
+  ``run.name`` (rank 0's default name, handed over through torchrun's TCPStore), so a job makes one run
+  folder whatever the clocks say (rank 0 alone writes it).
 - ``init_process_group``: joins the job's process group (NCCL on CUDA, gloo on CPU) with a finite
   collective timeout (``trainer.dist_timeout_s``).
 - the few collectives the loop needs; each is the identity for a single process, so the
@@ -27,18 +27,12 @@ RUN_NAME_KEY = "flash_gpt/run_name"
 
 
 def torchrun_overrides(args: list[str], dist: Optional[DistInfo] = None) -> list[str]:
-    """Hydra command-line overrides ``args`` plus what a torchrun rank needs; ``args`` unchanged for
-    one process. Adds ``run.name=<rank 0's default name>`` unless ``args`` set ``run.name``, and on
-    ranks > 0 ``hydra.output_subdir=null`` and logging config ``none`` (no ``.hydra/``, no log file)."""
+    """Command-line overrides ``args`` plus ``run.name=<rank 0's default name>`` for a torchrun rank when
+    ``args`` do not set ``run.name``; ``args`` unchanged for one process."""
     dist = dist or DistInfo.from_env()
-    if dist.world_size == 1:
+    if dist.world_size == 1 or any(a.lstrip("+").startswith("run.name=") for a in args):
         return list(args)
-    extra = []
-    if not any(a.lstrip("+").startswith("run.name=") for a in args):
-        extra.append(f"run.name={shared_run_name(dist)}")
-    if not dist.is_main:
-        extra += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
-    return list(args) + extra
+    return list(args) + [f"run.name={shared_run_name(dist)}"]
 
 
 def shared_run_name(dist: DistInfo) -> str:
@@ -54,7 +48,7 @@ def init_process_group(dist: DistInfo, device: torch.device, timeout_s: float) -
     """Join the torchrun job's process group, unless there is one process or the group exists
     (an earlier ``train`` call in this process, or the caller's own). Backend: NCCL for CUDA
     devices, gloo for CPU. A collective that waits longer than ``timeout_s`` raises instead of
-    hanging. The group stays up for later ``train`` calls (Hydra multirun runs several jobs in one
+    hanging. The group stays up for later ``train`` calls (a sweep, ``train.py -m``, runs several jobs in one
     process); ``destroy_process_group`` ends it (train.py does at exit)."""
     if dist.world_size > 1 and not tdist.is_initialized():
         cuda = device.type == "cuda"

@@ -86,7 +86,8 @@ def train(cfg: DictConfig, run_dir: Optional[Path] = None,
 
     run_dir: the run folder; default ``<run.root>/<run.name>``. on_step: called with each per-step
     record. on_accept: called once the config, the data and any checkpoint to resume have passed every
-    check, before anything is written into the run folder (train.py writes Hydra's record of the run then). Raises ConfigError for invalid values (before any data or model work), CheckpointError
+    check, before anything is written into the run folder (train.py then writes the run's .hydra/ record and
+    train.log). Raises ConfigError for invalid values (before any data or model work), CheckpointError
     for a missing/corrupt checkpoint or a failed checkpoint write, NonFiniteLossError for a NaN/inf
     loss (the previous checkpoint is left as the latest). Give ``run.name`` explicitly when calling
     this several times in one process: the default name is a timestamp resolved once per process.

@@ -25,7 +25,7 @@ MAY_CHANGE = frozenset({"trainer.max_steps", "resume", "run.name", "run.root", "
 def refusal(resume: str, run_dir: Path) -> Optional[str]:
     """Why the ``resume`` setting refuses ``run_dir`` from its file names alone (None if it does not):
     resume=never on a folder with checkpoints, or resume=<step_N.pt> into a folder with newer ones.
-    Cheap (no file is read), so train.py asks before Hydra writes anything into the folder."""
+    Cheap (no file is read), so train.py asks before it locks or writes anything in the folder."""
     existing = list_checkpoints(run_dir)
     if resume == "never" and existing:
         return (f"resume=never: run folder {run_dir} already has checkpoints ({existing[-1].name}); "
@@ -37,23 +37,6 @@ def refusal(resume: str, run_dir: Path) -> Optional[str]:
             return None
         return _newer_refusal(Path(resume), step, existing, run_dir)
     return None
-
-
-def refusal_for_overrides(overrides: list[str]) -> Optional[str]:
-    """``refusal`` for the run that ``python train.py <overrides>`` would start, or None where that cannot be
-    told without Hydra (multirun, ``--help`` and other flags, ``hydra.*`` overrides, overrides Hydra rejects:
-    Hydra then reports them itself, and ``train`` still refuses the run, after Hydra wrote its files)."""
-    if any(a.startswith("-") or a.lstrip("+~").startswith("hydra.") for a in overrides):
-        return None
-    if not any(a.lstrip("+").startswith("resume=") for a in overrides):  # the default, auto, refuses nothing
-        return None
-    try:
-        from trainer.config import compose_config
-
-        cfg = compose_config(overrides)
-        return refusal(str(cfg.resume), Path(cfg.run.root) / str(cfg.run.name))
-    except Exception:  # noqa: BLE001 - Hydra will report bad overrides with its own message
-        return None
 
 
 def _newer_refusal(path: Path, step: int, existing: list[Path], run_dir: Path) -> Optional[str]:

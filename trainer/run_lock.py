@@ -8,7 +8,7 @@ different files). Own code rather than the ``filelock`` package: its lock file i
 every process that tries it, so it cannot name the owner.
 
 Under torchrun only the launching job's rank 0 takes the lock (train.py), so the ranks of one job
-never refuse each other; each Hydra multirun job locks its own folder (``runs/<name>/<job>``).
+never refuse each other; each job of a sweep (``-m``) locks its own folder (``runs/<name>/<job>``).
 """
 
 from __future__ import annotations

@@ -156,9 +156,32 @@ def test_lock_in_process(tmp_path, monkeypatch, caplog):
     assert "cannot lock run folder" in caplog.text and "No locks available" in caplog.text
 
 
-def test_hydra_run_dir_says_that_it_bypasses_run_root_and_name(args, tmp_path):
-    """hydra.run.dir puts the run elsewhere than run.root/run.name, which the printed command would name."""
-    out = cli(args, f"hydra.run.dir={tmp_path / 'hd'}", "trainer.max_steps=1")
-    text = out.stdout + out.stderr
-    assert out.returncode == 0, text[-3000:]
-    assert f"hydra.run.dir put this run in {tmp_path / 'hd'}, not in run.root/run.name" in text, text[-3000:]
+def test_hydra_options_are_refused_naming_run_root_and_run_name(args, tmp_path):
+    """train.py has no Hydra runtime: hydra.run.dir (which would put the run where run.root/run.name and the
+    printed continue command do not point) and Hydra's flags are refused, in one line, before any folder."""
+    for extra in (f"hydra.run.dir={tmp_path / 'hd'}", "--cfg"):
+        out = cli(args, extra, "trainer.max_steps=1")
+        text = out.stdout + out.stderr
+        assert out.returncode == 1 and len(text.strip().splitlines()) == 1, text[-3000:]
+        assert text.startswith(f"error: {extra}: train.py takes -m (--multirun), -h (--help) and config overrides; "
+                               "the run folder is <run.root>/<run.name>"), text
+    assert not (tmp_path / "hd").exists() and not (tmp_path / "runs").exists()
+
+
+def test_a_refused_sweep_leaves_the_sweep_record_alone(args, tmp_path):
+    """While a sweep's job 0 trains, the same sweep with another optim.lr is refused (the folder is in use) and
+    leaves the running sweep's multirun.yaml (and its job's .hydra/) as they were."""
+    sweep = ["-m", *args, "run.name=cmp", "attn=sdpa,flex", "ckpt.interval=0"]
+    first = start(sweep, "trainer.max_steps=100000")
+    job = tmp_path / "runs" / "cmp" / "0"
+    try:
+        wait_for(job / "metrics.jsonl", first)
+        record = {p: p.read_bytes() for p in (tmp_path / "runs" / "cmp").rglob("*.yaml")}
+        assert job.parent / "multirun.yaml" in record and job / ".hydra" / "config.yaml" in record
+        second = cli(sweep, "trainer.max_steps=3", "optim.lr=1e-3")
+        out = second.stdout + second.stderr
+        assert second.returncode == 1 and f"run folder {job} is in use by PID {first.pid}" in out, out[-3000:]
+        assert {p: p.read_bytes() for p in (tmp_path / "runs" / "cmp").rglob("*.yaml")} == record
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=120)

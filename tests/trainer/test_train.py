@@ -272,7 +272,7 @@ def test_sample_generates_text(make_cfg, capsys):
 
 
 def test_cli_entry_point(tiny_overrides, tmp_path):
-    """`python train.py ...` end to end: Hydra output in the run folder, clean error for bad input."""
+    """`python train.py ...` end to end: .hydra/ and train.log in the run folder, clean error for bad input."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     args = [a for a in tiny_overrides if not a.startswith("run.")] + [
         f"run.root={tmp_path}", "run.name=cli", "trainer.max_steps=2"]
@@ -298,7 +298,7 @@ def test_cli_entry_point(tiny_overrides, tmp_path):
     bad = subprocess.run([sys.executable, "train.py", *unnamed], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode == 1 and "optim.lr=-1.0: must be > 0" in bad.stdout + bad.stderr
-    for name in ("..", "a/b"):  # rejected before Hydra makes any folder
+    for name in ("..", "a/b"):  # rejected before any folder is made
         bad = subprocess.run([sys.executable, "train.py", *args, f"run.name={name}"], cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=300)
         assert bad.returncode == 1 and f"run.name={name!r}: must be a non-empty folder name" in bad.stderr
@@ -490,8 +490,8 @@ def test_a_failed_checkpoint_write_is_one_line_without_traceback(tiny_overrides,
 
 
 def test_a_refused_run_leaves_the_run_folder_untouched(tiny_overrides, tmp_path):
-    """resume=never on a folder with checkpoints (and resume=<older step> into it) exits before Hydra
-    rewrites that run's .hydra/config.yaml or appends to its train.log. A run train() refuses (a bad value, another
+    """resume=never on a folder with checkpoints (and resume=<older step> into it) exits before train.py touches
+    the folder: not even its lock file changes. A run train() refuses (a bad value, another
     model shape than the checkpoint's) writes nothing into train.log either; only the lock file names the new PID."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     args = [a for a in tiny_overrides if not a.startswith(("run.", "trainer.max_steps"))] + [
