@@ -40,7 +40,51 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from .gluon_compat import as_4d, tma_load, tma_store
+from .gluon_compat import aggregate, as_4d, constexpr_function, tma_load, tma_store
+
+
+@aggregate
+class KVRing:
+    """The K/V blocks' NUM_STAGES-deep shared-memory ring and its mbarriers. Block number `it` (counted across the
+    CTA's tiles, the same way by the producer and every consumer) lives in slot it % NUM_STAGES; the slot's
+    barriers complete once per lap, so their phase is the lap's parity. `*_ready`: the TMA load has landed;
+    `*_empty`: every consumer is done with the slot (one arrival each)."""
+    k: gl.shared_memory_descriptor
+    v: gl.shared_memory_descriptor
+    k_ready: gl.shared_memory_descriptor
+    v_ready: gl.shared_memory_descriptor
+    k_empty: gl.shared_memory_descriptor
+    v_empty: gl.shared_memory_descriptor
+    NUM_STAGES: gl.constexpr
+
+    @constexpr_function
+    def __init__(self, k, v, k_ready, v_ready, k_empty, v_empty, NUM_STAGES):
+        self.k, self.v = k, v
+        self.k_ready, self.v_ready, self.k_empty, self.v_empty = k_ready, v_ready, k_empty, v_empty
+        self.NUM_STAGES = gl.constexpr(NUM_STAGES)
+
+    @gluon.jit
+    def slot(self, it):
+        return it % self.NUM_STAGES
+
+    @gluon.jit
+    def phase(self, it):
+        return (it // self.NUM_STAGES) & 1
+
+
+@aggregate
+class QTiles:
+    """Each consumer's Q and O tiles, the Q tiles' barriers (`q_ready`: loaded; `q_empty`: its QK GEMMs are done),
+    and the ping-pong turn barriers, one per consumer."""
+    q: gl.shared_memory_descriptor
+    o: gl.shared_memory_descriptor
+    q_ready: gl.shared_memory_descriptor
+    q_empty: gl.shared_memory_descriptor
+    turns: gl.shared_memory_descriptor
+
+    @constexpr_function
+    def __init__(self, q, o, q_ready, q_empty, turns):
+        self.q, self.o, self.q_ready, self.q_empty, self.turns = q, o, q_ready, q_empty, turns
 
 @gluon.jit
 def _softmax_block(s, m_i, l_i, key_limit, start_n, qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -177,67 +221,64 @@ def _key_end(row0, ROWS: gl.constexpr, seqlen_q, seqlen_k, CAUSAL: gl.constexpr)
 
 
 @gluon.jit
-def _kv_block(j, kv_it, acc, p_op, m_i, l_i, turn, q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-              turn_bars, key_limit, hi_free, qk_scale,
-              CID: gl.constexpr, NEXT: gl.constexpr, PACKED_CVT: gl.constexpr,
-              PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+def _kv_block(j, kv_it, acc, p_op, m_i, l_i, turn, q_tile, ring, turn_bars, key_limit, hi_free, qk_scale,
+              CID: gl.constexpr, NEXT: gl.constexpr, PACKED_CVT: gl.constexpr, PINGPONG: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """K/V block j >= 1 of a consumer's tile (FA3 Algorithm 2): issue S_j = Q K_j^T and O += P_{j-1} V_{j-1},
     wait for S_j, softmax of block j under the PV GEMM, then wait for it and rescale O. Block j is masked when
     start_n >= hi_free. Returns acc, p_op (P_j as the next
     PV GEMM's A operand), m_i, l_i, turn."""
-    slot = (kv_it + j) % NUM_STAGES
-    prev = (kv_it + j - 1) % NUM_STAGES
+    slot = ring.slot(kv_it + j)
+    prev = ring.slot(kv_it + j - 1)
     if PINGPONG:
         mbarrier.wait(turn_bars.index(CID), turn & 1)
         turn += 1
-    mbarrier.wait(k_ready.index(slot), ((kv_it + j) // NUM_STAGES) & 1)
-    s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)),
+    mbarrier.wait(ring.k_ready.index(slot), ring.phase(kv_it + j))
+    s = warpgroup_mma(q_tile, ring.k.index(slot).permute((1, 0)),
                       gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True)
-    mbarrier.wait(v_ready.index(prev), ((kv_it + j - 1) // NUM_STAGES) & 1)
-    acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+    mbarrier.wait(ring.v_ready.index(prev), ring.phase(kv_it + j - 1))
+    acc = warpgroup_mma(p_op, ring.v.index(prev), acc, is_async=True)
     if PINGPONG:
         mbarrier.arrive(turn_bars.index(NEXT))
     s = warpgroup_mma_wait(1, deps=(s,))  # S_j is done; the PV GEMM may still run
-    mbarrier.arrive(k_empty.index(slot))
+    mbarrier.arrive(ring.k_empty.index(slot))
     start_n = j * BLOCK_N
     if start_n >= hi_free:
         p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, key_limit, start_n, qk_scale, True, BLOCK_N, s_layout)
     else:
         p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, key_limit, start_n, qk_scale, False, BLOCK_N, s_layout)
     acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-    mbarrier.arrive(v_empty.index(prev))
+    mbarrier.arrive(ring.v_empty.index(prev))
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
     p_op = gl.convert_layout(_to_operand(p, p_op.dtype, PACKED_CVT), p_layout)
     return acc, p_op, m_i, l_i, turn
 
 
 @gluon.jit
-def _skip_block(j, kv_it, turn, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                CID: gl.constexpr, NEXT: gl.constexpr, PINGPONG: gl.constexpr, NUM_STAGES: gl.constexpr):
+def _skip_block(j, kv_it, turn, ring, turn_bars, CID: gl.constexpr, NEXT: gl.constexpr, PINGPONG: gl.constexpr):
     """K/V block j of the tile that none of this consumer's rows see (causal): no GEMM, no softmax. It still takes
     its PINGPONG turn and frees the ring slot once the block has landed (an earlier arrival could count towards
     the slot's previous use)."""
-    slot = (kv_it + j) % NUM_STAGES
-    phase = ((kv_it + j) // NUM_STAGES) & 1
+    slot = ring.slot(kv_it + j)
+    phase = ring.phase(kv_it + j)
     if PINGPONG:
         mbarrier.wait(turn_bars.index(CID), turn & 1)
         turn += 1
         mbarrier.arrive(turn_bars.index(NEXT))
-    mbarrier.wait(k_ready.index(slot), phase)
-    mbarrier.arrive(k_empty.index(slot))
-    mbarrier.wait(v_ready.index(slot), phase)
-    mbarrier.arrive(v_empty.index(slot))
+    mbarrier.wait(ring.k_ready.index(slot), phase)
+    mbarrier.arrive(ring.k_empty.index(slot))
+    mbarrier.wait(ring.v_ready.index(slot), phase)
+    mbarrier.arrive(ring.v_empty.index(slot))
     return turn
 
 
 @gluon.jit
-def _consumer(q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars,
-              o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, qk_scale,
+def _consumer(tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, qk_scale,
               CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Consumer warpgroup CID: rows [start_m + CID * BLOCK_M, + BLOCK_M) of each of the CTA's tiles."""
-    dtype: gl.constexpr = q_smem.dtype
+    dtype: gl.constexpr = tiles.q.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -246,7 +287,8 @@ def _consumer(q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, 
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     NEXT: gl.constexpr = (CID + 1) % NUM_CONSUMERS  # whose turn follows ours under PINGPONG
     PACKED_CVT: gl.constexpr = NUM_CONSUMERS > 2  # `_to_operand`: fewer instructions at 160 registers only
-    o_tile = o_smem.index(CID)
+    o_tile = tiles.o.index(CID)
+    turn_bars = tiles.turns
     kv_it = 0  # position in the K/V ring, running across tiles as in the producer
     turn = 0  # PINGPONG turns taken
     tile_count = 0
@@ -271,21 +313,21 @@ def _consumer(q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, 
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_layout)
         l_i = _halve_columns(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout), False, BLOCK_N)
         acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
-        q_tile = q_smem.index(CID)
-        mbarrier.wait(q_bar.index(CID), tile_count & 1)
+        q_tile = tiles.q.index(CID)
+        mbarrier.wait(tiles.q_ready.index(CID), tile_count & 1)
 
         # Block 0: S_0 and its softmax (there is no PV GEMM to overlap yet).
-        slot = kv_it % NUM_STAGES
+        slot = ring.slot(kv_it)
         if PINGPONG:
             mbarrier.wait(turn_bars.index(CID), turn & 1)
             turn += 1
-        mbarrier.wait(k_ready.index(slot), (kv_it // NUM_STAGES) & 1)
-        s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)),
+        mbarrier.wait(ring.k_ready.index(slot), ring.phase(kv_it))
+        s = warpgroup_mma(q_tile, ring.k.index(slot).permute((1, 0)),
                           gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True)
         if PINGPONG:
             mbarrier.arrive(turn_bars.index(NEXT))
         s = warpgroup_mma_wait(0, deps=(s,))
-        mbarrier.arrive(k_empty.index(slot))
+        mbarrier.arrive(ring.k_empty.index(slot))
         if hi_free <= 0:
             p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, key_limit, 0, qk_scale, True, BLOCK_N, s_layout)
         else:
@@ -296,19 +338,17 @@ def _consumer(q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, 
         # unmasked and masked loops, and faster for causal at head_dim 64 up to 4k: docs/hopper-notes.md).
         for j in range(1, n_own):
             acc, p_op, m_i, l_i, turn = _kv_block(
-                j, kv_it, acc, p_op, m_i, l_i, turn, q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                turn_bars, key_limit, hi_free, qk_scale, CID, NEXT, PACKED_CVT, PINGPONG,
-                BLOCK_M, BLOCK_N, NUM_STAGES, s_layout, o_layout, p_layout)
-        mbarrier.arrive(q_empty.index(CID))  # every QK GEMM of ours is done: the buffer may take a new Q
+                j, kv_it, acc, p_op, m_i, l_i, turn, q_tile, ring, turn_bars, key_limit, hi_free, qk_scale,
+                CID, NEXT, PACKED_CVT, PINGPONG, BLOCK_M, BLOCK_N, s_layout, o_layout, p_layout)
+        mbarrier.arrive(tiles.q_empty.index(CID))  # every QK GEMM of ours is done: the buffer may take a new Q
 
-        last = (kv_it + n_own - 1) % NUM_STAGES
-        mbarrier.wait(v_ready.index(last), ((kv_it + n_own - 1) // NUM_STAGES) & 1)
-        acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+        last = ring.slot(kv_it + n_own - 1)
+        mbarrier.wait(ring.v_ready.index(last), ring.phase(kv_it + n_own - 1))
+        acc = warpgroup_mma(p_op, ring.v.index(last), acc, is_async=True)
         acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-        mbarrier.arrive(v_empty.index(last))
+        mbarrier.arrive(ring.v_empty.index(last))
         for j in range(n_own, n_blocks):
-            turn = _skip_block(j, kv_it, turn, k_ready, v_ready, k_empty, v_empty, turn_bars, CID, NEXT, PINGPONG,
-                               NUM_STAGES)
+            turn = _skip_block(j, kv_it, turn, ring, turn_bars, CID, NEXT, PINGPONG)
         if PINGPONG:  # one more turn, so every consumer takes n_blocks + 1 per tile
             mbarrier.wait(turn_bars.index(CID), turn & 1)
             turn += 1
@@ -330,11 +370,10 @@ def _consumer(q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, 
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
-              n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k,
+def _producer(q_desc, k_desc, v_desc, tiles, ring, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k,
               GROUP: gl.constexpr, CAUSAL: gl.constexpr, NUM_CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """The TMA warp: per tile the consumers' Q tiles, then K_j and V_j into ring slot (position % NUM_STAGES)."""
+              BLOCK_N: gl.constexpr):
+    """The TMA warp: per tile the consumers' Q tiles, then K_j and V_j into the ring."""
     kv_it = 0
     tile_count = 0
     for tile_i in range(_n_tiles_of_cta(n_tiles, CAUSAL)):
@@ -343,20 +382,19 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_
         off_hk = off_h // GROUP  # GQA: GROUP query heads share one K/V head
         q_phase = (tile_count & 1) ^ 1  # a fresh barrier passes phase 1 at once
         for i in gl.static_range(NUM_CONSUMERS):
-            mbarrier.wait(q_empty.index(i), q_phase)
-            mbarrier.expect(q_bar.index(i), q_desc.block_type.nbytes)
-            tma_load(q_desc, [off_b, off_h, start_m + i * BLOCK_M, 0], q_bar.index(i), as_4d(q_smem.index(i), q_desc))
+            mbarrier.wait(tiles.q_empty.index(i), q_phase)
+            mbarrier.expect(tiles.q_ready.index(i), q_desc.block_type.nbytes)
+            tma_load(q_desc, [off_b, off_h, start_m + i * BLOCK_M, 0], tiles.q_ready.index(i),
+                     as_4d(tiles.q.index(i), q_desc))
         for j in range(n_blocks):
-            slot = kv_it % NUM_STAGES
-            phase = (kv_it // NUM_STAGES) & 1
-            mbarrier.wait(k_empty.index(slot), phase ^ 1)
-            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-            tma_load(k_desc, [off_b, off_hk, j * BLOCK_N, 0], k_ready.index(slot),
-                                            as_4d(k_smem.index(slot), k_desc))
-            mbarrier.wait(v_empty.index(slot), phase ^ 1)
-            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            tma_load(v_desc, [off_b, off_hk, j * BLOCK_N, 0], v_ready.index(slot),
-                                            as_4d(v_smem.index(slot), v_desc))
+            slot = ring.slot(kv_it)
+            phase = ring.phase(kv_it)
+            mbarrier.wait(ring.k_empty.index(slot), phase ^ 1)  # a fresh barrier passes phase 1 at once
+            mbarrier.expect(ring.k_ready.index(slot), k_desc.block_type.nbytes)
+            tma_load(k_desc, [off_b, off_hk, j * BLOCK_N, 0], ring.k_ready.index(slot), as_4d(ring.k.index(slot), k_desc))
+            mbarrier.wait(ring.v_empty.index(slot), phase ^ 1)
+            mbarrier.expect(ring.v_ready.index(slot), v_desc.block_type.nbytes)
+            tma_load(v_desc, [off_b, off_hk, j * BLOCK_N, 0], ring.v_ready.index(slot), as_4d(ring.v.index(slot), v_desc))
             kv_it += 1
         tile_count += 1
 
@@ -395,21 +433,20 @@ def fa3_fwd_kernel(
     if PINGPONG:  # consumer 0 takes the first turn
         mbarrier.arrive(turn_bars.index(0))
     fence_async_shared()
+    tiles = QTiles(q_smem, o_smem, q_bar, q_empty, turn_bars)
+    ring = KVRing(k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, NUM_STAGES)
 
     # Written out per partition: tuple concatenation inside a Gluon kernel turns constexprs into tensors.
     # Registers: 24 for the producer warp, the rest shared by the consumer warpgroups.
     if NUM_CONSUMERS == 2:
         gl.warp_specialize(
             [
-            (_consumer, (q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
-                         turn_bars, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, qk_scale,
-                         0, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES)),
-            (_consumer, (q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
-                         turn_bars, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, qk_scale,
-                         1, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-                         k_empty, v_empty, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k,
-                         GROUP, CAUSAL, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES)),
+            (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, qk_scale,
+                         0, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
+            (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, qk_scale,
+                         1, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
+            (_producer, (q_desc, k_desc, v_desc, tiles, ring, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k,
+                         GROUP, CAUSAL, NUM_CONSUMERS, BLOCK_M, BLOCK_N)),
             ],
             [4, 1],
             [240, 24],
@@ -417,18 +454,14 @@ def fa3_fwd_kernel(
     else:
         gl.warp_specialize(
             [
-            (_consumer, (q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
-                         turn_bars, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, qk_scale,
-                         0, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES)),
-            (_consumer, (q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
-                         turn_bars, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, qk_scale,
-                         1, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES)),
-            (_consumer, (q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
-                         turn_bars, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, qk_scale,
-                         2, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-                         k_empty, v_empty, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k,
-                         GROUP, CAUSAL, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES)),
+            (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, qk_scale,
+                         0, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
+            (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, qk_scale,
+                         1, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
+            (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, qk_scale,
+                         2, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
+            (_producer, (q_desc, k_desc, v_desc, tiles, ring, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k,
+                         GROUP, CAUSAL, NUM_CONSUMERS, BLOCK_M, BLOCK_N)),
             ],
             [4, 4, 1],
             [160, 160, 24],

@@ -33,9 +33,71 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from .gluon_compat import as_4d, cp_async_load, tma_load, tma_reduce_add, tma_store
+from .gluon_compat import aggregate, as_4d, constexpr_function, cp_async_load, tma_load, tma_reduce_add, tma_store
 
 BLOCK_KEYS = gl.constexpr(64)  # keys per consumer warpgroup (a wgmma's 64 rows)
+
+
+@aggregate
+class Keys:
+    """The CTA's K tile (NUM_CONSUMERS * 64 keys, one tile) and V tiles (one per consumer), loaded once (`loaded`)."""
+    k: gl.shared_memory_descriptor
+    v: gl.shared_memory_descriptor
+    loaded: gl.shared_memory_descriptor
+
+    @constexpr_function
+    def __init__(self, k, v, loaded):
+        self.k, self.v, self.loaded = k, v, loaded
+
+
+@aggregate
+class QueryRing:
+    """The NUM_STAGES-deep ring of query blocks: Q_i, dO_i and the block's LSE and delta (`stats`). Block number
+    `it` lives in slot it % NUM_STAGES; the slot's barriers complete once per lap, so their phase is the lap's
+    parity. `ready`: the TMA bytes and the producer's 32 cp.async arrivals have landed; `empty`: every consumer is
+    done with the slot (one arrival each)."""
+    q: gl.shared_memory_descriptor
+    do: gl.shared_memory_descriptor
+    stats: gl.shared_memory_descriptor
+    ready: gl.shared_memory_descriptor
+    empty: gl.shared_memory_descriptor
+    NUM_STAGES: gl.constexpr
+
+    @constexpr_function
+    def __init__(self, q, do, stats, ready, empty, NUM_STAGES):
+        self.q, self.do, self.stats, self.ready, self.empty = q, do, stats, ready, empty
+        self.NUM_STAGES = gl.constexpr(NUM_STAGES)
+
+    @gluon.jit
+    def slot(self, it):
+        return it % self.NUM_STAGES
+
+    @gluon.jit
+    def phase(self, it):
+        return (it // self.NUM_STAGES) & 1
+
+
+@aggregate
+class DsBuffers:
+    """dS^T of a query block, double-buffered so a warpgroup may write the next block's while the other still
+    reads this one's (`ready`: every warpgroup's share is in; `free`: every warpgroup is done reading), and each
+    warpgroup's float32 dQ staging tile for its TMA reduce-add."""
+    ds: gl.shared_memory_descriptor
+    dq: gl.shared_memory_descriptor
+    ready: gl.shared_memory_descriptor
+    free: gl.shared_memory_descriptor
+
+    @constexpr_function
+    def __init__(self, ds, dq, ready, free):
+        self.ds, self.dq, self.ready, self.free = ds, dq, ready, free
+
+    @gluon.jit
+    def slot(self, it):
+        return it % 2
+
+    @gluon.jit
+    def phase(self, it):
+        return (it // 2) & 1
 
 
 @gluon.jit
@@ -94,18 +156,18 @@ def _query_range(start_n, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.
 
 
 @gluon.jit
-def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, stats_smem, kv_bar, ready, empty, ds_ready, ds_free,
-              dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, qk_scale, softmax_scale,
+def _consumer(keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, qk_scale, softmax_scale,
               CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-              BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT_DQ: gl.constexpr):
+              BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, SPLIT_DQ: gl.constexpr):
     """Consumer warpgroup CID: keys [start_n + 64 * CID, + 64) of the CTA's key block.
 
     SPLIT_DQ "cols" or "rows" (`kernels.fa3.BackwardConfig`): the warpgroups share dS through shared memory and
     each computes HEAD_DIM / NUM_CONSUMERS columns, or BLOCK_M / NUM_CONSUMERS rows, of dQ_i over all the CTA's
     keys (FA3's split: each dQ element is added once per CTA).
     """
-    dtype: gl.constexpr = q_smem.dtype
+    dtype: gl.constexpr = ring.q.dtype
     BLOCK_N: gl.constexpr = NUM_CONSUMERS * BLOCK_KEYS
+    k_smem = keys_smem.k
     DQ_M: gl.constexpr = BLOCK_M // NUM_CONSUMERS if SPLIT_DQ == "rows" else BLOCK_M
     DQ_N: gl.constexpr = HEAD_DIM // NUM_CONSUMERS if SPLIT_DQ == "cols" else HEAD_DIM
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -126,7 +188,7 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, stats_smem, kv_
     # K is one (BLOCK_N, HEAD_DIM) tile: wider-than-swizzle tiles are stored in column panels, so two stacked
     # (64, HEAD_DIM) tiles would not read as one (BLOCK_N, HEAD_DIM) tile for SPLIT_DQ.
     k_tile = k_smem.slice(CID * BLOCK_KEYS, BLOCK_KEYS, dim=0)
-    v_tile = v_smem.index(CID)
+    v_tile = keys_smem.v.index(CID)
     if SPLIT_DQ == "cols":
         dq_b = k_smem.slice(CID * DQ_N, DQ_N, dim=1)  # dQ_i[:, cols] = dS_i K[:, cols]
     else:
@@ -136,20 +198,20 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, stats_smem, kv_
 
     dk = gl.zeros([BLOCK_KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
     dv = gl.zeros([BLOCK_KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
-    dq_tile = dq_smem.index(CID)
+    dq_tile = dsb.dq.index(CID)
     DQ_ROW: gl.constexpr = CID * DQ_M if SPLIT_DQ == "rows" else 0
     dq_col = CID * DQ_N if SPLIT_DQ == "cols" else 0
-    mbarrier.wait(kv_bar, 0)
+    mbarrier.wait(keys_smem.loaded, 0)
     for it in range(GROUP * n_m):
-        slot = it % NUM_STAGES
+        slot = ring.slot(it)
         off_h = off_hk * GROUP + it // n_m
         start_m = lo + (it % n_m) * BLOCK_M
-        q_tile = q_smem.index(slot)
-        do_tile = do_smem.index(slot)
-        mbarrier.wait(ready.index(slot), (it // NUM_STAGES) & 1)
+        q_tile = ring.q.index(slot)
+        do_tile = ring.do.index(slot)
+        mbarrier.wait(ring.ready.index(slot), ring.phase(it))
         zeros = gl.zeros([BLOCK_KEYS, BLOCK_M], gl.float32, layout=s_layout)
         s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), zeros, use_acc=False, is_async=True)
-        stats = stats_smem.index(slot)  # the LSE and delta came with Q_i and dO_i
+        stats = ring.stats.index(slot)  # the LSE and delta came with Q_i and dO_i
         # dP^T's accumulator starts at -delta, so the GEMM gives dP^T - delta (no delta held in registers until
         # dS, where they are scarcest)
         delta = stats.slice(BLOCK_M, BLOCK_M).load(col_layout)
@@ -171,19 +233,19 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, stats_smem, kv_
         dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)  # dK += dS^T Q (scaled at the end)
 
         # dS^T to shared memory (double-buffered: the other warpgroup may still read the previous block's).
-        buf = it % 2
-        ds_all = ds_smem.index(buf)
-        mbarrier.wait(ds_free.index(buf), ((it // 2) & 1) ^ 1)  # a fresh barrier passes phase 1
+        buf = dsb.slot(it)
+        ds_all = dsb.ds.index(buf)
+        mbarrier.wait(dsb.free.index(buf), dsb.phase(it) ^ 1)  # a fresh barrier passes phase 1
         ds_all.slice(CID * BLOCK_KEYS, BLOCK_KEYS, dim=0).store(ds_t)
         fence_async_shared()
-        mbarrier.arrive(ds_ready.index(buf))
-        mbarrier.wait(ds_ready.index(buf), (it // 2) & 1)  # every warpgroup's dS^T is in
+        mbarrier.arrive(dsb.ready.index(buf))
+        mbarrier.wait(dsb.ready.index(buf), dsb.phase(it))  # every warpgroup's dS^T is in
         dq_a = ds_all.slice(DQ_ROW, DQ_M, dim=1).permute((1, 0))
         dq = warpgroup_mma(dq_a, dq_b, gl.zeros([DQ_M, DQ_N], gl.float32, layout=dq_layout), use_acc=False,
                            is_async=True)
         dv, dk, dq, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, ds_op))
-        mbarrier.arrive(ds_free.index(buf))
-        mbarrier.arrive(empty.index(slot))  # every GEMM that reads Q_i and dO_i is done
+        mbarrier.arrive(dsb.free.index(buf))
+        mbarrier.arrive(ring.empty.index(slot))  # every GEMM that reads Q_i and dO_i is done
         _dq_reduce(dq, dq_tile, dq_desc, off_b, off_h, start_m + DQ_ROW, dq_col)
     # This warpgroup's V tile is no longer read (K is: the other warpgroup's dQ GEMM may still run under
     # a split dQ): it stages dV, then dK, for the TMA stores.
@@ -199,9 +261,8 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, stats_smem, kv_
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, ready, empty,
-              LSE, DELTA, n_heads, seqlen_q, seqlen_k, NUM_CONSUMERS: gl.constexpr, GROUP: gl.constexpr,
-              CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr):
+def _producer(q_desc, k_desc, v_desc, do_desc, keys_smem, ring, LSE, DELTA, n_heads, seqlen_q, seqlen_k,
+              NUM_CONSUMERS: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
     """The loading warp: the CTA's K and V once, then Q_i and dO_i (TMA) and LSE_i and delta_i (cp.async) of every
     query block into the ring."""
     BLOCK_N: gl.constexpr = NUM_CONSUMERS * BLOCK_KEYS
@@ -210,24 +271,23 @@ def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, 
     n_kv_heads = n_heads // GROUP
     off_b = bhk // n_kv_heads
     off_hk = bhk % n_kv_heads
+    kv_bar = keys_smem.loaded
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + NUM_CONSUMERS * v_desc.block_type.nbytes)
-    tma_load(k_desc, [off_b, off_hk, start_n, 0], kv_bar, as_4d(k_smem, k_desc))
+    tma_load(k_desc, [off_b, off_hk, start_n, 0], kv_bar, as_4d(keys_smem.k, k_desc))
     for c in gl.static_range(NUM_CONSUMERS):
         row = start_n + c * BLOCK_KEYS
-        tma_load(v_desc, [off_b, off_hk, row, 0], kv_bar, as_4d(v_smem.index(c), v_desc))
+        tma_load(v_desc, [off_b, off_hk, row, 0], kv_bar, as_4d(keys_smem.v.index(c), v_desc))
     lo, m_free, n_m = _query_range(start_n, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
     for it in range(GROUP * n_m):
-        slot = it % NUM_STAGES
+        slot = ring.slot(it)
         off_h = off_hk * GROUP + it // n_m
         start_m = lo + (it % n_m) * BLOCK_M
-        mbarrier.wait(empty.index(slot), ((it // NUM_STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
-        mbarrier.expect(ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        tma_load(q_desc, [off_b, off_h, start_m, 0], ready.index(slot),
-                                        as_4d(q_smem.index(slot), q_desc))
-        tma_load(do_desc, [off_b, off_h, start_m, 0], ready.index(slot),
-                                        as_4d(do_smem.index(slot), do_desc))
-        _load_stats(stats_smem.index(slot), ready.index(slot), LSE, DELTA, off_b * n_heads + off_h, start_m, seqlen_q,
-                    BLOCK_M)
+        ready = ring.ready.index(slot)
+        mbarrier.wait(ring.empty.index(slot), ring.phase(it) ^ 1)  # a fresh barrier passes phase 1
+        mbarrier.expect(ready, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma_load(q_desc, [off_b, off_h, start_m, 0], ready, as_4d(ring.q.index(slot), q_desc))
+        tma_load(do_desc, [off_b, off_h, start_m, 0], ready, as_4d(ring.do.index(slot), do_desc))
+        _load_stats(ring.stats.index(slot), ready, LSE, DELTA, off_b * n_heads + off_h, start_m, seqlen_q, BLOCK_M)
 
 
 @gluon.jit
@@ -268,19 +328,19 @@ def fa3_bwd_kernel(
         mbarrier.init(ready.index(i), count=1 + 32)  # the TMA's expect, the producer's 32 threads' cp.async
         mbarrier.init(empty.index(i), count=NUM_CONSUMERS)  # one arrival per consumer
     fence_async_shared()
+    keys_smem = Keys(k_smem, v_smem, kv_bar)
+    ring = QueryRing(q_smem, do_smem, stats_smem, ready, empty, NUM_STAGES)
+    dsb = DsBuffers(ds_smem, dq_smem, ds_ready, ds_free)
 
     # Written out per partition: tuple concatenation inside a Gluon kernel turns constexprs into tensors.
     gl.warp_specialize(
         [
-        (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, stats_smem, kv_bar, ready, empty, ds_ready,
-                     ds_free, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, qk_scale, softmax_scale,
-                     0, NUM_CONSUMERS, GROUP, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, SPLIT_DQ)),
-        (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, stats_smem, kv_bar, ready, empty, ds_ready,
-                     ds_free, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, qk_scale, softmax_scale,
-                     1, NUM_CONSUMERS, GROUP, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, SPLIT_DQ)),
-        (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, ready,
-                     empty, LSE, DELTA, n_heads, seqlen_q, seqlen_k, NUM_CONSUMERS, GROUP, CAUSAL, BLOCK_M,
-                     NUM_STAGES)),
+        (_consumer, (keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, qk_scale,
+                     softmax_scale, 0, NUM_CONSUMERS, GROUP, CAUSAL, BLOCK_M, HEAD_DIM, SPLIT_DQ)),
+        (_consumer, (keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, qk_scale,
+                     softmax_scale, 1, NUM_CONSUMERS, GROUP, CAUSAL, BLOCK_M, HEAD_DIM, SPLIT_DQ)),
+        (_producer, (q_desc, k_desc, v_desc, do_desc, keys_smem, ring, LSE, DELTA, n_heads, seqlen_q, seqlen_k,
+                     NUM_CONSUMERS, GROUP, CAUSAL, BLOCK_M)),
         ],
         [4, 1],
         [240, 24],

@@ -20,6 +20,7 @@ way. `SUPPORTED_TRITON` lists the releases whose sm_90 compile of both kernels i
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import constexpr_function  # noqa: F401 (re-exported for the kernels)
 from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import tma
