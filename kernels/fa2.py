@@ -28,6 +28,7 @@ rows from cu_seqlens and applies the same masks within it, so another sequence's
 """
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -39,9 +40,23 @@ from .common import (
 )
 
 LOG2E = math.log2(math.e)
-# Inner-loop tiles through TMA descriptors where the inputs allow it (`common.use_tma`); False forces the pointer
-# path everywhere (tools/fa2_configs.py measures the two against each other).
-USE_TMA = True
+
+
+class Options(NamedTuple):
+    """How the kernels run, not what they compute; the defaults measured fastest on the H200 (docs/hopper-notes.md).
+    `forward` and `backward` take one (`options=`, default `DEFAULT_OPTIONS`, which the public functions use);
+    the tuning tools pass their own."""
+    tma: bool = True  # inner-loop tiles through TMA where the inputs allow (`common.use_tma`); False: pointers
+    # Backward grid with packed sequences: "padded" = (cdiv(max_seqlen, BLOCK), sequences * heads), where every
+    # program past its sequence's end returns at once (most of them with many short sequences); "flat" = only the
+    # real blocks, sequence after sequence (`_flat_block`); "lpt" = only the real blocks, the longest-running first.
+    varlen_bwd_grid: str = "lpt"
+    # Packed-sequence backward autotunes over the short-sequence tiles (`_DKDV_VARLEN_SHAPES`, `_DQ_VARLEN_SHAPES`)
+    varlen_bwd_tiles: bool = True
+
+
+DEFAULT_OPTIONS = Options()
+VARLEN_BWD_GRIDS = ("padded", "flat", "lpt")
 
 
 # ---------------------------------------------------------------------------------------------- autotune
@@ -56,14 +71,14 @@ def _configs(shapes, interpret_shape=(32, 16)):
 def _prune(max_tile, n_dense=None, broken=None):
     """Drop configs whose tile is too large for the head dim (they would spill registers or miss shared memory).
     With n_dense, the configs are a dense list followed by a varlen list: keep the varlen one only for VARLEN
-    inputs while VARLEN_BWD_TILES is on (read at tuning time, so it can be switched after import).
+    inputs with VARLEN_TILES (`Options.varlen_bwd_tiles`, part of the autotune key).
     broken(config, args): True for a config the GPU compiler cannot build for these arguments."""
 
     def prune(configs, named_args, **kwargs):
         args = {**named_args, **kwargs}
         head_dim = args["HEAD_DIM"]
         if n_dense is not None:
-            configs = configs[n_dense:] if args["VARLEN"] and VARLEN_BWD_TILES else configs[:n_dense]
+            configs = configs[n_dense:] if args["VARLEN"] and args["VARLEN_TILES"] else configs[:n_dense]
         if broken is not None:
             configs = [c for c in configs if not broken(c, args)]
         kept = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * block_d(head_dim) <= max_tile]
@@ -80,6 +95,7 @@ def _dkdv_broken(config, args):
 
 
 _KEY = ["M_BUCKET", "N_BUCKET", "HEAD_DIM", "LEFT", "RIGHT", "VARLEN", "GROUP", "TMA_OK"]
+_BWD_KEY = _KEY + ["VARLEN_TILES"]
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA): per kernel, the winners of `python -m tools.fa2_configs` on
 # the H200 (docs/hopper-notes.md); the last one fits every head dim. Few on purpose: every config is compiled
 # on the first use of a shape bucket.
@@ -89,17 +105,12 @@ _DKDV_SHAPES = [(64, 64, 4, 2, True), (64, 64, 4, 3, True), (32, 128, 4, 3, Fals
 _DQ_SHAPES = [(128, 64, 8, 3, False), (128, 64, 8, 3, True), (64, 64, 4, 2, False)]
 # Varlen backward with short sequences (median ~600 tokens): smaller tiles waste less on each sequence's
 # diagonal and last block and give more programs to balance; pointer loads skip building TMA descriptors in
-# programs that run only a few blocks. Used when VARLEN_BWD_TILES (else the dense lists). Measured (H200,
+# programs that run only a few blocks. Used with `Options.varlen_bwd_tiles` (else the dense lists). Measured (H200,
 # `bench.masks --mode varlen`, docs/benchmarks.md): lpt grid + these tiles 0.66 ms backward, padded grid + dense
 # tiles 0.73-0.94 ms.
 _DKDV_VARLEN_SHAPES = [(64, 64, 4, 2, True), (64, 64, 4, 3, True), (32, 64, 4, 2, True), (32, 128, 4, 3, False),
                        (32, 64, 4, 3, False)]
 _DQ_VARLEN_SHAPES = [(128, 64, 8, 3, False), (128, 64, 8, 3, True), (64, 64, 4, 2, True), (64, 64, 4, 2, False)]
-VARLEN_BWD_TILES = True
-# Backward grid under VARLEN: "padded" = (cdiv(max_seqlen, BLOCK), sequences * heads), where every program past
-# its sequence's end returns at once (most of them with many short sequences); "flat" = only the real blocks,
-# sequence after sequence (`_flat_block`); "lpt" = only the real blocks, the longest-running first.
-VARLEN_BWD_GRID = "lpt"
 _FLAT_MAX_SEQS = 1024  # the flat grids hold every sequence's block count in registers: more take the padded grid
 
 
@@ -333,10 +344,12 @@ def _packed(t):
 
 
 def forward(q, k, v, causal, softmax_scale, window_size=(-1, -1), cu_seqlens_q=None, cu_seqlens_k=None,
-            max_seqlen_q=0, max_seqlen_k=0):
+            max_seqlen_q=0, max_seqlen_k=0, options=None):
     """Launch the forward kernel. Returns o (like q) and the base-2 LSE, float32: (batch, n_heads, seqlen_q) for
     q (batch, n_heads, seqlen_q, head_dim); (n_heads, total_q) for packed q (total_q, n_heads, head_dim) with
-    cu_seqlens_q / cu_seqlens_k (int32, batch + 1) and the longest sequences' lengths (varlen)."""
+    cu_seqlens_q / cu_seqlens_k (int32, batch + 1) and the longest sequences' lengths (varlen). `options`: how
+    the kernel runs (`Options`; None: `DEFAULT_OPTIONS`)."""
+    options = options or DEFAULT_OPTIONS
     varlen = cu_seqlens_q is not None
     if varlen:
         q, k, v = _rows(q), _rows(k), _rows(v)
@@ -352,7 +365,7 @@ def forward(q, k, v, causal, softmax_scale, window_size=(-1, -1), cu_seqlens_q=N
         q, k, v, o, lse, mask[0], mask[1], *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
         n_heads, seqlen_q, seqlen_k, *mask[2:], softmax_scale * LOG2E, bucket(max_q), bucket(max_k),
         GROUP=n_heads // n_kv_heads, **constexprs, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
-        UPCAST=upcast_dot(q.dtype), TMA_OK=USE_TMA and use_tma(q, k, v),
+        UPCAST=upcast_dot(q.dtype), TMA_OK=options.tma and use_tma(q, k, v),
     )
     if varlen:
         return _packed(o), lse[0]
@@ -396,7 +409,7 @@ def _bwd_dkdv_inner(
 
 
 @triton.autotune(  # dK/dV tiles: BLOCK_N >= BLOCK_M
-    configs=_configs(_DKDV_SHAPES, (16, 32)) + _configs(_DKDV_VARLEN_SHAPES, (16, 16)), key=_KEY,
+    configs=_configs(_DKDV_SHAPES, (16, 32)) + _configs(_DKDV_VARLEN_SHAPES, (16, 16)), key=_BWD_KEY,
     prune_configs_by={"early_config_prune": _prune(64 * 128 * 128, len(_configs(_DKDV_SHAPES)), _dkdv_broken)},
 )
 @triton.jit
@@ -408,7 +421,7 @@ def _bwd_dkdv(
     M_BUCKET, N_BUCKET,  # autotune key only
     GROUP: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, VARLEN: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, TMA_OK: tl.constexpr,
-    FLAT: tl.constexpr, LPT: tl.constexpr, SEQS: tl.constexpr,
+    FLAT: tl.constexpr, LPT: tl.constexpr, SEQS: tl.constexpr, VARLEN_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
     """One program = one BLOCK_N block of keys of one (sequence, kv head);
@@ -492,7 +505,7 @@ def _bwd_dq_inner(
 
 
 @triton.autotune(
-    configs=_configs(_DQ_SHAPES) + _configs(_DQ_VARLEN_SHAPES, interpret_shape=(16, 32)), key=_KEY,
+    configs=_configs(_DQ_SHAPES) + _configs(_DQ_VARLEN_SHAPES, interpret_shape=(16, 32)), key=_BWD_KEY,
     prune_configs_by={"early_config_prune": _prune(64 * 128 * 128, len(_configs(_DQ_SHAPES)))},
 )
 @triton.jit
@@ -504,7 +517,7 @@ def _bwd_dq(
     M_BUCKET, N_BUCKET,  # autotune key only
     GROUP: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, VARLEN: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, TMA_OK: tl.constexpr,
-    FLAT: tl.constexpr, LPT: tl.constexpr, SEQS: tl.constexpr,
+    FLAT: tl.constexpr, LPT: tl.constexpr, SEQS: tl.constexpr, VARLEN_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
     """One program = one BLOCK_M block of queries of one (sequence, head);
@@ -560,9 +573,15 @@ def _bwd_dq(
 
 
 def backward(do, q, k, v, o, lse, causal, softmax_scale, window_size=(-1, -1), cu_seqlens_q=None, cu_seqlens_k=None,
-             max_seqlen_q=0, max_seqlen_k=0, out=None):
+             max_seqlen_q=0, max_seqlen_k=0, out=None, options=None):
     """Launch the three backward kernels. `lse` is the forward's base-2 LSE; the mask arguments are the forward's.
-    Returns dq, dk, dv like q, k, v (written into `out` when given, not with cu_seqlens: `common.grad_buffers`)."""
+    Returns dq, dk, dv like q, k, v (written into `out` when given, not with cu_seqlens: `common.grad_buffers`).
+    `options`: how the kernels run (`Options`; None: `DEFAULT_OPTIONS`); ValueError for an unknown
+    `varlen_bwd_grid`."""
+    options = options or DEFAULT_OPTIONS
+    if options.varlen_bwd_grid not in VARLEN_BWD_GRIDS:
+        raise ValueError(f"Options.varlen_bwd_grid={options.varlen_bwd_grid!r}; accepted "
+                         f"{', '.join(VARLEN_BWD_GRIDS)}")
     if out is not None and cu_seqlens_q is not None:
         raise ValueError("out is not taken with packed variable-length sequences (cu_seqlens_q)")
     varlen = cu_seqlens_q is not None
@@ -574,11 +593,12 @@ def backward(do, q, k, v, o, lse, causal, softmax_scale, window_size=(-1, -1), c
                                                        max_seqlen_q, max_seqlen_k)
     delta = bwd_preprocess(o, do)
     dq, dk, dv = grad_buffers(q, k, v, out)
-    flat = varlen and VARLEN_BWD_GRID != "padded" and batch <= _FLAT_MAX_SEQS
+    flat = varlen and options.varlen_bwd_grid != "padded" and batch <= _FLAT_MAX_SEQS
     common = dict(
         GROUP=n_heads // n_kv_heads, **constexprs, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
-        UPCAST=upcast_dot(q.dtype), TMA_OK=USE_TMA and use_tma(q, k, v, do),
-        FLAT=flat, LPT=flat and VARLEN_BWD_GRID == "lpt", SEQS=triton.next_power_of_2(batch) if flat else 1,
+        UPCAST=upcast_dot(q.dtype), TMA_OK=options.tma and use_tma(q, k, v, do),
+        FLAT=flat, LPT=flat and options.varlen_bwd_grid == "lpt", SEQS=triton.next_power_of_2(batch) if flat else 1,
+        VARLEN_TILES=varlen and options.varlen_bwd_tiles,
     )
     sizes = (n_heads, seqlen_q, seqlen_k, *mask[2:], softmax_scale * LOG2E, softmax_scale, batch, bucket(max_q),
              bucket(max_k))
@@ -601,7 +621,7 @@ def compile_for_sm90(kernel, left=True, right=True, varlen=True, tma=True, head_
                      block_m=64, block_n=64, num_warps=4, num_stages=2):
     """Compile one kernel ("fwd", "dkdv" or "dq") for sm_90 with bf16 inputs, without a GPU (catches what only
     the GPU compiler rejects, which the interpreter runs). Call it without TRITON_INTERPRET; returns Triton's
-    compiled kernel. grid: the backward's VARLEN_BWD_GRID (with varlen)."""
+    compiled kernel. grid: the backward's `Options.varlen_bwd_grid` (with varlen)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -610,7 +630,7 @@ def compile_for_sm90(kernel, left=True, right=True, varlen=True, tma=True, head_
                       BLOCK_D=block_d(head_dim), UPCAST=False, TMA_OK=tma, BLOCK_M=block_m, BLOCK_N=block_n, TMA=tma)
     if kernel != "fwd":
         flat = varlen and grid != "padded"
-        constexprs.update(FLAT=flat, LPT=flat and grid == "lpt", SEQS=32)
+        constexprs.update(FLAT=flat, LPT=flat and grid == "lpt", SEQS=32, VARLEN_TILES=varlen)
     types = dict(LSE="*fp32", DELTA="*fp32", CU_Q="*i32", CU_K="*i32", qk_scale="fp32", softmax_scale="fp32")
     signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "*bf16" if arg.isupper() else "i32")
                  for arg in fn.arg_names}

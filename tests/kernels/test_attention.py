@@ -149,7 +149,7 @@ def test_fa2_pointer_path_matches_reference(monkeypatch, batch, n_heads, n_kv_he
     """fa2 reads 16-bit inputs through TMA descriptors where it can; the pointer-load path must agree too."""
     from kernels import fa2
 
-    monkeypatch.setattr(fa2, "USE_TMA", False)
+    monkeypatch.setattr(fa2, "DEFAULT_OPTIONS", fa2.Options(tma=False))
     q = randn(batch, n_heads, seqlen_q, head_dim, dtype=dtype)
     k = randn(batch, n_kv_heads, seqlen_k, head_dim, dtype=dtype)
     v = randn(batch, n_kv_heads, seqlen_k, head_dim, dtype=dtype)

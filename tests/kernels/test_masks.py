@@ -56,7 +56,7 @@ def test_window_matches_reference(batch, n_heads, n_kv_heads, seqlen_q, seqlen_k
 def test_window_pointer_path(monkeypatch, case):
     """The same masks through pointer loads instead of TMA descriptors."""
     batch, n_heads, n_kv_heads, seqlen_q, seqlen_k, head_dim, causal, window_size, dtype = case
-    monkeypatch.setattr(fa2, "USE_TMA", False)
+    monkeypatch.setattr(fa2, "DEFAULT_OPTIONS", fa2.Options(tma=False))
     q = randn(batch, n_heads, seqlen_q, head_dim, dtype=dtype)
     k, v = (randn(batch, n_kv_heads, seqlen_k, head_dim, dtype=dtype) for _ in range(2))
     check(fa2_attention, q, k, v, causal, window_size=window_size)
@@ -193,7 +193,7 @@ def test_varlen_matches_reference(lengths_q, lengths_k, n_heads, n_kv_heads, hea
 
 def test_varlen_pointer_path_and_loose_max_seqlen(monkeypatch):
     """Pointer loads instead of TMA descriptors; max_seqlen above the longest sequence only adds idle programs."""
-    monkeypatch.setattr(fa2, "USE_TMA", False)
+    monkeypatch.setattr(fa2, "DEFAULT_OPTIONS", fa2.Options(tma=False))
     check_varlen([5, 40, 17, 1], [9, 40, 2, 30], 2, 1, 32, True, (8, -1), torch.float16, max_extra=20)
 
 
@@ -211,19 +211,15 @@ def test_varlen_one_sequence_equals_dense():
 @pytest.mark.parametrize("case", VARLEN_CASES[:4] + VARLEN_CASES[5:])
 def test_varlen_backward_variants(monkeypatch, grid, tiles, case):
     """The varlen backward's grids (padded, or only the real blocks) and its own tiles (under the interpreter 16x16
-    for dK/dV, 16x32 for dQ), against the reference; a fresh autotune cache, so the tiles switch takes effect."""
-    monkeypatch.setattr(fa2, "VARLEN_BWD_GRID", grid)
-    monkeypatch.setattr(fa2, "VARLEN_BWD_TILES", tiles)
-    for kernel in (fa2._bwd_dkdv, fa2._bwd_dq):
-        monkeypatch.setattr(kernel, "cache", {})
+    for dK/dV, 16x32 for dQ), against the reference (the tiles switch is part of the autotune key)."""
+    monkeypatch.setattr(fa2, "DEFAULT_OPTIONS", fa2.Options(varlen_bwd_grid=grid, varlen_bwd_tiles=tiles))
     lengths_q, lengths_k, *rest = case
     check_varlen(lengths_q, lengths_k or lengths_q, *rest)
 
 
 @pytest.mark.parametrize("grid", ["flat", "lpt"])
 def test_varlen_flat_grid_random_lengths_gqa_pointer_path(monkeypatch, grid):
-    monkeypatch.setattr(fa2, "VARLEN_BWD_GRID", grid)
-    monkeypatch.setattr(fa2, "USE_TMA", False)
+    monkeypatch.setattr(fa2, "DEFAULT_OPTIONS", fa2.Options(tma=False, varlen_bwd_grid=grid))
     lengths = [random.randint(0, 70) for _ in range(6)] + [16, 32]  # documents ending on a block edge too
     check_varlen(lengths, lengths, 4, 2, 32, True, (-1, -1), torch.bfloat16)
 
