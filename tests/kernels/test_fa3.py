@@ -26,7 +26,7 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9,
 
 def gluon_on_hopper(test):
     """Marks a test that runs the Gluon kernels: `gpu`, skipped without an sm_90 GPU or a supported Triton."""
-    test = pytest.mark.skipif(not SUPPORTED, reason="the installed Triton is not one the Gluon kernel supports")(test)
+    test = pytest.mark.skipif(not SUPPORTED, reason="the installed Triton is not one the Gluon kernels support")(test)
     test = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")(test)
     return pytest.mark.gpu(test)
 
