@@ -97,7 +97,11 @@ def _compile(job):
         return f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
 
 
-def main(argv=None):
+FIELDS = ["kernel", "block_m", "block_n", "warps", "stages", "tma", "head_dim", "causal", "seqlen", "ms", "tflops",
+          "vs_cudnn", "rel_err", "error"]
+
+
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--head-dims", default="64,128", help="comma-separated head dimensions D")
     parser.add_argument("--seqlens", default="1024,4096,16384", help="comma-separated sequence lengths N")
@@ -107,66 +111,88 @@ def main(argv=None):
                         help="processes compiling the configs first: CPU cores - 2, at most 14")
     parser.add_argument("--out", default="runs/fa2_configs", help="folder for configs.csv")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("tools.fa2_configs needs a CUDA GPU")
+    args.head_dims = [int(d) for d in args.head_dims.split(",")]
+    args.causal = [c.strip().lower() == "true" for c in args.causal.split(",")]
+    args.kernels = args.kernels.split(",")
+    args.seqlens = [int(n) for n in args.seqlens.split(",")]
+    return args
+
+
+def time_kernel(kernel, tensors, reference, errors, cell, cudnn):
+    """Rows of `kernel`'s candidates on one shape (`cell`: batch, n_heads, seqlen, head_dim, causal), each timed
+    with `do_bench` and checked against `reference`, and the best (ms, shape, tma, TFLOP/s) or None."""
     from triton.testing import do_bench
 
+    from bench.attention import flops
+
+    batch, n_heads, seqlen, head_dim, causal = cell
+    direction = "fwd" if kernel == "fwd" else "bwd"
+    rows, best = [], None
+    for shape, tma in variants(kernel):
+        row = dict(kernel=kernel, block_m=shape[0], block_n=shape[1], warps=shape[2], stages=shape[3], tma=tma,
+                   head_dim=head_dim, causal=causal, seqlen=seqlen)
+        err = errors.get((kernel, (shape, tma), head_dim, causal))
+        if err is None:
+            try:
+                q, k, v, o, lse, do, scale = tensors
+                fn = run_once(kernel, shape, tma, q, k, v, o, lse, do, causal, scale)
+                row["rel_err"] = max(rel_err(a, b) for a, b in zip(fn(), reference[kernel]))
+                ms = do_bench(fn, return_mode="median")
+                tflops = flops(batch, n_heads, seqlen, head_dim, causal, direction) / ms / 1e9
+                row.update(ms=ms, tflops=tflops, vs_cudnn=cudnn[direction] / ms)
+                if best is None or ms < best[0]:
+                    best = (ms, shape, tma, tflops)
+            except Exception as e:  # noqa: BLE001 - reported in the table
+                err = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        row["error"] = err
+        rows.append(row)
+    return rows, best
+
+
+def time_shape(args, errors, writer, head_dim, causal, seqlen):
+    """Every requested kernel's candidates on one shape, next to cuDNN; rows written as they come."""
     from bench.attention import backends, flops, measure
 
-    head_dims = [int(d) for d in args.head_dims.split(",")]
-    causals = [c.strip().lower() == "true" for c in args.causal.split(",")]
-    kernels = args.kernels.split(",")
-    jobs = [(kern, var, d, c) for kern in kernels for var in variants(kern) for d in head_dims for c in causals]
+    batch, n_heads = max(1, TOKENS // seqlen), WIDTH // head_dim
+    cudnn = dict(zip(("fwd", "bwd"), measure(backends(["sdpa_cudnn"])["sdpa_cudnn"], batch, n_heads, seqlen,
+                                             head_dim, causal, torch.bfloat16)))
+    print(f"D={head_dim} causal={causal} N={seqlen}: cuDNN fwd "
+          f"{flops(batch, n_heads, seqlen, head_dim, causal, 'fwd') / cudnn['fwd'] / 1e9:.0f} TFLOP/s, bwd "
+          f"{flops(batch, n_heads, seqlen, head_dim, causal, 'bwd') / cudnn['bwd'] / 1e9:.0f}", flush=True)
+    tensors = inputs(batch, n_heads, seqlen, head_dim, causal)
+    # Every candidate's outputs are compared with the baseline's (first config, pointer loads).
+    reference = {kern: run_once(kern, CANDIDATES[kern][0], False, *tensors[:6], causal, tensors[6])()
+                 for kern in ("fwd", "dkdv")}
+    reference["dq"] = reference["dkdv"]
+    for kernel in args.kernels:
+        rows, best = time_kernel(kernel, tensors, reference, errors, (batch, n_heads, seqlen, head_dim, causal),
+                                 cudnn)
+        writer.writerows(rows)
+        if best:
+            direction = "fwd" if kernel == "fwd" else "bwd"
+            print(f"  {kernel:>5}: best {best[1]} tma={best[2]}: {best[0]:.3f} ms, "
+                  f"{best[3]:.0f} TFLOP/s ({direction} {cudnn[direction] / best[0]:.2f}x cuDNN)", flush=True)
+    del tensors
+    torch.cuda.empty_cache()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("tools.fa2_configs needs a CUDA GPU")
+    jobs = [(kern, var, d, c) for kern in args.kernels for var in variants(kern) for d in args.head_dims
+            for c in args.causal]
     with mp.get_context("spawn").Pool(args.workers) as pool:
         errors = dict(zip(jobs, pool.map(_compile, jobs, chunksize=1)))
     print(f"compiled {len(jobs)} kernels, {sum(e is not None for e in errors.values())} failed", flush=True)
-
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    fields = ["kernel", "block_m", "block_n", "warps", "stages", "tma", "head_dim", "causal", "seqlen",
-              "ms", "tflops", "vs_cudnn", "rel_err", "error"]
     with open(out_dir / "configs.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
         writer.writeheader()
-        for head_dim, causal, seqlen in itertools.product(head_dims, causals, map(int, args.seqlens.split(","))):
-            batch, n_heads = max(1, TOKENS // seqlen), WIDTH // head_dim
-            cudnn = dict(zip(("fwd", "bwd"), measure(backends(["sdpa_cudnn"])["sdpa_cudnn"], batch, n_heads, seqlen,
-                                                     head_dim, causal, torch.bfloat16)))
-            print(f"D={head_dim} causal={causal} N={seqlen}: cuDNN fwd "
-                  f"{flops(batch, n_heads, seqlen, head_dim, causal, 'fwd') / cudnn['fwd'] / 1e9:.0f} TFLOP/s, bwd "
-                  f"{flops(batch, n_heads, seqlen, head_dim, causal, 'bwd') / cudnn['bwd'] / 1e9:.0f}", flush=True)
-            tensors = inputs(batch, n_heads, seqlen, head_dim, causal)
-            # Every candidate's outputs are compared with the baseline's (first config, pointer loads).
-            reference = {kern: run_once(kern, CANDIDATES[kern][0], False, *tensors[:6], causal, tensors[6])()
-                         for kern in ("fwd", "dkdv")}
-            reference["dq"] = reference["dkdv"]
-            for kernel in kernels:
-                direction = "fwd" if kernel == "fwd" else "bwd"
-                best = None
-                for shape, tma in variants(kernel):
-                    row = dict(kernel=kernel, block_m=shape[0], block_n=shape[1], warps=shape[2], stages=shape[3],
-                               tma=tma, head_dim=head_dim, causal=causal, seqlen=seqlen)
-                    err = errors.get((kernel, (shape, tma), head_dim, causal))
-                    if err is None:
-                        try:
-                            q, k, v, o, lse, do, scale = tensors
-                            fn = run_once(kernel, shape, tma, q, k, v, o, lse, do, causal, scale)
-                            row["rel_err"] = max(rel_err(a, b) for a, b in zip(fn(), reference[kernel]))
-                            ms = do_bench(fn, return_mode="median")
-                            tflops = flops(batch, n_heads, seqlen, head_dim, causal, direction) / ms / 1e9
-                            row.update(ms=ms, tflops=tflops, vs_cudnn=cudnn[direction] / ms)
-                            if best is None or ms < best[0]:
-                                best = (ms, shape, tma, tflops)
-                        except Exception as e:  # noqa: BLE001
-                            err = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-                    row["error"] = err
-                    writer.writerow(row)
-                    f.flush()
-                if best:
-                    print(f"  {kernel:>5}: best {best[1]} tma={best[2]}: {best[0]:.3f} ms, "
-                          f"{best[3]:.0f} TFLOP/s ({direction} {cudnn[direction] / best[0]:.2f}x cuDNN)", flush=True)
-            del tensors
-            torch.cuda.empty_cache()
+        for head_dim, causal, seqlen in itertools.product(args.head_dims, args.causal, args.seqlens):
+            time_shape(args, errors, writer, head_dim, causal, seqlen)
+            f.flush()
     print("wrote", out_dir / "configs.csv")
 
 

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from data.prepare import PreparedData, prepare_data
 from data.sampler import BatchSampler, ShardedBatchSampler, rank_seed
 from model.gpt import GPT, GPTConfig
-from trainer import checkpoint
+import trainer.checkpoint as checkpoint
 from trainer.config import (ConfigError, config_backend, continue_command, padded_vocab_size, resolved_grad_accum,
                             validate_against_data, validate_config)
 from trainer.distributed import all_reduce_sum, barrier, broadcast_object, gather_objects, init_process_group
