@@ -275,20 +275,7 @@ def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -
             errors.append(f"{key}={OmegaConf.select(cfg, key)!r}: {msg}")
 
     m = cfg.model
-    for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_multiple"):
-        check(m[key] >= 1, f"model.{key}", "must be a positive integer")
-    check(m.n_kv_head is None or m.n_kv_head >= 1, "model.n_kv_head", "must be a positive integer or null (= n_head)")
-    check(m.vocab_size is None or m.vocab_size >= 1, "model.vocab_size", "must be a positive integer or null (= data vocabulary)")
-    if m.n_head >= 1:
-        check(m.n_embd % m.n_head == 0, "model.n_embd", f"must be divisible by model.n_head={m.n_head}")
-        if m.n_kv_head:
-            check(m.n_head % m.n_kv_head == 0, "model.n_kv_head", f"must divide model.n_head={m.n_head}")
-    check(0.0 <= m.dropout < 1.0, "model.dropout", "must be in [0, 1)")
-    windows = attn_windows(m)
-    check(windows is not None, "model.attn_window",
-          f"must be an int >= 0 (0 = full attention) or a list of model.n_layer={m.n_layer} of them")
-    for key, msg in block_option_errors(m):  # pos_emb, norm, mlp and their numbers: what model.gpt accepts
-        check(False, f"model.{key}", msg)
+    windows = _check_model(check, m)
 
     d = cfg.data
     check(d.source in SOURCES, "data.source", f"accepted: {', '.join(SOURCES)}")
@@ -339,6 +326,25 @@ def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -
 
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+
+
+def _check_model(check, m) -> Optional[list[int]]:
+    """The model section's shape, dropout, attention window and block options; returns ``attn_windows(m)``."""
+    for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_multiple"):
+        check(m[key] >= 1, f"model.{key}", "must be a positive integer")
+    check(m.n_kv_head is None or m.n_kv_head >= 1, "model.n_kv_head", "must be a positive integer or null (= n_head)")
+    check(m.vocab_size is None or m.vocab_size >= 1, "model.vocab_size", "must be a positive integer or null (= data vocabulary)")
+    if m.n_head >= 1:
+        check(m.n_embd % m.n_head == 0, "model.n_embd", f"must be divisible by model.n_head={m.n_head}")
+        if m.n_kv_head:
+            check(m.n_head % m.n_kv_head == 0, "model.n_kv_head", f"must divide model.n_head={m.n_head}")
+    check(0.0 <= m.dropout < 1.0, "model.dropout", "must be in [0, 1)")
+    windows = attn_windows(m)
+    check(windows is not None, "model.attn_window",
+          f"must be an int >= 0 (0 = full attention) or a list of model.n_layer={m.n_layer} of them")
+    for key, msg in block_option_errors(m):  # pos_emb, norm, mlp and their numbers: what model.gpt accepts
+        check(False, f"model.{key}", msg)
+    return windows
 
 
 def _check_grad_accum(check, grad_accum, world_size: int) -> None:
