@@ -119,6 +119,8 @@ def test_resume_rejects_a_different_model(make_cfg):
     train(make_cfg("run.name=shape", "trainer.max_steps=3"))
     with pytest.raises(ConfigError, match="model.n_layer: checkpoint 2, config 3"):
         train(make_cfg("run.name=shape", "model.n_layer=3", "trainer.max_steps=4"))
+    with pytest.raises(ConfigError, match="model.pos_emb: checkpoint 'learned', config 'rope'"):
+        train(make_cfg("run.name=shape", "model.pos_emb=rope", "trainer.max_steps=4"))
 
 
 def test_corrupt_latest_checkpoint_is_reported_and_kept(make_cfg):
