@@ -89,10 +89,11 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[
 
 def _last_logits(model: nn.Module, idx: torch.Tensor, run_block: Callable) -> torch.Tensor:
     """``model(idx)[0]`` (no cache: logits (B, 1, vocab_size) of the last position), each block run through
-    ``run_block(block, x)``."""
-    x = model.embed(idx, torch.arange(idx.size(1), dtype=torch.long, device=idx.device))
+    ``run_block(block, x, rope)``."""
+    pos = torch.arange(idx.size(1), dtype=torch.long, device=idx.device)
+    x, rope = model.embed(idx, pos), model.rope(pos)
     for block in model.transformer.h:
-        x = run_block(block, x)
+        x = run_block(block, x, rope)
     return model.lm_head(model.transformer.ln_f(x[:, -1:, :]))
 
 
@@ -127,7 +128,7 @@ def _generate_cached(model: nn.Module, idx: torch.Tensor, max_new_tokens: int,
                 logits = step(token, cache, pos if position is None else position.fill_(pos))
             pos += 1
         else:
-            # The position embeddings are learned for 0..block_size-1 only, so the cache cannot slide:
+            # The position embeddings (and RoPE tables) cover 0..block_size-1 only, so the cache cannot slide:
             # keys cached at one position cannot be reused at another. Restart from the most recent half
             # of the context instead, at positions 0.., which leaves block_size // 2 cheap decode steps
             # before the next re-prefill (prefill work amortised over many tokens).
@@ -204,16 +205,22 @@ def capture_cuda_graph(fn: Callable[[], torch.Tensor], device: torch.device, war
 # is per function: the fixed-shape decode step (static shapes: one graph per batch size), the decode step at an
 # int position (dynamic shapes from the first call: the position is symbolic, so it does not compile for the
 # first position and again for the rest) and the uncached forward (dynamic shapes: one graph for every length).
-def _decode_block(block: nn.Module, x: torch.Tensor, cache: LayerKVCache, start_pos: torch.Tensor) -> torch.Tensor:
-    return block(x, cache, start_pos)
+# rope: the cos, sin of the step's positions (``GPT.rope``), or None for learned position embeddings.
+Rope = Optional[tuple[torch.Tensor, torch.Tensor]]
 
 
-def _decode_block_dynamic(block: nn.Module, x: torch.Tensor, cache: LayerKVCache, start_pos: int) -> torch.Tensor:
-    return block(x, cache, start_pos)
+def _decode_block(block: nn.Module, x: torch.Tensor, cache: LayerKVCache, start_pos: torch.Tensor,
+                  rope: Rope = None) -> torch.Tensor:
+    return block(x, cache, start_pos, rope=rope)
 
 
-def _forward_block(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return block(x)
+def _decode_block_dynamic(block: nn.Module, x: torch.Tensor, cache: LayerKVCache, start_pos: int,
+                          rope: Rope = None) -> torch.Tensor:
+    return block(x, cache, start_pos, rope=rope)
+
+
+def _forward_block(block: nn.Module, x: torch.Tensor, rope: Rope = None) -> torch.Tensor:
+    return block(x, rope=rope)
 
 
 _COMPILED: dict[str, Callable] = {}

@@ -1,12 +1,17 @@
-"""nanoGPT-style GPT (Karpathy's nanoGPT model.py, itself GPT-2 as in Radford et al. 2019).
+"""nanoGPT-style GPT (Karpathy's nanoGPT model.py, itself GPT-2 as in Radford et al. 2019), with the options of
+newer blocks.
 
-Token + learned position embeddings, ``n_layer`` pre-LayerNorm blocks (causal self-attention,
-GELU MLP), final LayerNorm and an output head tied to the token embedding. Residual output
-projections are initialised with std 0.02 / sqrt(2 * n_layer) (GPT-2 paper). Attention is done
-by a backend of ``model.backends`` named by ``GPTConfig.attn`` (resolved once per model, e.g. 'auto' to fa3, and
-handed to every layer), with optional grouped-query attention (``n_kv_head`` k/v heads shared by ``n_head`` q
-heads). Generation (sampling, the KV-cache decode loop, CUDA graphs) is in ``model/generate.py``; ``GPT.generate``
-calls it.
+By default GPT-2: token + learned position embeddings, ``n_layer`` pre-LayerNorm blocks (causal self-attention,
+GELU MLP), final LayerNorm and an output head tied to the token embedding. Residual output projections are
+initialised with std 0.02 / sqrt(2 * n_layer) (GPT-2 paper). ``GPTConfig``'s ``pos_emb`` (rope: rotary q and k),
+``norm`` (RMSNorm), ``mlp`` (SwiGLU, ReLU²), ``qk_norm``, ``bias`` and ``tie_embeddings`` give a Llama-3-style
+block (conf/model/llama_small.yaml, llama_1b.yaml); the layers are in ``model/layers.py``. At their defaults the
+model, its parameter names and its initialisation (the same random draws) are GPT-2's.
+
+Attention is done by a backend of ``model.backends`` named by ``GPTConfig.attn`` (resolved once per model, e.g.
+'auto' to fa3, and handed to every layer), with optional grouped-query attention (``n_kv_head`` k/v heads shared
+by ``n_head`` q heads). Generation (sampling, the KV-cache decode loop, CUDA graphs) is in ``model/generate.py``;
+``GPT.generate`` calls it.
 """
 
 from __future__ import annotations
@@ -22,6 +27,11 @@ import torch.nn.functional as F
 from model.backends import Backend, resolve_backend
 from model.generate import generate as generate_tokens
 from model.kv_cache import KVCache, LayerKVCache
+from model.layers import MLP, Rotary, apply_rope, document_positions, make_norm, mlp_width
+
+POS_EMBS = ("learned", "rope")        # the values of GPTConfig.pos_emb (model.pos_emb)
+NORMS = ("layernorm", "rmsnorm")      # GPTConfig.norm
+MLPS = ("gelu", "swiglu", "relu2")    # GPTConfig.mlp
 
 
 @dataclass
@@ -33,11 +43,20 @@ class GPTConfig:
     n_kv_head: Optional[int] = None  # k/v heads; None = n_head (multi-head attention)
     n_embd: int = 768
     dropout: float = 0.0
-    bias: bool = False           # bias in Linear and LayerNorm layers
+    bias: bool = False           # bias in Linear and LayerNorm layers (RMSNorm has none)
     attn: str = "sdpa"           # attention backend name, see model.backends
     # Sliding-window attention: each token sees itself and the attn_window - 1 tokens before it; 0 = full causal.
     # A list gives one value per layer (e.g. [128, 0] * 6: local and global layers alternate).
     attn_window: Union[int, list[int]] = 0
+    pos_emb: str = "learned"     # learned position embeddings (wpe) | rope: rotary q and k, no wpe
+    rope_theta: float = 10000.0  # RoPE base: angles pos * rope_theta^(-2i/head_dim) (Llama 3: 500000)
+    norm: str = "layernorm"      # layernorm | rmsnorm (ln_1, ln_2, ln_f and qk_norm's)
+    norm_eps: float = 1e-5       # eps of every norm
+    mlp: str = "gelu"            # gelu | swiglu | relu2
+    mlp_hidden: Optional[int] = None  # MLP hidden width; None = 4 * n_embd, swiglu: model.layers.mlp_width
+    multiple_of: int = 256       # swiglu's hidden width (mlp_hidden None) is rounded up to a multiple of this
+    qk_norm: bool = False        # RMSNorm over head_dim on q and k before RoPE and attention
+    tie_embeddings: bool = True  # the output head is the token embedding matrix
 
     def layer_window(self, layer: int) -> int:
         return self.attn_window if isinstance(self.attn_window, int) else self.attn_window[layer]
@@ -51,8 +70,40 @@ class GPTConfig:
         return self.n_embd // self.n_head
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_positive(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+
+
+def block_option_errors(c) -> list[tuple[str, str]]:
+    """(key, what is accepted) for each bad block option of ``c``: a GPTConfig or the ``model`` config section
+    (the same field names), so the model and config validation (``trainer.config``) refuse the same values."""
+    errors = [(key, f"accepted: {', '.join(values)}")
+              for key, values in (("pos_emb", POS_EMBS), ("norm", NORMS), ("mlp", MLPS))
+              if getattr(c, key) not in values]
+    for key in ("rope_theta", "norm_eps"):
+        if not _is_positive(getattr(c, key)):
+            errors.append((key, "must be a finite number > 0"))
+    if not (_is_int(c.multiple_of) and c.multiple_of >= 1):
+        errors.append(("multiple_of", "must be an int >= 1"))
+    if c.mlp_hidden is not None and not (_is_int(c.mlp_hidden) and c.mlp_hidden >= 1):
+        errors.append(("mlp_hidden", "must be an int >= 1 or null (= the rule of model.mlp)"))
+    errors += [(key, "must be true or false") for key in ("bias", "qk_norm", "tie_embeddings")
+               if not isinstance(getattr(c, key), bool)]
+    divides = _is_int(c.n_head) and c.n_head >= 1 and _is_int(c.n_embd) and c.n_embd % c.n_head == 0
+    head_dim = c.n_embd // c.n_head if divides else 0
+    if c.pos_emb == "rope" and head_dim % 2:
+        errors.append(("pos_emb", f"rope rotates pairs of dims: head_dim = n_embd / n_head = {head_dim} "
+                                  "must be even"))
+    return errors
+
+
 def check_shapes(config: GPTConfig) -> None:
-    """Raises ValueError for heads or widths that are not ints >= 1 or do not divide, or a bad attn_window."""
+    """Raises ValueError for heads or widths that are not ints >= 1 or do not divide, a bad attn_window, or a
+    block option outside its accepted values (``block_option_errors``)."""
     for name, value in (("n_embd", config.n_embd), ("n_head", config.n_head), ("n_kv_head", config.kv_heads)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be an int >= 1")
@@ -63,6 +114,9 @@ def check_shapes(config: GPTConfig) -> None:
     if len(windows) != (1 if isinstance(config.attn_window, int) else config.n_layer) or min(windows) < 0:
         raise ValueError(f"attn_window={config.attn_window!r} must be an int >= 0 (0 = full attention) or a "
                          f"list of n_layer={config.n_layer} of them")
+    errors = block_option_errors(config)
+    if errors:
+        raise ValueError("; ".join(f"{key}={getattr(config, key)!r}: {msg}" for key, msg in errors))
 
 
 class CausalSelfAttention(nn.Module):
@@ -75,23 +129,36 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.dropout = config.dropout
+        if config.qk_norm:
+            self.q_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
+        self.qk_norm = config.qk_norm
         self.backend = backend  # one object shared by every layer of the model
         self.split_kv_decode = False  # decode steps through backend.split_kv_attention (GPT.use_split_kv_decode)
 
     def forward(self, x: torch.Tensor, kv_cache: Optional[LayerKVCache] = None,
-                start_pos: int | torch.Tensor = 0, docs: Optional[torch.Tensor] = None) -> torch.Tensor:
+                start_pos: int | torch.Tensor = 0, docs: Optional[torch.Tensor] = None,
+                rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        """x (B, T, n_embd) -> (B, T, n_embd). rope: cos, sin of the tokens' positions (``GPT.rope``) or None."""
         B, T, C = x.shape
         qkv = self.c_attn(x)
         dropout_p = self.dropout if self.training else 0.0
-        if kv_cache is None and docs is None and self.backend.qkvpacked:
+        packed = kv_cache is None and docs is None and self.backend.qkvpacked
+        transformed = self.qk_norm or rope is not None
+        if transformed:  # q and k normed and rotated here, where torch.compile fuses it with the projection
+            q, k, v = self.heads(qkv, rope)
+            if packed:  # one new packed tensor: the kernel still writes qkv's gradient in place
+                qkv = torch.cat((q, k, v), dim=2)
+        if packed:
             # One tensor in: the backward writes qkv's gradient in place, not three that autograd concatenates.
             y = self.backend.qkvpacked_attention(qkv.view(B, T, -1, self.head_dim), self.n_head, dropout_p, self.window)
             return self.resid_dropout(self.c_proj(y.view(B, T, C)))
-        q, k, v = qkv.split(
-            [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=2)
-        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)      # (B, n_head, T, hs)
-        k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)   # (B, n_kv_head, T, hs)
-        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        if not transformed:
+            q, k, v = qkv.split(
+                [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=2)
+            q = q.view(B, T, self.n_head, self.head_dim)
+            k, v = (t.view(B, T, self.n_kv_head, self.head_dim) for t in (k, v))
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, hs)
         if kv_cache is None:
             y = self.backend.attention(q, k, v, dropout_p=dropout_p, window=self.window, docs=docs)
         elif isinstance(start_pos, torch.Tensor):  # fixed shapes: the whole cache, masked
@@ -104,30 +171,32 @@ class CausalSelfAttention(nn.Module):
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
-
-class MLP(nn.Module):
-    def __init__(self, config: GPTConfig):
-        super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.gelu = nn.GELU()
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
-        self.dropout = nn.Dropout(config.dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+    def heads(self, qkv: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]]
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fused projection (B, T, (n_head + 2 * n_kv_head) * head_dim) as q (B, T, n_head, head_dim) and
+        k, v (B, T, n_kv_head, head_dim); q and k RMS-normed over head_dim (qk_norm), then rotated (rope)."""
+        B, T, _ = qkv.shape
+        q, k, v = qkv.view(B, T, -1, self.head_dim).split([self.n_head, self.n_kv_head, self.n_kv_head], dim=2)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        return q, k, v
 
 
 class Block(nn.Module):
     def __init__(self, config: GPTConfig, backend: Backend, layer: int = 0):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_1 = make_norm(config.norm, config.n_embd, config.bias, config.norm_eps)
         self.attn = CausalSelfAttention(config, backend, layer)
-        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
+        self.ln_2 = make_norm(config.norm, config.n_embd, config.bias, config.norm_eps)
+        hidden = mlp_width(config.n_embd, config.mlp, config.mlp_hidden, config.multiple_of)
+        self.mlp = MLP(config.n_embd, config.mlp, hidden, config.bias, config.dropout)
 
     def forward(self, x: torch.Tensor, kv_cache: Optional[LayerKVCache] = None,
-                start_pos: int | torch.Tensor = 0, docs: Optional[torch.Tensor] = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), kv_cache, start_pos, docs)
+                start_pos: int | torch.Tensor = 0, docs: Optional[torch.Tensor] = None,
+                rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), kv_cache, start_pos, docs, rope)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -140,15 +209,18 @@ class GPT(nn.Module):
         masks = any(config.layer_window(layer) for layer in range(config.n_layer))
         self.backend = resolve_backend(config.attn, config.head_dim, masks).load()
         self.config = config
+        learned = config.pos_emb == "learned"
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
+            **(dict(wpe=nn.Embedding(config.block_size, config.n_embd)) if learned else {}),
             drop=nn.Dropout(config.dropout),
             h=nn.ModuleList([Block(config, self.backend, layer) for layer in range(config.n_layer)]),
-            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            ln_f=make_norm(config.norm, config.n_embd, config.bias, config.norm_eps),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.transformer.wte.weight = self.lm_head.weight  # weight tying
+        if config.tie_embeddings:
+            self.transformer.wte.weight = self.lm_head.weight  # weight tying
+        self.rotary = None if learned else Rotary(config.head_dim, config.block_size, config.rope_theta)
         self._decode_graph = None  # (key, DecodeGraph) that model.generate keeps for the next generation
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
@@ -165,11 +237,12 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def num_params(self, non_embedding: bool = True) -> int:
-        """Parameter count; with non_embedding, position embeddings are left out (the token
-        embedding is counted because it is tied to, and used as, the output head)."""
+        """Parameter count; with non_embedding, the embedding look-ups are left out: the position embeddings,
+        and the token embedding unless it is tied to, and used as, the output head (tie_embeddings)."""
         n = sum(p.numel() for p in self.parameters())
         if non_embedding:
-            n -= self.transformer.wpe.weight.numel()
+            lookups = [self.transformer[name] for name in ("wpe", "wte") if name in self.transformer]
+            n -= sum(m.weight.numel() for m in lookups if m.weight is not self.lm_head.weight)
         return n
 
     def estimate_flops_per_token(self) -> float:
@@ -185,7 +258,8 @@ class GPT(nn.Module):
                 docs: Optional[torch.Tensor] = None):
         """idx: (B, T) int64 token ids, T <= block_size; targets: (B, T) int64 or None; docs: the documents of
         the flattened batch as int32 cu_seqlens (0 .. B * T, every multiple of T among them; ``data.sampler``):
-        attention stays within each document (not with ``kv_cache``).
+        attention stays within each document (not with ``kv_cache``), and with pos_emb=rope each document's
+        positions start at 0 (learned position embeddings keep the window's positions 0 .. T-1).
 
         Returns (logits, loss):
         - with targets: the mean cross-entropy (float32 scalar; targets == -1 are ignored) and the
@@ -205,9 +279,11 @@ class GPT(nn.Module):
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size={self.config.block_size}")
-        x = self.embed(idx, torch.arange(T, dtype=torch.long, device=idx.device))
+        pos = torch.arange(T, dtype=torch.long, device=idx.device)
+        x = self.embed(idx, pos)
+        rope = self.rope(pos if docs is None or self.rotary is None else document_positions(docs, B, T))
         for block in self.transformer.h:
-            x = block(x, docs=docs)
+            x = block(x, docs=docs, rope=rope)
         x = self.transformer.ln_f(x)
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None
@@ -216,8 +292,16 @@ class GPT(nn.Module):
         return (logits if return_logits else None), loss
 
     def embed(self, idx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Token + position embeddings (then dropout) of idx (B, T) int64 at positions pos (T,) -> (B, T, n_embd)."""
+        """Token + position embeddings (then dropout) of idx (B, T) int64 at positions pos (T,) -> (B, T, n_embd);
+        with pos_emb=rope the token embeddings only (the positions enter through ``rope``)."""
+        if self.rotary is not None:
+            return self.transformer.drop(self.transformer.wte(idx))
         return self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+
+    def rope(self, pos: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """cos, sin (pos.shape + (1, head_dim/2), float32) of integer positions pos, (T,) or (B, T), each
+        < block_size, for every layer's q and k (``model.layers.apply_rope``); None with learned positions."""
+        return None if self.rotary is None else self.rotary(pos)
 
     def use_split_kv_decode(self, enabled: bool = True) -> None:
         """Run decode steps (one query per head against the KV cache) through the split-K/V kernel
@@ -234,12 +318,13 @@ class GPT(nn.Module):
 
         Writes the tokens' keys and values into ``kv_cache`` and attends over positions 0 .. start_pos+T-1.
         Raises ValueError when the cache was made for another batch size or model, with model.attn_window, or when
-        start_pos + T > block_size (there are no position embeddings beyond it).
+        start_pos + T > block_size (there are no position embeddings or RoPE tables beyond it).
 
         A 0-dim integer tensor start_pos (on the model's device) keeps every shape fixed from step to step,
         so a compiled step compiles once and a step can be a CUDA graph: attention reads the whole cache with the
         positions past start_pos+T-1 masked (``Backend.static_decode``; others raise ValueError). Its range is
-        not checked. ``run_block(block, x, layer_cache, start_pos)``, if given, runs each block (a compiled one).
+        not checked. ``run_block(block, x, layer_cache, start_pos, rope)``, if given, runs each block (a compiled
+        one; rope: ``GPT.rope`` of the positions).
         """
         if any(self.config.layer_window(layer) for layer in range(self.config.n_layer)):
             raise ValueError(f"the KV cache has no sliding window (model.attn_window={self.config.attn_window}); "
@@ -254,12 +339,14 @@ class GPT(nn.Module):
             raise ValueError(f"positions {start_pos}..{start_pos + T - 1} exceed block_size={self.config.block_size}")
         else:
             pos = torch.arange(start_pos, start_pos + T, dtype=torch.long, device=idx.device)
-        x = self.embed(idx, pos)
+        x, rope = self.embed(idx, pos), self.rope(pos)  # the new tokens' positions follow the cached ones
         for block, layer_cache in zip(self.transformer.h, kv_cache.layers):
-            x = block(x, layer_cache, start_pos) if run_block is None else run_block(block, x, layer_cache, start_pos)
+            if run_block is None:
+                x = block(x, layer_cache, start_pos, rope=rope)
+            else:
+                x = run_block(block, x, layer_cache, start_pos, rope)
         # a slice, not x[:, [-1], :]: a list index is a host tensor copied to the device at every call (not capturable)
         return self.lm_head(self.transformer.ln_f(x[:, -1:, :])), None
-
 
     def release_decode_graph(self) -> None:
         """Free the CUDA graph (and its KV cache) that ``generate(..., cuda_graph=True)`` keeps for the next call."""

@@ -50,9 +50,13 @@ KEY_TYPES: dict[str, tuple] = {
 
 
 # Keys added to format 1 later, with the value a checkpoint written before them implies.
+# The block options (model.pos_emb ... model.tie_embeddings): a file without them holds a GPT-2.
+_BLOCK_DEFAULTS = {"pos_emb": "learned", "rope_theta": 10000.0, "norm": "layernorm", "norm_eps": 1e-5, "mlp": "gelu",
+                   "mlp_hidden": None, "multiple_of": 256, "qk_norm": False, "tie_embeddings": True}
 ADDED_DEFAULTS: dict[str, dict] = {
-    "model_args": {"attn_window": 0},
-    "config": {"model": {"attn_window": 0}, "data": {"document_mask": False, "split_scenes": False}},
+    "model_args": {"attn_window": 0, **_BLOCK_DEFAULTS},
+    "config": {"model": {"attn_window": 0, **_BLOCK_DEFAULTS},
+               "data": {"document_mask": False, "split_scenes": False}},
 }
 
 

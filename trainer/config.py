@@ -36,6 +36,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from data.prepare import TOKENIZERS
 from data.sources import SOURCES
 from model.backends import BACKENDS, REGISTRY, mask_backends, resolve_backend
+from model.gpt import block_option_errors
 from trainer.runtime import NO_CUDA
 
 
@@ -51,8 +52,17 @@ class ModelConfig:
     vocab_size: Optional[int] = None   # None = the data's vocabulary, rounded up to vocab_multiple
     vocab_multiple: int = 64           # vocab_size=null pads the tokenizer's vocabulary to a multiple of this
     dropout: float = 0.0               # > 0 only with attn=sdpa
-    bias: bool = False                 # biases in linear layers and layer norms
+    bias: bool = False                 # biases in linear layers and layer norms (rmsnorm has none)
     attn_window: Any = 0               # tokens a query sees (itself included), 0 = all; or one per layer (a list)
+    pos_emb: str = "learned"           # learned (GPT-2) | rope: rotary q, k (restarting per document: data.document_mask)
+    rope_theta: float = 10000.0        # RoPE base: angles pos * rope_theta^(-2i/head_dim); Llama 3: 500000
+    norm: str = "layernorm"            # layernorm (GPT-2) | rmsnorm (Llama)
+    norm_eps: float = 1e-5             # epsilon of every layer norm / RMSNorm
+    mlp: str = "gelu"                  # gelu (GPT-2) | swiglu (Llama) | relu2 (ReLU squared: nanochat, modded-nanogpt)
+    mlp_hidden: Optional[int] = None   # MLP width; null = 4 * n_embd, swiglu: 8/3 * n_embd rounded up to multiple_of
+    multiple_of: int = 256             # swiglu with mlp_hidden=null: its hidden width is a multiple of this (Llama)
+    qk_norm: bool = False              # RMSNorm over head_dim on q and k before attention (nanochat, modded-nanogpt)
+    tie_embeddings: bool = True        # output head = token embedding matrix (GPT-2); false: a separate head
 
 
 @dataclass
@@ -267,7 +277,7 @@ def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -
 
 
 def _check_model(check, m) -> Optional[list[int]]:
-    """The model section's checks; returns ``attn_windows(m)``."""
+    """The model section's shape, dropout, attention window and block options; returns ``attn_windows(m)``."""
     for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_multiple"):
         check(m[key] >= 1, f"model.{key}", "must be a positive integer")
     check(m.n_kv_head is None or m.n_kv_head >= 1, "model.n_kv_head", "must be a positive integer or null (= n_head)")
@@ -280,6 +290,8 @@ def _check_model(check, m) -> Optional[list[int]]:
     windows = attn_windows(m)
     check(windows is not None, "model.attn_window",
           f"must be an int >= 0 (0 = full attention) or a list of model.n_layer={m.n_layer} of them")
+    for key, msg in block_option_errors(m):  # pos_emb, norm, mlp and their numbers: what model.gpt accepts
+        check(False, f"model.{key}", msg)
     return windows
 
 

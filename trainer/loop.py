@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from data.prepare import PreparedData, prepare_data
 from data.sampler import BatchSampler, ShardedBatchSampler, rank_seed
 from model.gpt import GPT, GPTConfig
+from model.layers import mlp_width
 import trainer.checkpoint as checkpoint
 from trainer.config import (ConfigError, config_backend, continue_command, padded_vocab_size, resolved_grad_accum,
                             validate_against_data, validate_config)
@@ -395,11 +396,11 @@ class Trainer:
 
 
 def model_config(cfg: DictConfig, data_vocab: int, backend: str) -> GPTConfig:
-    """The GPT shape of ``cfg.model`` for a tokenizer of ``data_vocab`` tokens and a resolved backend."""
-    return GPTConfig(block_size=cfg.model.block_size, vocab_size=padded_vocab_size(cfg, data_vocab),
-                     n_layer=cfg.model.n_layer, n_head=cfg.model.n_head, n_kv_head=cfg.model.n_kv_head,
-                     n_embd=cfg.model.n_embd, dropout=cfg.model.dropout, bias=cfg.model.bias, attn=backend,
-                     attn_window=OmegaConf.to_container(cfg.model)["attn_window"])  # an int or a plain list
+    """The GPT of ``cfg.model`` (every key that is a GPTConfig field) for a tokenizer of ``data_vocab`` tokens and a
+    resolved backend."""
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    model = {k: v for k, v in OmegaConf.to_container(cfg.model).items() if k in fields}  # attn_window: a plain list
+    return GPTConfig(**{**model, "vocab_size": padded_vocab_size(cfg, data_vocab), "attn": backend})
 
 
 TRAINING_BYTES_PER_PARAM = 16  # fp32 weight, gradient and AdamW's two moments
@@ -409,7 +410,9 @@ def min_params(args: GPTConfig) -> int:
     """The GPT's parameters without biases and layer norms (a lower bound of ``GPT(args)``'s count)."""
     E, L = args.n_embd, args.n_layer
     attn = E * E * (2 + 2 * args.kv_heads / args.n_head)  # q and output projections; k and v (GQA: fewer)
-    return int(E * (args.vocab_size + args.block_size) + L * (attn + 8 * E * E))  # embeddings (tied), blocks
+    mlp = (3 if args.mlp == "swiglu" else 2) * E * mlp_width(E, args.mlp, args.mlp_hidden, args.multiple_of)
+    tables = args.vocab_size * (1 if args.tie_embeddings else 2) + (args.block_size if args.pos_emb == "learned" else 0)
+    return int(E * tables + L * (attn + mlp))  # embeddings (and head), blocks
 
 
 def check_memory(args: GPTConfig, device: torch.device) -> None:

@@ -266,7 +266,7 @@ def test_help_lists_every_key_with_its_meaning():
     keys = [k for k in _leaf_keys(OmegaConf.to_container(compose_config([]), resolve=False))]
     assert keys and all(k in lines for k in keys), sorted(set(keys) - set(lines))
     assert lines["optim.lr"].split()[1] == "0.01" and "peak learning rate" in lines["optim.lr"]
-    assert "<computed>" in lines["run.name"] and "model: baby, gpt2, tiny" in out.stdout
+    assert "<computed>" in lines["run.name"] and "model: baby, gpt2, llama_1b, llama_small, tiny" in out.stdout
     for bad, message in (("trainer.max_steps=abc", "Value 'abc' of type 'str' could not be converted to Integer"),
                          ("model=huge", "Could not find 'model/huge'"), ("nokey=1", "Could not override 'nokey'")):
         out = subprocess.run([sys.executable, "train.py", "--help", bad], cwd=root, capture_output=True, text=True,

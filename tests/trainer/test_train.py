@@ -70,10 +70,16 @@ def test_eval_iters_zero_turns_evaluation_off(make_cfg):
     assert not any("val/loss" in r for r in s.records)
     assert s.final_val_loss is None and s.best_val_loss is None
 
-def test_resume_is_bit_exact(make_cfg):
+# A Llama-style block (RoPE restarting per document, RMSNorm, SwiGLU, QK-norm, an untied head) for the tiny run.
+LLAMA_STYLE = ("model.pos_emb=rope", "model.rope_theta=500000", "model.norm=rmsnorm", "model.mlp=swiglu",
+               "model.multiple_of=16", "model.qk_norm=true", "model.tie_embeddings=false", "data.document_mask=true")
+
+
+@pytest.mark.parametrize("block", [(), LLAMA_STYLE], ids=["gpt2", "llama_style"])
+def test_resume_is_bit_exact(make_cfg, block):
     """20 straight steps == 10 steps + resume + 10 steps, with dropout and grad accumulation on."""
     common = ("model.dropout=0.1", "trainer.grad_accum=2", "eval.interval=4", "ckpt.interval=0",
-              "optim.decay_steps=30", "optim.warmup_steps=3")
+              "optim.decay_steps=30", "optim.warmup_steps=3", *block)
     straight = train(make_cfg(*common, "run.name=straight", "trainer.max_steps=20"))
     first = train(make_cfg(*common, "run.name=resumed", "trainer.max_steps=10", "wandb.mode=offline"))
     second = train(make_cfg(*common, "run.name=resumed", "trainer.max_steps=20", "wandb.mode=offline"))
@@ -84,6 +90,11 @@ def test_resume_is_bit_exact(make_cfg):
     assert second.wandb_run_id == first.wandb_run_id  # the W&B run continues
     a, b = load_checkpoint(straight.checkpoint)["model"], load_checkpoint(second.checkpoint)["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
+    import sample  # the checkpoint rebuilds its model: the block options travel in model_args
+
+    model, _, _ = sample.load_model(second.checkpoint)
+    tied = model.lm_head.weight is model.transformer.wte.weight
+    assert (model.config.mlp, tied) == (("swiglu", False) if block else ("gelu", True))
     jsonl = read_jsonl(second.run_dir / "metrics.jsonl")
     assert [r["step"] for r in jsonl] == list(range(1, 21))
 
@@ -108,6 +119,8 @@ def test_resume_rejects_a_different_model(make_cfg):
     train(make_cfg("run.name=shape", "trainer.max_steps=3"))
     with pytest.raises(ConfigError, match="model.n_layer: checkpoint 2, config 3"):
         train(make_cfg("run.name=shape", "model.n_layer=3", "trainer.max_steps=4"))
+    with pytest.raises(ConfigError, match="model.pos_emb: checkpoint 'learned', config 'rope'"):
+        train(make_cfg("run.name=shape", "model.pos_emb=rope", "trainer.max_steps=4"))
 
 
 def test_corrupt_latest_checkpoint_is_reported_and_kept(make_cfg):
@@ -532,15 +545,22 @@ def test_orphans_of_a_killed_save_are_removed_when_the_run_starts(make_cfg, capl
     assert sorted(p.name for p in orphan.parent.iterdir()) == ["step_00000003.pt", "step_00000004.pt"]
 
 
+BLOCK_KEYS = ("pos_emb", "rope_theta", "norm", "norm_eps", "mlp", "mlp_hidden", "multiple_of", "qk_norm",
+              "tie_embeddings")
+
+
 def test_a_checkpoint_from_before_the_attention_window_resumes(make_cfg, caplog):
-    """model_args without attn_window and a config without model.attn_window / data.document_mask /
-    data.split_scenes (checkpoints written before them) resume with their defaults, without a warning."""
+    """model_args without attn_window or the block options (model.pos_emb ...) and a config without them or
+    data.document_mask / data.split_scenes (checkpoints written before them) resume as the GPT-2 they hold, with
+    their defaults, without a warning."""
     first = train(make_cfg("run.name=prewindow", "trainer.max_steps=2", "ckpt.interval=0"))
     state = torch.load(first.checkpoint, weights_only=True)
-    del state["model_args"]["attn_window"], state["config"]["model"]["attn_window"]
+    for key in ("attn_window", *BLOCK_KEYS):
+        del state["model_args"][key], state["config"]["model"][key]
     del state["config"]["data"]["document_mask"], state["config"]["data"]["split_scenes"]
     torch.save(state, first.checkpoint)
-    assert load_checkpoint(first.checkpoint)["model_args"]["attn_window"] == 0
+    model_args = load_checkpoint(first.checkpoint)["model_args"]
+    assert model_args["attn_window"] == 0 and (model_args["pos_emb"], model_args["norm"]) == ("learned", "layernorm")
     caplog.clear()
     second = train(make_cfg("run.name=prewindow", "trainer.max_steps=3", "ckpt.interval=0"))
     assert second.start_step == 2 and "changed settings" not in caplog.text
