@@ -41,6 +41,7 @@ skipped (the exit status is then 1).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import sys
 import time
@@ -54,7 +55,6 @@ from bench.report import Column, Table, environment, write_csv, write_json
 from model.backends import BACKENDS
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
-SHAPE_KEYS = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "bias")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SPLIT_KV = "fa2_splitkv"  # fa2 + model.use_split_kv_decode()
 # mode -> GPT.generate's (compile, cuda_graph)
@@ -79,7 +79,8 @@ def build_model(model: str, vocab_size: int, backend: str, dtype: torch.dtype, d
     conf = OmegaConf.to_container(OmegaConf.load(CONF / f"{model}.yaml"))
     torch.manual_seed(0)
     attn = "fa2" if backend == SPLIT_KV else backend
-    model = GPT(GPTConfig(**{k: conf[k] for k in SHAPE_KEYS if k in conf}, vocab_size=vocab_size, attn=attn))
+    fields = {f.name for f in dataclasses.fields(GPTConfig)} - {"vocab_size", "attn"}  # every block option too
+    model = GPT(GPTConfig(**{k: v for k, v in conf.items() if k in fields}, vocab_size=vocab_size, attn=attn))
     if backend == SPLIT_KV:
         model.use_split_kv_decode()
     return model.to(device=device, dtype=dtype).eval()
