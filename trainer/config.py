@@ -51,7 +51,7 @@ class ModelConfig:
     block_size: int = MISSING          # context length (tokens)
     vocab_size: Optional[int] = None   # None = the data's vocabulary, rounded up to vocab_multiple
     vocab_multiple: int = 64           # vocab_size=null pads the tokenizer's vocabulary to a multiple of this
-    dropout: float = 0.0               # > 0 only with attn=sdpa
+    dropout: float = 0.0               # > 0 only with the SDPA backends (sdpa; sdpa_flash, sdpa_cudnn on CUDA)
     bias: bool = False                 # biases in linear layers and layer norms (rmsnorm has none)
     attn_window: Any = 0               # tokens a query sees (itself included), 0 = all; or one per layer (a list)
     pos_emb: str = "learned"           # learned (GPT-2) | rope: rotary q, k (restarting per document: data.document_mask)
