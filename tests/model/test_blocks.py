@@ -14,6 +14,7 @@ from model.backends.triton import TritonBackend
 from model.gpt import GPT, GPTConfig
 from model.kv_cache import KVCache
 from model.layers import Rotary, apply_rope, document_positions, make_norm, mlp_width
+from reference import windowed_greedy
 
 # A tiny Llama-style model: RoPE (a small base, so 32 positions turn the slow pairs too), RMSNorm, SwiGLU, QK-norm,
 # GQA (head_dim 16), no biases, an untied head.
@@ -283,17 +284,6 @@ def test_learned_positions_do_not_restart_in_documents():
     logits, _ = quiet(model, idx, idx, docs=torch.tensor([0, 9, 32], dtype=torch.int32))
     alone, _ = model(idx[:, 9:], idx[:, 9:])
     assert not torch.allclose(logits[0, 9:], alone[0], atol=1e-3)
-
-
-def windowed_greedy(model, idx, max_new_tokens):
-    """Greedy decoding without a cache over the contexts the cached path uses (tests/model/test_kv_cache.py)."""
-    bs = model.config.block_size
-    n = min(idx.size(1), bs)
-    for _ in range(max_new_tokens):
-        logits, _ = model(idx[:, -n:])
-        idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], 1)
-        n = n + 1 if n < bs else bs // 2
-    return idx
 
 
 @pytest.mark.parametrize("attn", ["sdpa", pytest.param("fa2", marks=pytest.mark.slow)])

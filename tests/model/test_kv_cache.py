@@ -8,7 +8,7 @@ import torch
 from model.backends import REGISTRY
 from model.gpt import GPT, GPTConfig
 from model.kv_cache import KVCache
-from reference import reference_attention
+from reference import reference_attention, windowed_greedy
 
 
 @pytest.mark.parametrize("attn,Tq", [(attn, Tq) for attn in ("sdpa", "fa2", "fa1", "fa3", "flex") for Tq in (1, 3, 9)]
@@ -27,18 +27,6 @@ def tiny_gpt(attn="sdpa", block_size=16, n_kv_head=2):
     cfg = GPTConfig(block_size=block_size, vocab_size=50, n_layer=2, n_head=4, n_kv_head=n_kv_head,
                     n_embd=64, attn=attn)
     return GPT(cfg).eval()
-
-
-def windowed_greedy(model, idx, max_new_tokens):
-    """Greedy decoding without a cache over the contexts the cached path uses: the prompt's last block_size
-    tokens, growing by one per token; after a full block_size context, the most recent block_size // 2."""
-    bs = model.config.block_size
-    n = min(idx.size(1), bs)
-    for _ in range(max_new_tokens):
-        logits, _ = model(idx[:, -n:])
-        idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], 1)
-        n = n + 1 if n < bs else bs // 2
-    return idx
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "fa2", "flex"])
