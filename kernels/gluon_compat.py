@@ -13,20 +13,22 @@ names below and nothing release-specific, so a new release means a change here, 
 | `aggregate`        | `triton.language.core._aggregate`    | the same                      | `gl.aggregate`           |
 
 Each entry prefers the newer name and falls back to the older one, so a release that keeps both works either
-way. `SUPPORTED_TRITON` lists the releases whose sm_90 compile of both kernels is checked
-(`tools/check_triton_versions.sh`; in CI on the installed release, tests/kernels/test_fa3.py).
+way. `constexpr_function` (the aggregates' constructors) and `as_4d` are the same on every release and live here
+because both kernels need them. `kernels.fa3.GLUON_TRITON_VERSIONS` lists the releases whose sm_90 compile of both
+kernels is checked (`tools/check_triton_versions.sh`; in CI on the installed release, tests/kernels/test_fa3.py).
 """
 
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon._runtime import constexpr_function  # noqa: F401 (re-exported for the kernels)
+from triton.experimental.gluon._runtime import constexpr_function
 from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import tma
 from triton.language import core as _tl_core
 
-SUPPORTED_TRITON = ("3.6", "3.7", "3.8", "3.9")
+__all__ = ["aggregate", "as_4d", "constexpr_function", "cp_async_load", "reinterpret", "tma_load", "tma_reduce_add",
+           "tma_store"]
 
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
