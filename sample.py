@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -57,6 +58,11 @@ def sample(model: GPT, tokenizer, prompt: str, num_tokens: int, temperature: flo
     y = model.generate(x, num_tokens, temperature=temperature, top_k=top_k, generator=gen,
                        num_tokens=tokenizer.vocab_size, kv_cache=kv_cache, compile=compile, cuda_graph=cuda_graph)
     return [tokenizer.decode(row[len(ids):].tolist()) for row in y]
+
+
+def show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A Python warning as one line, its category and message (not the source line that raised it)."""
+    print(f"{category.__name__}: {message}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,4 +124,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    warnings.showwarning = show_warning  # the command line, not an imported library
     sys.exit(main())

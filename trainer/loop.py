@@ -125,7 +125,7 @@ class Trainer:
         self.data = _prepare_data(cfg, dist)
         validate_against_data(cfg, len(self.data.train), len(self.data.val), self.data.vocab_size)
         self.model_args = model_config(cfg, self.data.vocab_size, backend)
-        check_memory(self.model_args, device)
+        check_memory(self.model_args, device, cfg.trainer.batch_size * self.model_args.block_size)
         if ckpt is not None:
             check_compatible(ckpt, self.model_args, self.data.meta, cfg)
         if on_accept is not None:
@@ -415,17 +415,21 @@ def min_params(args: GPTConfig) -> int:
     return int(E * tables + L * (attn + mlp))  # embeddings (and head), blocks
 
 
-def check_memory(args: GPTConfig, device: torch.device) -> None:
-    """Refuse (ConfigError) a model whose parameters alone, with their gradients and AdamW state, need more than
-    the device's memory (``trainer.runtime.device_memory``). ``min_params`` is a lower bound, so a model that
-    fits is never refused. Catches e.g. a mistyped model.vocab_size before an allocator error does."""
+def check_memory(args: GPTConfig, device: torch.device, tokens: int = 0) -> None:
+    """Refuse (ConfigError) a run whose parameters, with their gradients and AdamW state, plus the float32 logits of
+    one micro-batch of `tokens` tokens (the loss's log-softmax), need more than the device's memory
+    (``trainer.runtime.device_memory``). Both are lower bounds (``min_params``; no other activations), so a run that
+    fits is never refused. Catches e.g. a mistyped model.vocab_size or a batch far too large before an allocator
+    error or the out-of-memory killer does."""
     params, memory = min_params(args), device_memory(device)
-    if memory and params * TRAINING_BYTES_PER_PARAM > memory:
+    weights, logits = params * TRAINING_BYTES_PER_PARAM, tokens * args.vocab_size * 4
+    if memory and weights + logits > memory:
         raise ConfigError(
             f"the model is too large for {device}: {params:,} parameters (model.vocab_size={args.vocab_size}, "
             f"model.n_embd={args.n_embd}, model.n_layer={args.n_layer}, model.block_size={args.block_size}) need at "
-            f"least {params * TRAINING_BYTES_PER_PARAM / 2**30:,.0f} GiB for weights, gradients and AdamW state "
-            f"({TRAINING_BYTES_PER_PARAM} bytes each), and it has {memory / 2**30:,.0f} GiB; choose smaller values")
+            f"least {weights / 2**30:,.0f} GiB for weights, gradients and AdamW state ({TRAINING_BYTES_PER_PARAM} "
+            f"bytes each) and the logits of {tokens:,} tokens a micro-batch (trainer.batch_size x block_size) "
+            f"{logits / 2**30:,.0f} GiB more, and it has {memory / 2**30:,.0f} GiB; choose smaller values")
 
 
 def _folder_id(folder: Path) -> Optional[tuple[int, int]]:

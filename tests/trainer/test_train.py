@@ -613,7 +613,9 @@ def test_a_model_larger_than_the_memory_is_one_error_naming_its_size(make_cfg):
     from trainer.loop import check_memory, min_params, model_config
 
     args = model_config(make_cfg("model.bias=true"), 65, "sdpa")
-    check_memory(args, torch.device("cpu"))  # the tiny model fits
+    check_memory(args, torch.device("cpu"), 4 * 32)  # the tiny model fits
+    with pytest.raises(ConfigError, match=r"and the logits of 2,097,152,000 tokens a micro-batch"):
+        check_memory(args, torch.device("cpu"), 2_097_152_000)  # weights fit; one micro-batch's logits do not
     for shape in (args, model_config(make_cfg("model.n_kv_head=4", "model.n_layer=3"), 1000, "sdpa")):
         matrices = [p for p in GPT(shape).parameters() if p.dim() == 2]  # the tied embedding once
         assert min_params(shape) == sum(p.numel() for p in matrices)  # exact: only biases and layer norms left out
@@ -690,3 +692,11 @@ def test_wandb_holds_every_step_up_to_the_checkpoint_after_kill_9(tiny_overrides
     assert wandb_history_steps(next(folders[-1].glob("*.wandb"))) == list(range(1, 13))
     assert "logged steps 1-5 again from metrics.jsonl" in again.stdout
     assert [r["step"] for r in read_jsonl(tmp_path / "wbk" / "metrics.jsonl")] == list(range(1, 13))
+
+
+def test_sample_py_prints_a_warning_as_one_line(capsys):
+    """sample.py's command line shows a Python warning as its category and message alone, not the source line."""
+    import sample
+
+    sample.show_warning(UserWarning("attn=sdpa with a window: slow"), UserWarning, "/x/model/gpt.py", 163)
+    assert capsys.readouterr().err == "UserWarning: attn=sdpa with a window: slow\n"
