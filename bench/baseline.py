@@ -1,7 +1,7 @@
 """The bare training loop that ``bench.throughput --baseline`` measures the trainer against.
 
 Built from the trainer's own parts for a config (same GPT, initial weights, data streams, dtype/autocast,
-torch.compile, AdamW with the same parameter groups, fused on CUDA, same LR schedule), it does per
+torch.compile and its mode, FP8 layers, AdamW with the same parameter groups, fused on CUDA, same LR schedule), it does per
 optimizer step only what nanoGPT's loop does: forward and backward of each micro-batch, gradient
 clipping, optimizer step, zero_grad. The micro-batches are drawn beforehand and already on the device;
 nothing is read back until the end. So the trainer's cost over this figure (metrics, DDP plumbing,
@@ -23,6 +23,7 @@ from omegaconf import DictConfig
 from data.prepare import prepare_data
 from data.sampler import ShardedBatchSampler
 from model.gpt import GPT
+from trainer.compile import compile_model, convert_to_fp8
 from trainer.config import config_backend, resolved_grad_accum, validate_against_data, validate_config
 from trainer.loop import model_config
 from trainer.lr_schedule import lr_at
@@ -55,8 +56,10 @@ def run_bare_loop(cfg: DictConfig, warmup: int, steps: int, on_step: Optional[Ca
         torch.cuda.reset_peak_memory_stats(device)
     seed_everything(cfg.seed)
     model = GPT(model_config(cfg, data.vocab_size, config_backend(cfg))).to(device)
+    if cfg.trainer.fp8:
+        convert_to_fp8(model)
     optimizer = build_optimizer(model, cfg.optim, device)
-    run_model = torch.compile(model) if cfg.trainer.compile else model
+    run_model = compile_model(model, cfg.trainer.compile_mode) if cfg.trainer.compile else model
     o = cfg.optim
     lrs = [lr_at(s, o.lr, o.warmup_steps, o.decay_steps, o.min_lr_ratio) for s in range(warmup + steps)]
     max_norm = o.grad_clip if o.grad_clip > 0 else math.inf

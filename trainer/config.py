@@ -37,6 +37,7 @@ from data.prepare import TOKENIZERS
 from data.sources import SOURCES
 from model.backends import BACKENDS, REGISTRY, mask_backends, resolve_backend
 from model.gpt import block_option_errors
+from trainer.compile import COMPILE_MODES, fp8_unavailable
 from trainer.runtime import NO_CUDA
 
 
@@ -63,6 +64,7 @@ class ModelConfig:
     multiple_of: int = 256             # swiglu with mlp_hidden=null: its hidden width is a multiple of this (Llama)
     qk_norm: bool = False              # RMSNorm over head_dim on q and k before attention (nanochat, modded-nanogpt)
     tie_embeddings: bool = True        # output head = token embedding matrix (GPT-2); false: a separate head
+    loss: str = "full"                 # head + cross-entropy: full (logits in memory) | chunked (one chunk of logits at a time)
 
 
 @dataclass
@@ -98,6 +100,8 @@ class TrainerConfig:
     batch_size: int = 32               # sequences per micro-batch (one forward/backward on one GPU)
     grad_accum: Any = "auto"           # micro-batches per optimizer step, whole job: auto = one per process, or an int (multiple of the ranks)
     compile: bool = False              # torch.compile the model
+    compile_mode: str = "default"      # with compile: default | max-autotune-no-cudagraphs | max-autotune | reduce-overhead
+    fp8: bool = False                  # FP8 linear layers (torchao float8 training; GPU of compute capability 8.9+)
     peak_flops: Optional[float] = None  # FLOP/s of one GPU for MFU; None = look the GPU up in trainer.metrics
     dist_timeout_s: int = 1800         # torchrun: a collective waiting longer than this fails the job
 
@@ -324,6 +328,15 @@ def _check_trainer(check, t, world_size: int, local_rank: int) -> None:
               f"torchrun started local rank {local_rank} but this machine has {torch.cuda.device_count()} "
               "CUDA GPU(s); use at most that many processes per node (--nproc_per_node), one per GPU")
     check(t.peak_flops is None or 0 < t.peak_flops < math.inf, "trainer.peak_flops", "must be a finite number > 0 or null")
+    check(t.compile_mode in COMPILE_MODES, "trainer.compile_mode", f"accepted: {', '.join(COMPILE_MODES)}")
+    check(t.compile_mode == "default" or t.compile, "trainer.compile_mode",
+          "is torch.compile's mode: set trainer.compile=true with it")
+    check(t.compile_mode not in ("max-autotune", "reduce-overhead") or on_cuda, "trainer.compile_mode",
+          "CUDA graphs need a CUDA GPU; on the CPU use default or max-autotune-no-cudagraphs")
+    if t.fp8:
+        reason = "needs a CUDA GPU with FP8 tensor cores (compute capability 8.9+)" if not on_cuda else fp8_unavailable()
+        check(reason is None, "trainer.fp8", f"{reason}; use trainer.fp8=false")
+        check(t.dtype in ("auto", "bf16"), "trainer.fp8", "runs under bf16 autocast: use trainer.dtype=bf16 (or auto)")
 
 
 def _check_grad_accum(check, grad_accum, world_size: int) -> None:

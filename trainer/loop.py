@@ -29,7 +29,9 @@ from data.prepare import PreparedData, prepare_data
 from data.sampler import BatchSampler, ShardedBatchSampler, rank_seed
 from model.gpt import GPT, GPTConfig
 from model.layers import mlp_width
+from model.loss import CHUNK_TOKENS
 import trainer.checkpoint as checkpoint
+from trainer.compile import compile_model, convert_to_fp8
 from trainer.config import (ConfigError, config_backend, continue_command, padded_vocab_size, resolved_grad_accum,
                             validate_against_data, validate_config)
 from trainer.distributed import all_reduce_sum, barrier, broadcast_object, gather_objects, init_process_group
@@ -159,6 +161,8 @@ class Trainer:
         cfg, dist, device = self.cfg, self.dist, self.device
         seed_everything(cfg.seed)
         model = GPT(self.model_args).to(device)  # the same initial weights on every rank
+        if cfg.trainer.fp8:
+            log.info("trainer.fp8: %d linear layers run their matmuls in FP8 (torchao)", convert_to_fp8(model))
         if dist.world_size > 1:
             # but each rank its own dropout masks, from a seed no data stream uses (so masks and batches are independent)
             seed_everything(rank_seed(cfg.seed, dist.rank, DROPOUT_SEED_PURPOSE))
@@ -176,7 +180,8 @@ class Trainer:
         ddp = model
         if self.dist.world_size > 1:
             ddp = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
-        compile_ = torch.compile if self.cfg.trainer.compile else (lambda m: m)
+        t = self.cfg.trainer
+        compile_ = (lambda m: compile_model(m, t.compile_mode)) if t.compile else (lambda m: m)
         run_model = compile_(ddp)
         return run_model, run_model if self.dist.world_size == 1 else compile_(model)
 
@@ -417,19 +422,20 @@ def min_params(args: GPTConfig) -> int:
 
 def check_memory(args: GPTConfig, device: torch.device, tokens: int = 0) -> None:
     """Refuse (ConfigError) a run whose parameters, with their gradients and AdamW state, plus the float32 logits of
-    one micro-batch of `tokens` tokens (the loss's log-softmax), need more than the device's memory
+    one micro-batch of `tokens` tokens (the loss's log-softmax; one chunk with model.loss=chunked), need more than the device's memory
     (``trainer.runtime.device_memory``). Both are lower bounds (``min_params``; no other activations), so a run that
     fits is never refused. Catches e.g. a mistyped model.vocab_size or a batch far too large before an allocator
     error or the out-of-memory killer does."""
     params, memory = min_params(args), device_memory(device)
-    weights, logits = params * TRAINING_BYTES_PER_PARAM, tokens * args.vocab_size * 4
+    logit_rows = {"full": tokens, "chunked": min(tokens, CHUNK_TOKENS)}[args.loss]
+    weights, logits = params * TRAINING_BYTES_PER_PARAM, logit_rows * args.vocab_size * 4
     if memory and weights + logits > memory:
         raise ConfigError(
             f"the model is too large for {device}: {params:,} parameters (model.vocab_size={args.vocab_size}, "
             f"model.n_embd={args.n_embd}, model.n_layer={args.n_layer}, model.block_size={args.block_size}) need at "
             f"least {weights / 2**30:,.0f} GiB for weights, gradients and AdamW state ({TRAINING_BYTES_PER_PARAM} "
-            f"bytes each) and the logits of {tokens:,} tokens a micro-batch (trainer.batch_size x block_size) "
-            f"{logits / 2**30:,.0f} GiB more, and it has {memory / 2**30:,.0f} GiB; choose smaller values")
+            f"bytes each) and the float32 logits of {logit_rows:,} tokens (model.loss={args.loss}; a micro-batch is "
+            f"trainer.batch_size x block_size = {tokens:,}) {logits / 2**30:,.0f} GiB more, and it has {memory / 2**30:,.0f} GiB; choose smaller values")
 
 
 def _folder_id(folder: Path) -> Optional[tuple[int, int]]:

@@ -338,3 +338,30 @@ def test_the_continue_command_names_run_root_unless_it_is_the_default():
     run = compose_config(["run.name=a", "run.root=/tmp/my runs"]).run
     assert continue_command(run, 1) == "python train.py run.name=a \"run.root='/tmp/my runs'\""
     assert continue_command(run, 2) == "torchrun ... train.py run.name=a \"run.root='/tmp/my runs'\""
+
+
+def test_compile_mode_and_fp8_are_checked(make_cfg):
+    """trainer.compile_mode needs trainer.compile and a known mode; CUDA-graph modes and trainer.fp8 need a GPU."""
+    validate_config(make_cfg("trainer.compile=true", "trainer.compile_mode=max-autotune-no-cudagraphs"))
+    for overrides, message in [
+        (["trainer.compile_mode=max-autotune-no-cudagraphs"], "set trainer.compile=true with it"),
+        (["trainer.compile=true", "trainer.compile_mode=fast"], "accepted: default, max-autotune-no-cudagraphs"),
+        (["trainer.compile=true", "trainer.compile_mode=reduce-overhead"], "CUDA graphs need a CUDA GPU"),
+        (["trainer.fp8=true"], r"trainer.fp8=True: needs a CUDA GPU with FP8 tensor cores"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            validate_config(make_cfg(*overrides))
+
+
+def test_fp8_converts_the_linear_layers_it_can():
+    """Every Linear with both sizes multiples of 16 (torchao's FP8 matmul rule), the tied head's weight kept."""
+    pytest.importorskip("torchao")
+    from model.gpt import GPT, GPTConfig
+    from trainer.compile import convert_to_fp8
+
+    m = GPT(GPTConfig(block_size=8, vocab_size=64, n_layer=2, n_head=2, n_embd=32, mlp="swiglu", mlp_hidden=36))
+    weight = m.lm_head.weight
+    assert convert_to_fp8(m) == 2 * 2 + 1  # c_attn and c_proj per layer and the head; the 36-wide MLP is not
+    names = {n for n, mod in m.named_modules() if type(mod).__name__ == "Float8Linear"}
+    assert names == {"lm_head"} | {f"transformer.h.{i}.attn.{p}" for i in range(2) for p in ("c_attn", "c_proj")}
+    assert m.lm_head.weight is weight is m.transformer.wte.weight

@@ -614,8 +614,10 @@ def test_a_model_larger_than_the_memory_is_one_error_naming_its_size(make_cfg):
 
     args = model_config(make_cfg("model.bias=true"), 65, "sdpa")
     check_memory(args, torch.device("cpu"), 4 * 32)  # the tiny model fits
-    with pytest.raises(ConfigError, match=r"and the logits of 2,097,152,000 tokens a micro-batch"):
+    with pytest.raises(ConfigError, match=r"and the float32 logits of 2,097,152,000 tokens \(model.loss=full"):
         check_memory(args, torch.device("cpu"), 2_097_152_000)  # weights fit; one micro-batch's logits do not
+    chunked = model_config(make_cfg("model.bias=true", "model.loss=chunked"), 65, "sdpa")
+    check_memory(chunked, torch.device("cpu"), 2_097_152_000)  # one chunk's logits at a time: it fits
     for shape in (args, model_config(make_cfg("model.n_kv_head=4", "model.n_layer=3"), 1000, "sdpa")):
         matrices = [p for p in GPT(shape).parameters() if p.dim() == 2]  # the tied embedding once
         assert min_params(shape) == sum(p.numel() for p in matrices)  # exact: only biases and layer norms left out

@@ -1,0 +1,89 @@
+"""The output head and the cross-entropy loss: ``GPTConfig.loss`` picks how they run.
+
+- ``full``: logits = x W^T for every token, then ``F.cross_entropy`` on them in float32 (nanoGPT). The (tokens,
+  vocab) logits and their gradient pass through memory: for GPT-2 at batch 32 x 1024, 3.3 GB each in bf16.
+- ``chunked``: the head and the loss over ``CHUNK_TOKENS`` tokens at a time, the gradients of x and W computed in
+  the same pass (the loss is the graph's last node, so its gradient is a scalar that the backward only scales), as
+  Liger-Kernel's fused linear cross-entropy does (Hsu et al. 2024, "Liger Kernel", section 3.3). At most one
+  chunk's logits exist at a time; the matmuls are the same three as ``full``'s. Measured on the H200 for GPT-2
+  124M compiled (docs/benchmarks.md, "Whole-step options"): 3.4% slower than ``full`` and no lower peak memory, so
+  ``full`` is the default.
+
+Both compute the mean over the targets that are not ``IGNORE_INDEX``, in float32, with the matmuls in the
+autocast dtype (else x's dtype), as ``F.cross_entropy(logits.float(), targets, ignore_index=-1)`` does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+LOSSES = ("full", "chunked")  # the values of GPTConfig.loss (model.loss)
+CHUNK_TOKENS = 8192  # chunked: tokens per chunk; GPT-2's 50304-wide logits of a chunk are 1.6 GB in float32
+IGNORE_INDEX = -1
+
+
+def head_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, loss: str = "full") -> torch.Tensor:
+    """Mean cross-entropy of the logits x @ weight.T against targets.
+
+    x: (N, C) float, the final norm's output; weight: (V, C) float, the output head; targets: (N,) int64 in
+    [0, V) or IGNORE_INDEX. Returns a float32 scalar (nan when every target is ignored, as F.cross_entropy).
+    Raises ValueError for an unknown ``loss``.
+    """
+    if loss == "full":
+        return F.cross_entropy(F.linear(x, weight).float(), targets, ignore_index=IGNORE_INDEX)
+    if loss not in LOSSES:
+        raise ValueError(f"loss={loss!r}; accepted: {', '.join(LOSSES)}")
+    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    x, weight = x.to(dtype), weight.to(dtype)  # the casts autocast would make (their backward casts back)
+    return ChunkedLinearCrossEntropy.apply(x, weight, targets, CHUNK_TOKENS)
+
+
+class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """mean CE(x @ weight.T, targets) chunk by chunk; forward also computes d loss / d x and d loss / d weight.
+
+    Per chunk (rows c): logits = x_c W^T (x's dtype, float32 afterwards), lse = logsumexp(logits),
+    loss_c = sum(lse - logits[target]); g = softmax(logits) - onehot(target) (0 on ignored rows), then
+    dx_c = g W and dW += g^T x_c, divided by the number of counted targets. Gradients are kept in float32 and cast
+    only after the backward scaled them (fp16 with a grad scaler would flush unscaled ones to zero).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, chunk):
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        count = (targets != IGNORE_INDEX).sum()
+        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        grad_x = torch.empty(x.shape, dtype=torch.float32, device=x.device) if need_x else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if need_w else None
+        with torch.autocast(x.device.type, enabled=False):
+            for start in range(0, x.shape[0], chunk):
+                xc, tc = x[start:start + chunk], targets[start:start + chunk]
+                logits = (xc @ weight.t()).float()
+                lse = torch.logsumexp(logits, dim=-1)
+                counted = tc != IGNORE_INDEX
+                picked = tc.clamp(min=0).unsqueeze(1)
+                total += torch.where(counted, lse - logits.gather(1, picked).squeeze(1), 0.0).sum()
+                if need_x or need_w:
+                    g = torch.exp(logits - lse.unsqueeze(1))
+                    g.scatter_add_(1, picked, torch.full_like(lse, -1.0).unsqueeze(1))
+                    g = torch.where(counted.unsqueeze(1), g, 0.0).to(x.dtype)
+                    if need_x:
+                        grad_x[start:start + chunk] = (g @ weight).float()
+                    if need_w:
+                        grad_w += (g.t() @ xc).float()
+        scale = 1.0 / count.float()
+        if need_x:
+            grad_x *= scale
+        if need_w:
+            grad_w *= scale
+        ctx.save_for_backward(grad_x, grad_w)
+        ctx.dtypes = x.dtype, weight.dtype
+        return total * scale
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_x, grad_w = ctx.saved_tensors
+        x_dtype, w_dtype = ctx.dtypes
+        dx = (grad_x * grad_loss).to(x_dtype) if grad_x is not None else None
+        dw = (grad_w * grad_loss).to(w_dtype) if grad_w is not None else None
+        return dx, dw, None, None
