@@ -20,12 +20,13 @@ COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "max-autotune", "reduc
 FP8_MIN_CAPABILITY = (8, 9)  # Ada, Hopper and newer have FP8 tensor cores
 
 
-def fp8_unavailable() -> Optional[str]:
-    """Why trainer.fp8 cannot run here (no torchao, no CUDA GPU, a GPU without FP8), or None."""
+def fp8_unavailable(on_cuda: bool) -> Optional[str]:
+    """Why trainer.fp8 cannot run on the chosen device (``on_cuda``: the run uses a CUDA GPU): no CUDA GPU, no
+    torchao, a GPU without FP8; or None."""
+    if not on_cuda or not torch.cuda.is_available():
+        return "needs a CUDA GPU with FP8 tensor cores (compute capability 8.9+)"
     if importlib.util.find_spec("torchao") is None:
         return "needs torchao (pip install torchao)"
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU with FP8 tensor cores (compute capability 8.9+)"
     capability = torch.cuda.get_device_capability()
     if capability < FP8_MIN_CAPABILITY:
         return f"needs compute capability 8.9+ for FP8 matmuls; this GPU has {capability[0]}.{capability[1]}"

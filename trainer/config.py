@@ -334,7 +334,7 @@ def _check_trainer(check, t, world_size: int, local_rank: int) -> None:
     check(t.compile_mode not in ("max-autotune", "reduce-overhead") or on_cuda, "trainer.compile_mode",
           "CUDA graphs need a CUDA GPU; on the CPU use default or max-autotune-no-cudagraphs")
     if t.fp8:
-        reason = "needs a CUDA GPU with FP8 tensor cores (compute capability 8.9+)" if not on_cuda else fp8_unavailable()
+        reason = fp8_unavailable(on_cuda)
         check(reason is None, "trainer.fp8", f"{reason}; use trainer.fp8=false")
         check(t.dtype in ("auto", "bf16"), "trainer.fp8", "runs under bf16 autocast: use trainer.dtype=bf16 (or auto)")
 
