@@ -1,17 +1,20 @@
-"""Kernel benchmark of the attention masks: sliding windows and packed documents, fa2 against FlexAttention and SDPA
-with a dense boolean mask, forward and backward.
+"""Kernel benchmark of the attention masks: sliding windows and packed documents, fa3 and fa2 against FlexAttention
+and SDPA with a dense boolean mask (PyTorch's pick, and pinned to cuDNN), forward and backward.
 
     python -m bench.masks                                   # both modes, bf16, head_dim 64, N = 8192
     python -m bench.masks --mode window --seqlen 8192 --window 1024
     python -m bench.masks --mode varlen --seqlen 8192 --median-doc 600 --out runs/bench_masks
+    python -m bench.masks --mode window --batch 2 --n-heads 128 --seqlen 8192 --window 128   # gpt-oss's layers
 
-window: causal attention of B = --batch sequences of N = --seqlen tokens, in full (`fa2_full`) and with each
-query seeing itself and the --window keys before it: fa2 `window_size=(window, 0)`, Flex a sliding-window
-block mask, SDPA a dense mask. fa2's window is built to run >= 3x faster than fa2_full at N = 8192,
-window 1024.
+window: causal attention of B = --batch sequences of N = --seqlen tokens, in full (`fa3_full`, `fa2_full`) and
+with each query seeing itself and the --window keys before it: fa3 / fa2 `window_size=(window, 0)`, Flex a
+sliding-window block mask, SDPA a dense mask (`sdpa_dense`: PyTorch picks the kernel; `sdpa_cudnn`: pinned to
+cuDNN, whose sliding-window support torch's SDPA does not expose). The windows are built to run >= 3x faster
+than the full causal at N = 8192, window 1024.
 varlen: documents with log-normal lengths (median --median-doc tokens, sigma --sigma, like web text) packed
 back to back into B contexts of N tokens (the last document of a context is cut at its end, as a packing
-loader does); causal attention within each document: fa2_varlen_attention, Flex with a document block mask,
+loader does); causal attention within each document: fa2_varlen_attention (and fa3_varlen_attention, which runs
+FA2's varlen kernels), Flex with a document block mask,
 SDPA with a dense mask. The B contexts are one sequence of B * N tokens for every backend (no document
 crosses a context's end, so the mask is the same), which the packed (total, H, D) layout of fa2 views
 without a copy. fa2 is built to be >= 1.2x Flex here.
@@ -78,7 +81,9 @@ def window_backends(seqlen: int, window: int, device, compile_flex: bool = True)
     """name -> attention(q, k, v) over (B, H, N, D) tensors, causal, each query seeing window keys back."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    from kernels import fa2_attention
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from kernels import fa2_attention, fa3_attention
 
     def in_window(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (q_idx - kv_idx <= window)
@@ -87,11 +92,19 @@ def window_backends(seqlen: int, window: int, device, compile_flex: bool = True)
     flex = torch.compile(flex_attention, dynamic=False) if compile_flex else flex_attention  # see model/backends/flex_masks.py
     i = torch.arange(seqlen, device=device)[:, None]
     dense = in_window(None, None, i, torch.arange(seqlen, device=device)[None, :])
+
+    def cudnn(q, k, v):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+
     return {
+        "fa3_full": lambda q, k, v: fa3_attention(q, k, v, causal=True),
+        "fa3": lambda q, k, v: fa3_attention(q, k, v, causal=True, window_size=(window, 0)),
         "fa2_full": lambda q, k, v: fa2_attention(q, k, v, causal=True),
         "fa2": lambda q, k, v: fa2_attention(q, k, v, causal=True, window_size=(window, 0)),
         "flex": lambda q, k, v: flex(q, k, v, block_mask=block_mask),
         "sdpa_dense": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=dense),
+        "sdpa_cudnn": cudnn,
     }
 
 
@@ -100,7 +113,7 @@ def varlen_backends(documents: list[list[int]], device, compile_flex: bool = Tru
     document."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    from kernels import fa2_varlen_attention
+    from kernels import fa2_varlen_attention, fa3_varlen_attention
 
     doc = document_ids(documents, device)
     total = len(doc)
@@ -115,14 +128,17 @@ def varlen_backends(documents: list[list[int]], device, compile_flex: bool = Tru
     i = torch.arange(total, device=device)
     dense = same_document(None, None, i[:, None], i[None, :])
 
-    def fa2(q, k, v):
-        # (total, H, D) views, no copy; squeeze, not t[0]: the gradient of a select is a zero-filled copy
-        packed = [t.squeeze(0).transpose(0, 1) for t in (q, k, v)]
-        o = fa2_varlen_attention(*packed, cu, cu, longest, longest, causal=True, check_offsets=False)
-        return o.transpose(0, 1).unsqueeze(0)
+    def packed(varlen_attention):
+        def attention(q, k, v):
+            # (total, H, D) views, no copy; squeeze, not t[0]: the gradient of a select is a zero-filled copy
+            o = varlen_attention(*(t.squeeze(0).transpose(0, 1) for t in (q, k, v)), cu, cu, longest, longest,
+                                 causal=True, check_offsets=False)
+            return o.transpose(0, 1).unsqueeze(0)
+        return attention
 
     return {
-        "fa2": fa2,
+        "fa3": packed(fa3_varlen_attention),
+        "fa2": packed(fa2_varlen_attention),
         "flex": lambda q, k, v: flex(q, k, v, block_mask=block_mask),
         "sdpa_dense": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=dense),
     }
@@ -145,7 +161,7 @@ def run(mode, names, args, dtype) -> list[dict]:
         attention = table[name]
         fwd, bwd = measure(lambda q, k, v, causal: attention(q, k, v), shape[0], args.n_heads, shape[1],
                            args.head_dim, True, dtype)
-        visible = args.batch * window_pairs(args.seqlen, args.seqlen - 1) if name == "fa2_full" else pairs
+        visible = args.batch * window_pairs(args.seqlen, args.seqlen - 1) if name.endswith("_full") else pairs
         flop = 4 * args.n_heads * args.head_dim * visible
         rows.append({"mode": mode, "backend": name, "batch": args.batch, "n_heads": args.n_heads,
                      "seqlen": args.seqlen, "head_dim": args.head_dim, "dtype": str(dtype), **setting,
@@ -154,7 +170,8 @@ def run(mode, names, args, dtype) -> list[dict]:
     return rows
 
 
-BACKENDS = ("fa2_full", "fa2", "flex", "sdpa_dense")  # fa2_full (full causal, for the ratio): window mode only
+# *_full (full causal, for the ratio) and sdpa_cudnn: window mode only
+BACKENDS = ("fa3_full", "fa3", "fa2_full", "fa2", "flex", "sdpa_dense", "sdpa_cudnn")
 TABLE = Table([Column("mode", "mode", width=7, left=True), Column("backend", "backend", width=11, left=True),
                Column("fwd ms", "fwd_ms", ".3f", 8), Column("fwd TF/s", "fwd_tflops", ".1f"),
                Column("bwd ms", "bwd_ms", ".3f", 8), Column("bwd TF/s", "bwd_tflops", ".1f")])

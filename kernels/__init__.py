@@ -1,6 +1,6 @@
 """Our FlashAttention kernels: `fa3_attention` (FlashAttention-3 in Gluon for Hopper, forward and backward),
 `fa2_attention` / `fa2_varlen_attention` (FlashAttention-2 in Triton, with sliding windows and packed
-variable-length sequences), `fa1_attention` (the FA1 baseline) and `fa2_decode` (split-K/V decode: one query per
+variable-length sequences; fa3 has sliding windows too, and `fa3_varlen_attention` runs FA2's varlen kernels), `fa1_attention` (the FA1 baseline) and `fa2_decode` (split-K/V decode: one query per
 (batch, head) against a KV cache). `fa*_qkvpacked_attention` take one packed qkv tensor (a fused projection's
 output) and write its gradient in place.
 
@@ -53,19 +53,26 @@ fa1_qkvpacked_attention.__doc__ = QKVPACKED_DOC.format(
 FA3_GRADIENTS = ("the Gluon backward adds dQ up through TMA reduce-adds, whose order varies, so dq is not "
                  "bit-reproducible; under torch.use_deterministic_algorithms(True) FA2's atomic-free backward runs "
                  "instead, deterministic.")
-fa3_attention, fa3_qkvpacked_attention = make_attention("fa3", fa3.forward, fa3.backward, lse_log_base=2.0)
+fa3_attention, fa3_qkvpacked_attention = make_attention("fa3", fa3.forward, fa3.backward, lse_log_base=2.0,
+                                                        masks=True)
 fa3_attention.__doc__ = PUBLIC_DOC.format(
     title="FlashAttention-3 (Gluon, Hopper): exact scaled dot-product attention, forward and backward.",
     source="Shah et al. 2024, FlashAttention-3, Section 3.1 and Algorithm 2 (forward), Appendix B.1 (backward: dQ "
            "through TMA reduce-add; FA2's Algorithm 2 where it measured faster: kernels.fa3.BACKWARD_MIN_SEQLEN_K); "
-           "see kernels/fa3.py. Where the Gluon kernels do not apply (not an sm_90 GPU, head_dim other than 64/128, "
-           "float32, inputs TMA cannot address, a Triton outside 3.6-3.9) FA2's kernels run, with a one-time "
-           "RuntimeWarning naming the reason.",
+           "see kernels/fa3.py. Sliding windows in the Gluon kernels (key blocks outside the band never visited). Where "
+           "the Gluon kernels do not apply (not an sm_90 GPU, head_dim other than 64/128, float32, inputs TMA cannot "
+           "address, a Triton outside 3.6-3.9) FA2's kernels run, with a one-time RuntimeWarning naming the reason.",
     gradients=FA3_GRADIENTS,
 )
 fa3_qkvpacked_attention.__doc__ = QKVPACKED_DOC.format(
     title="FlashAttention-3 (Gluon, Hopper) over a packed qkv: forward and backward, FA2's where the Gluon kernels "
           "do not apply (as fa3_attention).", name="fa3", gradients=FA3_GRADIENTS)
+fa3_varlen_attention = make_varlen_attention("fa3", lse_log_base=2.0)
+fa3_varlen_attention.__doc__ = VARLEN_DOC.format(
+    title="Packed variable-length sequences under the fa3 name: FA2's varlen kernels run (the Gluon kernels take "
+          "one batch of equal lengths), with fa3_attention's one-time RuntimeWarning naming the reason.",
+    source="as fa2_varlen_attention; see kernels/fa3.py (`RULES`).",
+)
 
 __all__ = ["fa1_attention", "fa1_qkvpacked_attention", "fa2_attention", "fa2_decode", "fa2_qkvpacked_attention",
-           "fa2_varlen_attention", "fa3_attention", "fa3_qkvpacked_attention"]
+           "fa2_varlen_attention", "fa3_attention", "fa3_qkvpacked_attention", "fa3_varlen_attention"]

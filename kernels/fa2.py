@@ -314,6 +314,16 @@ def _fwd(
     tl.store(lse_base + offs_m, lse, mask=offs_m < seqlen_q)
 
 
+def window_edges(causal: bool, window_size: tuple[int, int], seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
+    """The band's (left, right) edges the kernels apply, -1 where a side is unlimited: causal sets right to 0, and a
+    side wider than any sequence (seqlen_q, seqlen_k: the longest) limits nothing, so it is dropped (no masking
+    cost, no int32 overflow in the kernels)."""
+    left, right = window_size
+    if causal:
+        right = 0
+    return (-1 if left >= seqlen_k else left), (-1 if right >= seqlen_q else right)
+
+
 def _mask_args(q, k, causal, window_size, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     """What the kernels take for the mask, from (batch, heads, rows, head_dim) views of q and k: (batch, longest
     seqlen_q, longest seqlen_k, runtime args (CU_Q, CU_K, window_left, window_right), constexprs)."""
@@ -324,12 +334,7 @@ def _mask_args(q, k, causal, window_size, cu_seqlens_q, cu_seqlens_k, max_seqlen
     else:
         batch, max_q, max_k = q.shape[0], q.shape[2], k.shape[2]
         cu_q = cu_k = q  # never read
-    left, right = window_size
-    if causal:
-        right = 0
-    # A side wider than any sequence limits nothing: drop it (no masking cost, no int32 overflow in the kernel).
-    left = -1 if left >= max_k else left
-    right = -1 if right >= max_q else right
+    left, right = window_edges(causal, window_size, max_q, max_k)
     constexprs = dict(LEFT=left >= 0, RIGHT=right >= 0, VARLEN=varlen)
     return batch, max_q, max_k, (cu_q, cu_k, max(left, 0), max(right, 0)), constexprs
 

@@ -3,7 +3,8 @@
 
 Every call asks `plan(direction, q, k, v, causal, ...)`, which reads one ordered table of rules (`RULES`) over the
 call's facts (`Facts`): first eligibility (an sm_90 GPU, a Triton whose Gluon API the kernels are written for,
-float16/bfloat16, head_dim 64 or 128, inputs TMA can address), whose misses fall back to FA2 with a one-time
+float16/bfloat16, head_dim 64 or 128, one batch of equal-length sequences (packed variable-length sequences run
+FA2's varlen kernels), inputs TMA can address), whose misses fall back to FA2 with a one-time
 RuntimeWarning naming the reason; then performance (the backward below `BACKWARD_MIN_SEQLEN_K` keys, where FA2's
 measured faster); then determinism (the Gluon backward adds dQ up in float32 through TMA reduce-adds, as FA3 does,
 so it is not bit-reproducible: under `torch.use_deterministic_algorithms(True)` FA2's backward runs). The last two
@@ -86,7 +87,8 @@ class Facts(NamedTuple):
     dtype: torch.dtype
     head_dim: int
     seqlen_k: int
-    causal: bool
+    causal: bool  # a causal mask or a sliding window: the tile configs measured for causal
+    varlen: bool  # packed variable-length sequences (cu_seqlens)
     tma_ok: bool  # every tensor the kernel reads or writes through TMA meets `common.use_tma`
     deterministic: bool  # torch.are_deterministic_algorithms_enabled()
 
@@ -110,6 +112,8 @@ RULES: tuple[tuple[bool, Callable[[Facts], Optional[str]]], ...] = (
     (True, lambda f: None if f.dtype in DTYPES else f"dtype {f.dtype} (the Gluon kernel takes float16 and bfloat16)"),
     (True, lambda f: None if f.head_dim in HEAD_DIMS else
         f"head_dim {f.head_dim} (the Gluon kernel takes {' and '.join(map(str, HEAD_DIMS))})"),
+    (True, lambda f: "packed variable-length sequences (the Gluon kernels take one batch of equal lengths)"
+        if f.varlen else None),
     (True, lambda f: None if f.tma_ok else
         "inputs TMA cannot address (16-byte aligned data and 16-byte multiple strides needed)"),
     # performance: FA2's backward measured faster on short keys
@@ -135,12 +139,13 @@ def decide(facts: Facts) -> Plan:
     return Plan("gluon", config=BACKWARD_CONFIGS[facts.head_dim])
 
 
-def plan(direction: str, q, k, v, causal: bool, *more) -> Plan:
+def plan(direction: str, q, k, v, causal: bool, *more, varlen: bool = False) -> Plan:
     """Which kernel runs this call, from the tensors (q, k, v (batch, heads, seqlen, head_dim) and `more`, other
-    tensors the kernel moves through TMA: the backward's dO and gradient buffers) and the machine (`decide`)."""
+    tensors the kernel moves through TMA: the backward's dO and gradient buffers) and the machine (`decide`).
+    causal: a causal mask or a sliding window; varlen: packed sequences (q, k, v are then (total, heads, head_dim))."""
     return decide(Facts(
         direction=direction, environment=gluon_device_reason(q.device), dtype=q.dtype, head_dim=q.shape[-1],
-        seqlen_k=k.shape[2], causal=causal, tma_ok=use_tma(q, k, v, *more),
+        seqlen_k=k.shape[0 if varlen else 2], causal=causal, varlen=varlen, tma_ok=varlen or use_tma(q, k, v, *more),
         deterministic=torch.are_deterministic_algorithms_enabled()))
 
 
@@ -232,14 +237,16 @@ def _caller_stacklevel() -> int:
     return level if frame is not None else 1
 
 
-def run_forward(q, k, v, causal: bool, softmax_scale: float, config: ForwardConfig):
-    """The Gluon forward with `config` (no checks: `plan` decides where it applies) -> (o, base-2 LSE)."""
+def run_forward(q, k, v, causal: bool, softmax_scale: float, config: ForwardConfig, window_size=(-1, -1)):
+    """The Gluon forward with `config` (no checks: `plan` decides where it applies) -> (o, base-2 LSE).
+    window_size: flash-attn's (left, right), -1 = unlimited (`fa2.window_edges`)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     kernel = gluon_kernels().forward
     batch, n_heads, seqlen_q, head_dim = q.shape
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     num_consumers, block_n, num_stages, pingpong, persistent = config
+    left, right = fa2.window_edges(causal, window_size, seqlen_q, seqlen_k)
     o = empty_like_layout(q)
     lse = torch.empty((batch, n_heads, seqlen_q), device=q.device, dtype=torch.float32)
     q_layout, kv_layout = shared_layouts(q.dtype, head_dim, block_n)
@@ -250,16 +257,17 @@ def run_forward(q, k, v, causal: bool, softmax_scale: float, config: ForwardConf
     n_tiles = n_tiles_m * batch * n_heads
     if not persistent:
         grid = (n_tiles,)
-    elif causal:
+    elif left >= 0 or right >= 0:  # tiles of unequal cost: the kernel orders them (`fa3_hopper._tile`)
         grid = (min(n_tiles, _sm_count(q.device)),)
     else:
         grid = (persistent_grid(n_tiles_m, batch * n_heads, seqlen_q, num_consumers, _sm_count(q.device)),)
-    key = (kernel, config, q.dtype, q.device, q.shape, k.shape, causal)
+    key = (kernel, config, q.dtype, q.device, q.shape, k.shape, left, right)
     _run(kernel, key, grid,
          q_desc=desc(q, BLOCK_M, q_box), k_desc=desc(k, block_n, kv_box), v_desc=desc(v, block_n, kv_box),
          o_desc=desc(o, BLOCK_M, q_box), LSE=lse, n_heads=n_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-         qk_scale=softmax_scale * fa2.LOG2E, n_tiles_m=n_tiles_m, n_tiles=n_tiles,
-         GROUP=n_heads // n_kv_heads, CAUSAL=causal, PINGPONG=pingpong, NUM_CONSUMERS=num_consumers,
+         window_left=max(left, 0), window_right=max(right, 0), qk_scale=softmax_scale * fa2.LOG2E,
+         n_tiles_m=n_tiles_m, n_tiles=n_tiles, GROUP=n_heads // n_kv_heads, LEFT=left >= 0, RIGHT=right >= 0,
+         PINGPONG=pingpong, NUM_CONSUMERS=num_consumers,
          HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=num_stages, Q_LAYOUT=q_layout,
          KV_LAYOUT=kv_layout)
     return o, lse
@@ -314,20 +322,30 @@ def shared_layouts(dtype, head_dim: int, block_n: int, rank: int = 2):
             gl.NVMMASharedLayout.get_default_for(lead + [block_n, head_dim], gl_dtype))
 
 
-def forward(q, k, v, causal, softmax_scale):
+def _banded(causal: bool, window_size) -> bool:
+    return causal or tuple(window_size) != (-1, -1)
+
+
+def forward(q, k, v, causal, softmax_scale, window_size=(-1, -1), cu_seqlens_q=None, cu_seqlens_k=None,
+            max_seqlen_q=0, max_seqlen_k=0):
     """Same contract as `fa2.forward`: o (like q, in q's memory order) and the base-2 LSE, float32
-    (batch, n_heads, seqlen_q), +inf for rows that see no key. The Gluon kernel where `plan` says, else FA2's."""
-    choice = plan("forward", q, k, v, causal)
+    (batch, n_heads, seqlen_q), +inf for rows that see no key; sliding windows as there. The Gluon kernel where
+    `plan` says, else FA2's (always for packed sequences: cu_seqlens)."""
+    varlen = cu_seqlens_q is not None
+    choice = plan("forward", q, k, v, _banded(causal, window_size), varlen=varlen)
     if choice.kernel == "gluon":
-        return run_forward(q, k, v, causal, softmax_scale, choice.config)
+        return run_forward(q, k, v, causal, softmax_scale, choice.config, window_size)
     if choice.warn:
         _warn_fallback(choice.reason)
-    return fa2.forward(q, k, v, causal, softmax_scale)
+    return fa2.forward(q, k, v, causal, softmax_scale, window_size, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                       max_seqlen_k)
 
 
-def run_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, config: BackwardConfig, out=None):
+def run_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, config: BackwardConfig, out=None,
+                 window_size=(-1, -1)):
     """The Gluon backward with `config` (no checks: `plan` decides where it applies) -> (dq, dk, dv), into `out`
-    when given (`common.grad_buffers`). ValueError for a config the kernel cannot run."""
+    when given (`common.grad_buffers`). window_size as in `run_forward`. ValueError for a config the kernel cannot
+    run."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     dq_rows, dq_cols = config.dq_box(q.shape[-1])  # checks the config
@@ -335,6 +353,7 @@ def run_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, config
     batch, n_heads, seqlen_q, head_dim = q.shape
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     num_stages, split_dq, block_m = config
+    left, right = fa2.window_edges(causal, window_size, seqlen_q, seqlen_k)
     seqlen_q_pad = triton.cdiv(seqlen_q, block_m) * block_m  # whole blocks for the dQ reduce-adds
     # In q's memory order, as dq: the last pass below is then a plain contiguous one (a (B, H, T, D) accumulator
     # for the model's (B, T, H, D) q made it a transposing copy: 110 us of GPT-2's 1k backward, cuDNN's 46).
@@ -348,14 +367,14 @@ def run_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, config
     block_n = BWD_CONSUMERS * 64
     grid = (triton.cdiv(seqlen_k, block_n), batch * n_kv_heads)
     lse = lse.contiguous()
-    key = (kernel, config, q.dtype, q.device, q.shape, k.shape, causal,
-           lse.data_ptr() % 16 == 0)
+    key = (kernel, config, q.dtype, q.device, q.shape, k.shape, left, right, lse.data_ptr() % 16 == 0)
     _run(kernel, key, grid,
          q_desc=desc(q, block_m, q_box), k_desc=desc(k, block_n, k_box), v_desc=desc(v, 64, v_box),
          do_desc=desc(do, block_m, q_box), dk_desc=desc(dk, 64, v_box), dv_desc=desc(dv, 64, v_box),
          dq_desc=desc(dq_acc, dq_rows, dq_box, dq_cols), LSE=lse, DELTA=delta, n_heads=n_heads, seqlen_q=seqlen_q,
-         seqlen_k=seqlen_k, qk_scale=softmax_scale * fa2.LOG2E, softmax_scale=softmax_scale,
-         GROUP=n_heads // n_kv_heads, CAUSAL=causal, NUM_CONSUMERS=BWD_CONSUMERS, HEAD_DIM=head_dim,
+         seqlen_k=seqlen_k, window_left=max(left, 0), window_right=max(right, 0), qk_scale=softmax_scale * fa2.LOG2E,
+         softmax_scale=softmax_scale, GROUP=n_heads // n_kv_heads, LEFT=left >= 0, RIGHT=right >= 0,
+         NUM_CONSUMERS=BWD_CONSUMERS, HEAD_DIM=head_dim,
          BLOCK_M=block_m, NUM_STAGES=num_stages, SPLIT_DQ=split_dq,
          Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, DQ_LAYOUT=dq_layout)
     convert_dq(dq_acc, softmax_scale, dq)
@@ -412,21 +431,26 @@ def _bwd_layouts(dtype, head_dim: int, block_m: int, dq_box: tuple[int, int], ra
             nvmma([64, block_m]), nvmma(dq_box, gl.float32))
 
 
-def backward(do, q, k, v, o, lse, causal, softmax_scale, out=None):
-    """Same contract as `fa2.backward` (without masks): dq, dk, dv like q, k, v, written into `out` when given
+def backward(do, q, k, v, o, lse, causal, softmax_scale, window_size=(-1, -1), cu_seqlens_q=None, cu_seqlens_k=None,
+             max_seqlen_q=0, max_seqlen_k=0, out=None):
+    """Same contract as `fa2.backward`: dq, dk, dv like q, k, v, written into `out` when given
     (`common.grad_buffers`; TMA writes dk, dv, so they must meet `use_tma` or FA2's backward runs). `lse` is the
-    forward's base-2 LSE. The Gluon backward where `plan` says, else FA2's."""
-    choice = plan("backward", q, k, v, causal, do, *(out or ())[1:])
+    forward's base-2 LSE. The Gluon backward where `plan` says, else FA2's (always for packed sequences)."""
+    varlen = cu_seqlens_q is not None
+    choice = plan("backward", q, k, v, _banded(causal, window_size), do, *(out or ())[1:], varlen=varlen)
     if choice.kernel == "gluon":
-        return run_backward(do, q, k, v, o, lse, causal, softmax_scale, choice.config, out)
+        return run_backward(do, q, k, v, o, lse, causal, softmax_scale, choice.config, out, window_size)
     if choice.warn:
         _warn_fallback(choice.reason)
-    return fa2.backward(do, q, k, v, o, lse, causal, softmax_scale, out=out)
+    return fa2.backward(do, q, k, v, o, lse, causal, softmax_scale, window_size, cu_seqlens_q, cu_seqlens_k,
+                        max_seqlen_q, max_seqlen_k, out=out)
 
 
-def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, kernel="fwd", config=None):
+def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, kernel="fwd", config=None,
+                     window=False):
     """Compile the Gluon forward (kernel="fwd") or backward ("bwd") for sm_90 without a GPU (catches Gluon API
     breaks on CPU-only machines), with `config` (a ForwardConfig / BackwardConfig; default the measured one).
+    causal: the band's right edge (RIGHT); window: its left edge (LEFT, a sliding window).
 
     Returns Triton's compiled kernel (`.asm` holds ttgir, ptx and cubin). Raises RuntimeError naming the
     reason when this Triton is not one the kernels support, ValueError for another `kernel`.
@@ -442,14 +466,14 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
     name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
     tensordesc = lambda rows, layout: f"tensordesc<{name}[1, 1, {rows}, {head_dim}],{layout!r}>"
     if kernel == "fwd":
-        num_consumers, block_n, num_stages, pingpong, _ = config or FORWARD_CONFIGS[head_dim, causal]
+        num_consumers, block_n, num_stages, pingpong, _ = config or FORWARD_CONFIGS[head_dim, causal or window]
         q_layout, kv_layout = shared_layouts(dtype, head_dim, block_n)
         q_box, kv_box = shared_layouts(dtype, head_dim, block_n, rank=4)
         fn = kernels.forward
         descs = dict(q_desc=tensordesc(BLOCK_M, q_box), o_desc=tensordesc(BLOCK_M, q_box),
                      k_desc=tensordesc(block_n, kv_box), v_desc=tensordesc(block_n, kv_box), LSE="*fp32",
                      qk_scale="fp32")
-        constexprs = dict(GROUP=group, CAUSAL=causal, PINGPONG=pingpong, NUM_CONSUMERS=num_consumers,
+        constexprs = dict(GROUP=group, LEFT=window, RIGHT=causal, PINGPONG=pingpong, NUM_CONSUMERS=num_consumers,
                           HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=num_stages,
                           Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout)
     else:
@@ -464,7 +488,7 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
         fn = kernels.backward
         descs = dict(q_desc=q_box, k_desc=k_box, v_desc=v_box, do_desc=q_box, dk_desc=v_box, dv_desc=v_box,
                      dq_desc=dq_box, LSE="*fp32", DELTA="*fp32", qk_scale="fp32", softmax_scale="fp32")
-        constexprs = dict(GROUP=group, CAUSAL=causal, NUM_CONSUMERS=BWD_CONSUMERS, HEAD_DIM=head_dim,
+        constexprs = dict(GROUP=group, LEFT=window, RIGHT=causal, NUM_CONSUMERS=BWD_CONSUMERS, HEAD_DIM=head_dim,
                           BLOCK_M=block_m, NUM_STAGES=num_stages, SPLIT_DQ=split_dq,
                           Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, DQ_LAYOUT=dq_layout)
     signature = {arg: "i32" for arg in fn.arg_names}

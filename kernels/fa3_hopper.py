@@ -4,7 +4,8 @@ Source: Shah et al. 2024, "FlashAttention-3: Fast and Accurate Attention with As
 Section 3.1 (producer-consumer warp specialisation, ping-pong scheduling) and Algorithm 2 (intra-warpgroup
 overlap of the softmax with the two GEMMs). The arithmetic is FA2's (`kernels/fa2.py`): un-scaled
 accumulation, exp2 with log2(e) folded into `qk_scale`, a base-2 LSE with +inf for rows that see no key,
-causal masks aligned bottom-right, GQA by head index.
+flash-attn's masks aligned bottom-right (causal, and the sliding window (window_left, window_right): LEFT and
+RIGHT constexprs say which edges exist, causal is RIGHT with window_right = 0), GQA by head index.
 
 A tile is NUM_CONSUMERS * BLOCK_M query rows of one (batch, head). The grid is persistent: each CTA runs a
 share of the tiles (`_tile`: a few heads at a time, so their K/V stay in L2; under causal, pairs of a long and a
@@ -21,10 +22,11 @@ NUM_CONSUMERS + 1 partitions (`gl.warp_specialize`):
   it and rescales O (FA3 Algorithm 2). With PINGPONG the consumers take turns issuing their GEMMs (one
   mbarrier each), so one warpgroup's softmax runs under the others' GEMMs. O leaves through its own shared
   buffer and a TMA store that completes under the next tile.
-The producer loads the K/V blocks [0, hi) of the tile's key range (blocks past hi never: FA2's causal stages
-[3]). Each consumer works out its own ranges for its BLOCK_M rows: blocks of [0, hi_free) are visible to all its
-rows and run unmasked, the next ones are masked (one compare and select per score against the row's key limit),
-and the tile's blocks that none of its rows see (causal: past its diagonal) are skipped, only their ring slots
+The producer loads the K/V blocks [lo, hi) of the tile's key range (`_key_range`; blocks outside it never: FA2's
+stages [3]), so a sliding window costs what its band holds, not the whole row. Each consumer works out its own
+ranges for its BLOCK_M rows: blocks of [lo_free, hi_free) are visible to all its rows and run unmasked, the ones
+at the edges are masked (a compare per edge and a select per score against the row's key range), and the tile's
+blocks that none of its rows see past its right edge (causal: past its diagonal) are skipped, only their ring slots
 released (`_skip_block`). One loop runs both kinds of block, branching per block.
 
 q, k, v and o come through host-made 4-D TMA descriptors over (batch, heads, seqlen, HEAD_DIM) with the
@@ -87,19 +89,23 @@ class QTiles:
         self.q, self.o, self.q_ready, self.q_empty, self.turns = q, o, q_ready, q_empty, turns
 
 @gluon.jit
-def _softmax_block(s, m_i, l_i, key_limit, start_n, qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr,
-                   s_layout: gl.constexpr):
+def _softmax_block(s, m_i, l_i, key_start, key_limit, start_n, qk_scale, MASKED: gl.constexpr, LEFT: gl.constexpr,
+                   BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
     """Online softmax of one (BLOCK_M, BLOCK_N) score block (FA2 Algorithm 1, lines 8-9, base 2).
 
-    key_limit (per row): the row sees keys [0, key_limit). MASKED: one compare and one select per score against
-    the row's limit shifted to the block; the scale stays fused into the exp2's FFMA as in the unmasked path.
+    key_start, key_limit (per row): the row sees keys [key_start, key_limit) (key_start only with LEFT, a sliding
+    window's left edge). MASKED: a compare per edge and one select per score against the row's limits shifted to
+    the block; the scale stays fused into the exp2's FFMA as in the unmasked path.
     l_i is each thread's share of the row sums (`_halve_columns`' (BLOCK_M, 4) layout), added across the 4 lanes
     only once per tile (`_row_sums`), as FA3 does: no shuffles on the way to the PV GEMM's wait.
     Returns p (float32, un-normalised), alpha = exp2(m_old - m_new) and the new m_i, l_i.
     """
     if MASKED:
-        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        s = gl.where(gl.expand_dims(cols, 0) < gl.expand_dims(key_limit - start_n, 1), s, float("-inf"))
+        cols = gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), 0)
+        visible = cols < gl.expand_dims(key_limit - start_n, 1)
+        if LEFT:
+            visible = visible & (cols >= gl.expand_dims(key_start - start_n, 1))
+        s = gl.where(visible, s, float("-inf"))
     row_max = gl.convert_layout(gl.max(_halve_columns(s, True, BLOCK_N), axis=1), gl.SliceLayout(1, s_layout),
                                 assert_trivial=True)
     m_new = gl.maximum(m_i, row_max * qk_scale)
@@ -169,11 +175,11 @@ def _row_sums(l_i, row_layout: gl.constexpr):
 
 
 @gluon.jit
-def _n_tiles_of_cta(n_tiles, CAUSAL: gl.constexpr):
+def _n_tiles_of_cta(n_tiles, PAIRED: gl.constexpr):
     """How many tiles this CTA runs (`_tile`'s i = 0, 1, ...)."""
     pid = gl.program_id(0)
     grid = gl.num_programs(0)
-    if CAUSAL:  # the first and second tiles of pairs pid, pid + grid, ... (tiles 2 * pair and 2 * pair + 1)
+    if PAIRED:  # the first and second tiles of pairs pid, pid + grid, ... (tiles 2 * pair and 2 * pair + 1)
         firsts = gl.cdiv(gl.maximum(n_tiles - 2 * pid, 0), 2 * grid)
         seconds = gl.cdiv(gl.maximum(n_tiles - 2 * pid - 1, 0), 2 * grid)
         return firsts + seconds
@@ -181,20 +187,21 @@ def _n_tiles_of_cta(n_tiles, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def _tile(i, n_tiles_m, n_heads, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, ROWS: gl.constexpr,
-          BLOCK_N: gl.constexpr):
-    """This CTA's i-th tile -> (batch, head, batch * n_heads + head, first row, K/V blocks the producer loads).
+def _tile(i, n_tiles_m, n_heads, seqlen_q, seqlen_k, window_left, window_right, LEFT: gl.constexpr,
+          RIGHT: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
+    """This CTA's i-th tile -> (batch, head, batch * n_heads + head, first row, first key of the tile's key
+    range (a multiple of BLOCK_N), how many K/V blocks from there the producer loads).
 
     Both orders keep the query blocks of one (batch, head) together, so the CTAs running at once read the K/V of
-    a few heads, which stay in L2. Non-causal: CTA p runs tiles p, p + grid, ... in (head, query block) order.
-    Causal: each head's query blocks are paired longest with shortest (last with first, then the next two inwards,
+    a few heads, which stay in L2. Tiles of about equal cost (no mask, or a sliding window's left edge): CTA p runs
+    tiles p, p + grid, ... in (head, query block) order. Causal (a right edge only: `_paired`): each head's query blocks are paired longest with shortest (last with first, then the next two inwards,
     the middle one alone when there is an odd number: it pairs with the next head's, whose order is reversed), so
     every pair has about the same number of K/V blocks; CTA p runs pairs p, p + grid, ..., the long tile first
     (except in the reversed heads, whose pairs come short tile first).
     This balances the persistent CTAs' work as running all heads' longest blocks first did (an earlier order,
     which read ~130 heads' K/V at once: 78 % DRAM bandwidth, 12 % L2 hits at D = 128, N = 2k).
     """
-    if CAUSAL:
+    if _paired(LEFT, RIGHT):
         s = 2 * (gl.program_id(0) + (i // 2) * gl.num_programs(0)) + i % 2
         bh = s // n_tiles_m
         u = s % n_tiles_m
@@ -206,29 +213,45 @@ def _tile(i, n_tiles_m, n_heads, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, ROWS:
         pid_m = t % n_tiles_m
         bh = t // n_tiles_m
     start_m = pid_m * ROWS
-    hi = _key_end(start_m, ROWS, seqlen_q, seqlen_k, CAUSAL)
+    lo, hi = _key_range(start_m, ROWS, seqlen_q, seqlen_k, window_left, window_right, LEFT, RIGHT)
+    first_n = lo // BLOCK_N * BLOCK_N
     # At least one block, so every partition runs the same code; a tile whose rows see no key masks it all.
-    n_blocks = gl.maximum((hi + BLOCK_N - 1) // BLOCK_N, 1)
-    return bh // n_heads, bh % n_heads, bh, start_m, n_blocks
+    n_blocks = gl.maximum((hi + BLOCK_N - 1) // BLOCK_N - first_n // BLOCK_N, 1)
+    return bh // n_heads, bh % n_heads, bh, start_m, first_n, n_blocks
+
+
+@constexpr_function
+def _paired(LEFT, RIGHT):
+    """Whether tiles are scheduled in long-short pairs: a right edge only (causal), whose tiles' costs grow with
+    the row; with a left edge (a sliding window) every tile costs about the same."""
+    return bool(RIGHT) and not bool(LEFT)
 
 
 @gluon.jit
-def _key_end(row0, ROWS: gl.constexpr, seqlen_q, seqlen_k, CAUSAL: gl.constexpr):
-    """End of the keys that rows [row0, row0 + ROWS) see, bottom-right causal [3]."""
-    if CAUSAL:
-        return gl.minimum(row0 + ROWS + seqlen_k - seqlen_q, seqlen_k)
-    return seqlen_k
+def _key_range(row0, ROWS: gl.constexpr, seqlen_q, seqlen_k, window_left, window_right, LEFT: gl.constexpr,
+               RIGHT: gl.constexpr):
+    """[lo, hi): the keys that some row of [row0, row0 + ROWS) sees, flash-attn's band aligned bottom-right [3]:
+    row i sees key j iff i + d - window_left <= j <= i + d + window_right, d = seqlen_k - seqlen_q, a side
+    limited only with LEFT / RIGHT (causal: RIGHT, window_right = 0). hi <= lo when no row sees a key."""
+    diag = seqlen_k - seqlen_q
+    lo = row0 * 0
+    hi = seqlen_k + row0 * 0
+    if LEFT:
+        lo = gl.maximum(row0 + diag - window_left, 0)
+    if RIGHT:
+        hi = gl.minimum(row0 + ROWS + diag + window_right, seqlen_k)
+    return lo, hi
 
 
 @gluon.jit
-def _kv_block(j, kv_it, acc, p_op, m_i, l_i, turn, q_tile, ring, turn_bars, key_limit, hi_free, qk_scale,
-              CID: gl.constexpr, NEXT: gl.constexpr, PACKED_CVT: gl.constexpr, PINGPONG: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _kv_block(j, kv_it, acc, p_op, m_i, l_i, turn, q_tile, ring, turn_bars, first_n, key_start, key_limit,
+              lo_free, hi_free, qk_scale, CID: gl.constexpr, NEXT: gl.constexpr, PACKED_CVT: gl.constexpr,
+              PINGPONG: gl.constexpr, LEFT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """K/V block j >= 1 of a consumer's tile (FA3 Algorithm 2): issue S_j = Q K_j^T and O += P_{j-1} V_{j-1},
-    wait for S_j, softmax of block j under the PV GEMM, then wait for it and rescale O. Block j is masked when
-    start_n >= hi_free. Returns acc, p_op (P_j as the next
-    PV GEMM's A operand), m_i, l_i, turn."""
+    wait for S_j, softmax of block j under the PV GEMM, then wait for it and rescale O. The block holds keys
+    [start_n, start_n + BLOCK_N), start_n = first_n + j * BLOCK_N, and is masked outside [lo_free, hi_free).
+    Returns acc, p_op (P_j as the next PV GEMM's A operand), m_i, l_i, turn."""
     slot = ring.slot(kv_it + j)
     prev = ring.slot(kv_it + j - 1)
     if PINGPONG:
@@ -243,11 +266,13 @@ def _kv_block(j, kv_it, acc, p_op, m_i, l_i, turn, q_tile, ring, turn_bars, key_
         mbarrier.arrive(turn_bars.index(NEXT))
     s = warpgroup_mma_wait(1, deps=(s,))  # S_j is done; the PV GEMM may still run
     mbarrier.arrive(ring.k_empty.index(slot))
-    start_n = j * BLOCK_N
-    if start_n >= hi_free:
-        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, key_limit, start_n, qk_scale, True, BLOCK_N, s_layout)
+    start_n = first_n + j * BLOCK_N
+    if _masked(start_n, lo_free, hi_free, LEFT):
+        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, key_start, key_limit, start_n, qk_scale, True, LEFT,
+                                            BLOCK_N, s_layout)
     else:
-        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, key_limit, start_n, qk_scale, False, BLOCK_N, s_layout)
+        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, key_start, key_limit, start_n, qk_scale, False, LEFT,
+                                            BLOCK_N, s_layout)
     acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
     mbarrier.arrive(ring.v_empty.index(prev))
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -256,8 +281,16 @@ def _kv_block(j, kv_it, acc, p_op, m_i, l_i, turn, q_tile, ring, turn_bars, key_
 
 
 @gluon.jit
+def _masked(start_n, lo_free, hi_free, LEFT: gl.constexpr):
+    """Whether the block at start_n needs the mask: outside [lo_free, hi_free), the keys every row sees."""
+    if LEFT:
+        return (start_n >= hi_free) | (start_n < lo_free)
+    return start_n >= hi_free
+
+
+@gluon.jit
 def _skip_block(j, kv_it, turn, ring, turn_bars, CID: gl.constexpr, NEXT: gl.constexpr, PINGPONG: gl.constexpr):
-    """K/V block j of the tile that none of this consumer's rows see (causal): no GEMM, no softmax. It still takes
+    """K/V block j of the tile that none of this consumer's rows see (past its right edge): no GEMM, no softmax. It still takes
     its PINGPONG turn and frees the ring slot once the block has landed (an earlier arrival could count towards
     the slot's previous use)."""
     slot = ring.slot(kv_it + j)
@@ -274,9 +307,9 @@ def _skip_block(j, kv_it, turn, ring, turn_bars, CID: gl.constexpr, NEXT: gl.con
 
 
 @gluon.jit
-def _consumer(tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, qk_scale,
-              CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+def _consumer(tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, window_left, window_right,
+              qk_scale, CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr, LEFT: gl.constexpr, RIGHT: gl.constexpr,
+              PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Consumer warpgroup CID: rows [start_m + CID * BLOCK_M, + BLOCK_M) of each of the CTA's tiles."""
     dtype: gl.constexpr = tiles.q.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -292,54 +325,75 @@ def _consumer(tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, s
     kv_it = 0  # position in the K/V ring, running across tiles as in the producer
     turn = 0  # PINGPONG turns taken
     tile_count = 0
-    for tile_i in range(_n_tiles_of_cta(n_tiles, CAUSAL)):
-        off_b, off_h, bh, start_m, n_blocks = _tile(tile_i, n_tiles_m, n_heads, seqlen_q, seqlen_k, CAUSAL,
-                                                    NUM_CONSUMERS * BLOCK_M, BLOCK_N)
-        # This warpgroup's own key ranges [3]: keys [0, hi_free) are seen by all its rows (unmasked blocks),
-        # blocks from n_own on by none of them (skipped: under causal the tile's last block can be all above
-        # the diagonal for the first warpgroups). key_limit: per row, the end of the keys it sees.
+    for tile_i in range(_n_tiles_of_cta(n_tiles, _paired(LEFT, RIGHT))):
+        off_b, off_h, bh, start_m, first_n, n_blocks = _tile(
+            tile_i, n_tiles_m, n_heads, seqlen_q, seqlen_k, window_left, window_right, LEFT, RIGHT,
+            NUM_CONSUMERS * BLOCK_M, BLOCK_N)
+        # This warpgroup's own key ranges [3]: keys [lo_free, hi_free) are seen by all its rows (unmasked blocks),
+        # blocks before j0 and from n_own on by none of them (skipped: the tile's first blocks can be all left of
+        # the last warpgroups' windows, its last block all above the first warpgroups' diagonal). Per row, keys
+        # [key_start, key_limit) are visible.
         row0 = start_m + CID * BLOCK_M
         rows = row0 + gl.arange(0, BLOCK_M, layout=row_layout)
-        if CAUSAL:
-            key_limit = gl.minimum(rows + (seqlen_k - seqlen_q + 1), seqlen_k)
-            hi_free = gl.minimum(gl.maximum(row0 + seqlen_k - seqlen_q + 1, 0), seqlen_k) // BLOCK_N * BLOCK_N
+        diag = seqlen_k - seqlen_q
+        if RIGHT:
+            key_limit = gl.minimum(rows + (diag + window_right + 1), seqlen_k)
+            hi_free = gl.minimum(gl.maximum(row0 + diag + window_right + 1, 0), seqlen_k) // BLOCK_N * BLOCK_N
         else:
             key_limit = gl.full([BLOCK_M], seqlen_k, gl.int32, layout=row_layout)
             hi_free = seqlen_k // BLOCK_N * BLOCK_N
-        hi = _key_end(row0, BLOCK_M, seqlen_q, seqlen_k, CAUSAL)
-        n_own = gl.minimum(gl.maximum((hi + BLOCK_N - 1) // BLOCK_N, 1), n_blocks)
+        if LEFT:
+            key_start = rows + (diag - window_left)
+            lo_free = (gl.maximum(row0 + BLOCK_M - 1 + diag - window_left, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        else:
+            key_start = key_limit  # unused
+            lo_free = hi_free * 0
+        lo, hi = _key_range(row0, BLOCK_M, seqlen_q, seqlen_k, window_left, window_right, LEFT, RIGHT)
+        n_own = gl.minimum(gl.maximum((hi + BLOCK_N - 1) // BLOCK_N - first_n // BLOCK_N, 1), n_blocks)
+        if LEFT:
+            j0 = gl.minimum(lo // BLOCK_N - first_n // BLOCK_N, n_own - 1)
+        else:
+            j0 = 0
         if row0 >= seqlen_q:  # no rows of ours (the padding of the last tile): block 0 only, the rest skipped
             n_own = 1
+            j0 = 0
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_layout)
         l_i = _halve_columns(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout), False, BLOCK_N)
         acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
         q_tile = tiles.q.index(CID)
         mbarrier.wait(tiles.q_ready.index(CID), tile_count & 1)
 
-        # Block 0: S_0 and its softmax (there is no PV GEMM to overlap yet).
-        slot = ring.slot(kv_it)
+        if LEFT:
+            for j in range(0, j0):
+                turn = _skip_block(j, kv_it, turn, ring, turn_bars, CID, NEXT, PINGPONG)
+        # Block j0: S_j0 and its softmax (there is no PV GEMM to overlap yet).
+        start_n = first_n + j0 * BLOCK_N
+        slot = ring.slot(kv_it + j0)
         if PINGPONG:
             mbarrier.wait(turn_bars.index(CID), turn & 1)
             turn += 1
-        mbarrier.wait(ring.k_ready.index(slot), ring.phase(kv_it))
+        mbarrier.wait(ring.k_ready.index(slot), ring.phase(kv_it + j0))
         s = warpgroup_mma(q_tile, ring.k.index(slot).permute((1, 0)),
                           gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True)
         if PINGPONG:
             mbarrier.arrive(turn_bars.index(NEXT))
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(ring.k_empty.index(slot))
-        if hi_free <= 0:
-            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, key_limit, 0, qk_scale, True, BLOCK_N, s_layout)
+        if _masked(start_n, lo_free, hi_free, LEFT):
+            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, key_start, key_limit, start_n, qk_scale, True, LEFT,
+                                                BLOCK_N, s_layout)
         else:
-            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, key_limit, 0, qk_scale, False, BLOCK_N, s_layout)
+            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, key_start, key_limit, start_n, qk_scale, False, LEFT,
+                                                BLOCK_N, s_layout)
         p_op = gl.convert_layout(_to_operand(p, dtype, PACKED_CVT), p_layout)
 
-        # Blocks [1, n_own), masked or not decided per block at run time (one loop measured as fast as separate
+        # Blocks (j0, n_own), masked or not decided per block at run time (one loop measured as fast as separate
         # unmasked and masked loops, and faster for causal at head_dim 64 up to 4k: docs/hopper-notes.md).
-        for j in range(1, n_own):
+        for j in range(j0 + 1, n_own):
             acc, p_op, m_i, l_i, turn = _kv_block(
-                j, kv_it, acc, p_op, m_i, l_i, turn, q_tile, ring, turn_bars, key_limit, hi_free, qk_scale,
-                CID, NEXT, PACKED_CVT, PINGPONG, BLOCK_M, BLOCK_N, s_layout, o_layout, p_layout)
+                j, kv_it, acc, p_op, m_i, l_i, turn, q_tile, ring, turn_bars, first_n, key_start, key_limit,
+                lo_free, hi_free, qk_scale, CID, NEXT, PACKED_CVT, PINGPONG, LEFT, BLOCK_M, BLOCK_N, s_layout,
+                o_layout, p_layout)
         mbarrier.arrive(tiles.q_empty.index(CID))  # every QK GEMM of ours is done: the buffer may take a new Q
 
         last = ring.slot(kv_it + n_own - 1)
@@ -370,15 +424,16 @@ def _consumer(tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, s
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, tiles, ring, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k,
-              GROUP: gl.constexpr, CAUSAL: gl.constexpr, NUM_CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr):
+def _producer(q_desc, k_desc, v_desc, tiles, ring, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, window_left,
+              window_right, GROUP: gl.constexpr, LEFT: gl.constexpr, RIGHT: gl.constexpr,
+              NUM_CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """The TMA warp: per tile the consumers' Q tiles, then K_j and V_j into the ring."""
     kv_it = 0
     tile_count = 0
-    for tile_i in range(_n_tiles_of_cta(n_tiles, CAUSAL)):
-        off_b, off_h, bh, start_m, n_blocks = _tile(tile_i, n_tiles_m, n_heads, seqlen_q, seqlen_k, CAUSAL,
-                                                    NUM_CONSUMERS * BLOCK_M, BLOCK_N)
+    for tile_i in range(_n_tiles_of_cta(n_tiles, _paired(LEFT, RIGHT))):
+        off_b, off_h, bh, start_m, first_n, n_blocks = _tile(
+            tile_i, n_tiles_m, n_heads, seqlen_q, seqlen_k, window_left, window_right, LEFT, RIGHT,
+            NUM_CONSUMERS * BLOCK_M, BLOCK_N)
         off_hk = off_h // GROUP  # GQA: GROUP query heads share one K/V head
         q_phase = (tile_count & 1) ^ 1  # a fresh barrier passes phase 1 at once
         for i in gl.static_range(NUM_CONSUMERS):
@@ -391,10 +446,10 @@ def _producer(q_desc, k_desc, v_desc, tiles, ring, n_tiles_m, n_tiles, n_heads, 
             phase = ring.phase(kv_it)
             mbarrier.wait(ring.k_empty.index(slot), phase ^ 1)  # a fresh barrier passes phase 1 at once
             mbarrier.expect(ring.k_ready.index(slot), k_desc.block_type.nbytes)
-            tma_load(k_desc, [off_b, off_hk, j * BLOCK_N, 0], ring.k_ready.index(slot), as_4d(ring.k.index(slot), k_desc))
+            tma_load(k_desc, [off_b, off_hk, first_n + j * BLOCK_N, 0], ring.k_ready.index(slot), as_4d(ring.k.index(slot), k_desc))
             mbarrier.wait(ring.v_empty.index(slot), phase ^ 1)
             mbarrier.expect(ring.v_ready.index(slot), v_desc.block_type.nbytes)
-            tma_load(v_desc, [off_b, off_hk, j * BLOCK_N, 0], ring.v_ready.index(slot), as_4d(ring.v.index(slot), v_desc))
+            tma_load(v_desc, [off_b, off_hk, first_n + j * BLOCK_N, 0], ring.v_ready.index(slot), as_4d(ring.v.index(slot), v_desc))
             kv_it += 1
         tile_count += 1
 
@@ -402,8 +457,8 @@ def _producer(q_desc, k_desc, v_desc, tiles, ring, n_tiles_m, n_tiles, n_heads, 
 @gluon.jit
 def fa3_fwd_kernel(
     q_desc, k_desc, v_desc, o_desc, LSE,
-    n_heads, seqlen_q, seqlen_k, qk_scale, n_tiles_m, n_tiles,
-    GROUP: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+    n_heads, seqlen_q, seqlen_k, window_left, window_right, qk_scale, n_tiles_m, n_tiles,
+    GROUP: gl.constexpr, LEFT: gl.constexpr, RIGHT: gl.constexpr, PINGPONG: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr,
 ):
@@ -441,12 +496,12 @@ def fa3_fwd_kernel(
     if NUM_CONSUMERS == 2:
         gl.warp_specialize(
             [
-            (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, qk_scale,
-                         0, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
-            (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, qk_scale,
-                         1, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
+            (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, window_left,
+                         window_right, qk_scale, 0, NUM_CONSUMERS, LEFT, RIGHT, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
+            (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, window_left,
+                         window_right, qk_scale, 1, NUM_CONSUMERS, LEFT, RIGHT, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
             (_producer, (q_desc, k_desc, v_desc, tiles, ring, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k,
-                         GROUP, CAUSAL, NUM_CONSUMERS, BLOCK_M, BLOCK_N)),
+                         window_left, window_right, GROUP, LEFT, RIGHT, NUM_CONSUMERS, BLOCK_M, BLOCK_N)),
             ],
             [4, 1],
             [240, 24],
@@ -454,14 +509,14 @@ def fa3_fwd_kernel(
     else:
         gl.warp_specialize(
             [
-            (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, qk_scale,
-                         0, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
-            (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, qk_scale,
-                         1, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
-            (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, qk_scale,
-                         2, NUM_CONSUMERS, CAUSAL, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
+            (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, window_left,
+                         window_right, qk_scale, 0, NUM_CONSUMERS, LEFT, RIGHT, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
+            (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, window_left,
+                         window_right, qk_scale, 1, NUM_CONSUMERS, LEFT, RIGHT, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
+            (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, window_left,
+                         window_right, qk_scale, 2, NUM_CONSUMERS, LEFT, RIGHT, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
             (_producer, (q_desc, k_desc, v_desc, tiles, ring, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k,
-                         GROUP, CAUSAL, NUM_CONSUMERS, BLOCK_M, BLOCK_N)),
+                         window_left, window_right, GROUP, LEFT, RIGHT, NUM_CONSUMERS, BLOCK_M, BLOCK_N)),
             ],
             [4, 4, 1],
             [160, 160, 24],

@@ -22,8 +22,9 @@ head in its GQA group) that can see them. Partitions (`gl.warp_specialize`):
 Rows past seqlen_q read as 0 through TMA (Q, dO) and cp.async's zero-fill (LSE, delta), so their P is 1 but
 their dS is 0 and their dO rows are 0: they add nothing to dK or dV, and their dQ rows land in the accumulator's
 padding. Keys past seqlen_k read as 0, so their dS adds nothing to dQ and their dK/dV rows are clipped by the TMA
-store. Only the causal band
-needs a mask (query blocks [lo, m_free)); blocks no query of which sees a key are never visited.
+store. Only the band's edges need a mask (flash-attn's masks, as in the forward: RIGHT, the causal diagonal or a
+right window, query blocks [lo, m_free); LEFT, a sliding window's left edge, query blocks [m_free_hi, hi)); query
+blocks none of whose rows see a key of the CTA's are never visited, so a window's cost follows its band.
 """
 
 from triton.experimental import gluon
@@ -125,40 +126,62 @@ def _load_stats(stats, bar, LSE, DELTA, bh, start_m, seqlen_q, BLOCK_M: gl.const
 
 
 @gluon.jit
-def _mask_above_diagonal(p_t, keys, key_limit):
-    """p_t (keys x queries) with 0 where key > key_limit (the query's last visible key).
+def _mask_band(p_t, keys, key_first, key_last, LEFT: gl.constexpr, RIGHT: gl.constexpr):
+    """p_t (keys x queries) with 0 where the key is outside the query's [key_first, key_last] (key_first with
+    LEFT, key_last with RIGHT).
 
     Non-pure inline PTX (setp + selp, what `gl.where` gives): LLVM cannot hoist it, so the branch around it
     stays a branch. With `gl.where` LLVM turned the branch into selects run for every query block, masked or not
     (64 compares and 64 selects per thread).
     """
-    return gl.inline_asm_elementwise(
-        "{ .reg .pred visible; setp.le.s32 visible, $2, $3; selp.f32 $0, $1, 0f00000000, visible; }",
-        "=r,r,r,r", [p_t, gl.expand_dims(keys, 1), gl.expand_dims(key_limit, 0)], dtype=gl.float32,
-        is_pure=False, pack=1)
-
-
-@gluon.jit
-def _query_range(start_n, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                 BLOCK_N: gl.constexpr):
-    """The query blocks that see keys [start_n, start_n + BLOCK_N): [lo, hi), masked while below m_free."""
-    hi = ((seqlen_q + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
-    if CAUSAL:  # query m sees key n iff n <= m + seqlen_k - seqlen_q (bottom-right)
-        diag_offset = seqlen_k - seqlen_q
-        lo = (gl.maximum(start_n - diag_offset, 0) // BLOCK_M) * BLOCK_M
-        m_free = ((gl.maximum(start_n + BLOCK_N - 1 - diag_offset, 0) + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
-        lo = gl.minimum(lo, hi)
-        m_free = gl.minimum(gl.maximum(m_free, lo), hi)
+    key = gl.expand_dims(keys, 1)
+    if LEFT and RIGHT:
+        return gl.inline_asm_elementwise(
+            "{ .reg .pred visible; setp.le.s32 visible, $2, $4; setp.ge.and.s32 visible, $2, $3, visible; "
+            "selp.f32 $0, $1, 0f00000000, visible; }",
+            "=r,r,r,r,r", [p_t, key, gl.expand_dims(key_first, 0), gl.expand_dims(key_last, 0)],
+            dtype=gl.float32, is_pure=False, pack=1)
+    elif LEFT:
+        return gl.inline_asm_elementwise(
+            "{ .reg .pred visible; setp.ge.s32 visible, $2, $3; selp.f32 $0, $1, 0f00000000, visible; }",
+            "=r,r,r,r", [p_t, key, gl.expand_dims(key_first, 0)], dtype=gl.float32, is_pure=False, pack=1)
     else:
-        lo = hi * 0
-        m_free = lo
-    return lo, m_free, (hi - lo) // BLOCK_M
+        return gl.inline_asm_elementwise(
+            "{ .reg .pred visible; setp.le.s32 visible, $2, $3; selp.f32 $0, $1, 0f00000000, visible; }",
+            "=r,r,r,r", [p_t, key, gl.expand_dims(key_last, 0)], dtype=gl.float32, is_pure=False, pack=1)
 
 
 @gluon.jit
-def _consumer(keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, qk_scale, softmax_scale,
-              CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-              BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, SPLIT_DQ: gl.constexpr):
+def _query_range(start_n, seqlen_q, seqlen_k, window_left, window_right, LEFT: gl.constexpr, RIGHT: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The query blocks that see keys [start_n, start_n + BLOCK_N): [lo, hi), masked below m_free (the right
+    edge) and from m_free_hi on (the left edge), and how many there are. Query m sees key n iff
+    m + d - window_left <= n <= m + d + window_right, d = seqlen_k - seqlen_q (bottom-right), a side limited only
+    with LEFT / RIGHT; the same band as the forward's, seen from the keys."""
+    hi = ((seqlen_q + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+    diag_offset = seqlen_k - seqlen_q
+    lo = hi * 0
+    m_free = lo
+    m_free_hi = hi
+    if RIGHT:  # m >= n - d - window_right
+        lo = (gl.maximum(start_n - diag_offset - window_right, 0) // BLOCK_M) * BLOCK_M
+        m_free = ((gl.maximum(start_n + BLOCK_N - 1 - diag_offset - window_right, 0) + BLOCK_M - 1)
+                  // BLOCK_M) * BLOCK_M
+    if LEFT:  # m <= n - d + window_left
+        hi = gl.minimum((gl.maximum(start_n + BLOCK_N - diag_offset + window_left, 0) + BLOCK_M - 1)
+                        // BLOCK_M * BLOCK_M, hi)
+        m_free_hi = gl.maximum(start_n - diag_offset + window_left + 1, 0) // BLOCK_M * BLOCK_M
+    lo = gl.minimum(lo, hi)
+    m_free = gl.minimum(gl.maximum(m_free, lo), hi)
+    m_free_hi = gl.minimum(gl.maximum(m_free_hi, lo), hi)
+    return lo, m_free, m_free_hi, gl.maximum(hi - lo, 0) // BLOCK_M
+
+
+@gluon.jit
+def _consumer(keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, window_left, window_right,
+              qk_scale, softmax_scale, CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr, GROUP: gl.constexpr,
+              LEFT: gl.constexpr, RIGHT: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+              SPLIT_DQ: gl.constexpr):
     """Consumer warpgroup CID: keys [start_n + 64 * CID, + 64) of the CTA's key block.
 
     SPLIT_DQ "cols" or "rows" (`kernels.fa3.BackwardConfig`): the warpgroups share dS through shared memory and
@@ -184,7 +207,8 @@ def _consumer(keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q
     n_kv_heads = n_heads // GROUP
     off_b = bhk // n_kv_heads
     off_hk = bhk % n_kv_heads
-    lo, m_free, n_m = _query_range(start_n, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
+    lo, m_free, m_free_hi, n_m = _query_range(start_n, seqlen_q, seqlen_k, window_left, window_right, LEFT, RIGHT,
+                                              BLOCK_M, BLOCK_N)
     # K is one (BLOCK_N, HEAD_DIM) tile: wider-than-swizzle tiles are stored in column panels, so two stacked
     # (64, HEAD_DIM) tiles would not read as one (BLOCK_N, HEAD_DIM) tile for SPLIT_DQ.
     k_tile = k_smem.slice(CID * BLOCK_KEYS, BLOCK_KEYS, dim=0)
@@ -221,10 +245,15 @@ def _consumer(keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q
         lse = stats.slice(0, BLOCK_M).load(col_layout)
         s_t = warpgroup_mma_wait(1, deps=(s_t,))  # S^T is done; dP^T may still run
         p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse, 0))
-        if CAUSAL:
+        if LEFT:
+            if (start_m < m_free) | (start_m >= m_free_hi):
+                cols = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
+                p_t = _mask_band(p_t, keys, cols + (diag_offset - window_left), cols + (diag_offset + window_right),
+                                 LEFT, RIGHT)
+        elif RIGHT:
             if start_m < m_free:
                 cols = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
-                p_t = _mask_above_diagonal(p_t, keys, cols + diag_offset)
+                p_t = _mask_band(p_t, keys, cols, cols + (diag_offset + window_right), LEFT, RIGHT)
         p_op = gl.convert_layout(p_t.to(dtype), op_layout)
         dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)  # dV += P^T dO
         dp_t, p_op = warpgroup_mma_wait(1, deps=(dp_t, p_op))
@@ -261,8 +290,9 @@ def _consumer(keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, do_desc, keys_smem, ring, LSE, DELTA, n_heads, seqlen_q, seqlen_k,
-              NUM_CONSUMERS: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
+def _producer(q_desc, k_desc, v_desc, do_desc, keys_smem, ring, LSE, DELTA, n_heads, seqlen_q, seqlen_k, window_left,
+              window_right, NUM_CONSUMERS: gl.constexpr, GROUP: gl.constexpr, LEFT: gl.constexpr,
+              RIGHT: gl.constexpr, BLOCK_M: gl.constexpr):
     """The loading warp: the CTA's K and V once, then Q_i and dO_i (TMA) and LSE_i and delta_i (cp.async) of every
     query block into the ring."""
     BLOCK_N: gl.constexpr = NUM_CONSUMERS * BLOCK_KEYS
@@ -277,7 +307,8 @@ def _producer(q_desc, k_desc, v_desc, do_desc, keys_smem, ring, LSE, DELTA, n_he
     for c in gl.static_range(NUM_CONSUMERS):
         row = start_n + c * BLOCK_KEYS
         tma_load(v_desc, [off_b, off_hk, row, 0], kv_bar, as_4d(keys_smem.v.index(c), v_desc))
-    lo, m_free, n_m = _query_range(start_n, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
+    lo, _, _, n_m = _query_range(start_n, seqlen_q, seqlen_k, window_left, window_right, LEFT, RIGHT, BLOCK_M,
+                                 BLOCK_N)
     for it in range(GROUP * n_m):
         slot = ring.slot(it)
         off_h = off_hk * GROUP + it // n_m
@@ -293,8 +324,8 @@ def _producer(q_desc, k_desc, v_desc, do_desc, keys_smem, ring, LSE, DELTA, n_he
 @gluon.jit
 def fa3_bwd_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA,
-    n_heads, seqlen_q, seqlen_k, qk_scale, softmax_scale,
-    GROUP: gl.constexpr, CAUSAL: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr,
+    n_heads, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softmax_scale,
+    GROUP: gl.constexpr, LEFT: gl.constexpr, RIGHT: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT_DQ: gl.constexpr,
     Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr, DS_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr,
 ):
@@ -335,12 +366,14 @@ def fa3_bwd_kernel(
     # Written out per partition: tuple concatenation inside a Gluon kernel turns constexprs into tensors.
     gl.warp_specialize(
         [
-        (_consumer, (keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, qk_scale,
-                     softmax_scale, 0, NUM_CONSUMERS, GROUP, CAUSAL, BLOCK_M, HEAD_DIM, SPLIT_DQ)),
-        (_consumer, (keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, qk_scale,
-                     softmax_scale, 1, NUM_CONSUMERS, GROUP, CAUSAL, BLOCK_M, HEAD_DIM, SPLIT_DQ)),
+        (_consumer, (keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, window_left,
+                     window_right, qk_scale, softmax_scale, 0, NUM_CONSUMERS, GROUP, LEFT, RIGHT, BLOCK_M,
+                     HEAD_DIM, SPLIT_DQ)),
+        (_consumer, (keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, window_left,
+                     window_right, qk_scale, softmax_scale, 1, NUM_CONSUMERS, GROUP, LEFT, RIGHT, BLOCK_M,
+                     HEAD_DIM, SPLIT_DQ)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, keys_smem, ring, LSE, DELTA, n_heads, seqlen_q, seqlen_k,
-                     NUM_CONSUMERS, GROUP, CAUSAL, BLOCK_M)),
+                     window_left, window_right, NUM_CONSUMERS, GROUP, LEFT, RIGHT, BLOCK_M)),
         ],
         [4, 1],
         [240, 24],

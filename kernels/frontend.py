@@ -9,7 +9,7 @@ A kernel module provides two launchers:
 `lse_internal` is float32 (batch, n_heads, seqlen_q) in the kernel's own log base (2 for FA2, e for FA1),
 with +inf for query rows that see no key, so the backward's `exp(s - lse)` is exactly 0 there.
 `mask` = (window_size, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), flash-attn's sliding window and
-packed variable-length sequences, is passed only to kernels registered with `masks=True` (FA2); for packed
+packed variable-length sequences, is passed only to kernels registered with `masks=True` (FA2, FA3); for packed
 sequences q is (total_q, n_heads, head_dim) and lse_internal (n_heads, total_q).
 `backward` also takes `out=(dq, dk, dv)`, buffers to write the gradients into (`common.grad_buffers`).
 `make_attention` turns the pair into the public functions `fa*_attention(q, k, v, causal, softmax_scale,
@@ -100,7 +100,7 @@ def check_window(window_size, name: str, supported: bool) -> tuple[int, int]:
             raise ValueError(f"window_size[{i}] = {w} is below -1; accepted: -1 (no limit) or a number of keys >= 0")
     if not supported and tuple(window_size) != (-1, -1):
         raise ValueError(f"{name}_attention has no sliding window (window_size={tuple(window_size)}); "
-                         "use fa2_attention")
+                         "use fa2_attention or fa3_attention")
     return window_size[0], window_size[1]
 
 
@@ -390,8 +390,8 @@ PUBLIC_DOC = """{title}
            row that sees no key (possible when seqlen_q > seqlen_k) gets 0 output, 0 gradient and lse = -inf.
         softmax_scale: multiplier of q k^T, >= 0; default 1 / sqrt(head_dim).
         return_lse: also return the log-sum-exp of each query row's scaled scores.
-        window_size: (left, right) ints, flash-attn's sliding window (fa2 only; the other kernels raise
-           ValueError for anything but (-1, -1)): query i sees key j only when
+        window_size: (left, right) ints, flash-attn's sliding window (fa2 and fa3; fa1 raises ValueError for
+           anything but (-1, -1)): query i sees key j only when
            i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right; -1 = no limit on that side;
            causal=True sets right to 0. Key blocks outside every row's window are skipped, so the cost scales
            with the visible (query, key) pairs.
@@ -403,7 +403,7 @@ PUBLIC_DOC = """{title}
     Raises:
         TypeError: a non-tensor input, unsupported or mismatched dtypes, a non-bool causal or return_lse, a
             softmax_scale that is not a number, a window_size that is not a pair of ints.
-        ValueError: a window_size value below -1 (or any window for fa1 / fa3), wrong rank, mismatched batch /
+        ValueError: a window_size value below -1 (or any window for fa1), wrong rank, mismatched batch /
             head_dim / device / k-v shapes, n_heads not a multiple of n_kv_heads, head_dim outside 16..256, an
             empty dimension, a non-finite or negative softmax_scale, or CPU tensors when Triton's interpreter is off (use a
             CUDA GPU or set TRITON_INTERPRET=1 before importing kernels).

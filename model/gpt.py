@@ -208,8 +208,7 @@ class GPT(nn.Module):
         backend's kernels cannot be loaded (``model.backends``)."""
         super().__init__()
         check_shapes(config)
-        masks = any(config.layer_window(layer) for layer in range(config.n_layer))
-        self.backend = resolve_backend(config.attn, config.head_dim, masks).load()
+        self.backend = resolve_backend(config.attn, config.head_dim).load()
         self.config = config
         learned = config.pos_emb == "learned"
         self.transformer = nn.ModuleDict(dict(

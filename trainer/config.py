@@ -226,12 +226,10 @@ def attn_windows(m: DictConfig) -> Optional[list[int]]:
 
 def config_backend(cfg: DictConfig) -> str:
     """cfg.attn.backend as a concrete backend: 'auto' resolved for this model's head_dim and for whether it needs
-    window or document masks (``model.backends.resolve_backend``). Raises ValueError for an unknown name."""
+    document masks (``model.backends.resolve_backend``). Raises ValueError for an unknown name."""
     m = cfg.model
     head_dim = m.n_embd // m.n_head if m.n_head >= 1 and m.n_embd % m.n_head == 0 else None
-    windows = attn_windows(m)
-    masks = bool(windows and any(windows)) or bool(cfg.data.document_mask)
-    return resolve_backend(cfg.attn.backend, head_dim, masks).name
+    return resolve_backend(cfg.attn.backend, head_dim, bool(cfg.data.document_mask)).name
 
 
 def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -> None:

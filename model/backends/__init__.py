@@ -12,7 +12,7 @@ Backends:
   dropout; windows and documents as a dense mask (slow).
 - ``sdpa_flash`` / ``sdpa_cudnn``: SDPA pinned to PyTorch's FlashAttention-2 or cuDNN kernel (cuDNN: CUDA only).
 - ``fa1`` / ``fa2`` / ``fa3``: the project's Triton FlashAttention-1 / -2 and Gluon FlashAttention-3 kernels
-  (``kernels/``); no dropout; fa2 does windows and documents in the kernel. Without a CUDA GPU they run under
+  (``kernels/``); no dropout; fa2 and fa3 do windows in the kernel, fa2 documents (fa3's documents run FA2's). Without a CUDA GPU they run under
   Triton's interpreter (very slow).
 - ``flex``: PyTorch FlexAttention with block masks for windows and documents.
 
@@ -53,16 +53,17 @@ REGISTRY: dict[str, Backend] = register(
                   supports_window=True, supports_docs=True, split_kv=True, static_decode=True),
     FlexBackend(name="flex", description="PyTorch FlexAttention with block masks (compiled on CUDA)"),
     TritonBackend(name="fa3", description="our FlashAttention-3 kernels (Gluon, Hopper); FA2's where they do not apply",
-                  load_kernels=fa3_kernels, split_kv=True, static_decode=True),
+                  load_kernels=fa3_kernels, supports_window=True, supports_docs=True, split_kv=True,
+                  static_decode=True),
 )
 BACKENDS = ("auto", *REGISTRY)  # the values of attn.backend
 
 
-def resolve_backend(name: str, head_dim: int | None = None, masks: bool = False) -> Backend:
+def resolve_backend(name: str, head_dim: int | None = None, docs: bool = False) -> Backend:
     """The backend object of ``name``. 'auto': without CUDA sdpa; with CUDA fa3 where its Gluon kernels run
     (``triton.fa3_runs``: an sm_90 GPU and a Triton they support), the model's head_dim (None: not known) is one
-    they take and no window or document masks are needed (``masks``: fa3 has none), else fa2. On the H200 fa3
-    measured faster than fa2 in every cell (docs/benchmarks.md). Nothing is loaded (``Backend.load``).
+    they take and no document masks are needed (``docs``: fa3 runs FA2's varlen kernels for them), else fa2. On
+    the H200 fa3 measured faster than fa2 in every cell (docs/benchmarks.md). Nothing is loaded (``Backend.load``).
 
     Raises ValueError for a name outside ``BACKENDS``.
     """
@@ -71,7 +72,7 @@ def resolve_backend(name: str, head_dim: int | None = None, masks: bool = False)
     if name == "auto":
         if not torch.cuda.is_available():
             return REGISTRY["sdpa"]
-        return REGISTRY["fa3" if not masks and fa3_runs(head_dim) else "fa2"]
+        return REGISTRY["fa3" if not docs and fa3_runs(head_dim) else "fa2"]
     return REGISTRY[name]
 
 

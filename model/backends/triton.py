@@ -1,8 +1,9 @@
 """``attn=fa1``, ``fa2``, ``fa3``: the project's Triton / Gluon kernels (``kernels/``).
 
 fa1 / fa2 are the Triton FlashAttention-1 / -2 kernels, fa3 the Gluon FlashAttention-3 kernels for Hopper (FA2's
-where they do not apply). fa2 does sliding windows and documents in the kernel (``fa2_varlen_attention`` for
-documents) and skips the key blocks outside them; fa1 and fa3 refuse them. All three take the fused qkv
+where they do not apply). fa2 and fa3 do sliding windows in the kernel and skip the key blocks outside them; fa2
+does documents too (``fa2_varlen_attention``), and fa3's documents run those same FA2 kernels
+(``fa3_varlen_attention``, with its one-time warning). fa1 refuses both. All three take the fused qkv
 (``fa*_qkvpacked_attention``); fa2 and fa3 decode through the split-K/V kernel ``fa2_decode`` (flash-decoding).
 None has attention dropout (``dropout_p > 0`` raises ValueError; config validation refuses model.dropout > 0).
 
@@ -47,9 +48,9 @@ def fa2_kernels() -> Kernels:
 
 
 def fa3_kernels() -> Kernels:
-    from kernels import fa2_decode, fa3_attention, fa3_qkvpacked_attention
+    from kernels import fa2_decode, fa3_attention, fa3_qkvpacked_attention, fa3_varlen_attention
 
-    return Kernels(fa3_attention, fa3_qkvpacked_attention, decode=fa2_decode)
+    return Kernels(fa3_attention, fa3_qkvpacked_attention, varlen=fa3_varlen_attention, decode=fa2_decode)
 
 
 def fa3_runs(head_dim: Optional[int]) -> bool:

@@ -35,11 +35,12 @@ def test_document_pairs_count_the_visible_pairs():
 
 @pytest.mark.parametrize("mode", ["window", "varlen"])
 def test_backends_of_a_mode_compute_the_same_attention(mode):
-    """fa2 (the interpreter), FlexAttention (eager) and SDPA with the dense mask agree; forward only (Flex has no
-    CPU backward)."""
+    """fa3 and fa2 (the interpreter; fa3 is FA2's kernels on the CPU), FlexAttention (eager) and SDPA with the dense
+    mask agree; forward only (Flex has no CPU backward)."""
     if mode == "window":
         table, shape = masks.window_backends(48, 5, "cpu", compile_flex=False), (2, 48)
-        del table["fa2_full"]
+        for name in ("fa3_full", "fa2_full", "sdpa_cudnn"):  # not windowed; cuDNN needs a GPU
+            del table[name]
     else:
         documents = masks.packed_documents(2, 40, 6, 1.0, seed=random.randrange(2**32))
         table, shape = masks.varlen_backends(documents, "cpu", compile_flex=False), (1, 80)
@@ -58,4 +59,4 @@ def test_bench_masks_needs_a_gpu(monkeypatch):
 def test_unknown_backend_is_rejected_with_the_accepted_names(capsys):
     with pytest.raises(SystemExit):
         masks.main(["--backends", "fa2,flesh"])
-    assert "--backends: unknown ['flesh']; choose from fa2_full, fa2, flex, sdpa_dense" in capsys.readouterr().err
+    assert "--backends: unknown ['flesh']; choose from fa3_full, fa3, fa2_full, fa2, flex, sdpa_dense, sdpa_cudnn" in capsys.readouterr().err

@@ -17,7 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import fa2, fa2_attention, fa3, fa3_attention, fa3_qkvpacked_attention
+from kernels import (
+    fa2, fa2_attention, fa2_varlen_attention, fa3, fa3_attention, fa3_qkvpacked_attention, fa3_varlen_attention,
+)
+from test_attention import reference
 
 ROOT = Path(__file__).resolve().parents[2]
 SUPPORTED = not isinstance(fa3.gluon_kernels(), str)  # the installed Triton is one the kernels support
@@ -44,7 +47,7 @@ def _qkv(dtype=torch.bfloat16, head_dim=64, device="cuda" if torch.cuda.is_avail
 def _facts(**changes) -> fa3.Facts:
     """The facts of a call the Gluon forward takes on an H200, with `changes`."""
     facts = fa3.Facts(direction="forward", environment=None, dtype=torch.bfloat16, head_dim=64, seqlen_k=4096,
-                      causal=True, tma_ok=True, deterministic=False)
+                      causal=True, varlen=False, tma_ok=True, deterministic=False)
     return facts._replace(**changes)
 
 
@@ -73,6 +76,7 @@ def test_a_fallback_warns_once_from_the_callers_line(fresh_dispatch):
     (dict(head_dim=80), "head_dim 80"),
     (dict(head_dim=256, dtype=torch.float16), "head_dim 256"),
     (dict(tma_ok=False), "inputs TMA cannot address"),
+    (dict(varlen=True), "packed variable-length sequences"),
     (dict(environment="no CUDA GPU (x)", head_dim=80), "no CUDA GPU"),  # the machine is named first
 ])
 @pytest.mark.parametrize("direction", ["forward", "backward"])
@@ -93,22 +97,24 @@ def test_no_gpu_is_named_before_the_inputs():
 @pytest.mark.parametrize("kernel", ["fwd", "bwd"])
 def test_gluon_kernels_compile_for_sm90(kernel):
     """No GPU needed: Triton compiles for a named target, on whatever release is installed (CI's is the one
-    `pip install -r requirements.txt` gives). Every head_dim, causal or not, bfloat16 and float16, with GQA in
-    some: the compile must succeed, not fall back. Catches Gluon API breaks before a user's GPU does.
+    `pip install -r requirements.txt` gives). Every head_dim, causal or not, with a sliding window's left edge
+    or not, bfloat16 and float16, with GQA in some: the compile must succeed, not fall back. Catches Gluon API
+    breaks before a user's GPU does.
 
     Runs in a fresh process without TRITON_INTERPRET: under the interpreter Triton's own jitted helpers (the
     reductions' combine functions) are interpreted objects a compiled kernel cannot reference.
     """
     code = (f"import itertools, torch; from kernels import fa3\n"
-            f"for d, c, t in itertools.product(fa3.HEAD_DIMS, (True, False), (torch.bfloat16, torch.float16)):\n"
-            f"    k = fa3.compile_for_sm90(t, d, c, 1 if c else 4, {kernel!r}); ptx = k.asm['ptx']\n"
-            "    print(d, c, t, k.metadata.shared,"
+            f"for d, c, w, t in itertools.product(fa3.HEAD_DIMS, (True, False), (True, False),"
+            f" (torch.bfloat16, torch.float16)):\n"
+            f"    k = fa3.compile_for_sm90(t, d, c, 1 if c else 4, {kernel!r}, window=w); ptx = k.asm['ptx']\n"
+            "    print(d, c, w, t, k.metadata.shared,"
             " all(s in ptx for s in ('wgmma.mma_async', 'setmaxnreg', 'cp.async.bulk.tensor')))")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line.split() for line in done.stdout.splitlines()]
-    assert len(lines) == 2 * len(fa3.HEAD_DIMS) * 2
+    assert len(lines) == 2 * 2 * len(fa3.HEAD_DIMS) * 2
     for *combination, shared, has_hopper_instructions in lines:
         assert has_hopper_instructions == "True", f"{combination}: wgmma, setmaxnreg and TMA copies expected"
         assert int(shared) <= 232448, f"{combination}: more shared memory than an sm_90 block may have"
@@ -478,3 +484,101 @@ def test_bwd_preprocess_refuses_a_wrong_dq_accumulator():
                 torch.zeros(1, 2, 64, 64).transpose(2, 3), torch.zeros(1, 2, 32, 64), torch.zeros(2, 64, 64)):
         with pytest.raises(ValueError, match="dq_acc must be a float32 .* with a unit last stride"):
             bwd_preprocess(o, o, bad)
+
+
+# (head_dim, causal, window_size, n_heads, n_kv_heads, seqlen_q, seqlen_k)
+WINDOW_CASES = [
+    (64, True, (127, -1), 4, 4, 1000, 1000),  # gpt-oss's 128-token window: the band crosses every tile
+    (128, True, (1023, -1), 2, 2, 2100, 2100),  # a 1k window over 2k: tiles with and without the left edge
+    (64, False, (0, 0), 2, 2, 333, 333),  # each row sees its own key only
+    (64, False, (-1, 5), 4, 2, 300, 517),  # a right edge without causal, seqlen_q < seqlen_k
+    (128, False, (33, 70), 8, 2, 517, 300),  # both edges, GQA, seqlen_q > seqlen_k
+    (64, True, (5000, -1), 2, 2, 700, 700),  # wider than the sequence: plain causal
+    (64, True, (40, -1), 2, 1, 455, 200),  # the first rows see no key
+    (128, False, (3, 2), 2, 2, 129, 1100),  # a band narrower than a block, far right of the keys
+]
+
+
+def _window_run(head_dim, causal, window_size, n_heads, n_kv_heads, seqlen_q, seqlen_k, k_poison=None):
+    """The Gluon forward and backward (run directly: `plan`'s length rule aside) on (B, T, H, D)-ordered views,
+    outputs poisoned, against the float64 reference; k_poison: key rows set to NaN first (never to be read)."""
+    def bthd(heads, seqlen):  # (B, H, T, D) views of (B, T, H, D) memory, as the model passes them
+        return torch.randn(2, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+
+    q, k, v, do = bthd(n_heads, seqlen_q), bthd(n_kv_heads, seqlen_k), bthd(n_kv_heads, seqlen_k), bthd(n_heads, seqlen_q)
+    if k_poison is not None:
+        k[:, :, k_poison], v[:, :, k_poison] = float("nan"), float("nan")
+    scale = head_dim ** -0.5
+    q64, k64, v64 = (t.detach().double().nan_to_num(0.0).requires_grad_() for t in (q, k, v))
+    o_ref, lse_ref = reference(q64, k64, v64, causal, scale, window_size)
+    o_ref.backward(do.double())
+    banded = causal or window_size != (-1, -1)
+    o, lse = fa3.run_forward(q, k, v, causal, scale, fa3.FORWARD_CONFIGS[head_dim, banded], window_size)
+    out = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+    grads = fa3.run_backward(do, q, k, v, o, lse, causal, scale, fa3.BACKWARD_CONFIGS[head_dim], out, window_size)
+    seen = torch.isfinite(lse_ref)
+    assert torch.equal(torch.isfinite(lse), seen)  # rows that see no key: +inf inside, 0 output
+    assert (lse[seen].double() / fa2.LOG2E - lse_ref[seen]).abs().max() < 1e-2
+    for got, ref in ((o, o_ref), *zip(grads, (q64.grad, k64.grad, v64.grad))):
+        assert torch.isfinite(got).all()
+        # relative, but to an rms of 1 at least: with window (0, 0) dq and dk are 0 (a row's softmax of one key)
+        err = ((got.double() - ref).norm() / ref.norm().clamp_min(ref.numel() ** 0.5)).item()
+        assert err < 1e-2, err
+    return o, grads
+
+
+@gluon_on_hopper
+@pytest.mark.parametrize("head_dim,causal,window_size,n_heads,n_kv_heads,seqlen_q,seqlen_k", WINDOW_CASES)
+def test_gluon_window_matches_float64(fresh_dispatch, head_dim, causal, window_size, n_heads, n_kv_heads, seqlen_q,
+                                      seqlen_k):
+    """Sliding windows in the Gluon forward and backward, flash-attn's convention (bottom-right, -1 unlimited,
+    causal sets right to 0, rows that see no key give 0), against float64: o, lse, dq, dk, dv."""
+    _window_run(head_dim, causal, window_size, n_heads, n_kv_heads, seqlen_q, seqlen_k)
+
+
+@gluon_on_hopper
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gluon_window_never_reads_keys_outside_the_band(fresh_dispatch, head_dim):
+    """128 queries at the end of 1024 keys, window (100, 0): keys 0..767 (whole 128-key blocks) are NaN. A visit
+    would spread NaN through a GEMM, so finite, correct results prove the forward and the backward skip them; their
+    dK and dV come back exactly 0."""
+    _, (dq, dk, dv) = _window_run(head_dim, True, (100, -1), 2, 2, 128, 1024, k_poison=slice(0, 768))
+    assert (dk[:, :, :768] == 0).all() and (dv[:, :, :768] == 0).all()
+
+
+@gluon_on_hopper
+def test_fa3_attention_runs_windows_on_gluon(fresh_dispatch):
+    """fa3_attention with a window takes the Gluon kernels both ways (no fallback warning) and matches FA2."""
+    q, k, v = (torch.randn(2, 4, 2048, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    assert fa3.plan("backward", q, k, v, True).kernel == "gluon"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        o = fa3_attention(q, k, v, causal=True, window_size=(255, -1))
+        o.backward(torch.ones_like(o))
+    grads = [t.grad for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    o2 = fa2_attention(q, k, v, causal=True, window_size=(255, -1))
+    o2.backward(torch.ones_like(o2))
+    assert (o - o2).abs().max() < 2e-2
+    for got, ref in zip(grads, (q.grad, k.grad, v.grad)):
+        assert ((got.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
+
+
+def test_windows_and_packed_sequences_run_fa2_where_gluon_does_not(fresh_dispatch):
+    """fa3_attention(window_size=...) and fa3_varlen_attention give FA2's results wherever FA2's kernels run (every
+    window on a machine without an H200; packed sequences everywhere, with one warning naming them)."""
+    q, k, v = _qkv()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        o = fa3_attention(q, k, v, causal=True, window_size=(5, -1))
+    if not HOPPER or not SUPPORTED:
+        torch.testing.assert_close(o, fa2_attention(q, k, v, causal=True, window_size=(5, -1)), rtol=0, atol=0)
+    packed = [t[0].transpose(0, 1).contiguous() for t in (q, k, v)]  # (total, heads, head_dim)
+    cu = torch.tensor([0, 7, 7, 24], dtype=torch.int32, device=q.device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        o = fa3_varlen_attention(*packed, cu, cu, 17, 17, causal=True, window_size=(3, -1))
+    assert any("packed variable-length sequences" in str(w.message) for w in caught) or not HOPPER
+    ref = fa2_varlen_attention(*packed, cu, cu, 17, 17, causal=True, window_size=(3, -1))
+    torch.testing.assert_close(o, ref, rtol=0, atol=0)

@@ -149,18 +149,19 @@ def test_resolve_backend(monkeypatch):
     assert fa3.gluon_device_reason(torch.device("cpu")) is not None
     monkeypatch.setattr(fa3, "gluon_device_reason", lambda device: "GPU compute capability 8.0 is not 9.0 (Hopper)")
     assert resolved("auto") == resolved("auto", 64) == "fa2"
-    # Where they do (a Hopper GPU, a supported Triton): fa3, unless head_dim or masks rule it out.
+    # Where they do (a Hopper GPU, a supported Triton): fa3, unless head_dim or document masks rule it out.
     monkeypatch.setattr(fa3, "gluon_device_reason", lambda device: None)
     assert resolved("auto") == resolved("auto", 64) == resolved("auto", 128) == "fa3"
-    assert resolved("auto", 96) == resolved("auto", 64, masks=True) == "fa2"
+    assert resolved("auto", 96) == resolved("auto", 64, docs=True) == "fa2"
     assert resolved("fa1") == "fa1" and resolved("sdpa") == "sdpa"
     with pytest.raises(ValueError, match="attn=.flash.*auto, sdpa, sdpa_flash, sdpa_cudnn, fa1, fa2"):
         resolve_backend("flash")
 
 
 def test_the_backend_is_resolved_once_per_model_and_shared_by_its_layers(monkeypatch):
-    """GPT resolves config.attn once (auto: with the model's head_dim and windows) and hands that one object to every
-    layer; a model with a window on a Hopper GPU gets fa2, as config validation resolves it."""
+    """GPT resolves config.attn once (auto: with the model's head_dim) and hands that one object to every layer; a
+    model with a window on a Hopper GPU gets fa3 (its Gluon kernels take windows), as config validation resolves
+    it."""
     import model.gpt
     from kernels import fa3
 
@@ -168,7 +169,7 @@ def test_the_backend_is_resolved_once_per_model_and_shared_by_its_layers(monkeyp
     monkeypatch.setattr(model.gpt, "resolve_backend", lambda *args: calls.append(args) or resolve_backend(*args))
     cfg = dict(block_size=8, vocab_size=10, n_layer=3, n_head=2, n_embd=128)  # head_dim 64: one fa3 takes
     gpt = GPT(GPTConfig(**cfg, attn="sdpa"))
-    assert calls == [("sdpa", 64, False)] and gpt.backend is REGISTRY["sdpa"]
+    assert calls == [("sdpa", 64)] and gpt.backend is REGISTRY["sdpa"]
     assert all(block.attn.backend is gpt.backend for block in gpt.transformer.h)
     assert copy.deepcopy(gpt).transformer.h[1].attn.backend is gpt.backend  # one object per backend
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -177,7 +178,7 @@ def test_the_backend_is_resolved_once_per_model_and_shared_by_its_layers(monkeyp
         warnings.simplefilter("ignore")
         assert GPT(GPTConfig(**cfg, attn="auto")).backend is REGISTRY["fa3"]
         windowed = GPT(GPTConfig(**cfg, attn="auto", attn_window=[4, 0, 4]))
-    assert windowed.backend is REGISTRY["fa2"] and calls[-1] == ("auto", 64, True)
+    assert windowed.backend is REGISTRY["fa3"] and calls[-1] == ("auto", 64)
 
 
 def test_triton_backend_warns_and_reports_missing_kernels(monkeypatch):
@@ -335,9 +336,9 @@ def test_training_forward_can_skip_the_logits():
     assert last.shape == (3, 1, 50) and no_loss is None
 
 
-@pytest.mark.parametrize("name", ["fa1", "fa3", "sdpa_flash"])
+@pytest.mark.parametrize("name", ["fa1", "sdpa_flash"])
 def test_backends_without_windows_refuse_them_by_their_registry_entry(name):
-    """fa3 (FA2's backward, no window) and the others without supports_window / supports_docs: a clear ValueError."""
+    """The backends without supports_window / supports_docs: a clear ValueError."""
     assert not REGISTRY[name].supports_window and not REGISTRY[name].supports_docs
     q = torch.randn(1, 2, 8, 16)
     with warnings.catch_warnings():

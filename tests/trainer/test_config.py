@@ -316,8 +316,9 @@ def test_printed_overrides_survive_the_shell_and_hydra(name):
 
 
 def test_auto_backend_follows_the_model(monkeypatch):
-    """attn=auto on a (pretended) Hopper GPU where the Gluon kernels run: fa3, but fa2 for a head_dim they do not
-    take or for window / document masks (fa3 has none), so such a config still validates."""
+    """attn=auto on a (pretended) Hopper GPU where the Gluon kernels run: fa3, windows included (the Gluon kernels
+    take them), but fa2 for a head_dim they do not take or for document masks (fa3 would run FA2's varlen kernels
+    for them, with a warning)."""
     from kernels import fa3
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -325,7 +326,7 @@ def test_auto_backend_follows_the_model(monkeypatch):
     assert config_backend(compose_config(["model=gpt2"])) == "fa3"  # head_dim 64
     assert config_backend(compose_config(["model=gpt2", "model.n_head=8"])) == "fa2"  # head_dim 96
     windowed = compose_config(["model=gpt2", "model.attn_window=128"])
-    assert config_backend(windowed) == "fa2"
+    assert config_backend(windowed) == "fa3"
     validate_config(windowed)
     assert config_backend(compose_config(["model=gpt2", "data=shakespeare_scenes", "data.document_mask=true"])) == "fa2"
 
