@@ -237,9 +237,11 @@ def _caller_stacklevel() -> int:
     return level if frame is not None else 1
 
 
-def run_forward(q, k, v, causal: bool, softmax_scale: float, config: ForwardConfig, window_size=(-1, -1)):
+def run_forward(q, k, v, causal: bool, softmax_scale: float, config: ForwardConfig, window_size=(-1, -1),
+                softcap: float = 0.0):
     """The Gluon forward with `config` (no checks: `plan` decides where it applies) -> (o, base-2 LSE).
-    window_size: flash-attn's (left, right), -1 = unlimited (`fa2.window_edges`)."""
+    window_size: flash-attn's (left, right), -1 = unlimited (`fa2.window_edges`); softcap: flash-attn's logit cap
+    (0 = off)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     kernel = gluon_kernels().forward
@@ -261,16 +263,24 @@ def run_forward(q, k, v, causal: bool, softmax_scale: float, config: ForwardConf
         grid = (min(n_tiles, _sm_count(q.device)),)
     else:
         grid = (persistent_grid(n_tiles_m, batch * n_heads, seqlen_q, num_consumers, _sm_count(q.device)),)
-    key = (kernel, config, q.dtype, q.device, q.shape, k.shape, left, right)
+    key = (kernel, config, q.dtype, q.device, q.shape, k.shape, left, right, softcap > 0)
     _run(kernel, key, grid,
          q_desc=desc(q, BLOCK_M, q_box), k_desc=desc(k, block_n, kv_box), v_desc=desc(v, block_n, kv_box),
          o_desc=desc(o, BLOCK_M, q_box), LSE=lse, n_heads=n_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-         window_left=max(left, 0), window_right=max(right, 0), qk_scale=softmax_scale * fa2.LOG2E,
+         window_left=max(left, 0), window_right=max(right, 0), **_logits(softmax_scale, softcap),
          n_tiles_m=n_tiles_m, n_tiles=n_tiles, GROUP=n_heads // n_kv_heads, LEFT=left >= 0, RIGHT=right >= 0,
          PINGPONG=pingpong, NUM_CONSUMERS=num_consumers,
          HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=num_stages, Q_LAYOUT=q_layout,
          KV_LAYOUT=kv_layout)
     return o, lse
+
+
+def _logits(softmax_scale: float, softcap: float) -> dict:
+    """The kernels' score arguments: base-2 logits are s * qk_scale, or with softcap > 0
+    tanh(s * softcap_in) * qk_scale = softcap * tanh(softmax_scale * s / softcap) * log2(e)."""
+    if softcap > 0:
+        return dict(qk_scale=softcap * fa2.LOG2E, softcap_in=softmax_scale / softcap, SOFTCAP=True)
+    return dict(qk_scale=softmax_scale * fa2.LOG2E, softcap_in=0.0, SOFTCAP=False)
 
 
 @functools.lru_cache(maxsize=1024)  # a pure function of the shape, ~0.1-1 ms of Python
@@ -327,25 +337,25 @@ def _banded(causal: bool, window_size) -> bool:
 
 
 def forward(q, k, v, causal, softmax_scale, window_size=(-1, -1), cu_seqlens_q=None, cu_seqlens_k=None,
-            max_seqlen_q=0, max_seqlen_k=0):
+            max_seqlen_q=0, max_seqlen_k=0, softcap=0.0):
     """Same contract as `fa2.forward`: o (like q, in q's memory order) and the base-2 LSE, float32
-    (batch, n_heads, seqlen_q), +inf for rows that see no key; sliding windows as there. The Gluon kernel where
-    `plan` says, else FA2's (always for packed sequences: cu_seqlens)."""
+    (batch, n_heads, seqlen_q), +inf for rows that see no key; sliding windows and softcap as there. The Gluon
+    kernel where `plan` says, else FA2's (always for packed sequences: cu_seqlens)."""
     varlen = cu_seqlens_q is not None
     choice = plan("forward", q, k, v, _banded(causal, window_size), varlen=varlen)
     if choice.kernel == "gluon":
-        return run_forward(q, k, v, causal, softmax_scale, choice.config, window_size)
+        return run_forward(q, k, v, causal, softmax_scale, choice.config, window_size, softcap)
     if choice.warn:
         _warn_fallback(choice.reason)
     return fa2.forward(q, k, v, causal, softmax_scale, window_size, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                       max_seqlen_k)
+                       max_seqlen_k, softcap=softcap)
 
 
 def run_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, config: BackwardConfig, out=None,
-                 window_size=(-1, -1)):
+                 window_size=(-1, -1), softcap: float = 0.0):
     """The Gluon backward with `config` (no checks: `plan` decides where it applies) -> (dq, dk, dv), into `out`
-    when given (`common.grad_buffers`). window_size as in `run_forward`. ValueError for a config the kernel cannot
-    run."""
+    when given (`common.grad_buffers`). window_size and softcap as in `run_forward`. ValueError for a config the
+    kernel cannot run."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     dq_rows, dq_cols = config.dq_box(q.shape[-1])  # checks the config
@@ -367,12 +377,12 @@ def run_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, config
     block_n = BWD_CONSUMERS * 64
     grid = (triton.cdiv(seqlen_k, block_n), batch * n_kv_heads)
     lse = lse.contiguous()
-    key = (kernel, config, q.dtype, q.device, q.shape, k.shape, left, right, lse.data_ptr() % 16 == 0)
+    key = (kernel, config, q.dtype, q.device, q.shape, k.shape, left, right, softcap > 0, lse.data_ptr() % 16 == 0)
     _run(kernel, key, grid,
          q_desc=desc(q, block_m, q_box), k_desc=desc(k, block_n, k_box), v_desc=desc(v, 64, v_box),
          do_desc=desc(do, block_m, q_box), dk_desc=desc(dk, 64, v_box), dv_desc=desc(dv, 64, v_box),
          dq_desc=desc(dq_acc, dq_rows, dq_box, dq_cols), LSE=lse, DELTA=delta, n_heads=n_heads, seqlen_q=seqlen_q,
-         seqlen_k=seqlen_k, window_left=max(left, 0), window_right=max(right, 0), qk_scale=softmax_scale * fa2.LOG2E,
+         seqlen_k=seqlen_k, window_left=max(left, 0), window_right=max(right, 0), **_logits(softmax_scale, softcap),
          softmax_scale=softmax_scale, GROUP=n_heads // n_kv_heads, LEFT=left >= 0, RIGHT=right >= 0,
          NUM_CONSUMERS=BWD_CONSUMERS, HEAD_DIM=head_dim,
          BLOCK_M=block_m, NUM_STAGES=num_stages, SPLIT_DQ=split_dq,
@@ -432,25 +442,25 @@ def _bwd_layouts(dtype, head_dim: int, block_m: int, dq_box: tuple[int, int], ra
 
 
 def backward(do, q, k, v, o, lse, causal, softmax_scale, window_size=(-1, -1), cu_seqlens_q=None, cu_seqlens_k=None,
-             max_seqlen_q=0, max_seqlen_k=0, out=None):
+             max_seqlen_q=0, max_seqlen_k=0, out=None, softcap=0.0):
     """Same contract as `fa2.backward`: dq, dk, dv like q, k, v, written into `out` when given
     (`common.grad_buffers`; TMA writes dk, dv, so they must meet `use_tma` or FA2's backward runs). `lse` is the
     forward's base-2 LSE. The Gluon backward where `plan` says, else FA2's (always for packed sequences)."""
     varlen = cu_seqlens_q is not None
     choice = plan("backward", q, k, v, _banded(causal, window_size), do, *(out or ())[1:], varlen=varlen)
     if choice.kernel == "gluon":
-        return run_backward(do, q, k, v, o, lse, causal, softmax_scale, choice.config, out, window_size)
+        return run_backward(do, q, k, v, o, lse, causal, softmax_scale, choice.config, out, window_size, softcap)
     if choice.warn:
         _warn_fallback(choice.reason)
     return fa2.backward(do, q, k, v, o, lse, causal, softmax_scale, window_size, cu_seqlens_q, cu_seqlens_k,
-                        max_seqlen_q, max_seqlen_k, out=out)
+                        max_seqlen_q, max_seqlen_k, out=out, softcap=softcap)
 
 
 def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, kernel="fwd", config=None,
-                     window=False):
+                     window=False, softcap=False):
     """Compile the Gluon forward (kernel="fwd") or backward ("bwd") for sm_90 without a GPU (catches Gluon API
     breaks on CPU-only machines), with `config` (a ForwardConfig / BackwardConfig; default the measured one).
-    causal: the band's right edge (RIGHT); window: its left edge (LEFT, a sliding window).
+    causal: the band's right edge (RIGHT); window: its left edge (LEFT, a sliding window); softcap: the logit cap.
 
     Returns Triton's compiled kernel (`.asm` holds ttgir, ptx and cubin). Raises RuntimeError naming the
     reason when this Triton is not one the kernels support, ValueError for another `kernel`.
@@ -472,8 +482,8 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
         fn = kernels.forward
         descs = dict(q_desc=tensordesc(BLOCK_M, q_box), o_desc=tensordesc(BLOCK_M, q_box),
                      k_desc=tensordesc(block_n, kv_box), v_desc=tensordesc(block_n, kv_box), LSE="*fp32",
-                     qk_scale="fp32")
-        constexprs = dict(GROUP=group, LEFT=window, RIGHT=causal, PINGPONG=pingpong, NUM_CONSUMERS=num_consumers,
+                     qk_scale="fp32", softcap_in="fp32")
+        constexprs = dict(GROUP=group, LEFT=window, RIGHT=causal, SOFTCAP=softcap, PINGPONG=pingpong, NUM_CONSUMERS=num_consumers,
                           HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=num_stages,
                           Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout)
     else:
@@ -487,8 +497,9 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
                                tensordesc(64, v_box))
         fn = kernels.backward
         descs = dict(q_desc=q_box, k_desc=k_box, v_desc=v_box, do_desc=q_box, dk_desc=v_box, dv_desc=v_box,
-                     dq_desc=dq_box, LSE="*fp32", DELTA="*fp32", qk_scale="fp32", softmax_scale="fp32")
-        constexprs = dict(GROUP=group, LEFT=window, RIGHT=causal, NUM_CONSUMERS=BWD_CONSUMERS, HEAD_DIM=head_dim,
+                     dq_desc=dq_box, LSE="*fp32", DELTA="*fp32", qk_scale="fp32", softcap_in="fp32",
+                     softmax_scale="fp32")
+        constexprs = dict(GROUP=group, LEFT=window, RIGHT=causal, SOFTCAP=softcap, NUM_CONSUMERS=BWD_CONSUMERS, HEAD_DIM=head_dim,
                           BLOCK_M=block_m, NUM_STAGES=num_stages, SPLIT_DQ=split_dq,
                           Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, DQ_LAYOUT=dq_layout)
     signature = {arg: "i32" for arg in fn.arg_names}

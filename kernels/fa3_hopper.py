@@ -89,8 +89,8 @@ class QTiles:
         self.q, self.o, self.q_ready, self.q_empty, self.turns = q, o, q_ready, q_empty, turns
 
 @gluon.jit
-def _softmax_block(s, m_i, l_i, key_start, key_limit, start_n, qk_scale, MASKED: gl.constexpr, LEFT: gl.constexpr,
-                   BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+def _softmax_block(s, m_i, l_i, key_start, key_limit, start_n, qk_scale, softcap_in, MASKED: gl.constexpr,
+                   LEFT: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
     """Online softmax of one (BLOCK_M, BLOCK_N) score block (FA2 Algorithm 1, lines 8-9, base 2).
 
     key_start, key_limit (per row): the row sees keys [key_start, key_limit) (key_start only with LEFT, a sliding
@@ -98,8 +98,13 @@ def _softmax_block(s, m_i, l_i, key_start, key_limit, start_n, qk_scale, MASKED:
     the block; the scale stays fused into the exp2's FFMA as in the unmasked path.
     l_i is each thread's share of the row sums (`_halve_columns`' (BLOCK_M, 4) layout), added across the 4 lanes
     only once per tile (`_row_sums`), as FA3 does: no shuffles on the way to the PV GEMM's wait.
+    SOFTCAP: the scores are capped first, s -> tanh(s * softcap_in) (`_tanh`), with the host's qk_scale then
+    softcap * log2(e): softcap * tanh(softmax_scale * s / softcap) in base 2 (Gemma 2's logit cap, flash-attn's
+    `softcap`); the mask follows the cap, so masked scores stay -inf.
     Returns p (float32, un-normalised), alpha = exp2(m_old - m_new) and the new m_i, l_i.
     """
+    if SOFTCAP:
+        s = _tanh(s * softcap_in)
     if MASKED:
         cols = gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), 0)
         visible = cols < gl.expand_dims(key_limit - start_n, 1)
@@ -118,6 +123,14 @@ def _softmax_block(s, m_i, l_i, key_start, key_limit, start_n, qk_scale, MASKED:
     alpha_l = gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout), assert_trivial=True)
     l_i = l_i * gl.expand_dims(alpha_l, 1) + _halve_columns(p, False, BLOCK_N)
     return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _tanh(x):
+    """tanh, float32, by the hardware's approximation (`tanh.approx.f32`, max relative error 2^-10.99: below bf16's
+    rounding), as FA3's softcap."""
+    return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True,
+                                     pack=1)
 
 
 @gluon.jit
@@ -245,8 +258,8 @@ def _key_range(row0, ROWS: gl.constexpr, seqlen_q, seqlen_k, window_left, window
 
 @gluon.jit
 def _kv_block(j, kv_it, acc, p_op, m_i, l_i, turn, q_tile, ring, turn_bars, first_n, key_start, key_limit,
-              lo_free, hi_free, qk_scale, CID: gl.constexpr, NEXT: gl.constexpr, PACKED_CVT: gl.constexpr,
-              PINGPONG: gl.constexpr, LEFT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              lo_free, hi_free, qk_scale, softcap_in, CID: gl.constexpr, NEXT: gl.constexpr,
+              PACKED_CVT: gl.constexpr, PINGPONG: gl.constexpr, LEFT: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """K/V block j >= 1 of a consumer's tile (FA3 Algorithm 2): issue S_j = Q K_j^T and O += P_{j-1} V_{j-1},
     wait for S_j, softmax of block j under the PV GEMM, then wait for it and rescale O. The block holds keys
@@ -268,11 +281,11 @@ def _kv_block(j, kv_it, acc, p_op, m_i, l_i, turn, q_tile, ring, turn_bars, firs
     mbarrier.arrive(ring.k_empty.index(slot))
     start_n = first_n + j * BLOCK_N
     if _masked(start_n, lo_free, hi_free, LEFT):
-        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, key_start, key_limit, start_n, qk_scale, True, LEFT,
-                                            BLOCK_N, s_layout)
+        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, key_start, key_limit, start_n, qk_scale, softcap_in, True,
+                                            LEFT, SOFTCAP, BLOCK_N, s_layout)
     else:
-        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, key_start, key_limit, start_n, qk_scale, False, LEFT,
-                                            BLOCK_N, s_layout)
+        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, key_start, key_limit, start_n, qk_scale, softcap_in, False,
+                                            LEFT, SOFTCAP, BLOCK_N, s_layout)
     acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
     mbarrier.arrive(ring.v_empty.index(prev))
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -308,8 +321,8 @@ def _skip_block(j, kv_it, turn, ring, turn_bars, CID: gl.constexpr, NEXT: gl.con
 
 @gluon.jit
 def _consumer(tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, window_left, window_right,
-              qk_scale, CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr, LEFT: gl.constexpr, RIGHT: gl.constexpr,
-              PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+              qk_scale, softcap_in, CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr, LEFT: gl.constexpr,
+              RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Consumer warpgroup CID: rows [start_m + CID * BLOCK_M, + BLOCK_M) of each of the CTA's tiles."""
     dtype: gl.constexpr = tiles.q.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -380,11 +393,11 @@ def _consumer(tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, s
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(ring.k_empty.index(slot))
         if _masked(start_n, lo_free, hi_free, LEFT):
-            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, key_start, key_limit, start_n, qk_scale, True, LEFT,
-                                                BLOCK_N, s_layout)
+            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, key_start, key_limit, start_n, qk_scale, softcap_in,
+                                                True, LEFT, SOFTCAP, BLOCK_N, s_layout)
         else:
-            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, key_start, key_limit, start_n, qk_scale, False, LEFT,
-                                                BLOCK_N, s_layout)
+            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, key_start, key_limit, start_n, qk_scale, softcap_in,
+                                                False, LEFT, SOFTCAP, BLOCK_N, s_layout)
         p_op = gl.convert_layout(_to_operand(p, dtype, PACKED_CVT), p_layout)
 
         # Blocks (j0, n_own), masked or not decided per block at run time (one loop measured as fast as separate
@@ -392,7 +405,8 @@ def _consumer(tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, s
         for j in range(j0 + 1, n_own):
             acc, p_op, m_i, l_i, turn = _kv_block(
                 j, kv_it, acc, p_op, m_i, l_i, turn, q_tile, ring, turn_bars, first_n, key_start, key_limit,
-                lo_free, hi_free, qk_scale, CID, NEXT, PACKED_CVT, PINGPONG, LEFT, BLOCK_M, BLOCK_N, s_layout,
+                lo_free, hi_free, qk_scale, softcap_in, CID, NEXT, PACKED_CVT, PINGPONG, LEFT, SOFTCAP, BLOCK_M,
+                BLOCK_N, s_layout,
                 o_layout, p_layout)
         mbarrier.arrive(tiles.q_empty.index(CID))  # every QK GEMM of ours is done: the buffer may take a new Q
 
@@ -457,8 +471,8 @@ def _producer(q_desc, k_desc, v_desc, tiles, ring, n_tiles_m, n_tiles, n_heads, 
 @gluon.jit
 def fa3_fwd_kernel(
     q_desc, k_desc, v_desc, o_desc, LSE,
-    n_heads, seqlen_q, seqlen_k, window_left, window_right, qk_scale, n_tiles_m, n_tiles,
-    GROUP: gl.constexpr, LEFT: gl.constexpr, RIGHT: gl.constexpr, PINGPONG: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+    n_heads, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_in, n_tiles_m, n_tiles,
+    GROUP: gl.constexpr, LEFT: gl.constexpr, RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr,
 ):
@@ -497,9 +511,11 @@ def fa3_fwd_kernel(
         gl.warp_specialize(
             [
             (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, window_left,
-                         window_right, qk_scale, 0, NUM_CONSUMERS, LEFT, RIGHT, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
+                         window_right, qk_scale, softcap_in, 0, NUM_CONSUMERS, LEFT, RIGHT, SOFTCAP, PINGPONG, BLOCK_M,
+                         BLOCK_N, HEAD_DIM)),
             (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, window_left,
-                         window_right, qk_scale, 1, NUM_CONSUMERS, LEFT, RIGHT, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
+                         window_right, qk_scale, softcap_in, 1, NUM_CONSUMERS, LEFT, RIGHT, SOFTCAP, PINGPONG, BLOCK_M,
+                         BLOCK_N, HEAD_DIM)),
             (_producer, (q_desc, k_desc, v_desc, tiles, ring, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k,
                          window_left, window_right, GROUP, LEFT, RIGHT, NUM_CONSUMERS, BLOCK_M, BLOCK_N)),
             ],
@@ -510,11 +526,14 @@ def fa3_fwd_kernel(
         gl.warp_specialize(
             [
             (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, window_left,
-                         window_right, qk_scale, 0, NUM_CONSUMERS, LEFT, RIGHT, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
+                         window_right, qk_scale, softcap_in, 0, NUM_CONSUMERS, LEFT, RIGHT, SOFTCAP, PINGPONG, BLOCK_M,
+                         BLOCK_N, HEAD_DIM)),
             (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, window_left,
-                         window_right, qk_scale, 1, NUM_CONSUMERS, LEFT, RIGHT, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
+                         window_right, qk_scale, softcap_in, 1, NUM_CONSUMERS, LEFT, RIGHT, SOFTCAP, PINGPONG, BLOCK_M,
+                         BLOCK_N, HEAD_DIM)),
             (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, window_left,
-                         window_right, qk_scale, 2, NUM_CONSUMERS, LEFT, RIGHT, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
+                         window_right, qk_scale, softcap_in, 2, NUM_CONSUMERS, LEFT, RIGHT, SOFTCAP, PINGPONG, BLOCK_M,
+                         BLOCK_N, HEAD_DIM)),
             (_producer, (q_desc, k_desc, v_desc, tiles, ring, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k,
                          window_left, window_right, GROUP, LEFT, RIGHT, NUM_CONSUMERS, BLOCK_M, BLOCK_N)),
             ],

@@ -3,7 +3,8 @@
 Source: Shah et al. 2024, "FlashAttention-3", Section 3 and Appendix B.1 (the backward: producer-consumer
 warp specialisation, dK/dV accumulated in registers per key block, dQ accumulated in float32 in global memory
 through TMA reduce-add); the arithmetic is FA2's Algorithm 2 with the base-2 LSE of `kernels/fa2.py` (P = exp2(S * qk_scale
-- lse), dS = P * (dP - delta), delta = rowsum(dO * O)).
+- lse), dS = P * (dP - delta), delta = rowsum(dO * O)); with SOFTCAP the forward's logit cap, S -> tanh(S *
+softcap_in), and dS scaled by the cap's derivative 1 - tanh^2.
 
 One CTA owns NUM_CONSUMERS * 64 keys of one (batch, kv head) and loops over every query block (of every query
 head in its GQA group) that can see them. Partitions (`gl.warp_specialize`):
@@ -34,6 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
+from .fa3_hopper import _tanh
 from .gluon_compat import aggregate, as_4d, constexpr_function, cp_async_load, tma_load, tma_reduce_add, tma_store
 
 BLOCK_KEYS = gl.constexpr(64)  # keys per consumer warpgroup (a wgmma's 64 rows)
@@ -179,8 +181,8 @@ def _query_range(start_n, seqlen_q, seqlen_k, window_left, window_right, LEFT: g
 
 @gluon.jit
 def _consumer(keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, window_left, window_right,
-              qk_scale, softmax_scale, CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr, GROUP: gl.constexpr,
-              LEFT: gl.constexpr, RIGHT: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+              qk_scale, softcap_in, softmax_scale, CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr, GROUP: gl.constexpr,
+              LEFT: gl.constexpr, RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
               SPLIT_DQ: gl.constexpr):
     """Consumer warpgroup CID: keys [start_n + 64 * CID, + 64) of the CTA's key block.
 
@@ -244,7 +246,11 @@ def _consumer(keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q
         # P^T = 1 and dS^T = 1 * (0 - 0) = 0: they add nothing to dV and dK, and no mask is needed.
         lse = stats.slice(0, BLOCK_M).load(col_layout)
         s_t = warpgroup_mma_wait(1, deps=(s_t,))  # S^T is done; dP^T may still run
-        p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse, 0))
+        if SOFTCAP:  # the forward's cap (`fa3_hopper._softmax_block`); its derivative scales dS below
+            t = _tanh(s_t * softcap_in)
+            p_t = gl.exp2(t * qk_scale - gl.expand_dims(lse, 0))
+        else:
+            p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse, 0))
         if LEFT:
             if (start_m < m_free) | (start_m >= m_free_hi):
                 cols = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
@@ -257,7 +263,10 @@ def _consumer(keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q
         p_op = gl.convert_layout(p_t.to(dtype), op_layout)
         dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)  # dV += P^T dO
         dp_t, p_op = warpgroup_mma_wait(1, deps=(dp_t, p_op))
-        ds_t = (p_t * dp_t).to(dtype)
+        if SOFTCAP:  # d/ds softcap * tanh(s * scale / softcap) = scale * (1 - tanh^2); scale is applied at the end
+            ds_t = (p_t * dp_t * (1.0 - t * t)).to(dtype)
+        else:
+            ds_t = (p_t * dp_t).to(dtype)
         ds_op = gl.convert_layout(ds_t, op_layout)
         dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)  # dK += dS^T Q (scaled at the end)
 
@@ -324,8 +333,8 @@ def _producer(q_desc, k_desc, v_desc, do_desc, keys_smem, ring, LSE, DELTA, n_he
 @gluon.jit
 def fa3_bwd_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA,
-    n_heads, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softmax_scale,
-    GROUP: gl.constexpr, LEFT: gl.constexpr, RIGHT: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr,
+    n_heads, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_in, softmax_scale,
+    GROUP: gl.constexpr, LEFT: gl.constexpr, RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT_DQ: gl.constexpr,
     Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr, DS_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr,
 ):
@@ -367,11 +376,11 @@ def fa3_bwd_kernel(
     gl.warp_specialize(
         [
         (_consumer, (keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, window_left,
-                     window_right, qk_scale, softmax_scale, 0, NUM_CONSUMERS, GROUP, LEFT, RIGHT, BLOCK_M,
-                     HEAD_DIM, SPLIT_DQ)),
+                     window_right, qk_scale, softcap_in, softmax_scale, 0, NUM_CONSUMERS, GROUP, LEFT, RIGHT,
+                     SOFTCAP, BLOCK_M, HEAD_DIM, SPLIT_DQ)),
         (_consumer, (keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, window_left,
-                     window_right, qk_scale, softmax_scale, 1, NUM_CONSUMERS, GROUP, LEFT, RIGHT, BLOCK_M,
-                     HEAD_DIM, SPLIT_DQ)),
+                     window_right, qk_scale, softcap_in, softmax_scale, 1, NUM_CONSUMERS, GROUP, LEFT, RIGHT,
+                     SOFTCAP, BLOCK_M, HEAD_DIM, SPLIT_DQ)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, keys_smem, ring, LSE, DELTA, n_heads, seqlen_q, seqlen_k,
                      window_left, window_right, NUM_CONSUMERS, GROUP, LEFT, RIGHT, BLOCK_M)),
         ],

@@ -499,23 +499,46 @@ WINDOW_CASES = [
 ]
 
 
-def _window_run(head_dim, causal, window_size, n_heads, n_kv_heads, seqlen_q, seqlen_k, k_poison=None):
+def _softcap_reference(q, k, v, causal, scale, window_size, softcap):
+    """float64 attention with the logit cap softcap * tanh(scale * q k^T / softcap) (0: none) and the window."""
+    if not softcap:
+        return reference(q, k, v, causal, scale, window_size)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    s = softcap * torch.tanh(q @ k.transpose(-1, -2) * scale / softcap)
+    seqlen_q, seqlen_k = q.shape[2], k.shape[2]
+    left, right = window_size[0], 0 if causal else window_size[1]
+    i = torch.arange(seqlen_q, device=q.device)[:, None] + seqlen_k - seqlen_q
+    j = torch.arange(seqlen_k, device=q.device)[None, :]
+    if right >= 0:
+        s = s.masked_fill(j > i + right, float("-inf"))
+    if left >= 0:
+        s = s.masked_fill(j < i - left, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.exp(s - lse[..., None]).nan_to_num(0.0) @ v, lse
+
+
+def _window_run(head_dim, causal, window_size, n_heads, n_kv_heads, seqlen_q, seqlen_k, k_poison=None, softcap=0.0,
+                q_scale=1.0):
     """The Gluon forward and backward (run directly: `plan`'s length rule aside) on (B, T, H, D)-ordered views,
-    outputs poisoned, against the float64 reference; k_poison: key rows set to NaN first (never to be read)."""
+    outputs poisoned, against the float64 reference; k_poison: key rows set to NaN first (never to be read);
+    q_scale: q's size (large logits for softcap)."""
     def bthd(heads, seqlen):  # (B, H, T, D) views of (B, T, H, D) memory, as the model passes them
         return torch.randn(2, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
 
     q, k, v, do = bthd(n_heads, seqlen_q), bthd(n_kv_heads, seqlen_k), bthd(n_kv_heads, seqlen_k), bthd(n_heads, seqlen_q)
+    q = q * q_scale
     if k_poison is not None:
         k[:, :, k_poison], v[:, :, k_poison] = float("nan"), float("nan")
     scale = head_dim ** -0.5
     q64, k64, v64 = (t.detach().double().nan_to_num(0.0).requires_grad_() for t in (q, k, v))
-    o_ref, lse_ref = reference(q64, k64, v64, causal, scale, window_size)
+    o_ref, lse_ref = _softcap_reference(q64, k64, v64, causal, scale, window_size, softcap)
     o_ref.backward(do.double())
     banded = causal or window_size != (-1, -1)
-    o, lse = fa3.run_forward(q, k, v, causal, scale, fa3.FORWARD_CONFIGS[head_dim, banded], window_size)
+    o, lse = fa3.run_forward(q, k, v, causal, scale, fa3.FORWARD_CONFIGS[head_dim, banded], window_size, softcap)
     out = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
-    grads = fa3.run_backward(do, q, k, v, o, lse, causal, scale, fa3.BACKWARD_CONFIGS[head_dim], out, window_size)
+    grads = fa3.run_backward(do, q, k, v, o, lse, causal, scale, fa3.BACKWARD_CONFIGS[head_dim], out, window_size,
+                             softcap)
     seen = torch.isfinite(lse_ref)
     assert torch.equal(torch.isfinite(lse), seen)  # rows that see no key: +inf inside, 0 output
     assert (lse[seen].double() / fa2.LOG2E - lse_ref[seen]).abs().max() < 1e-2
@@ -582,3 +605,13 @@ def test_windows_and_packed_sequences_run_fa2_where_gluon_does_not(fresh_dispatc
     assert any("packed variable-length sequences" in str(w.message) for w in caught) or not HOPPER
     ref = fa2_varlen_attention(*packed, cu, cu, 17, 17, causal=True, window_size=(3, -1))
     torch.testing.assert_close(o, ref, rtol=0, atol=0)
+
+
+@gluon_on_hopper
+@pytest.mark.parametrize("head_dim,causal,window_size,softcap", [
+    (64, True, (-1, -1), 30.0), (128, False, (-1, -1), 50.0), (64, True, (127, -1), 20.0), (128, True, (300, -1), 5.0),
+])
+def test_gluon_softcap_matches_float64(fresh_dispatch, head_dim, causal, window_size, softcap):
+    """Gemma 2's logit cap in the Gluon forward and backward (flash-attn's softcap) with logits far past the cap
+    (q scaled up 8x: scores of ~100 against caps of 5-50), against float64: o, lse, dq, dk, dv."""
+    _window_run(head_dim, causal, window_size, 4, 2, 1100, 1100, softcap=softcap, q_scale=8.0)

@@ -54,3 +54,17 @@ def test_fa3_variants_default_variants_parse_in_both_modes(monkeypatch, argv):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         fa3_variants.main(argv)
+
+
+def test_window_configs_tool_checks_its_variants_before_the_gpu(monkeypatch):
+    """tools.fa3_window_configs: a variant it cannot read, or a backward the kernel cannot run, exits naming it;
+    without a GPU it says so."""
+    from tools import fa3_window_configs
+
+    with pytest.raises(SystemExit, match="give 5 fields"):
+        fa3_window_configs.main(["--forward", "2:128:4"])
+    with pytest.raises(SystemExit, match="backward variant 2:rows:64 at head_dim 64"):
+        fa3_window_configs.main(["--backward", "2:rows:64"])
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        fa3_window_configs.main([])

@@ -1,0 +1,81 @@
+"""Time the Gluon FA3 forward and backward with a sliding window under several tile configs, beside FA2's window
+and the Gluon full causal on the same inputs, in one process (an H100/H200).
+
+    python -m tools.fa3_window_configs --window 128 --batch 2 --n-heads 128 --head-dim 64     # gpt-oss's layers
+    python -m tools.fa3_window_configs --window 1024 --head-dim 128 --forward 2:128:2:0:1,2:64:4:0:1
+
+Causal attention over (B, N, H, D)-ordered memory (the model's), each query seeing itself and the --window keys
+before it (`window_size=(window, 0)`). A forward variant is NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT,
+a backward one NUM_STAGES[:SPLIT_DQ[:BLOCK_M]] (as `tools.fa3_variants`). Every variant's output is checked against
+FA2's window (relative error of o, and of dq, dk, dv), then `triton.testing.do_bench` medians are printed (ms).
+The kernels run with each variant passed in (`fa3.run_forward` / `fa3.run_backward`); nothing in `kernels` changes.
+Also prints the backward's two passes around the Gluon kernel (delta with the dQ accumulator's zeroing; dQ's cast).
+"""
+
+import argparse
+
+import torch
+
+from bench import HelpFormatter
+from kernels import fa2, fa3
+from kernels.common import bwd_preprocess, empty_like_layout
+from tools.fa3_variants import backward_config, check_backward_configs, forward_config, parse_variants, rel
+
+FORWARD_VARIANTS = {64: "2:128:4:1:1,2:64:4:1:1,2:64:6:1:1,3:64:4:1:1,3:128:3:1:1,2:64:4:0:1",
+                    128: "2:128:2:0:1,2:64:4:0:1,2:64:3:1:1,2:128:2:1:1"}
+BACKWARD_VARIANTS = {64: "2:rows:128,2:cols:64,3:cols:64", 128: "2:cols:64"}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--window", type=int, default=1024, help="keys before each query (window_size[0])")
+    parser.add_argument("--batch", type=int, default=2, help="B")
+    parser.add_argument("--n-heads", type=int, default=16, help="H")
+    parser.add_argument("--seqlen", type=int, default=8192, help="N")
+    parser.add_argument("--head-dim", type=int, default=64, choices=fa3.HEAD_DIMS, help="D")
+    parser.add_argument("--forward", default=None, help="forward variants (default: a few per head_dim)")
+    parser.add_argument("--backward", default=None, help="backward variants (default: a few per head_dim)")
+    args = parser.parse_args(argv)
+    d = args.head_dim
+    forward = [forward_config(v) for v in parse_variants(args.forward or FORWARD_VARIANTS[d], forward_config)]
+    backward_text = parse_variants(args.backward or BACKWARD_VARIANTS[d], backward_config)
+    check_backward_configs(backward_text, [d])
+    backward = [backward_config(v, fa3.BACKWARD_CONFIGS[d]) for v in backward_text]
+    if not torch.cuda.is_available():
+        raise SystemExit("tools.fa3_window_configs needs a CUDA GPU")
+    import triton.testing
+
+    def bench(fn):
+        return triton.testing.do_bench(fn, return_mode="median")
+
+    shape = (args.batch, args.seqlen, args.n_heads, d)
+    q, k, v, do = (torch.randn(shape, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(4))
+    window, scale = (args.window, 0), d ** -0.5
+    name = f"B={args.batch} H={args.n_heads} N={args.seqlen} D={d} window={args.window}"
+    o_ref, lse_ref = fa2.forward(q, k, v, True, scale, window)
+    grads_ref = fa2.backward(do, q, k, v, o_ref, lse_ref, True, scale, window)
+    print(f"{name} fa2 fwd {bench(lambda: fa2.forward(q, k, v, True, scale, window)):.3f} ms")
+    print(f"{name} fa2 bwd {bench(lambda: fa2.backward(do, q, k, v, o_ref, lse_ref, True, scale, window)):.3f} ms")
+    full = fa3.FORWARD_CONFIGS[d, True]
+    print(f"{name} fa3 full causal fwd {bench(lambda: fa3.run_forward(q, k, v, True, scale, full)):.3f} ms")
+    o_full, lse_full = fa3.run_forward(q, k, v, True, scale, full)
+    t = bench(lambda: fa3.run_backward(do, q, k, v, o_full, lse_full, True, scale, fa3.BACKWARD_CONFIGS[d]))
+    print(f"{name} fa3 full causal bwd {t:.3f} ms", flush=True)
+    for config in forward:
+        o, lse = fa3.run_forward(q, k, v, True, scale, config, window)
+        t = bench(lambda: fa3.run_forward(q, k, v, True, scale, config, window))
+        print(f"{name} fa3 fwd {tuple(config)} {t:.3f} ms (o err {rel(o, o_ref):.1e})", flush=True)
+    o, lse = fa3.run_forward(q, k, v, True, scale, fa3.FORWARD_CONFIGS[d, True], window)
+    for config in backward:
+        grads = fa3.run_backward(do, q, k, v, o, lse, True, scale, config, None, window)
+        err = max(rel(g, r) for g, r in zip(grads, grads_ref))
+        t = bench(lambda: fa3.run_backward(do, q, k, v, o, lse, True, scale, config, None, window))
+        print(f"{name} fa3 bwd {tuple(config)} {t:.3f} ms (max grad err {err:.1e})", flush=True)
+    acc = empty_like_layout(q, q.shape, torch.float32)
+    dq = torch.empty_like(q)
+    print(f"{name} backward passes: delta + zeroed dQ accumulator {bench(lambda: bwd_preprocess(o, do, acc)):.3f} "
+          f"ms, dQ cast {bench(lambda: fa3.convert_dq(acc, scale, dq)):.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
