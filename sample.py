@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ckpt_path = find_checkpoint(args.run, args.runs_root)
         model, tokenizer, ckpt = load_model(ckpt_path, device, args.attn)
-    except CheckpointError as e:
+    except (CheckpointError, ValueError) as e:  # ValueError: e.g. an --attn without the model's attn_softcap
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"# {ckpt_path} (step {ckpt['step']})", file=sys.stderr)

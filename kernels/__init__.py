@@ -1,18 +1,19 @@
 """Our FlashAttention kernels: `fa3_attention` (FlashAttention-3 in Gluon for Hopper, forward and backward),
-`fa2_attention` / `fa2_varlen_attention` (FlashAttention-2 in Triton, with sliding windows and packed
-variable-length sequences; fa3 has sliding windows too, and `fa3_varlen_attention` runs FA2's varlen kernels), `fa1_attention` (the FA1 baseline) and `fa2_decode` (split-K/V decode: one query per
+`fa2_attention` / `fa2_varlen_attention` (FlashAttention-2 in Triton, with sliding windows, packed
+variable-length sequences and logit soft-capping; fa3 has windows and soft-capping too, and `fa3_varlen_attention`
+runs FA2's varlen kernels), `fa1_attention` (the FA1 baseline) and `fa2_decode` (split-K/V decode: one query per
 (batch, head) against a KV cache). `fa*_qkvpacked_attention` take one packed qkv tensor (a fused projection's
 output) and write its gradient in place.
 
     frontend.py        validation, layouts, the torch.library ops and autograd shared by every kernel
     common.py          Triton helpers the kernels share: tile loads/stores, masks, TMA checks, the backward's preprocess
     fa1.py             FlashAttention-1 (Triton): forward and backward launchers
-    fa2.py             FlashAttention-2 (Triton): forward, three-kernel backward, sliding windows, varlen
+    fa2.py             FlashAttention-2 (Triton): forward, three-kernel backward, sliding windows, varlen, softcap
     fa3.py             FlashAttention-3: `plan()` (Gluon kernel or FA2, from one table of rules), configs, launchers
     fa3_hopper.py      the Gluon forward (warp-specialised, ping-pong, persistent)
     fa3_hopper_bwd.py  the Gluon backward (dQ through TMA reduce-adds)
     gluon_compat.py    the Gluon API names that differ between Triton 3.6 and 3.9, in one place
-    decode.py          split-K/V decode kernel
+    decode.py          split-K/V decode kernel (softcap too)
 
 To run them without a GPU, set TRITON_INTERPRET=1 before importing this package (slow; for tests).
 """
@@ -26,7 +27,7 @@ from .frontend import (
 )
 
 fa2_attention, fa2_qkvpacked_attention = make_attention("fa2", fa2.forward, fa2.backward, lse_log_base=2.0,
-                                                        masks=True)
+                                                        masks=True, softcap=True)
 fa2_attention.__doc__ = PUBLIC_DOC.format(
     title="FlashAttention-2 (Triton): exact scaled dot-product attention, forward and backward.",
     source="Dao 2023, FlashAttention-2, Algorithm 1 (forward) and 2 (backward); see kernels/fa2.py.",
@@ -54,7 +55,7 @@ FA3_GRADIENTS = ("the Gluon backward adds dQ up through TMA reduce-adds, whose o
                  "bit-reproducible; under torch.use_deterministic_algorithms(True) FA2's atomic-free backward runs "
                  "instead, deterministic.")
 fa3_attention, fa3_qkvpacked_attention = make_attention("fa3", fa3.forward, fa3.backward, lse_log_base=2.0,
-                                                        masks=True)
+                                                        masks=True, softcap=True)
 fa3_attention.__doc__ = PUBLIC_DOC.format(
     title="FlashAttention-3 (Gluon, Hopper): exact scaled dot-product attention, forward and backward.",
     source="Shah et al. 2024, FlashAttention-3, Section 3.1 and Algorithm 2 (forward), Appendix B.1 (backward: dQ "

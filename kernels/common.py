@@ -98,6 +98,30 @@ def visible_mask(rows, cols, seqlen_k, diag_offset, window_left, window_right, L
 
 
 @triton.jit
+def tanh(x):
+    """tanh of a float32 tile, to float32 precision everywhere. Built from exp2: libdevice's tanh does not run
+    under Triton's interpreter. Small |x| take the Taylor series, where 1 - 2 / (e^2x + 1) would cancel (its error
+    is ~1e-7 absolute, which a large softcap would scale up into the scores). |x| >= 10 is +-1 in float32: clamped
+    there, so exp2 cannot overflow."""
+    x = tl.clamp(x, -10.0, 10.0)
+    big = 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)  # 2 * log2(e)
+    x2 = x * x
+    small = x * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * -0.05396825396825397)))
+    return tl.where(tl.abs(x) < 0.125, small, big)
+
+
+def softcap_args(softmax_scale: float, softcap: float, log2e: float) -> tuple[float, float]:
+    """The kernels' (qk_scale, softcap_scale): the score in the kernels' log base (`log2e`: log2(e) for base-2
+    kernels) is q.k * qk_scale, or with logit soft-capping (softcap > 0; s -> softcap * tanh(s / softcap),
+    s = softmax_scale * q.k) t * qk_scale with t = tanh(q.k * softcap_scale). Without softcap, softcap_scale is
+    0.0 (unused). Clamped to float32's range, so an extreme softcap saturates instead of giving inf * 0."""
+    if not softcap > 0:
+        return softmax_scale * log2e, 0.0
+    f32_max = torch.finfo(torch.float32).max
+    return min(softcap * log2e, f32_max), min(softmax_scale / softcap, f32_max)
+
+
+@triton.jit
 def mma(a, b, acc, UPCAST: tl.constexpr):
     """tl.dot(a, b, acc): a @ b accumulated into acc (float32) in place, as one fused multiply-add.
 

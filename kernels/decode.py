@@ -12,6 +12,7 @@ One query sees every cached key (the bottom-right causal mask of seqlen_q = 1 ma
 mask. With `seqlen` (a device tensor) only the first `seqlen` keys count: k, v can then be a whole
 preallocated KV cache, so the shapes stay the same from step to step and the step can be captured in a CUDA
 graph; the splits are planned over the whole buffer and those past `seqlen` do no work.
+`softcap` > 0 caps every score as `fa2_attention` does (softcap * tanh(s / softcap), the constexpr SOFTCAP).
 Forward only (inference); registered as the custom op `flashgpt::fa2_decode` so torch.compile keeps it as one node.
 """
 
@@ -22,8 +23,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import INTERPRET, block_d, check_grid, head_ptr, load_tile
-from .frontend import validate
+from .common import INTERPRET, block_d, check_grid, head_ptr, load_tile, softcap_args, tanh
+from .frontend import check_softcap, validate
 
 LOG2E = math.log2(math.e)
 BLOCK_N = 64  # keys per inner step; a split is a multiple of it
@@ -33,9 +34,9 @@ BLOCK_N = 64  # keys per inner step; a split is a multiple of it
 def _split(
     Q, K, V, O_PART, LSE_PART,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-    n_heads, seqlen_k, split_size, num_splits, qk_scale, SEQLEN,
+    n_heads, seqlen_k, split_size, num_splits, qk_scale, softcap_scale, SEQLEN,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_SEQLEN: tl.constexpr,
+    HAS_SEQLEN: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     off_bh, split = tl.program_id(0), tl.program_id(1)
     if HAS_SEQLEN:  # the number of valid keys, read on the device (static shapes)
@@ -46,7 +47,8 @@ def _split(
     v_base = head_ptr(V, off_b, stride_vb, off_hk, stride_vh)
     offs_d = tl.arange(0, BLOCK_D)
     q = tl.load(head_ptr(Q, off_b, stride_qb, off_h, stride_qh) + offs_d, mask=offs_d < HEAD_DIM, other=0.0)
-    q = q.to(tl.float32) * qk_scale  # [BLOCK_D]; the scale (with log2 e) folded in once
+    # [BLOCK_D]; the scale (with log2 e) folded in once; with SOFTCAP the one inside the tanh (fa2's _fwd)
+    q = q.to(tl.float32) * (softcap_scale if SOFTCAP else qk_scale)
 
     lo = split * split_size
     hi = tl.minimum(lo + split_size, seqlen_k)  # empty (hi <= lo) only for splits past SEQLEN
@@ -57,7 +59,10 @@ def _split(
         cols = start_n + tl.arange(0, BLOCK_N)
         # one query row: a tl.dot would need >= 16 rows, so the scores are a broadcast multiply and a row sum
         k = load_tile(k_base, cols, stride_kn, hi, offs_d, HEAD_DIM, BLOCK_D, True).to(tl.float32)
-        s = tl.where(cols < hi, tl.sum(k * q[None, :], axis=1), -float("inf"))  # [BLOCK_N], base 2
+        s = tl.sum(k * q[None, :], axis=1)  # [BLOCK_N], base 2
+        if SOFTCAP:
+            s = tanh(s) * qk_scale
+        s = tl.where(cols < hi, s, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
         alpha = tl.math.exp2(m_i - m_new)  # 0 on the first step (m_i = -inf, m_new finite)
         p = tl.math.exp2(s - m_new)
@@ -99,7 +104,8 @@ def default_num_splits(batch: int, n_heads: int, seqlen_k: int, device: torch.de
     return max(1, min(triton.cdiv(2 * sms, batch * n_heads), triton.cdiv(seqlen_k, BLOCK_N)))
 
 
-def _forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, num_splits: int, seqlen: Tensor | None) -> Tensor:
+def _forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, num_splits: int, seqlen: Tensor | None,
+             softcap: float = 0.0) -> Tensor:
     batch, n_heads, _, head_dim = q.shape
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     check_grid(batch, n_heads)
@@ -110,10 +116,12 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, num_splits: 
     bd = block_d(head_dim)
     o_part = torch.empty((batch * n_heads, num_splits, bd), device=q.device, dtype=torch.float32)
     lse_part = torch.empty((batch * n_heads, num_splits), device=q.device, dtype=torch.float32)
+    qk_scale, softcap_scale = softcap_args(softmax_scale, softcap, LOG2E)
     _split[(batch * n_heads, num_splits)](
         q, k, v, o_part, lse_part, q.stride(0), q.stride(1), *k.stride()[:3], *v.stride()[:3],
-        n_heads, seqlen_k, split_size, num_splits, softmax_scale * LOG2E, seqlen,
+        n_heads, seqlen_k, split_size, num_splits, qk_scale, softcap_scale, seqlen,
         GROUP=n_heads // n_kv_heads, HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_N=BLOCK_N, HAS_SEQLEN=seqlen is not None,
+        SOFTCAP=softcap > 0,
     )
     o = torch.empty_like(q)
     _combine[(batch * n_heads,)](
@@ -125,17 +133,17 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, num_splits: 
 
 @torch.library.custom_op("flashgpt::fa2_decode", mutates_args=())
 def _decode_op(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, num_splits: int,
-               seqlen: Tensor | None = None) -> Tensor:
-    return _forward(q, k, v, softmax_scale, num_splits, seqlen)
+               seqlen: Tensor | None = None, softcap: float = 0.0) -> Tensor:
+    return _forward(q, k, v, softmax_scale, num_splits, seqlen, softcap)
 
 
 @_decode_op.register_fake
-def _(q, k, v, softmax_scale, num_splits, seqlen=None):
+def _(q, k, v, softmax_scale, num_splits, seqlen=None, softcap=0.0):
     return torch.empty_like(q)
 
 
 def fa2_decode(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float | None = None,
-               num_splits: int | None = None, seqlen: Tensor | None = None) -> Tensor:
+               num_splits: int | None = None, seqlen: Tensor | None = None, softcap: float = 0.0) -> Tensor:
     """Attention of one query per (batch, head) over all of k, v, with the keys split across programs.
 
     Args:
@@ -147,17 +155,20 @@ def fa2_decode(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float | None = No
         seqlen: optional integer tensor of one element on q's device: only keys 0 .. seqlen-1 count (k, v may
            be a whole KV cache; the value is read on the device, so it is not checked: it must be >= 1, and
            values above seqlen_k count as seqlen_k).
+        softcap: logit soft-capping as in `fa2_attention` (a float >= 0, 0.0 = off).
 
     Returns:
-        o, like q: softmax(q k^T * softmax_scale) v, as ``fa2_attention(q, k, v, causal=True)`` for seqlen_q = 1
+        o, like q: softmax(q k^T * softmax_scale) v (scores capped with softcap), as
+        ``fa2_attention(q, k, v, causal=True, softcap=softcap)`` for seqlen_q = 1
         (with ``seqlen``: over k[:, :, :seqlen], v[:, :, :seqlen]).
         Not differentiable.
 
     Raises:
         ValueError: seqlen_q != 1, num_splits < 1, a seqlen that is not a one-element integer tensor on q's
-            device, or anything ``fa2_attention`` rejects; TypeError as there.
+            device, or anything ``fa2_attention`` rejects (softcap too); TypeError as there.
     """
     validate(q, k, v, True, softmax_scale)
+    check_softcap(softcap, "fa2_decode", True)
     if q.shape[2] != 1:
         raise ValueError(f"fa2_decode takes one query per (batch, head); got seqlen_q={q.shape[2]}")
     if num_splits is not None and num_splits < 1:
@@ -169,4 +180,4 @@ def fa2_decode(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float | None = No
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))
     q = q.contiguous()
-    return _decode_op(q, k, v, float(softmax_scale), num_splits or 0, seqlen)
+    return _decode_op(q, k, v, float(softmax_scale), num_splits or 0, seqlen, float(softcap))

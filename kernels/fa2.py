@@ -25,6 +25,14 @@ i + diag_offset - window_left <= j <= i + diag_offset + window_right, diag_offse
 without a limit is unchecked (constexprs LEFT / RIGHT), causal is RIGHT with window_right = 0. Packed
 variable-length sequences (VARLEN) are one (1, heads, total, head_dim) view; each program reads its sequence's
 rows from cu_seqlens and applies the same masks within it, so another sequence's keys are never visited.
+
+Logit soft-capping (Gemma 2, Gemma Team 2024; flash-attn's `softcap` argument): with softcap > 0 every score
+s = softmax_scale * q.k becomes softcap * tanh(s / softcap) before the mask and the softmax. It is the constexpr
+SOFTCAP, so the kernels without it compile as before. The kernels compute t = tanh(q.k * softcap_scale),
+softcap_scale = softmax_scale / softcap, and use t where they used q.k, with qk_scale = softcap * log2(e) in place
+of softmax_scale * log2(e) [2]; the row maxima stay max(t) * qk_scale, as tanh is increasing. The backward
+recomputes t and multiplies dS by d(softcap * tanh(s / softcap)) / ds = 1 - t^2; dQ and dK keep their final
+softmax_scale (the chain rule's ds / d(q.k)).
 """
 
 import math
@@ -36,7 +44,7 @@ import triton.language as tl
 
 from .common import (
     INTERPRET, block_d, bucket, bwd_preprocess, check_grid, empty_like_layout, grad_buffers, head_ptr,
-    load_rows, load_tile, mma, store_tile, tile_source, upcast_dot, use_tma, visible_mask,
+    load_rows, load_tile, mma, softcap_args, store_tile, tanh, tile_source, upcast_dot, use_tma, visible_mask,
 )
 
 LOG2E = math.log2(math.e)
@@ -94,7 +102,7 @@ def _dkdv_broken(config, args):
     return config.kwargs["TMA"] and config.num_stages == 2 and not args["RIGHT"]
 
 
-_KEY = ["M_BUCKET", "N_BUCKET", "HEAD_DIM", "LEFT", "RIGHT", "VARLEN", "GROUP", "TMA_OK"]
+_KEY = ["M_BUCKET", "N_BUCKET", "HEAD_DIM", "LEFT", "RIGHT", "VARLEN", "GROUP", "TMA_OK", "SOFTCAP"]
 _BWD_KEY = _KEY + ["VARLEN_TILES"]
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA): per kernel, the winners of `python -m tools.fa2_configs` on
 # the H200 (docs/hopper-notes.md); the last one fits every head dim. Few on purpose: every config is compiled
@@ -215,10 +223,10 @@ def _flat_block(CU, n_seqs, pid, BLOCK: tl.constexpr, SEQS: tl.constexpr, LPT: t
 def _fwd_inner(
     acc, l_i, m_i, q,
     k_src, v_src, stride_kn, stride_vn,
-    offs_m, offs_d, lo, hi, seqlen_k, diag_offset, window_left, window_right, qk_scale,
+    offs_m, offs_d, lo, hi, seqlen_k, diag_offset, window_left, window_right, qk_scale, softcap_scale,
     MASKED: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
-    TMA: tl.constexpr,
+    TMA: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """One stage of the inner loop over K/V blocks [lo, hi) for one Q block (Algorithm 1, lines 6-10)."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -227,6 +235,8 @@ def _fwd_inner(
         cols = start_n + offs_n
         k = load_rows(k_src, start_n, cols, stride_kn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, TMA)
         qk = mma(q, tl.trans(k), None, UPCAST)
+        if SOFTCAP:  # the capped score is softcap * t; qk_scale = softcap * log2(e) then scales t like qk
+            qk = tanh(qk * softcap_scale)
         if MASKED:  # [3] an edge block: mask, and keep rows that see no key yet finite
             visible = visible_mask(offs_m[:, None], cols[None, :], seqlen_k, diag_offset, window_left, window_right,
                                    LEFT, RIGHT)
@@ -255,15 +265,18 @@ def _fwd(
     Q, K, V, O, LSE, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
-    n_heads, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
+    n_heads, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale,
     M_BUCKET, N_BUCKET,  # autotune key only
     GROUP: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, VARLEN: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, TMA_OK: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
     """One program = one BLOCK_M block of queries of one (sequence, head); grid (cdiv(max seqlen_q, BLOCK_M), B * H).
 
-    qk_scale = softmax_scale * log2(e), folded once on the host [2]. K/V tiles come through TMA descriptors
+    qk_scale = softmax_scale * log2(e), folded once on the host [2]; with SOFTCAP the score is
+    tanh(q.k * softcap_scale) * qk_scale with softcap_scale = softmax_scale / softcap and qk_scale = softcap * log2(e)
+    (`common.softcap_args`), unused otherwise. K/V tiles come through TMA descriptors
     when the config asks for it (TMA) and the inputs allow it (TMA_OK). seqlen_q / seqlen_k are the tensors'
     row counts (the totals under VARLEN, where each program reads its sequence's bounds from CU_Q / CU_K).
     """
@@ -302,7 +315,8 @@ def _fwd(
             acc, l_i, m_i = _fwd_inner(
                 acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, offs_m, offs_d,
                 (lo, lo_free, hi_free)[stage], (lo_free, hi_free, hi)[stage], seqlen_k, diag_offset, window_left,
-                window_right, qk_scale, stage != 1, LEFT, RIGHT, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST, TMA and TMA_OK,
+                window_right, qk_scale, softcap_scale, stage != 1, LEFT, RIGHT, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST,
+                TMA and TMA_OK, SOFTCAP,
             )
 
     # [1] one division at the end. Rows that saw no key keep m_i = -inf: output 0, internal LSE +inf.
@@ -349,11 +363,13 @@ def _packed(t):
 
 
 def forward(q, k, v, causal, softmax_scale, window_size=(-1, -1), cu_seqlens_q=None, cu_seqlens_k=None,
-            max_seqlen_q=0, max_seqlen_k=0, options=None):
+            max_seqlen_q=0, max_seqlen_k=0, options=None, softcap=0.0):
     """Launch the forward kernel. Returns o (like q) and the base-2 LSE, float32: (batch, n_heads, seqlen_q) for
     q (batch, n_heads, seqlen_q, head_dim); (n_heads, total_q) for packed q (total_q, n_heads, head_dim) with
     cu_seqlens_q / cu_seqlens_k (int32, batch + 1) and the longest sequences' lengths (varlen). `options`: how
-    the kernel runs (`Options`; None: `DEFAULT_OPTIONS`)."""
+    the kernel runs (`Options`; None: `DEFAULT_OPTIONS`). softcap > 0: every score s = softmax_scale * q.k
+    becomes softcap * tanh(s / softcap) before the mask and the softmax (the LSE is over the capped scores);
+    0 = off (the kernel is compiled without it)."""
     options = options or DEFAULT_OPTIONS
     varlen = cu_seqlens_q is not None
     if varlen:
@@ -366,11 +382,12 @@ def forward(q, k, v, causal, softmax_scale, window_size=(-1, -1), cu_seqlens_q=N
     o = empty_like_layout(q)
     lse = torch.empty((q.shape[0], n_heads, seqlen_q), device=q.device, dtype=torch.float32)
     grid = lambda meta: (triton.cdiv(max_q, meta["BLOCK_M"]), batch * n_heads)
+    qk_scale, softcap_scale = softcap_args(softmax_scale, softcap, LOG2E)
     _fwd[grid](
         q, k, v, o, lse, mask[0], mask[1], *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-        n_heads, seqlen_q, seqlen_k, *mask[2:], softmax_scale * LOG2E, bucket(max_q), bucket(max_k),
+        n_heads, seqlen_q, seqlen_k, *mask[2:], qk_scale, softcap_scale, bucket(max_q), bucket(max_k),
         GROUP=n_heads // n_kv_heads, **constexprs, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
-        UPCAST=upcast_dot(q.dtype), TMA_OK=options.tma and use_tma(q, k, v),
+        UPCAST=upcast_dot(q.dtype), TMA_OK=options.tma and use_tma(q, k, v), SOFTCAP=softcap > 0,
     )
     if varlen:
         return _packed(o), lse[0]
@@ -382,9 +399,10 @@ def forward(q, k, v, causal, softmax_scale, window_size=(-1, -1), cu_seqlens_q=N
 def _bwd_dkdv_inner(
     dk, dv, k, v,
     q_src, do_src, lse_base, delta_base, stride_qm, stride_dom,
-    offs_n, offs_d, lo, hi, seqlen_q, seqlen_k, diag_offset, window_left, window_right, qk_scale,
+    offs_n, offs_d, lo, hi, seqlen_q, seqlen_k, diag_offset, window_left, window_right, qk_scale, softcap_scale,
     MASKED: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Inner loop over Q blocks [lo, hi) for one K/V block, computing S^T and P^T (Algorithm 2, lines 8-16)."""
     offs_m0 = tl.arange(0, BLOCK_M)
@@ -396,7 +414,10 @@ def _bwd_dkdv_inner(
             lse = tl.load(lse_base + offs_m, mask=offs_m < seqlen_q, other=float("inf"))
         else:
             lse = tl.load(lse_base + offs_m)
-        p_t = tl.math.exp2(mma(k, tl.trans(q), None, UPCAST) * qk_scale - lse[None, :])
+        qk_t = mma(k, tl.trans(q), None, UPCAST)
+        if SOFTCAP:  # recomputed as in the forward
+            qk_t = tanh(qk_t * softcap_scale)
+        p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :])
         if MASKED:  # keys past seqlen_k need no mask here: their dK/dV rows are never stored
             visible = visible_mask(offs_m[None, :], offs_n[:, None], seqlen_k, diag_offset, window_left,
                                    window_right, LEFT, RIGHT)
@@ -409,6 +430,8 @@ def _bwd_dkdv_inner(
             delta = tl.load(delta_base + offs_m)
         dp_t = mma(v, tl.trans(do), None, UPCAST)
         ds_t = p_t * (dp_t - delta[None, :])
+        if SOFTCAP:  # d(softcap * tanh(s / softcap)) / ds = 1 - tanh^2
+            ds_t = ds_t * (1.0 - qk_t * qk_t)
         dk = mma(ds_t.to(q.dtype), q, dk, UPCAST)  # dK_j += dS^T Q (scaled after the loop)
     return dk, dv
 
@@ -422,10 +445,11 @@ def _bwd_dkdv(
     Q, K, V, DO, DK, DV, LSE, DELTA, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-    n_heads, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softmax_scale, n_seqs,
+    n_heads, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softmax_scale, softcap_scale, n_seqs,
     M_BUCKET, N_BUCKET,  # autotune key only
     GROUP: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, VARLEN: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, TMA_OK: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     FLAT: tl.constexpr, LPT: tl.constexpr, SEQS: tl.constexpr, VARLEN_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
@@ -472,8 +496,8 @@ def _bwd_dkdv(
             dk, dv = _bwd_dkdv_inner(
                 dk, dv, k, v, q_src, do_src, LSE + row0, DELTA + row0, stride_qm, stride_dom, offs_n, offs_d,
                 (lo, lo_free, hi_free)[stage], (lo_free, hi_free, hi)[stage], seqlen_q, seqlen_k, diag_offset,
-                window_left, window_right, qk_scale, stage != 1, LEFT, RIGHT, BLOCK_M, HEAD_DIM, BLOCK_D, UPCAST,
-                TMA and TMA_OK,
+                window_left, window_right, qk_scale, softcap_scale, stage != 1, LEFT, RIGHT, BLOCK_M, HEAD_DIM,
+                BLOCK_D, UPCAST, TMA and TMA_OK, SOFTCAP,
             )
 
     dk = dk * softmax_scale
@@ -487,9 +511,10 @@ def _bwd_dkdv(
 def _bwd_dq_inner(
     dq, q, do, lse, delta,
     k_src, v_src, stride_kn, stride_vn,
-    offs_m, offs_d, lo, hi, seqlen_k, diag_offset, window_left, window_right, qk_scale,
+    offs_m, offs_d, lo, hi, seqlen_k, diag_offset, window_left, window_right, qk_scale, softcap_scale,
     MASKED: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Inner loop over K/V blocks [lo, hi) for one Q block (Algorithm 2, lines 11-21, dQ part)."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -498,13 +523,18 @@ def _bwd_dq_inner(
         cols = start_n + offs_n
         k = load_rows(k_src, start_n, cols, stride_kn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, TMA)
         v = load_rows(v_src, start_n, cols, stride_vn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, TMA)
-        p = tl.math.exp2(mma(q, tl.trans(k), None, UPCAST) * qk_scale - lse[:, None])
+        qk = mma(q, tl.trans(k), None, UPCAST)
+        if SOFTCAP:  # recomputed as in the forward
+            qk = tanh(qk * softcap_scale)
+        p = tl.math.exp2(qk * qk_scale - lse[:, None])
         if MASKED:
             visible = visible_mask(offs_m[:, None], cols[None, :], seqlen_k, diag_offset, window_left, window_right,
                                    LEFT, RIGHT)
             p = tl.where(visible, p, 0.0)
         dp = mma(do, tl.trans(v), None, UPCAST)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:  # d(softcap * tanh(s / softcap)) / ds = 1 - tanh^2
+            ds = ds * (1.0 - qk * qk)
         dq = mma(ds.to(k.dtype), k, dq, UPCAST)  # dQ_i += dS K (scaled after the loop)
     return dq
 
@@ -518,10 +548,11 @@ def _bwd_dq(
     Q, K, V, DO, DQ, LSE, DELTA, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom, stride_dqb, stride_dqh, stride_dqm,
-    n_heads, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softmax_scale, n_seqs,
+    n_heads, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softmax_scale, softcap_scale, n_seqs,
     M_BUCKET, N_BUCKET,  # autotune key only
     GROUP: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, VARLEN: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, TMA_OK: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     FLAT: tl.constexpr, LPT: tl.constexpr, SEQS: tl.constexpr, VARLEN_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
@@ -570,7 +601,8 @@ def _bwd_dq(
             dq = _bwd_dq_inner(
                 dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, offs_m, offs_d,
                 (lo, lo_free, hi_free)[stage], (lo_free, hi_free, hi)[stage], seqlen_k, diag_offset, window_left,
-                window_right, qk_scale, stage != 1, LEFT, RIGHT, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST, TMA and TMA_OK,
+                window_right, qk_scale, softcap_scale, stage != 1, LEFT, RIGHT, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST,
+                TMA and TMA_OK, SOFTCAP,
             )
     dq = dq * softmax_scale
     dq_base = head_ptr(DQ, off_b, stride_dqb, off_h, stride_dqh) + q_start.to(tl.int64) * stride_dqm
@@ -578,8 +610,9 @@ def _bwd_dq(
 
 
 def backward(do, q, k, v, o, lse, causal, softmax_scale, window_size=(-1, -1), cu_seqlens_q=None, cu_seqlens_k=None,
-             max_seqlen_q=0, max_seqlen_k=0, out=None, options=None):
-    """Launch the three backward kernels. `lse` is the forward's base-2 LSE; the mask arguments are the forward's.
+             max_seqlen_q=0, max_seqlen_k=0, out=None, options=None, softcap=0.0):
+    """Launch the three backward kernels. `lse` is the forward's base-2 LSE; the mask arguments and softcap are the
+    forward's (the capped scores are recomputed: dS = P (dP - delta) (1 - tanh^2)).
     Returns dq, dk, dv like q, k, v (written into `out` when given, not with cu_seqlens: `common.grad_buffers`).
     `options`: how the kernels run (`Options`; None: `DEFAULT_OPTIONS`); ValueError for an unknown
     `varlen_bwd_grid`."""
@@ -603,9 +636,10 @@ def backward(do, q, k, v, o, lse, causal, softmax_scale, window_size=(-1, -1), c
         GROUP=n_heads // n_kv_heads, **constexprs, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
         UPCAST=upcast_dot(q.dtype), TMA_OK=options.tma and use_tma(q, k, v, do),
         FLAT=flat, LPT=flat and options.varlen_bwd_grid == "lpt", SEQS=triton.next_power_of_2(batch) if flat else 1,
-        VARLEN_TILES=varlen and options.varlen_bwd_tiles,
+        VARLEN_TILES=varlen and options.varlen_bwd_tiles, SOFTCAP=softcap > 0,
     )
-    sizes = (n_heads, seqlen_q, seqlen_k, *mask[2:], softmax_scale * LOG2E, softmax_scale, batch, bucket(max_q),
+    qk_scale, softcap_scale = softcap_args(softmax_scale, softcap, LOG2E)
+    sizes = (n_heads, seqlen_q, seqlen_k, *mask[2:], qk_scale, softmax_scale, softcap_scale, batch, bucket(max_q),
              bucket(max_k))
     qkv_do_strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
     if flat:  # every sequence's blocks, no more: sum(cdiv(len, BLOCK)) <= cdiv(total, BLOCK) + sequences
@@ -623,20 +657,22 @@ def backward(do, q, k, v, o, lse, causal, softmax_scale, window_size=(-1, -1), c
 
 
 def compile_for_sm90(kernel, left=True, right=True, varlen=True, tma=True, head_dim=64, group=2, grid="padded",
-                     block_m=64, block_n=64, num_warps=4, num_stages=2):
+                     block_m=64, block_n=64, num_warps=4, num_stages=2, softcap=False):
     """Compile one kernel ("fwd", "dkdv" or "dq") for sm_90 with bf16 inputs, without a GPU (catches what only
     the GPU compiler rejects, which the interpreter runs). Call it without TRITON_INTERPRET; returns Triton's
-    compiled kernel. grid: the backward's `Options.varlen_bwd_grid` (with varlen)."""
+    compiled kernel. grid: the backward's `Options.varlen_bwd_grid` (with varlen); softcap: the SOFTCAP variant."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     fn = {"fwd": _fwd, "dkdv": _bwd_dkdv, "dq": _bwd_dq}[kernel].fn
     constexprs = dict(GROUP=group, LEFT=left, RIGHT=right, VARLEN=varlen, HEAD_DIM=head_dim,
-                      BLOCK_D=block_d(head_dim), UPCAST=False, TMA_OK=tma, BLOCK_M=block_m, BLOCK_N=block_n, TMA=tma)
+                      BLOCK_D=block_d(head_dim), UPCAST=False, TMA_OK=tma, SOFTCAP=softcap, BLOCK_M=block_m,
+                      BLOCK_N=block_n, TMA=tma)
     if kernel != "fwd":
         flat = varlen and grid != "padded"
         constexprs.update(FLAT=flat, LPT=flat and grid == "lpt", SEQS=32, VARLEN_TILES=varlen)
-    types = dict(LSE="*fp32", DELTA="*fp32", CU_Q="*i32", CU_K="*i32", qk_scale="fp32", softmax_scale="fp32")
+    types = dict(LSE="*fp32", DELTA="*fp32", CU_Q="*i32", CU_K="*i32", qk_scale="fp32", softmax_scale="fp32",
+                 softcap_scale="fp32")
     signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "*bf16" if arg.isupper() else "i32")
                  for arg in fn.arg_names}
     source = ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in constexprs.items()})

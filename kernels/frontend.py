@@ -12,13 +12,20 @@ with +inf for query rows that see no key, so the backward's `exp(s - lse)` is ex
 packed variable-length sequences, is passed only to kernels registered with `masks=True` (FA2, FA3); for packed
 sequences q is (total_q, n_heads, head_dim) and lse_internal (n_heads, total_q).
 `backward` also takes `out=(dq, dk, dv)`, buffers to write the gradients into (`common.grad_buffers`).
+Logit soft-capping (softcap * tanh(s / softcap) on every score s = softmax_scale * q.k; Gemma 2, flash-attn's
+`softcap`) is opt-in: a kernel module has it when both its launchers accept a `softcap=` keyword (a float > 0;
+0.0 = off, which must cost nothing), and `make_attention` then passes the public functions' `softcap` to them as
+that keyword, the backward getting the forward's value (it recomputes the capped scores). `make_attention` reads the
+keyword off the launchers' signatures (or takes `softcap=True/False`); kernels without it refuse softcap != 0 with a
+ValueError naming the kernels that have it (`SOFTCAP_KERNELS`), and their launchers never see the keyword.
 `make_attention` turns the pair into the public functions `fa*_attention(q, k, v, causal, softmax_scale,
-return_lse, window_size)` and `fa*_qkvpacked_attention(qkv, n_heads, ...)` (one packed qkv tensor, whose gradient
-the backward writes in place), `make_varlen_attention` into `fa*_varlen_attention`. Everything that differs between
-the kernels lives in their Triton kernels.
+return_lse, window_size, *, softcap)` and `fa*_qkvpacked_attention(qkv, n_heads, ...)` (one packed qkv tensor,
+whose gradient the backward writes in place), `make_varlen_attention` into `fa*_varlen_attention`. Everything that
+differs between the kernels lives in their Triton kernels.
 """
 
 import functools
+import inspect
 import math
 from typing import Callable, Optional
 
@@ -32,6 +39,7 @@ MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 
 ForwardLauncher = Callable[..., tuple[Tensor, Tensor]]
 BackwardLauncher = Callable[..., tuple[Tensor, Tensor, Tensor]]
+SOFTCAP_KERNELS: list[str] = []  # the names `make_attention` registered with logit soft-capping, in order
 
 
 def type_name(x) -> str:
@@ -104,6 +112,34 @@ def check_window(window_size, name: str, supported: bool) -> tuple[int, int]:
     return window_size[0], window_size[1]
 
 
+def check_softcap(softcap, name: str, supported: bool, form: str = "attention") -> float:
+    """softcap as a float (0.0 = off); TypeError for a bool or a non-number, ValueError for a value that is not
+    finite or below 0, or for softcap != 0 when `name`'s kernels have no soft-capping (`supported`: they have);
+    form: the public function's suffix ("attention", "qkvpacked_attention", "varlen_attention")."""
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a number (int or float; 0.0 = off), got {type_name(softcap)}")
+    if not 0 <= softcap < math.inf:  # comparisons, not math.isfinite: torch.compile traces them on a symbolic float
+        raise ValueError(f"softcap must be a finite number >= 0 (0.0 = off), got {softcap!r}")
+    if softcap and not supported:
+        have = " or ".join(f"{k}_{form}" for k in SOFTCAP_KERNELS) or "none"
+        raise ValueError(f"{name}_{form} has no logit soft-capping (softcap={softcap!r}); "
+                         f"the kernels with it: {have}")
+    return float(softcap)
+
+
+def accepts_softcap(*launchers: Callable) -> bool:
+    """Whether every launcher takes a `softcap` keyword (the module docstring's opt-in)."""
+    def takes(fn):
+        try:
+            params = inspect.signature(fn).parameters
+        except (TypeError, ValueError):  # no signature to read: not opted in
+            return False
+        return "softcap" in params and params["softcap"].kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                                   inspect.Parameter.KEYWORD_ONLY)
+
+    return all(takes(fn) for fn in launchers)
+
+
 def check_cu_seqlens_args(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
     """The static part of the varlen contract (types, dtypes, shapes), which torch.compile can trace; the offsets'
     values are checked by `check_cu_seqlens_values`."""
@@ -152,11 +188,22 @@ def last_dim_contiguous(t: Tensor) -> Tensor:
 
 
 def make_attention(name: str, forward: ForwardLauncher, backward: BackwardLauncher, lse_log_base: float,
-                   masks: bool = False):
+                   masks: bool = False, softcap: Optional[bool] = None):
     """Register `forward`/`backward` as the custom ops `flashgpt::{name}_forward` and
     `flashgpt::{name}_qkvpacked_forward` with autograd, and return the public functions (`{name}_attention`,
     `{name}_qkvpacked_attention`). `lse_log_base` is the base of the kernels' internal LSE (2 or e). masks: the
-    launchers take the window and varlen arguments (see the module docstring); otherwise they are refused."""
+    launchers take the window and varlen arguments (see the module docstring); otherwise they are refused.
+    softcap: the launchers take `softcap=` (logit soft-capping, see the module docstring); None: whether both
+    accept that keyword; otherwise softcap != 0 is refused. TypeError for softcap=True with launchers that do not
+    take the keyword."""
+    if softcap is None:
+        softcap = accepts_softcap(forward, backward)
+    elif softcap and not accepts_softcap(forward, backward):
+        raise TypeError(f"make_attention({name!r}, softcap=True): the forward and backward launchers must take a "
+                        "`softcap` keyword")
+    has_softcap = bool(softcap)
+    if has_softcap and name not in SOFTCAP_KERNELS:
+        SOFTCAP_KERNELS.append(name)
 
     def mask_args(window_left=-1, window_right=-1, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
                   max_seqlen_k=0):
@@ -166,22 +213,34 @@ def make_attention(name: str, forward: ForwardLauncher, backward: BackwardLaunch
             raise ValueError(f"{name} has no sliding window or variable-length sequences; use fa2")
         return ()
 
-    # The launchers with the ops' arguments: the ops' bodies, and what eager calls run without the ops' dispatch.
-    def run_forward(q, k, v, causal, softmax_scale, *mask):
-        return forward(q, k, v, causal, softmax_scale, *mask_args(*mask))
+    def softcap_kwargs(softcap):  # the launchers' keyword, only for kernels that opted in
+        if has_softcap:
+            return {"softcap": softcap}
+        if softcap:
+            check_softcap(softcap, name, False)
+        return {}
 
-    def run_backward(do, q, k, v, o, lse, causal, softmax_scale, *mask):
-        return backward(last_dim_contiguous(do), q, k, v, o, lse, causal, softmax_scale, *mask_args(*mask))
+    # The launchers with the ops' arguments: the ops' bodies, and what eager calls run without the ops' dispatch.
+    def run_forward(q, k, v, causal, softmax_scale, window_left=-1, window_right=-1, cu_seqlens_q=None,
+                    cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, softcap=0.0):
+        mask = mask_args(window_left, window_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        return forward(q, k, v, causal, softmax_scale, *mask, **softcap_kwargs(softcap))
+
+    def run_backward(do, q, k, v, o, lse, causal, softmax_scale, window_left=-1, window_right=-1, cu_seqlens_q=None,
+                     cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, softcap=0.0):
+        mask = mask_args(window_left, window_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        return backward(last_dim_contiguous(do), q, k, v, o, lse, causal, softmax_scale, *mask,
+                        **softcap_kwargs(softcap))
 
     # One op for every mask: the window and the packed sequences only change the kernels' per-row key ranges.
     @torch.library.custom_op(f"flashgpt::{name}_forward", mutates_args=())
     def forward_op(
         q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float, window_left: int = -1,
         window_right: int = -1, cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
-        max_seqlen_q: int = 0, max_seqlen_k: int = 0,
+        max_seqlen_q: int = 0, max_seqlen_k: int = 0, softcap: float = 0.0,
     ) -> tuple[Tensor, Tensor]:
         return run_forward(q, k, v, causal, softmax_scale, window_left, window_right, cu_seqlens_q, cu_seqlens_k,
-                           max_seqlen_q, max_seqlen_k)
+                           max_seqlen_q, max_seqlen_k, softcap)
 
     @forward_op.register_fake
     def _(q, k, v, causal, softmax_scale, window_left=-1, window_right=-1, cu_seqlens_q=None, *varlen):
@@ -192,10 +251,10 @@ def make_attention(name: str, forward: ForwardLauncher, backward: BackwardLaunch
     def backward_op(
         do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, softmax_scale: float,
         window_left: int = -1, window_right: int = -1, cu_seqlens_q: Optional[Tensor] = None,
-        cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
+        cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: int = 0, max_seqlen_k: int = 0, softcap: float = 0.0,
     ) -> tuple[Tensor, Tensor, Tensor]:
         return run_backward(do, q, k, v, o, lse, causal, softmax_scale, window_left, window_right, cu_seqlens_q,
-                            cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+                            cu_seqlens_k, max_seqlen_q, max_seqlen_k, softcap)
 
     @backward_op.register_fake
     def _(do, q, k, v, o, lse, *args):
@@ -206,13 +265,14 @@ def make_attention(name: str, forward: ForwardLauncher, backward: BackwardLaunch
     to_natural = math.log(lse_log_base)
     eager = (run_forward, run_backward, 3)
 
-    def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, window_size=(-1, -1)):
+    def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, window_size=(-1, -1), *, softcap=0.0):
         validate(q, k, v, causal, softmax_scale)
         check_return_lse(return_lse)
         window = check_window(window_size, name, masks)
+        softcap = check_softcap(softcap, name, has_softcap)
         softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
         q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
-        args = (q, k, v, causal, float(softmax_scale), *window)
+        args = (q, k, v, causal, float(softmax_scale), *window, None, None, 0, 0, softcap)
         # dynamo refuses an autograd.Function given one tensor twice (k is v): compiled code calls the op.
         o, lse = forward_op(*args) if torch.compiler.is_compiling() else EagerAttention.apply(eager, *args)
         return natural_lse(o, lse, to_natural) if return_lse else o
@@ -220,20 +280,23 @@ def make_attention(name: str, forward: ForwardLauncher, backward: BackwardLaunch
     # The same over one packed (batch, seqlen, n_heads + 2 * n_kv_heads, head_dim) qkv: the backward writes dq, dk,
     # dv into one tensor shaped like qkv (the launchers' `out`), the gradient of a fused qkv projection, instead of
     # returning three that autograd then concatenates (a copy of the whole gradient).
-    def run_packed_forward(qkv, n_heads, causal, softmax_scale, *window):
-        o, lse = run_forward(*split_qkv(qkv, n_heads), causal, softmax_scale, *window)
+    def run_packed_forward(qkv, n_heads, causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0):
+        o, lse = run_forward(*split_qkv(qkv, n_heads), causal, softmax_scale, window_left, window_right,
+                             softcap=softcap)
         return o.transpose(1, 2).contiguous(), lse  # no copy: o is in q's memory order, (batch, seqlen, heads, D)
 
-    def run_packed_backward(do, qkv, o, lse, n_heads, causal, softmax_scale, *window):
+    def run_packed_backward(do, qkv, o, lse, n_heads, causal, softmax_scale, window_left=-1, window_right=-1,
+                            softcap=0.0):
         dqkv = torch.empty_like(qkv)
         backward(last_dim_contiguous(do).transpose(1, 2), *split_qkv(qkv, n_heads), o.transpose(1, 2), lse, causal,
-                 softmax_scale, *mask_args(*window), out=split_qkv(dqkv, n_heads))
+                 softmax_scale, *mask_args(window_left, window_right), out=split_qkv(dqkv, n_heads),
+                 **softcap_kwargs(softcap))
         return dqkv
 
     @torch.library.custom_op(f"flashgpt::{name}_qkvpacked_forward", mutates_args=())
     def packed_forward_op(qkv: Tensor, n_heads: int, causal: bool, softmax_scale: float, window_left: int = -1,
-                          window_right: int = -1) -> tuple[Tensor, Tensor]:
-        return run_packed_forward(qkv, n_heads, causal, softmax_scale, window_left, window_right)
+                          window_right: int = -1, softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+        return run_packed_forward(qkv, n_heads, causal, softmax_scale, window_left, window_right, softcap)
 
     @packed_forward_op.register_fake
     def _(qkv, n_heads, *args):
@@ -243,8 +306,10 @@ def make_attention(name: str, forward: ForwardLauncher, backward: BackwardLaunch
 
     @torch.library.custom_op(f"flashgpt::{name}_qkvpacked_backward", mutates_args=())
     def packed_backward_op(do: Tensor, qkv: Tensor, o: Tensor, lse: Tensor, n_heads: int, causal: bool,
-                           softmax_scale: float, window_left: int = -1, window_right: int = -1) -> Tensor:
-        return run_packed_backward(do, qkv, o, lse, n_heads, causal, softmax_scale, window_left, window_right)
+                           softmax_scale: float, window_left: int = -1, window_right: int = -1,
+                           softcap: float = 0.0) -> Tensor:
+        return run_packed_backward(do, qkv, o, lse, n_heads, causal, softmax_scale, window_left, window_right,
+                                   softcap)
 
     @packed_backward_op.register_fake
     def _(do, qkv, *args):
@@ -255,7 +320,7 @@ def make_attention(name: str, forward: ForwardLauncher, backward: BackwardLaunch
     packed_eager = (run_packed_forward, run_packed_backward, 1)
 
     def qkvpacked_attention(qkv, n_heads=None, causal=False, softmax_scale=None, return_lse=False,
-                            window_size=(-1, -1)):
+                            window_size=(-1, -1), *, softcap=0.0):
         qkv, n_heads = check_qkvpacked(qkv, n_heads)
         try:
             validate(*split_qkv(qkv, n_heads), causal, softmax_scale)
@@ -264,8 +329,9 @@ def make_attention(name: str, forward: ForwardLauncher, backward: BackwardLaunch
                           f"{qkv.dtype} on {qkv.device} with n_heads={n_heads})") from None
         check_return_lse(return_lse)
         window = check_window(window_size, name, masks)
+        softcap = check_softcap(softcap, name, has_softcap, "qkvpacked_attention")
         softmax_scale = 1.0 / math.sqrt(qkv.shape[-1]) if softmax_scale is None else softmax_scale
-        args = (last_dim_contiguous(qkv), n_heads, causal, float(softmax_scale), *window)
+        args = (last_dim_contiguous(qkv), n_heads, causal, float(softmax_scale), *window, softcap)
         compiling = torch.compiler.is_compiling()
         o, lse = packed_forward_op(*args) if compiling else EagerAttention.apply(packed_eager, *args)
         return natural_lse(o, lse, to_natural) if return_lse else o
@@ -353,7 +419,8 @@ def make_varlen_attention(name: str, lse_log_base: float):
     to_natural = math.log(lse_log_base)
 
     def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
-                         softmax_scale=None, window_size=(-1, -1), return_lse=False, *, check_offsets=True):
+                         softmax_scale=None, window_size=(-1, -1), return_lse=False, *, softcap=0.0,
+                         check_offsets=True):
         validate(q, k, v, causal, softmax_scale, packed=True)
         check_return_lse(return_lse)
         check_cu_seqlens_args(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
@@ -361,10 +428,11 @@ def make_varlen_attention(name: str, lse_log_base: float):
         if check_offsets and not torch.compiler.is_compiling():
             check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
         window = check_window(window_size, name, True)
+        softcap = check_softcap(softcap, name, name in SOFTCAP_KERNELS, "varlen_attention")
         softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
         q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
         o, lse = op(q, k, v, causal, float(softmax_scale), *window, cu_seqlens_q.contiguous(),
-                    cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k)
+                    cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k, softcap)
         return natural_lse(o, lse, to_natural) if return_lse else o
 
     varlen_attention.__name__ = f"{name}_varlen_attention"
@@ -374,8 +442,9 @@ def make_varlen_attention(name: str, lse_log_base: float):
 DETERMINISTIC_GRADIENTS = "gradients are deterministic (no atomics)."
 PUBLIC_DOC = """{title}
 
-    Computes o = softmax(q k^T * softmax_scale [+ mask]) v for every (batch, head), without materialising
-    the (seqlen_q, seqlen_k) score matrix. Source: {source}
+    Computes o = softmax(cap(q k^T * softmax_scale) [+ mask]) v for every (batch, head), without materialising
+    the (seqlen_q, seqlen_k) score matrix (cap: the identity, or logit soft-capping with softcap > 0).
+    Source: {source}
 
     Args:
         q: (batch, n_heads, seqlen_q, head_dim), float16, bfloat16 or float32 (float32 runs the matmuls in
@@ -395,6 +464,11 @@ PUBLIC_DOC = """{title}
            i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right; -1 = no limit on that side;
            causal=True sets right to 0. Key blocks outside every row's window are skipped, so the cost scales
            with the visible (query, key) pairs.
+        softcap: keyword only; a float >= 0, 0.0 = off (the default, no cost). With softcap > 0 each score
+           s = softmax_scale * q.k becomes softcap * tanh(s / softcap), so |s| < softcap, before the mask and the
+           softmax; lse and the gradients are those of the capped scores. fa2 only (the other kernels raise
+           ValueError for anything but 0). Source: Gemma Team 2024, "Gemma 2" (attention logit soft-capping,
+           softcap 50), in flash-attn's convention (`flash_attn_func(..., softcap=0.0)`).
 
     Returns:
         o: like q in shape, dtype and device; or (o, lse) with lse (batch, n_heads, seqlen_q), float32, natural
@@ -402,11 +476,13 @@ PUBLIC_DOC = """{title}
 
     Raises:
         TypeError: a non-tensor input, unsupported or mismatched dtypes, a non-bool causal or return_lse, a
-            softmax_scale that is not a number, a window_size that is not a pair of ints.
-        ValueError: a window_size value below -1 (or any window for fa1), wrong rank, mismatched batch /
-            head_dim / device / k-v shapes, n_heads not a multiple of n_kv_heads, head_dim outside 16..256, an
-            empty dimension, a non-finite or negative softmax_scale, or CPU tensors when Triton's interpreter is off (use a
-            CUDA GPU or set TRITON_INTERPRET=1 before importing kernels).
+            softmax_scale or softcap that is not a number (a bool included), a window_size that is not a pair of
+            ints.
+        ValueError: a window_size value below -1 (or any window for fa1), a softcap that is not finite or below 0
+            (or above 0 for fa1), wrong rank, mismatched batch / head_dim / device / k-v shapes, n_heads not a
+            multiple of n_kv_heads, head_dim outside 16..256, an empty dimension, a non-finite or negative
+            softmax_scale, or CPU tensors when Triton's interpreter is off (use a CUDA GPU or set TRITON_INTERPRET=1
+            before importing kernels).
     """
 
 
@@ -426,7 +502,9 @@ VARLEN_DOC = """{title}
            ending at total_q / total_k. Empty sequences (equal neighbours) are allowed.
         max_seqlen_q, max_seqlen_k: ints >= the longest sequence's length (they size the launch grid).
         causal, softmax_scale, window_size: as in `fa2_attention`, per sequence.
-        return_lse: also return the log-sum-exp of each query row's scaled scores.
+        return_lse: also return the log-sum-exp of each query row's scaled (and capped) scores.
+        softcap: keyword only; logit soft-capping as in `fa2_attention`: a float >= 0, 0.0 = off; with
+           softcap > 0 each score s becomes softcap * tanh(s / softcap) (Gemma 2; flash-attn's `softcap`).
         check_offsets: check the values of cu_seqlens (below). That reads them on the host, a sync on a GPU;
            pass False for offsets valid by construction (e.g. from data.sampler). Never done under
            torch.compile, which cannot trace it: there invalid offsets give undefined results.
@@ -438,12 +516,13 @@ VARLEN_DOC = """{title}
 
     Raises:
         TypeError: non-tensor inputs, unsupported or mismatched dtypes, cu_seqlens not int32, a non-int
-            max_seqlen, a non-bool causal or return_lse, a softmax_scale that is not a number, a window_size that
-            is not a pair of ints.
+            max_seqlen, a non-bool causal or return_lse, a softmax_scale or softcap that is not a number (a bool
+            included), a window_size that is not a pair of ints.
         ValueError: wrong ranks or shapes (as in `fa2_attention`), cu_seqlens not 1-D with >= 2 entries or of
             different lengths or on another device, not starting at 0, decreasing, or not ending at total_q /
-            total_k, a sequence longer than max_seqlen_*, a window_size value below -1. The offsets' values are
-            checked only with check_offsets and outside torch.compile.
+            total_k, a sequence longer than max_seqlen_*, a window_size value below -1, a softcap that is not
+            finite or below 0 (or above 0 for kernels without soft-capping). The offsets' values are checked only
+            with check_offsets and outside torch.compile.
     """
 
 
@@ -462,6 +541,8 @@ QKVPACKED_DOC = """{title}
            (other layouts are copied once).
         n_heads: the number of query heads; None: qkv's heads split in three equal parts (no GQA).
         causal, softmax_scale, return_lse, window_size: as in `{name}_attention` (seqlen_q = seqlen_k = seqlen).
+        softcap: keyword only; logit soft-capping as in `{name}_attention` (a float >= 0, 0.0 = off; each score s
+           becomes softcap * tanh(s / softcap); Gemma 2, flash-attn's `softcap`; fa2 only).
 
     Returns:
         o: (batch, seqlen, n_heads, head_dim), contiguous, qkv's dtype; or (o, lse) with lse (batch, n_heads,
@@ -472,5 +553,5 @@ QKVPACKED_DOC = """{title}
         TypeError: qkv not a tensor, n_heads not an int or None, and as `{name}_attention`.
         ValueError: qkv not 4-D or (batch, seqlen, 3, n_heads, head_dim); heads that do not split into n_heads + 2 *
             n_kv_heads with both >= 1 (n_heads=None: not a multiple of 3); and as `{name}_attention` (head_dim,
-            n_heads a multiple of n_kv_heads, empty dims, softmax_scale, window_size, device).
+            n_heads a multiple of n_kv_heads, empty dims, softmax_scale, window_size, softcap, device).
     """

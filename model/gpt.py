@@ -10,8 +10,9 @@ model, its parameter names and its initialisation (the same random draws) are GP
 
 Attention is done by a backend of ``model.backends`` named by ``GPTConfig.attn`` (resolved once per model, e.g.
 'auto' to fa3, and handed to every layer), with optional grouped-query attention (``n_kv_head`` k/v heads shared
-by ``n_head`` q heads). Generation (sampling, the KV-cache decode loop, CUDA graphs) is in ``model/generate.py``;
-``GPT.generate`` calls it.
+by ``n_head`` q heads) and optional attention logit soft-capping (``attn_softcap``: each score s becomes
+softcap * tanh(s / softcap) before the softmax; Gemma 2, Gemma Team 2024) on backends with it (``supports_softcap``).
+Generation (sampling, the KV-cache decode loop, CUDA graphs) is in ``model/generate.py``; ``GPT.generate`` calls it.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ class GPTConfig:
     # Sliding-window attention: each token sees itself and the attn_window - 1 tokens before it; 0 = full causal.
     # A list gives one value per layer (e.g. [128, 0] * 6: local and global layers alternate).
     attn_window: Union[int, list[int]] = 0
+    # Attention logit soft-capping (Gemma 2): each scaled score s becomes attn_softcap * tanh(s / attn_softcap);
+    # 0.0 = off. Needs a backend with supports_softcap (fa2, flex).
+    attn_softcap: float = 0.0
     pos_emb: str = "learned"     # learned position embeddings (wpe) | rope: rotary q and k, no wpe
     rope_theta: float = 10000.0  # RoPE base: angles pos * rope_theta^(-2i/head_dim) (Llama 3: 500000)
     norm: str = "layernorm"      # layernorm | rmsnorm (ln_1, ln_2, ln_f and qk_norm's)
@@ -80,6 +84,10 @@ def _is_positive(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
 
 
+def _is_non_negative(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < math.inf
+
+
 def block_option_errors(c) -> list[tuple[str, str]]:
     """(key, what is accepted) for each bad block option of ``c``: a GPTConfig or the ``model`` config section
     (the same field names), so the model and config validation (``trainer.config``) refuse the same values."""
@@ -89,6 +97,8 @@ def block_option_errors(c) -> list[tuple[str, str]]:
     for key in ("rope_theta", "norm_eps"):
         if not _is_positive(getattr(c, key)):
             errors.append((key, "must be a finite number > 0"))
+    if not _is_non_negative(c.attn_softcap):
+        errors.append(("attn_softcap", "must be a finite number >= 0 (0 = no soft-capping)"))
     if not (_is_int(c.multiple_of) and c.multiple_of >= 1):
         errors.append(("multiple_of", "must be an int >= 1"))
     if c.mlp_hidden is not None and not (_is_int(c.mlp_hidden) and c.mlp_hidden >= 1):
@@ -105,7 +115,7 @@ def block_option_errors(c) -> list[tuple[str, str]]:
 
 def check_shapes(config: GPTConfig) -> None:
     """Raises ValueError for heads or widths that are not ints >= 1 or do not divide, a bad attn_window, or a
-    block option outside its accepted values (``block_option_errors``)."""
+    block option outside its accepted values (``block_option_errors``, attn_softcap included)."""
     for name, value in (("n_embd", config.n_embd), ("n_head", config.n_head), ("n_kv_head", config.kv_heads)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be an int >= 1")
@@ -125,6 +135,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, backend: Backend, layer: int = 0):
         super().__init__()
         self.window = config.layer_window(layer)
+        self.softcap = float(config.attn_softcap)
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.kv_heads, config.head_dim
         # q, k, v in one matmul: n_head q heads then n_kv_head k and v heads.
         self.c_attn = nn.Linear(config.n_embd, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=config.bias)
@@ -153,7 +164,8 @@ class CausalSelfAttention(nn.Module):
                 qkv = torch.cat((q, k, v), dim=2)
         if packed:
             # One tensor in: the backward writes qkv's gradient in place, not three that autograd concatenates.
-            y = self.backend.qkvpacked_attention(qkv.view(B, T, -1, self.head_dim), self.n_head, dropout_p, self.window)
+            y = self.backend.qkvpacked_attention(qkv.view(B, T, -1, self.head_dim), self.n_head, dropout_p, self.window,
+                                                 softcap=self.softcap)
             return self.resid_dropout(self.c_proj(y.view(B, T, C)))
         if not transformed:
             q, k, v = qkv.split(
@@ -162,14 +174,15 @@ class CausalSelfAttention(nn.Module):
             k, v = (t.view(B, T, self.n_kv_head, self.head_dim) for t in (k, v))
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, hs)
         if kv_cache is None:
-            y = self.backend.attention(q, k, v, dropout_p=dropout_p, window=self.window, docs=docs)
+            y = self.backend.attention(q, k, v, dropout_p=dropout_p, window=self.window, docs=docs,
+                                       softcap=self.softcap)
         elif isinstance(start_pos, torch.Tensor):  # fixed shapes: the whole cache, masked
             k, v = kv_cache.update(start_pos, k, v)
-            y = self.backend.static_kv_attention(q, k, v, start_pos + T)
+            y = self.backend.static_kv_attention(q, k, v, start_pos + T, softcap=self.softcap)
         else:  # attend over every cached position 0 .. start_pos+T-1
             k, v = kv_cache.update(start_pos, k, v)
             attention = self.backend.split_kv_attention if self.split_kv_decode else self.backend.kv_attention
-            y = attention(q, k, v, dropout_p=dropout_p)
+            y = attention(q, k, v, dropout_p=dropout_p, softcap=self.softcap)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -204,11 +217,13 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
-        """Raises ValueError for a bad shape or an unknown ``config.attn``, BackendUnavailableError when the
-        backend's kernels cannot be loaded (``model.backends``)."""
+        """Raises ValueError for a bad shape, an unknown ``config.attn`` or ``attn_softcap`` > 0 on a backend without
+        soft-capping, BackendUnavailableError when the backend's kernels cannot be loaded (``model.backends``)."""
         super().__init__()
         check_shapes(config)
-        self.backend = resolve_backend(config.attn, config.head_dim).load()
+        backend = resolve_backend(config.attn, config.head_dim, softcap=config.attn_softcap > 0)
+        backend.refuse_softcap(config.attn_softcap)
+        self.backend = backend.load()
         self.config = config
         learned = config.pos_emb == "learned"
         self.transformer = nn.ModuleDict(dict(

@@ -5,11 +5,14 @@ import math
 import torch
 
 
-def reference_attention(q, k, v):
-    """Softmax attention in float64, causal mask aligned bottom-right (query i sees key j <= i + Tk - Tq)."""
+def reference_attention(q, k, v, softcap=0.0):
+    """Softmax attention in float64, causal mask aligned bottom-right (query i sees key j <= i + Tk - Tq);
+    softcap > 0: each score s becomes softcap * tanh(s / softcap) first (Gemma 2's logit soft-capping)."""
     rep = q.shape[1] // k.shape[1]
     k, v = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
     s = (q.double() @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     Tq, Tk = q.shape[2], k.shape[2]
     s = s.masked_fill(~torch.ones(Tq, Tk, dtype=torch.bool).tril(Tk - Tq), float("-inf"))
     return s.softmax(-1) @ v

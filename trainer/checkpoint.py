@@ -54,8 +54,8 @@ KEY_TYPES: dict[str, tuple] = {
 _BLOCK_DEFAULTS = {"pos_emb": "learned", "rope_theta": 10000.0, "norm": "layernorm", "norm_eps": 1e-5, "mlp": "gelu",
                    "mlp_hidden": None, "multiple_of": 256, "qk_norm": False, "tie_embeddings": True}
 ADDED_DEFAULTS: dict[str, dict] = {
-    "model_args": {"attn_window": 0, **_BLOCK_DEFAULTS},
-    "config": {"model": {"attn_window": 0, **_BLOCK_DEFAULTS},
+    "model_args": {"attn_window": 0, "attn_softcap": 0.0, **_BLOCK_DEFAULTS},
+    "config": {"model": {"attn_window": 0, "attn_softcap": 0.0, **_BLOCK_DEFAULTS},
                "data": {"document_mask": False, "split_scenes": False}},
 }
 

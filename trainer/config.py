@@ -35,7 +35,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from data.prepare import TOKENIZERS
 from data.sources import SOURCES
-from model.backends import BACKENDS, REGISTRY, mask_backends, resolve_backend
+from model.backends import BACKENDS, REGISTRY, backends_with, mask_backends, resolve_backend
 from model.gpt import block_option_errors
 from trainer.compile import COMPILE_MODES, fp8_unavailable
 from trainer.runtime import NO_CUDA
@@ -55,6 +55,7 @@ class ModelConfig:
     dropout: float = 0.0               # > 0 only with the SDPA backends (sdpa; sdpa_flash, sdpa_cudnn on CUDA)
     bias: bool = False                 # biases in linear layers and layer norms (rmsnorm has none)
     attn_window: Any = 0               # tokens a query sees (itself included), 0 = all; or one per layer (a list)
+    attn_softcap: float = 0.0          # > 0: scores s -> attn_softcap * tanh(s / attn_softcap) (Gemma 2); 0 = off
     pos_emb: str = "learned"           # learned (GPT-2) | rope: rotary q, k (restarting per document: data.document_mask)
     rope_theta: float = 10000.0        # RoPE base: angles pos * rope_theta^(-2i/head_dim); Llama 3: 500000
     norm: str = "layernorm"            # layernorm (GPT-2) | rmsnorm (Llama)
@@ -224,12 +225,20 @@ def attn_windows(m: DictConfig) -> Optional[list[int]]:
     return windows if ok else None
 
 
+def softcap_on(m: DictConfig) -> bool:
+    """Whether model.attn_softcap asks for logit soft-capping (a finite number > 0; bad values are
+    _check_model's)."""
+    c = m.attn_softcap
+    return isinstance(c, (int, float)) and not isinstance(c, bool) and 0 < c < math.inf
+
+
 def config_backend(cfg: DictConfig) -> str:
     """cfg.attn.backend as a concrete backend: 'auto' resolved for this model's head_dim and for whether it needs
-    document masks (``model.backends.resolve_backend``). Raises ValueError for an unknown name."""
+    document masks or logit soft-capping (``model.backends.resolve_backend``). Raises ValueError for an unknown
+    name."""
     m = cfg.model
     head_dim = m.n_embd // m.n_head if m.n_head >= 1 and m.n_embd % m.n_head == 0 else None
-    return resolve_backend(cfg.attn.backend, head_dim, bool(cfg.data.document_mask)).name
+    return resolve_backend(cfg.attn.backend, head_dim, bool(cfg.data.document_mask), softcap_on(m)).name
 
 
 def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -> None:
@@ -260,6 +269,10 @@ def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -
         backend = config_backend(cfg)
         _check_backend(check, backend, cfg.model, cfg.trainer)
         _check_masks(check, backend, windows, cfg.data.document_mask)
+        if softcap_on(cfg.model):
+            check(REGISTRY[backend].supports_softcap, "model.attn_softcap",
+                  f"attn={backend} has no attention logit soft-capping; use "
+                  f"attn={' or attn='.join(backends_with('supports_softcap'))} (or model.attn_softcap=0)")
     _check_trainer(check, cfg.trainer, world_size, local_rank)
     _check_optim(check, cfg.optim)
 

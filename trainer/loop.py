@@ -202,6 +202,8 @@ class Trainer:
         masks += ["within each document (data.document_mask)"] if cfg.data.document_mask else []
         if masks:
             log.info("attention masks: causal, %s", ", ".join(masks))
+        if self.model_args.attn_softcap:
+            log.info("attention logit soft-capping: %g (model.attn_softcap)", self.model_args.attn_softcap)
         if dist.world_size > 1:
             log.info("DDP: %d processes (%s), %d micro-batch(es) of %d sequences per process per step",
                      dist.world_size, torch.distributed.get_backend(), self.micro_steps, cfg.trainer.batch_size)

@@ -81,7 +81,7 @@ def _load(path: Path) -> Checkpoint:
 
 
 # GPTConfig fields that do not shape the weights: a change is a warning (the config diff lists it), not a refusal.
-NOT_SHAPE = ("attn", "dropout", "loss")
+NOT_SHAPE = ("attn", "dropout", "loss", "attn_softcap")
 
 
 def check_compatible(ckpt: Checkpoint, model_args: GPTConfig, data_meta: dict, cfg: DictConfig) -> None:

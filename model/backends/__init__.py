@@ -1,20 +1,21 @@
 """The attention backends: one object per backend, in one table.
 
 ``REGISTRY`` maps each concrete backend's name to its ``Backend`` object (``base.py``), which carries what the
-rest of the code asks about it (needs CUDA, dropout, windows, documents, head_dim range, torch.compile on the CPU,
-packed qkv, split-K/V and static-shape decode) and its call forms (``attention``, ``qkvpacked_attention``,
-``kv_attention``, ``split_kv_attention``, ``static_kv_attention``; contracts in ``Backend``'s docstring). Config
-validation, ``sample.py --attn``, the benchmarks and the tests derive their lists from it. ``attn=auto`` is
-resolved once per model by ``resolve_backend``, and the model hands the object to its layers.
+rest of the code asks about it (needs CUDA, dropout, windows, documents, logit soft-capping, head_dim range,
+torch.compile on the CPU, packed qkv, split-K/V and static-shape decode) and its call forms (``attention``,
+``qkvpacked_attention``, ``kv_attention``, ``split_kv_attention``, ``static_kv_attention``; contracts in
+``Backend``'s docstring). Config validation, ``sample.py --attn``, the benchmarks and the tests derive their lists
+from it. ``attn=auto`` is resolved once per model by ``resolve_backend``, and the model hands the object to its
+layers.
 
 Backends:
 - ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention``, PyTorch picks its kernel; every call form,
-  dropout; windows and documents as a dense mask (slow).
+  dropout; windows and documents as a dense mask (slow); no logit soft-capping (SDPA has no score function).
 - ``sdpa_flash`` / ``sdpa_cudnn``: SDPA pinned to PyTorch's FlashAttention-2 or cuDNN kernel (cuDNN: CUDA only).
 - ``fa1`` / ``fa2`` / ``fa3``: the project's Triton FlashAttention-1 / -2 and Gluon FlashAttention-3 kernels
-  (``kernels/``); no dropout; fa2 and fa3 do windows in the kernel, fa2 documents (fa3's documents run FA2's). Without a CUDA GPU they run under
-  Triton's interpreter (very slow).
-- ``flex``: PyTorch FlexAttention with block masks for windows and documents.
+  (``kernels/``); no dropout; fa2 and fa3 do windows and logit soft-capping in the kernel, fa2 documents (fa3's
+  documents run FA2's). Without a CUDA GPU they run under Triton's interpreter (very slow).
+- ``flex``: PyTorch FlexAttention with block masks for windows and documents, a score_mod for soft-capping.
 
 Modules:
 base        the Backend base class, BackendUnavailableError, segment_ids, capability look-ups (a leaf)
@@ -50,17 +51,18 @@ REGISTRY: dict[str, Backend] = register(
                       kernel=SDPBackend.CUDNN_ATTENTION, needs_cuda=True),
     TritonBackend(name="fa1", description="our Triton FlashAttention-1 kernel", load_kernels=fa1_kernels),
     TritonBackend(name="fa2", description="our Triton FlashAttention-2 kernel", load_kernels=fa2_kernels,
-                  supports_window=True, supports_docs=True, split_kv=True, static_decode=True),
+                  supports_window=True, supports_docs=True, supports_softcap=True, split_kv=True, static_decode=True),
     FlexBackend(name="flex", description="PyTorch FlexAttention with block masks (compiled on CUDA)"),
     TritonBackend(name="fa3", description="our FlashAttention-3 kernels (Gluon, Hopper); FA2's where they do not apply",
-                  load_kernels=fa3_kernels, supports_window=True, supports_docs=True, split_kv=True,
+                  load_kernels=fa3_kernels, supports_window=True, supports_docs=True, supports_softcap=True, split_kv=True,
                   static_decode=True),
 )
 BACKENDS = ("auto", *REGISTRY)  # the values of attn.backend
 
 
-def resolve_backend(name: str, head_dim: int | None = None, docs: bool = False) -> Backend:
-    """The backend object of ``name``. 'auto': without CUDA sdpa; with CUDA fa3 where its Gluon kernels run
+def resolve_backend(name: str, head_dim: int | None = None, docs: bool = False, softcap: bool = False) -> Backend:
+    """The backend object of ``name``. 'auto': without CUDA sdpa, or flex for logit soft-capping (``softcap``: sdpa
+    has none, and flex runs on the CPU without Triton's interpreter); with CUDA fa3 where its Gluon kernels run
     (``triton.fa3_runs``: an sm_90 GPU and a Triton they support), the model's head_dim (None: not known) is one
     they take and no document masks are needed (``docs``: fa3 runs FA2's varlen kernels for them), else fa2. On
     the H200 fa3 measured faster than fa2 in every cell (docs/benchmarks.md). Nothing is loaded (``Backend.load``).
@@ -71,7 +73,7 @@ def resolve_backend(name: str, head_dim: int | None = None, docs: bool = False) 
         raise ValueError(f"attn={name!r} is not a known attention backend; accepted: {', '.join(BACKENDS)}")
     if name == "auto":
         if not torch.cuda.is_available():
-            return REGISTRY["sdpa"]
+            return REGISTRY["flex" if softcap else "sdpa"]
         return REGISTRY["fa3" if not docs and fa3_runs(head_dim) else "fa2"]
     return REGISTRY[name]
 

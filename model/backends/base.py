@@ -64,7 +64,10 @@ class Backend:
       cache buffers (B, n_kv_head, block_size, head_dim), seqlen a 0-dim integer tensor on the device: keys
       0 .. seqlen-1 are filled, query i sees keys j <= seqlen - T_q + i.
 
-    A form the backend lacks, or a dropout / window / documents it cannot do, raises ValueError naming the
+    Every call form also takes ``softcap`` (float, 0.0 = off; model.attn_softcap): > 0 caps each score
+    s = softmax_scale * q.k to softcap * tanh(s / softcap) before the mask and the softmax (Gemma 2's attention logit
+    soft-capping), on backends with ``supports_softcap``.
+    A form the backend lacks, or a dropout / window / documents / softcap it cannot do, raises ValueError naming the
     backends that can. ``load()`` imports what the call forms need (raises BackendUnavailableError).
     """
     name: str
@@ -74,6 +77,7 @@ class Backend:
     cpu_dropout: bool = True  # with supports_dropout: dropout works on the CPU too
     supports_window: bool = False  # window > 0 (model.attn_window)
     supports_docs: bool = False  # docs (data.document_mask)
+    supports_softcap: bool = False  # softcap > 0 (model.attn_softcap), in every call form the backend has
     compiles_on_cpu: bool = True  # torch.compile (trainer.compile) can train the model on the CPU
     limits_head_dim: bool = False  # head_dim_limits() is a range (it loads the kernels to read it)
     qkvpacked: bool = False  # has qkvpacked_attention
@@ -93,24 +97,25 @@ class Backend:
         return None
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-                  causal: bool = True, window: int = 0, docs: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  causal: bool = True, window: int = 0, docs: Optional[torch.Tensor] = None,
+                  softcap: float = 0.0) -> torch.Tensor:
         raise NotImplementedError
 
     def qkvpacked_attention(self, qkv: torch.Tensor, n_head: int, dropout_p: float = 0.0,
-                            window: int = 0) -> torch.Tensor:
+                            window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         raise ValueError(f"attn={self.name} has no packed-qkv attention; "
                          f"use {one_of(backends_with('qkvpacked'))}")
 
     def kv_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-                     causal: bool = True) -> torch.Tensor:
-        return self.attention(q, k, v, dropout_p, causal)
+                     causal: bool = True, softcap: float = 0.0) -> torch.Tensor:
+        return self.attention(q, k, v, dropout_p, causal, softcap=softcap)
 
     def split_kv_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-                           causal: bool = True) -> torch.Tensor:
+                           causal: bool = True, softcap: float = 0.0) -> torch.Tensor:
         raise ValueError(self.lacks("split_kv"))
 
     def static_kv_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            seqlen: torch.Tensor) -> torch.Tensor:
+                            seqlen: torch.Tensor, softcap: float = 0.0) -> torch.Tensor:
         raise ValueError(self.lacks("static_decode"))
 
     def lacks(self, form: str) -> str:
@@ -126,6 +131,11 @@ class Backend:
                         if b.supports_dropout and b.cpu_dropout and not b.needs_cuda]
             raise ValueError(f"attn={self.name} has no attention dropout (got dropout_p={dropout_p}); "
                              f"use model.dropout=0.0 or {one_of(anywhere)}")
+
+    def refuse_softcap(self, softcap: float) -> None:
+        if softcap and not self.supports_softcap:
+            raise ValueError(f"attn={self.name} has no attention logit soft-capping (softcap={softcap}: "
+                             f"model.attn_softcap); use one of: {', '.join(backends_with('supports_softcap'))}")
 
     def refuse_masks(self, window: int, docs: Optional[torch.Tensor]) -> None:
         if window and not self.supports_window:

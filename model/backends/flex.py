@@ -1,5 +1,6 @@
 """``attn=flex``: PyTorch FlexAttention (``torch.nn.attention.flex_attention``) with block masks for the causal
-mask, windows and documents: the peer that fa2's sliding windows and packed documents are compared against.
+mask, windows and documents: the peer that fa2's sliding windows and packed documents are compared against; logit
+soft-capping (``softcap``) through a ``score_mod`` beside the block mask.
 
 Compiled on CUDA; on the CPU PyTorch's eager (unfused, slow) implementation, and no torch.compile of the model
 for training (Inductor has no CPU Flex backward). No attention dropout. The masks and the call are in
@@ -22,6 +23,7 @@ from model.backends.base import Backend, BackendUnavailableError
 class FlexBackend(Backend):
     supports_window: bool = True
     supports_docs: bool = True
+    supports_softcap: bool = True
     compiles_on_cpu: bool = False
 
     @cached_property
@@ -41,6 +43,7 @@ class FlexBackend(Backend):
         return self
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-                  causal: bool = True, window: int = 0, docs: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  causal: bool = True, window: int = 0, docs: Optional[torch.Tensor] = None,
+                  softcap: float = 0.0) -> torch.Tensor:
         self.refuse_dropout(dropout_p)
-        return self.flex(q, k, v, causal, window, docs)
+        return self.flex(q, k, v, causal, window, docs, softcap)

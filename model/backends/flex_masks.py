@@ -1,13 +1,15 @@
 """FlexAttention with block masks: the masks, their caches and the call behind ``attn=flex``
 (``model/backends/flex.py``, which imports this module when the backend is loaded: it compiles).
 
-``attention(q, k, v, causal=True, window=0, docs=None)`` has the contract of every backend's
+``attention(q, k, v, causal=True, window=0, docs=None, softcap=0.0)`` has the contract of every backend's
 ``attention`` and ``kv_attention`` (``model.backends.base.Backend``: q (B, n_head, T_q, D), k, v (B, n_kv_head, T_k, D),
 T_q <= T_k; o like q; softmax scale 1/sqrt(D)). The mask is one ``mask_mod``: key j is visible to query i iff
 j <= i + T_k - T_q (causal, aligned bottom-right as for the other backends' KV-cache path), i - j < window if
 window > 0 (the query itself and the window - 1 keys before it, as fa2's ``window_size=(window - 1, 0)``), and i, j
 lie in one segment of ``docs`` (cu_seqlens of the flattened (B * T) batch, the fa2 varlen path's input). A window or
-docs implies causal.
+docs implies causal. softcap > 0 is a ``score_mod``, softcap * tanh(score / softcap) on Flex's scaled score, which
+Flex applies before the block mask: the same order as fa2's kernels. One function object per softcap value
+(``softcap_score_mod``), so the compiled Flex sees the same function from call to call and does not recompile.
 
 Block masks: one per (T_q, T_k, window, device) for causal and windowed attention, built once and cached;
 document masks change with every batch, so they are built once per ``docs`` tensor (every layer of a forward
@@ -119,20 +121,22 @@ def block_mask(q: torch.Tensor, k: torch.Tensor, causal: bool, window: int,
     return _static_block_mask(q_len, kv_len, window, q.device)
 
 
-def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[BlockMask]) -> torch.Tensor:
+def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[BlockMask],
+          score_mod: Optional[Callable] = None) -> torch.Tensor:
     gqa = q.shape[1] != k.shape[1]
     if q.is_cuda:
-        return _compiled_flex(q, k, v, block_mask=mask, enable_gqa=gqa)
+        return _compiled_flex(q, k, v, score_mod=score_mod, block_mask=mask, enable_gqa=gqa)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return _flex_cpu_autograd(q, k, v, mask)
+        return _flex_cpu_autograd(q, k, v, mask, score_mod)
     if torch.compiler.is_compiling():
-        return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+        return flex_attention(q, k, v, score_mod=score_mod, block_mask=mask, enable_gqa=gqa)
     with warnings.catch_warnings():  # "called without torch.compile": eager on purpose here (the backend warns once)
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+        return flex_attention(q, k, v, score_mod=score_mod, block_mask=mask, enable_gqa=gqa)
 
 
-def _flex_cpu_autograd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[BlockMask]) -> torch.Tensor:
+def _flex_cpu_autograd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[BlockMask],
+                       score_mod: Optional[Callable] = None) -> torch.Tensor:
     """Flex's eager (math) implementation with autograd on CPU: the operator ``flex_attention`` dispatches to,
     called past its CPU backward refusal. It takes GQA (fewer k/v heads) as is."""
     try:
@@ -140,7 +144,7 @@ def _flex_cpu_autograd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
 
         if mask is None:
             mask = create_block_mask(noop_mask, None, None, q.shape[2], k.shape[2], device=q.device)
-        out = flex_op(q, k, v, _identity_score, mask.as_tuple(), 1.0 / math.sqrt(q.shape[-1]), {})
+        out = flex_op(q, k, v, score_mod or _identity_score, mask.as_tuple(), 1.0 / math.sqrt(q.shape[-1]), {})
     except (ImportError, TypeError) as e:  # the private operator moved or changed its signature
         raise BackendUnavailableError(
             f"attn=flex cannot train on the CPU with torch {torch.__version__}: FlexAttention has no CPU backward "
@@ -152,7 +156,28 @@ def _identity_score(score, b, h, q_idx, kv_idx):
     return score
 
 
+def _capped(softcap) -> Callable:
+    def capped(score, b, h, q_idx, kv_idx):
+        return softcap * torch.tanh(score / softcap)
+
+    return capped
+
+
+@functools.lru_cache(maxsize=None)
+def softcap_score_mod(softcap: float) -> Callable:
+    """Logit soft-capping as a Flex ``score_mod``: score -> softcap * tanh(score / softcap), the score already
+    scaled by 1/sqrt(head_dim) (Gemma 2; fa2's ``softcap``). Cached: one function object per value."""
+    return _capped(softcap)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, window: int = 0,
-              docs: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """FlexAttention with the block mask of (causal, window, docs); see the module docstring."""
-    return _flex(q, k, v, block_mask(q, k, causal, window, docs))
+              docs: Optional[torch.Tensor] = None, softcap: float = 0.0) -> torch.Tensor:
+    """FlexAttention with the block mask of (causal, window, docs) and softcap > 0 as a score_mod; see the module
+    docstring."""
+    score_mod = None
+    if softcap:
+        # Under torch.compile the layer's softcap can be a symbolic float (dynamic=True), which a score_mod may not
+        # capture: a 0-dim tensor then (traced into the graph, no per-call cost).
+        score_mod = (_capped(torch.full((), softcap, dtype=torch.float32, device=q.device))
+                     if torch.compiler.is_compiling() else softcap_score_mod(float(softcap)))
+    return _flex(q, k, v, block_mask(q, k, causal, window, docs), score_mod)

@@ -5,6 +5,8 @@ documents as a dense boolean mask (correct, but off PyTorch's fast kernels; it w
 causal mask aligned bottom-right, and a static-shape decode step (a mask over the whole cache). ``sdpa_flash`` /
 ``sdpa_cudnn`` pin PyTorch's FlashAttention-2 or cuDNN kernel (``torch.nn.attention.sdpa_kernel``), to compare
 against a known kernel; they fail where PyTorch has no such kernel for the inputs (cuDNN: CUDA only).
+None has logit soft-capping (softcap > 0 raises ValueError): SDPA takes an additive mask but no function of the
+scores, so capping them means computing the (T_q, T_k) scores outside it, which is not SDPA any more.
 """
 
 from __future__ import annotations
@@ -70,15 +72,19 @@ class SdpaBackend(Backend):
     static_decode: bool = True
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-                  causal: bool = True, window: int = 0, docs: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  causal: bool = True, window: int = 0, docs: Optional[torch.Tensor] = None,
+                  softcap: float = 0.0) -> torch.Tensor:
+        self.refuse_softcap(softcap)
         return sdpa(q, k, v, dropout_p, causal, window, docs)
 
     def kv_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-                     causal: bool = True) -> torch.Tensor:
+                     causal: bool = True, softcap: float = 0.0) -> torch.Tensor:
+        self.refuse_softcap(softcap)
         return sdpa_bottom_right(q, k, v, dropout_p, causal)
 
     def static_kv_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            seqlen: torch.Tensor) -> torch.Tensor:
+                            seqlen: torch.Tensor, softcap: float = 0.0) -> torch.Tensor:
+        self.refuse_softcap(softcap)
         Tq, Tk = q.shape[2], k.shape[2]
         if Tq == 1:  # a decode step: the keys 0 .. seqlen-1 (two kernels: a CUDA graph replays each one)
             mask = (torch.arange(Tk, device=q.device) < seqlen)[None, :]
@@ -96,12 +102,15 @@ class PinnedSdpaBackend(Backend):
     supports_dropout: bool = True
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-                  causal: bool = True, window: int = 0, docs: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  causal: bool = True, window: int = 0, docs: Optional[torch.Tensor] = None,
+                  softcap: float = 0.0) -> torch.Tensor:
         self.refuse_masks(window, docs)
+        self.refuse_softcap(softcap)
         with sdpa_kernel(self.kernel):
             return sdpa(q, k, v, dropout_p, causal)
 
     def kv_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-                     causal: bool = True) -> torch.Tensor:
+                     causal: bool = True, softcap: float = 0.0) -> torch.Tensor:
+        self.refuse_softcap(softcap)
         with sdpa_kernel(self.kernel):
             return sdpa_bottom_right(q, k, v, dropout_p, causal)

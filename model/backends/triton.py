@@ -5,6 +5,8 @@ where they do not apply). fa2 and fa3 do sliding windows in the kernel and skip 
 does documents too (``fa2_varlen_attention``), and fa3's documents run those same FA2 kernels
 (``fa3_varlen_attention``, with its one-time warning). fa1 refuses both. All three take the fused qkv
 (``fa*_qkvpacked_attention``); fa2 and fa3 decode through the split-K/V kernel ``fa2_decode`` (flash-decoding).
+fa2 and fa3 have logit soft-capping (``softcap``) in every call form (fa3: in its Gluon kernels; decode through
+``fa2_decode``); fa1 refuses it.
 None has attention dropout (``dropout_p > 0`` raises ValueError; config validation refuses model.dropout > 0).
 
 Without a CUDA GPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set by ``model.backends``
@@ -99,37 +101,42 @@ class TritonBackend(Backend):
         return MIN_HEAD_DIM, MAX_HEAD_DIM
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-                  causal: bool = True, window: int = 0, docs: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  causal: bool = True, window: int = 0, docs: Optional[torch.Tensor] = None,
+                  softcap: float = 0.0) -> torch.Tensor:
         self.refuse_dropout(dropout_p)
-        if window == 0 and docs is None:
-            return self.kernels.attention(q, k, v, causal=causal)  # GQA (fewer k/v heads) and strided views
+        self.refuse_softcap(softcap)
+        if window == 0 and docs is None:  # GQA (fewer k/v heads) and strided views
+            return self.kernels.attention(q, k, v, causal=causal, softcap=softcap)
         self.refuse_masks(window, docs)
         if docs is None:
-            return self.kernels.attention(q, k, v, causal=True, window_size=(window - 1, 0))
+            return self.kernels.attention(q, k, v, causal=True, window_size=(window - 1, 0), softcap=softcap)
         # Documents: the batch flattened to one packed sequence of B * T tokens, cut at docs (views, no copies
         # for the model's (B, T, H, D)-ordered q, k, v).
         B, H, T, D = q.shape
         packed = [t.transpose(1, 2).reshape(B * T, t.shape[1], D) for t in (q, k, v)]
         o = self.kernels.varlen(*packed, docs, docs, T, T, causal=True, window_size=_window_size(window),
-                                check_offsets=False)  # the sampler's cuts are valid by construction
+                                softcap=softcap, check_offsets=False)  # the sampler's cuts are valid by construction
         return o.view(B, T, H, D).transpose(1, 2)
 
     def qkvpacked_attention(self, qkv: torch.Tensor, n_head: int, dropout_p: float = 0.0,
-                            window: int = 0) -> torch.Tensor:
+                            window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         self.refuse_dropout(dropout_p)
         self.refuse_masks(window, None)
-        return self.kernels.qkvpacked(qkv, n_head, causal=True, window_size=_window_size(window))
+        self.refuse_softcap(softcap)
+        return self.kernels.qkvpacked(qkv, n_head, causal=True, window_size=_window_size(window), softcap=softcap)
 
     def split_kv_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-                           causal: bool = True) -> torch.Tensor:
+                           causal: bool = True, softcap: float = 0.0) -> torch.Tensor:
         if not self.split_kv:
             raise ValueError(self.lacks("split_kv"))
+        self.refuse_softcap(softcap)
         if q.shape[2] == 1 and dropout_p == 0.0:  # a decode step: keys split across programs (no mask needed)
-            return self.kernels.decode(q, k, v)
-        return self.attention(q, k, v, dropout_p, causal)
+            return self.kernels.decode(q, k, v, softcap=softcap)
+        return self.attention(q, k, v, dropout_p, causal, softcap=softcap)
 
     def static_kv_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            seqlen: torch.Tensor) -> torch.Tensor:
+                            seqlen: torch.Tensor, softcap: float = 0.0) -> torch.Tensor:
         if not self.static_decode:
             raise ValueError(self.lacks("static_decode"))
-        return self.kernels.decode(q, k, v, seqlen=seqlen)  # T_q = 1 only
+        self.refuse_softcap(softcap)
+        return self.kernels.decode(q, k, v, seqlen=seqlen, softcap=softcap)  # T_q = 1 only

@@ -40,14 +40,17 @@ def poisoned_allocations(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(empty_like(*a, **kw)))
 
 
-def reference(q, k, v, causal, softmax_scale, window_size=(-1, -1)):
+def reference(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=0.0):
     """float64 attention with an explicit bottom-right mask: causal, and flash-attn's window (key j visible to
     query i iff i + d - left <= j <= i + d + right, d = seqlen_k - seqlen_q, -1 = no limit, causal sets right
-    to 0); rows that see no key give 0 and lse -inf."""
+    to 0); rows that see no key give 0 and lse -inf. softcap > 0: scores s -> softcap * tanh(s / softcap)
+    before the mask (Gemma 2's logit soft-capping)."""
     q, k, v = (t.double() for t in (q, k, v))
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     s = q @ k.transpose(-1, -2) * softmax_scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     seqlen_q, seqlen_k = q.shape[2], k.shape[2]
     left, right = window_size[0], 0 if causal else window_size[1]
     i = torch.arange(seqlen_q, device=q.device)[:, None] + seqlen_k - seqlen_q
@@ -71,18 +74,20 @@ def randn(*shape, dtype):
     return torch.randn(*shape, device=DEVICE, dtype=dtype)
 
 
-def check(attention, q, k, v, causal, softmax_scale=None, window_size=None):
-    """Run forward + backward and compare o, lse, dq, dk, dv with the float64 reference."""
+def check(attention, q, k, v, causal, softmax_scale=None, window_size=None, softcap=None):
+    """Run forward + backward and compare o, lse, dq, dk, dv with the float64 reference (softcap: passed to both
+    where given)."""
     dtype = q.dtype
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     mask = {} if window_size is None else dict(window_size=window_size)
-    o, lse = attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True, **mask)
+    cap = {} if softcap is None else dict(softcap=softcap)
+    o, lse = attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True, **mask, **cap)
     do = torch.randn_like(o)
     o.backward(do)
 
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    o_ref, lse_ref = reference(q64, k64, v64, causal, scale, **mask)
+    o_ref, lse_ref = reference(q64, k64, v64, causal, scale, **mask, **cap)
     o_ref.backward(do.double())
     compare(o, lse, (q.grad, k.grad, v.grad), o_ref, lse_ref, (q64.grad, k64.grad, v64.grad), dtype)
     return o, (q.grad, k.grad, v.grad)

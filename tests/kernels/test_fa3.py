@@ -589,14 +589,15 @@ def test_fa3_attention_runs_windows_on_gluon(fresh_dispatch):
 
 
 def test_windows_and_packed_sequences_run_fa2_where_gluon_does_not(fresh_dispatch):
-    """fa3_attention(window_size=...) and fa3_varlen_attention give FA2's results wherever FA2's kernels run (every
-    window on a machine without an H200; packed sequences everywhere, with one warning naming them)."""
+    """fa3_attention(window_size=..., softcap=...) and fa3_varlen_attention give FA2's results wherever FA2's kernels
+    run (every call on a machine without an H200; packed sequences everywhere, with one warning naming them)."""
     q, k, v = _qkv()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        o = fa3_attention(q, k, v, causal=True, window_size=(5, -1))
+        o = fa3_attention(q, k, v, causal=True, window_size=(5, -1), softcap=2.0)
     if not HOPPER or not SUPPORTED:
-        torch.testing.assert_close(o, fa2_attention(q, k, v, causal=True, window_size=(5, -1)), rtol=0, atol=0)
+        ref = fa2_attention(q, k, v, causal=True, window_size=(5, -1), softcap=2.0)
+        torch.testing.assert_close(o, ref, rtol=0, atol=0)
     packed = [t[0].transpose(0, 1).contiguous() for t in (q, k, v)]  # (total, heads, head_dim)
     cu = torch.tensor([0, 7, 7, 24], dtype=torch.int32, device=q.device)
     with warnings.catch_warnings(record=True) as caught:

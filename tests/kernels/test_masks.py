@@ -140,14 +140,18 @@ def cu_seqlens(lengths):
     return torch.tensor([0] + lengths, device=DEVICE).cumsum(0).to(torch.int32)
 
 
-def check_varlen(lengths_q, lengths_k, n_heads, n_kv_heads, head_dim, causal, window_size, dtype, max_extra=0):
-    """fa2_varlen_attention forward + backward against the reference run on each sequence on its own."""
+def check_varlen(lengths_q, lengths_k, n_heads, n_kv_heads, head_dim, causal, window_size, dtype, max_extra=0,
+                 softcap=0.0, input_scale=1.0):
+    """fa2_varlen_attention forward + backward against the reference run on each sequence on its own. softcap:
+    passed to both; input_scale: q and k drawn that much larger (logits large enough for the cap to matter).
+    Returns o and the inputs (q, k, v, cu_seqlens_q, cu_seqlens_k)."""
     total_q, total_k = sum(lengths_q), sum(lengths_k)
-    q = randn(total_q, n_heads, head_dim, dtype=dtype).requires_grad_()
-    k, v = (randn(total_k, n_kv_heads, head_dim, dtype=dtype).requires_grad_() for _ in range(2))
+    q = (randn(total_q, n_heads, head_dim, dtype=dtype) * input_scale).requires_grad_()
+    k = (randn(total_k, n_kv_heads, head_dim, dtype=dtype) * input_scale).requires_grad_()
+    v = randn(total_k, n_kv_heads, head_dim, dtype=dtype).requires_grad_()
     cu_q, cu_k = cu_seqlens(lengths_q), cu_seqlens(lengths_k)
     o, lse = fa2_varlen_attention(q, k, v, cu_q, cu_k, max(lengths_q) + max_extra, max(lengths_k) + max_extra,
-                                  causal=causal, window_size=window_size, return_lse=True)
+                                  causal=causal, window_size=window_size, return_lse=True, softcap=softcap)
     assert lse.shape == (n_heads, total_q)
     do = torch.randn_like(o)
     o.backward(do)
@@ -158,12 +162,13 @@ def check_varlen(lengths_q, lengths_k, n_heads, n_kv_heads, head_dim, causal, wi
     for b in range(len(lengths_q)):
         rows_q, rows_k = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
         o_b, lse_b = reference(as_batch(q64[rows_q]), as_batch(k64[rows_k]), as_batch(v64[rows_k]), causal,
-                               1 / math.sqrt(head_dim), window_size)
+                               1 / math.sqrt(head_dim), window_size, softcap)
         outs.append(o_b[0].transpose(0, 1))
         lses.append(lse_b[0])
     o_ref, lse_ref = torch.cat(outs), torch.cat(lses, dim=1)
     o_ref.backward(do.double())
     compare(o, lse, (q.grad, k.grad, v.grad), o_ref, lse_ref, (q64.grad, k64.grad, v64.grad), dtype)
+    return o, (q, k, v, cu_q, cu_k)
 
 
 # (lengths_q, lengths_k, n_heads, n_kv_heads, head_dim, causal, window_size, dtype)

@@ -249,7 +249,7 @@ def test_rope_on_every_backend_matches_sdpa(attn, monkeypatch):
     calls = []
     packed = TritonBackend.qkvpacked_attention
     monkeypatch.setattr(TritonBackend, "qkvpacked_attention",
-                        lambda self, *args: calls.append(args[0].shape) or packed(self, *args))
+                        lambda self, *args, **kwargs: calls.append(args[0].shape) or packed(self, *args, **kwargs))
     idx = torch.randint(0, 50, (2, 29))
     (logits, loss), (logits_ref, loss_ref) = quiet(other, idx, idx), sdpa(idx, idx)
     loss.backward()

@@ -68,7 +68,7 @@ def test_fused_qkv_goes_to_the_packed_kernel_and_matches_sdpa(attn, monkeypatch)
     calls = []
     packed = TritonBackend.qkvpacked_attention
     monkeypatch.setattr(TritonBackend, "qkvpacked_attention",
-                        lambda self, *args: calls.append(args[0].shape) or packed(self, *args))
+                        lambda self, *args, **kwargs: calls.append(args[0].shape) or packed(self, *args, **kwargs))
     idx = torch.randint(0, 40, (2, 24))
     loss, loss_ref = model(idx, idx)[1], sdpa(idx, idx)[1]
     loss.backward()
@@ -166,7 +166,8 @@ def test_the_backend_is_resolved_once_per_model_and_shared_by_its_layers(monkeyp
     from kernels import fa3
 
     calls = []
-    monkeypatch.setattr(model.gpt, "resolve_backend", lambda *args: calls.append(args) or resolve_backend(*args))
+    monkeypatch.setattr(model.gpt, "resolve_backend",
+                        lambda *args, **kwargs: calls.append(args) or resolve_backend(*args, **kwargs))
     cfg = dict(block_size=8, vocab_size=10, n_layer=3, n_head=2, n_embd=128)  # head_dim 64: one fa3 takes
     gpt = GPT(GPTConfig(**cfg, attn="sdpa"))
     assert calls == [("sdpa", 64)] and gpt.backend is REGISTRY["sdpa"]
@@ -193,7 +194,7 @@ def test_triton_backend_warns_and_reports_missing_kernels(monkeypatch):
             fa2.load()
     import model.gpt  # the model loads its backend when it is built: the error comes before any forward
 
-    monkeypatch.setattr(model.gpt, "resolve_backend", lambda *args: fa2)
+    monkeypatch.setattr(model.gpt, "resolve_backend", lambda *args, **kwargs: fa2)
     with pytest.raises(BackendUnavailableError, match="attn=fa2 is not available"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         GPT(GPTConfig(block_size=8, vocab_size=10, n_layer=1, n_head=2, n_embd=32, attn="fa2"))

@@ -195,3 +195,19 @@ def test_a_missing_or_malformed_key_names_file_and_key(tmp_path):
     newer = save_checkpoint({**fake_state(3), "format_version": 99}, tmp_path, 3, keep_last=3)
     with pytest.raises(CheckpointError, match="format version 99; this code reads up to 1"):
         load_checkpoint(newer)
+
+
+def test_checkpoints_without_attn_softcap_load_it_as_off(tmp_path):
+    """model.attn_softcap came later: a file written before it reads 0.0 (off) in model_args and the config, and a
+    file with it keeps its value; a resumed run may change it (a warning, not a refusal: it shapes no weight)."""
+    from trainer.resume import NOT_SHAPE
+
+    old = save_checkpoint({**fake_state(1), "model_args": {"n_layer": 2}, "config": {"model": {"n_layer": 2}}},
+                          tmp_path, 1, keep_last=2)
+    ckpt = load_checkpoint(old)
+    assert ckpt["model_args"]["attn_softcap"] == 0.0 and ckpt["config"]["model"]["attn_softcap"] == 0.0
+    new = save_checkpoint({**fake_state(2), "model_args": {"attn_softcap": 30.0}}, tmp_path, 2, keep_last=2)
+    assert load_checkpoint(new)["model_args"]["attn_softcap"] == 30.0
+    assert "attn_softcap" in NOT_SHAPE
+    GPT(GPTConfig(**{**dict(block_size=8, vocab_size=10, n_layer=1, n_head=2, n_embd=32),
+                     **{k: v for k, v in ckpt["model_args"].items() if k == "attn_softcap"}}))

@@ -170,7 +170,7 @@ def test_every_backend_is_validated_by_its_registry_entry(name, monkeypatch):
     monkeypatch.setattr(TritonBackend, "head_dim_limits", lambda self: (16, 256))  # no kernel import needed
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # pretend a GPU, so needs_cuda is not in the way
     cfg = compose_config([f"attn={name}", "model.dropout=0.1", "model.n_embd=32", "model.n_head=4",
-                          "model.attn_window=8", "data.document_mask=true"])
+                          "model.attn_window=8", "data.document_mask=true", "model.attn_softcap=30"])
     errors = ""
     try:
         validate_config(cfg)
@@ -180,6 +180,7 @@ def test_every_backend_is_validated_by_its_registry_entry(name, monkeypatch):
     assert ("head_dim = n_embd / n_head = 8" in errors) == entry.limits_head_dim
     assert (f"attn={name} has no sliding-window attention" in errors) == (not entry.supports_window)
     assert (f"attn={name} has no document masks" in errors) == (not entry.supports_docs)
+    assert (f"attn={name} has no attention logit soft-capping" in errors) == (not entry.supports_softcap)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cfg = compose_config([f"attn={name}", "trainer.device=cpu", "model.n_embd=64", "model.n_head=4",
                           "trainer.compile=true"])
@@ -248,6 +249,41 @@ def test_bad_attn_window_is_refused_before_training(monkeypatch, overrides, mess
     monkeypatch.setattr(TritonBackend, "head_dim_limits", lambda self: (16, 256))  # no kernel import needed
     with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
         validate_config(compose_config(["trainer.device=cpu"] + overrides))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["attn=sdpa", "model.attn_softcap=50"], "model.attn_softcap=50.0: attn=sdpa has no attention logit "
+                                             "soft-capping; use attn=fa2 or attn=flex or attn=fa3 "
+                                             "(or model.attn_softcap=0)"),
+    (["attn=fa1", "model.attn_softcap=50"], "model.attn_softcap=50.0: attn=fa1 has no attention logit soft-capping"),
+    (["attn=sdpa_flash", "model.attn_softcap=0.5"], "attn=sdpa_flash has no attention logit soft-capping"),
+    (["attn=fa2", "model.attn_softcap=-1"], "model.attn_softcap=-1.0: must be a finite number >= 0"),
+    (["attn=flex", "model.attn_softcap=nan"], "model.attn_softcap=nan: must be a finite number >= 0"),
+    (["attn=flex", "model.attn_softcap=inf"], "model.attn_softcap=inf: must be a finite number >= 0"),
+])
+def test_bad_attn_softcap_is_refused_before_training(monkeypatch, overrides, message):
+    monkeypatch.setattr(TritonBackend, "head_dim_limits", lambda self: (16, 256))  # no kernel import needed
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as e:
+        validate_config(compose_config(["trainer.device=cpu"] + overrides))
+    assert str(e.value).count("\n  model.attn_softcap=") == 1, str(e.value)  # one error line for the key
+
+
+def test_attn_softcap_takes_a_number_and_a_backend_with_it(monkeypatch):
+    """fa2 and flex take it; attn=auto picks flex for it on the CPU (sdpa has none), fa2 on a GPU; a non-number
+    fails at composition (a float key)."""
+    monkeypatch.setattr(TritonBackend, "head_dim_limits", lambda self: (16, 256))  # no kernel import needed
+    for attn in ("fa2", "flex"):
+        validate_config(compose_config(["trainer.device=cpu", f"attn={attn}", "model.attn_softcap=50"]))
+    validate_config(compose_config(["trainer.device=cpu", "model.attn_softcap=0"]))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    capped = compose_config(["trainer.device=cpu", "model.attn_softcap=50"])
+    assert capped.attn.backend == "auto" and config_backend(capped) == "flex"
+    validate_config(capped)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert config_backend(compose_config(["model=gpt2", "model.attn_softcap=50"])) == "fa2"
+    for value in ("true", "abc"):
+        with pytest.raises(ConfigCompositionException):
+            compose_config([f"model.attn_softcap={value}"])
 
 
 def test_help_lists_every_key_with_its_meaning():

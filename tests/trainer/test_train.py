@@ -396,6 +396,27 @@ def test_attn_window_trains_like_sdpa_and_belongs_to_the_model(make_cfg, attn):
         train(make_cfg(*micro, "attn=sdpa", "run.name=window_ref", "model.attn_window=4", "trainer.max_steps=4"))
 
 
+def test_softcap_trains_alike_on_fa2_and_flex(make_cfg, caplog):
+    """model.attn_softcap through fa2's kernels and flex's score_mod gives the same losses, which differ from the
+    uncapped run's (with qk_norm the scores of a fresh model are ~N(0, 1), which a cap of 0.3 flattens); the
+    checkpoint records it, and resuming with another value is a warning naming the key, not a refusal."""
+    caplog.set_level("INFO", logger="trainer.loop")
+    micro = ("model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.n_kv_head=1", "model.block_size=16",
+             "model.qk_norm=true", "trainer.batch_size=2", "trainer.max_steps=3", "eval.iters=1", "ckpt.interval=0")
+    fa2 = train(make_cfg(*micro, "attn=fa2", "model.attn_softcap=0.3", "run.name=softcap_fa2"))
+    assert "attention logit soft-capping: 0.3 (model.attn_softcap)" in caplog.text
+    flex = train(make_cfg(*micro, "attn=flex", "model.attn_softcap=0.3", "run.name=softcap_flex"))
+    plain = train(make_cfg(*micro, "attn=sdpa", "run.name=softcap_plain"))
+    for a, b in zip(fa2.records, flex.records):
+        assert b["train/loss"] == pytest.approx(a["train/loss"], abs=1e-4)
+    assert [r["train/loss"] for r in plain.records] != pytest.approx([r["train/loss"] for r in fa2.records], abs=1e-4)
+    assert load_checkpoint(fa2.checkpoint)["model_args"]["attn_softcap"] == 0.3
+    caplog.clear()
+    train(make_cfg(*micro, "attn=fa2", "model.attn_softcap=0.5", "run.name=softcap_fa2", "trainer.max_steps=4"))
+    warnings = "\n".join(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    assert "with changed settings" in warnings and "model.attn_softcap: 0.3 -> 0.5" in warnings
+
+
 @pytest.mark.parametrize("attn", ["fa2", "flex"])
 def test_document_mask_trains_like_sdpa(make_cfg, tmp_path, attn):
     """data.document_mask on a corpus of many short documents (one per file): fa2's varlen kernel (flex: its block
