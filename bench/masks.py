@@ -197,6 +197,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = sorted(set(args.backends) - set(BACKENDS))
     if unknown:
         p.error(f"--backends: unknown {unknown}; choose from {', '.join(BACKENDS)}")
+    for name in ("batch", "n_heads", "head_dim", "seqlen", "median_doc"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: give a number >= 1")
+    if args.window < 0 or args.sigma < 0:
+        p.error(f"--window {args.window}, --sigma {args.sigma}: give numbers >= 0")
     return args
 
 

@@ -466,8 +466,8 @@ PUBLIC_DOC = """{title}
            with the visible (query, key) pairs.
         softcap: keyword only; a float >= 0, 0.0 = off (the default, no cost). With softcap > 0 each score
            s = softmax_scale * q.k becomes softcap * tanh(s / softcap), so |s| < softcap, before the mask and the
-           softmax; lse and the gradients are those of the capped scores. fa2 only (the other kernels raise
-           ValueError for anything but 0). Source: Gemma Team 2024, "Gemma 2" (attention logit soft-capping,
+           softmax; lse and the gradients are those of the capped scores. fa2 and fa3 (fa1 raises ValueError for
+           anything but 0). Source: Gemma Team 2024, "Gemma 2" (attention logit soft-capping,
            softcap 50), in flash-attn's convention (`flash_attn_func(..., softcap=0.0)`).
 
     Returns:
@@ -542,7 +542,7 @@ QKVPACKED_DOC = """{title}
         n_heads: the number of query heads; None: qkv's heads split in three equal parts (no GQA).
         causal, softmax_scale, return_lse, window_size: as in `{name}_attention` (seqlen_q = seqlen_k = seqlen).
         softcap: keyword only; logit soft-capping as in `{name}_attention` (a float >= 0, 0.0 = off; each score s
-           becomes softcap * tanh(s / softcap); Gemma 2, flash-attn's `softcap`; fa2 only).
+           becomes softcap * tanh(s / softcap); Gemma 2, flash-attn's `softcap`; fa2 and fa3).
 
     Returns:
         o: (batch, seqlen, n_heads, head_dim), contiguous, qkv's dtype; or (o, lse) with lse (batch, n_heads,

@@ -51,7 +51,7 @@ class GPTConfig:
     # A list gives one value per layer (e.g. [128, 0] * 6: local and global layers alternate).
     attn_window: Union[int, list[int]] = 0
     # Attention logit soft-capping (Gemma 2): each scaled score s becomes attn_softcap * tanh(s / attn_softcap);
-    # 0.0 = off. Needs a backend with supports_softcap (fa2, flex).
+    # 0.0 = off. Needs a backend with supports_softcap (fa3, fa2, flex).
     attn_softcap: float = 0.0
     pos_emb: str = "learned"     # learned position embeddings (wpe) | rope: rotary q and k, no wpe
     rope_theta: float = 10000.0  # RoPE base: angles pos * rope_theta^(-2i/head_dim) (Llama 3: 500000)

@@ -36,9 +36,14 @@ def main(argv=None):
     parser.add_argument("--forward", default=None, help="forward variants (default: a few per head_dim)")
     parser.add_argument("--backward", default=None, help="backward variants (default: a few per head_dim)")
     args = parser.parse_args(argv)
+    for name in ("window", "batch", "n_heads", "seqlen"):
+        if getattr(args, name) < (0 if name == "window" else 1):
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: give a number >= "
+                         f"{0 if name == 'window' else 1}")
     d = args.head_dim
-    forward = [forward_config(v) for v in parse_variants(args.forward or FORWARD_VARIANTS[d], forward_config)]
-    backward_text = parse_variants(args.backward or BACKWARD_VARIANTS[d], backward_config)
+    forward_text = FORWARD_VARIANTS[d] if args.forward is None else args.forward
+    forward = [forward_config(v) for v in parse_variants(forward_text, forward_config)]
+    backward_text = parse_variants(BACKWARD_VARIANTS[d] if args.backward is None else args.backward, backward_config)
     check_backward_configs(backward_text, [d])
     backward = [backward_config(v, fa3.BACKWARD_CONFIGS[d]) for v in backward_text]
     if not torch.cuda.is_available():

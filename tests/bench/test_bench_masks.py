@@ -60,3 +60,11 @@ def test_unknown_backend_is_rejected_with_the_accepted_names(capsys):
     with pytest.raises(SystemExit):
         masks.main(["--backends", "fa2,flesh"])
     assert "--backends: unknown ['flesh']; choose from fa3_full, fa3, fa2_full, fa2, flex, sdpa_dense, sdpa_cudnn" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [(["--window", "-5"], "--window -5"), (["--seqlen", "0"], "--seqlen 0"),
+                                          (["--sigma", "-1"], "--sigma -1.0")])
+def test_bad_numbers_are_rejected_before_the_gpu(capsys, argv, message):
+    with pytest.raises(SystemExit):
+        masks.parse_args(argv)
+    assert message in capsys.readouterr().err

@@ -65,6 +65,10 @@ def test_window_configs_tool_checks_its_variants_before_the_gpu(monkeypatch):
         fa3_window_configs.main(["--forward", "2:128:4"])
     with pytest.raises(SystemExit, match="backward variant 2:rows:64 at head_dim 64"):
         fa3_window_configs.main(["--backward", "2:rows:64"])
+    with pytest.raises(SystemExit, match="variant .*: give colon-separated integers"):  # empty is not the defaults
+        fa3_window_configs.main(["--forward", ""])
+    with pytest.raises(SystemExit):
+        fa3_window_configs.main(["--window", "-5"])
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         fa3_window_configs.main([])
