@@ -336,7 +336,8 @@ def make_attention(name: str, forward: ForwardLauncher, backward: BackwardLaunch
         o, lse = packed_forward_op(*args) if compiling else EagerAttention.apply(packed_eager, *args)
         return natural_lse(o, lse, to_natural) if return_lse else o
 
-    attention.__name__, qkvpacked_attention.__name__ = f"{name}_attention", f"{name}_qkvpacked_attention"
+    for fn, public in ((attention, f"{name}_attention"), (qkvpacked_attention, f"{name}_qkvpacked_attention")):
+        fn.__name__ = fn.__qualname__ = public  # what a TypeError for a wrong call names
     return attention, qkvpacked_attention
 
 
@@ -435,7 +436,7 @@ def make_varlen_attention(name: str, lse_log_base: float):
                     cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k, softcap)
         return natural_lse(o, lse, to_natural) if return_lse else o
 
-    varlen_attention.__name__ = f"{name}_varlen_attention"
+    varlen_attention.__name__ = varlen_attention.__qualname__ = f"{name}_varlen_attention"
     return varlen_attention
 
 
