@@ -499,25 +499,6 @@ WINDOW_CASES = [
 ]
 
 
-def _softcap_reference(q, k, v, causal, scale, window_size, softcap):
-    """float64 attention with the logit cap softcap * tanh(scale * q k^T / softcap) (0: none) and the window."""
-    if not softcap:
-        return reference(q, k, v, causal, scale, window_size)
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    s = softcap * torch.tanh(q @ k.transpose(-1, -2) * scale / softcap)
-    seqlen_q, seqlen_k = q.shape[2], k.shape[2]
-    left, right = window_size[0], 0 if causal else window_size[1]
-    i = torch.arange(seqlen_q, device=q.device)[:, None] + seqlen_k - seqlen_q
-    j = torch.arange(seqlen_k, device=q.device)[None, :]
-    if right >= 0:
-        s = s.masked_fill(j > i + right, float("-inf"))
-    if left >= 0:
-        s = s.masked_fill(j < i - left, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    return torch.exp(s - lse[..., None]).nan_to_num(0.0) @ v, lse
-
-
 def _window_run(head_dim, causal, window_size, n_heads, n_kv_heads, seqlen_q, seqlen_k, k_poison=None, softcap=0.0,
                 q_scale=1.0):
     """The Gluon forward and backward (run directly: `plan`'s length rule aside) on (B, T, H, D)-ordered views,
@@ -532,7 +513,7 @@ def _window_run(head_dim, causal, window_size, n_heads, n_kv_heads, seqlen_q, se
         k[:, :, k_poison], v[:, :, k_poison] = float("nan"), float("nan")
     scale = head_dim ** -0.5
     q64, k64, v64 = (t.detach().double().nan_to_num(0.0).requires_grad_() for t in (q, k, v))
-    o_ref, lse_ref = _softcap_reference(q64, k64, v64, causal, scale, window_size, softcap)
+    o_ref, lse_ref = reference(q64, k64, v64, causal, scale, window_size, softcap)
     o_ref.backward(do.double())
     banded = causal or window_size != (-1, -1)
     o, lse = fa3.run_forward(q, k, v, causal, scale, fa3.FORWARD_CONFIGS[head_dim, banded], window_size, softcap)
