@@ -72,6 +72,11 @@ FORWARD_CONFIGS = {
     (64, True): ForwardConfig(2, 128, 4, True, True), (64, False): ForwardConfig(3, 128, 3, True, True),
     (128, True): ForwardConfig(2, 128, 2, False, True), (128, False): ForwardConfig(2, 128, 2, True, True),
 }
+# Narrow sliding windows (window_left <= NARROW_WINDOW) at 64: 64-key blocks waste less of the band than 128-key ones.
+# Measured at window 128 (gpt-oss's layers, B 2, H 128, N 8192): 0.535 ms against 0.686 (benchmarks.md); wider
+# windows and head_dim 128 keep the causal config (window 1024 measured with it).
+NARROW_WINDOW = 128
+NARROW_WINDOW_FORWARD_CONFIGS = {64: ForwardConfig(2, 64, 4, True, True)}
 # At 64, 128 query rows with dQ split by rows measured 3-9 % faster than 64 rows; at 128, BLOCK_M 128 fits neither
 # the registers nor the shared memory. Shared memory: 199 KB at 64, 198 KB at 128.
 BACKWARD_CONFIGS = {64: BackwardConfig(2, "rows", 128), 128: BackwardConfig(2, "cols", 64)}
@@ -88,6 +93,7 @@ class Facts(NamedTuple):
     head_dim: int
     seqlen_k: int
     causal: bool  # a causal mask or a sliding window: the tile configs measured for causal
+    window_left: int  # the sliding window's left edge (`fa2.window_edges`), -1 for none
     varlen: bool  # packed variable-length sequences (cu_seqlens)
     tma_ok: bool  # every tensor the kernel reads or writes through TMA meets `common.use_tma`
     deterministic: bool  # torch.are_deterministic_algorithms_enabled()
@@ -135,17 +141,20 @@ def decide(facts: Facts) -> Plan:
         if reason is not None:
             return Plan("fa2", reason, warn)
     if facts.direction == "forward":
+        if 0 <= facts.window_left <= NARROW_WINDOW and facts.head_dim in NARROW_WINDOW_FORWARD_CONFIGS:
+            return Plan("gluon", config=NARROW_WINDOW_FORWARD_CONFIGS[facts.head_dim])
         return Plan("gluon", config=FORWARD_CONFIGS[facts.head_dim, facts.causal])
     return Plan("gluon", config=BACKWARD_CONFIGS[facts.head_dim])
 
 
-def plan(direction: str, q, k, v, causal: bool, *more, varlen: bool = False) -> Plan:
+def plan(direction: str, q, k, v, causal: bool, *more, varlen: bool = False, window_left: int = -1) -> Plan:
     """Which kernel runs this call, from the tensors (q, k, v (batch, heads, seqlen, head_dim) and `more`, other
     tensors the kernel moves through TMA: the backward's dO and gradient buffers) and the machine (`decide`).
-    causal: a causal mask or a sliding window; varlen: packed sequences (q, k, v are then (total, heads, head_dim))."""
+    causal: a causal mask or a sliding window; varlen: packed sequences (q, k, v are then (total, heads, head_dim));
+    window_left: the window's left edge as the kernels apply it (`fa2.window_edges`), -1 for none."""
     return decide(Facts(
         direction=direction, environment=gluon_device_reason(q.device), dtype=q.dtype, head_dim=q.shape[-1],
-        seqlen_k=k.shape[0 if varlen else 2], causal=causal, varlen=varlen, tma_ok=varlen or use_tma(q, k, v, *more),
+        seqlen_k=k.shape[0 if varlen else 2], causal=causal, window_left=window_left, varlen=varlen, tma_ok=varlen or use_tma(q, k, v, *more),
         deterministic=torch.are_deterministic_algorithms_enabled()))
 
 
@@ -332,8 +341,10 @@ def shared_layouts(dtype, head_dim: int, block_n: int, rank: int = 2):
             gl.NVMMASharedLayout.get_default_for(lead + [block_n, head_dim], gl_dtype))
 
 
-def _banded(causal: bool, window_size) -> bool:
-    return causal or tuple(window_size) != (-1, -1)
+def _band(q, k, causal: bool, window_size, varlen: bool) -> tuple[bool, int]:
+    """`plan`'s band arguments: whether there is a causal mask or a window, and the window's left edge."""
+    left = -1 if varlen else fa2.window_edges(causal, window_size, q.shape[2], k.shape[2])[0]
+    return causal or tuple(window_size) != (-1, -1), left
 
 
 def forward(q, k, v, causal, softmax_scale, window_size=(-1, -1), cu_seqlens_q=None, cu_seqlens_k=None,
@@ -342,7 +353,8 @@ def forward(q, k, v, causal, softmax_scale, window_size=(-1, -1), cu_seqlens_q=N
     (batch, n_heads, seqlen_q), +inf for rows that see no key; sliding windows and softcap as there. The Gluon
     kernel where `plan` says, else FA2's (always for packed sequences: cu_seqlens)."""
     varlen = cu_seqlens_q is not None
-    choice = plan("forward", q, k, v, _banded(causal, window_size), varlen=varlen)
+    banded, left = _band(q, k, causal, window_size, varlen)
+    choice = plan("forward", q, k, v, banded, varlen=varlen, window_left=left)
     if choice.kernel == "gluon":
         return run_forward(q, k, v, causal, softmax_scale, choice.config, window_size, softcap)
     if choice.warn:
@@ -447,7 +459,8 @@ def backward(do, q, k, v, o, lse, causal, softmax_scale, window_size=(-1, -1), c
     (`common.grad_buffers`; TMA writes dk, dv, so they must meet `use_tma` or FA2's backward runs). `lse` is the
     forward's base-2 LSE. The Gluon backward where `plan` says, else FA2's (always for packed sequences)."""
     varlen = cu_seqlens_q is not None
-    choice = plan("backward", q, k, v, _banded(causal, window_size), do, *(out or ())[1:], varlen=varlen)
+    banded, left = _band(q, k, causal, window_size, varlen)
+    choice = plan("backward", q, k, v, banded, do, *(out or ())[1:], varlen=varlen, window_left=left)
     if choice.kernel == "gluon":
         return run_backward(do, q, k, v, o, lse, causal, softmax_scale, choice.config, out, window_size, softcap)
     if choice.warn:

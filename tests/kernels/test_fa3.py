@@ -47,7 +47,7 @@ def _qkv(dtype=torch.bfloat16, head_dim=64, device="cuda" if torch.cuda.is_avail
 def _facts(**changes) -> fa3.Facts:
     """The facts of a call the Gluon forward takes on an H200, with `changes`."""
     facts = fa3.Facts(direction="forward", environment=None, dtype=torch.bfloat16, head_dim=64, seqlen_k=4096,
-                      causal=True, varlen=False, tma_ok=True, deterministic=False)
+                      causal=True, window_left=-1, varlen=False, tma_ok=True, deterministic=False)
     return facts._replace(**changes)
 
 
@@ -597,3 +597,27 @@ def test_gluon_softcap_matches_float64(fresh_dispatch, head_dim, causal, window_
     """Gemma 2's logit cap in the Gluon forward and backward (flash-attn's softcap) with logits far past the cap
     (q scaled up 8x: scores of ~100 against caps of 5-50), against float64: o, lse, dq, dk, dv."""
     _window_run(head_dim, causal, window_size, 4, 2, 1100, 1100, softcap=softcap, q_scale=8.0)
+
+
+@pytest.mark.parametrize("head_dim,window_left,narrow", [(64, 0, True), (64, 127, True), (64, 128, True),
+                                                          (64, 129, False), (64, 1023, False), (128, 127, False)])
+def test_narrow_windows_take_their_measured_forward_config(head_dim, window_left, narrow):
+    """A window up to NARROW_WINDOW keys at head_dim 64 runs 64-key blocks; wider ones and head_dim 128 the causal
+    config; the backward's config does not depend on the window."""
+    facts = _facts(head_dim=head_dim, window_left=window_left)
+    expected = fa3.NARROW_WINDOW_FORWARD_CONFIGS[64] if narrow else fa3.FORWARD_CONFIGS[head_dim, True]
+    assert fa3.decide(facts) == fa3.Plan("gluon", config=expected)
+    assert fa3.decide(facts._replace(direction="backward")).config == fa3.BACKWARD_CONFIGS[head_dim]
+
+
+@pytest.mark.skipif(not SUPPORTED, reason=f"triton {fa3.triton_version()} is not a release the Gluon kernels support")
+def test_narrow_window_config_compiles_for_sm90():
+    """The 64-key forward that narrow windows take, compiled as `test_gluon_kernels_compile_for_sm90` does."""
+    code = ("import torch; from kernels import fa3\n"
+            "k = fa3.compile_for_sm90(torch.bfloat16, 64, True, 2, 'fwd', fa3.NARROW_WINDOW_FORWARD_CONFIGS[64],"
+            " window=True)\nprint(k.metadata.shared, 'wgmma.mma_async' in k.asm['ptx'])")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    shared, wgmma = done.stdout.split()
+    assert wgmma == "True" and int(shared) <= 232448
