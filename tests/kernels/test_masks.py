@@ -292,11 +292,12 @@ def test_window_and_varlen_compile_in_one_graph():
     torch.testing.assert_close(loss, f(q.detach(), k.detach(), v.detach()), rtol=1e-3, atol=1e-3)
 
 
-def test_opcheck_with_masks():
+@pytest.mark.parametrize("softcap", [(), (5.0,)], ids=["masks", "masks_and_softcap"])
+def test_opcheck_with_masks(softcap):
     op = torch.ops.flashgpt.fa2_forward
     q, k, v = (randn(20, 2, 16, dtype=torch.float16).requires_grad_() for _ in range(3))
     cu = cu_seqlens([3, 17])
-    torch.library.opcheck(op, (q, k, v, True, 0.25, 4, 0, cu, cu, 17, 17),
+    torch.library.opcheck(op, (q, k, v, True, 0.25, 4, 0, cu, cu, 17, 17, *softcap),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 
