@@ -34,10 +34,16 @@ SCALE = 3.0  # q, k ~ N(0, 9): scores s ~ N(0, 81) after 1/sqrt(head_dim), again
 @pytest.fixture(autouse=True)
 def bfloat16_tolerance(monkeypatch):
     """bfloat16 with such logits: P and dS rounded to 8 bits before the matmuls put dq, dk ~1% off (the uncapped
-    kernel on the same inputs: up to 1.9%; float32 agrees to 1e-6), at the edge of test_attention's 1e-2."""
+    kernel on the same inputs: up to 1.9%; a CI run drew a dq 2.3% off; float32 agrees to 1e-6), past
+    test_attention's 1e-2."""
     import test_attention
 
-    monkeypatch.setitem(test_attention.TOLERANCE, torch.bfloat16, 2e-2)
+    monkeypatch.setitem(test_attention.TOLERANCE, torch.bfloat16, 3e-2)
+
+
+# How far a capped result must lie from the uncapped one (relative): the cap must matter. Ten tolerances, bfloat16's
+# at its 2e-2 of before the flake seen in CI.
+CAPPED_APART = {**{dtype: 10 * tol for dtype, tol in TOLERANCE.items()}, torch.bfloat16: 0.2}
 
 
 def big(*shape, dtype):
@@ -49,7 +55,7 @@ def check_capped(attention, q, k, v, causal, softcap, **kwargs):
     o, _ = check(attention, q, k, v, causal, softcap=softcap, **kwargs)
     scale = kwargs.get("softmax_scale") or 1.0 / math.sqrt(q.shape[-1])
     o_plain, _ = reference(q, k, v, causal, scale, kwargs.get("window_size", (-1, -1)))
-    assert rel_err(o, o_plain) > 10 * TOLERANCE[q.dtype]
+    assert rel_err(o, o_plain) > CAPPED_APART[q.dtype]
 
 
 # (batch, n_heads, n_kv_heads, seqlen_q, seqlen_k, head_dim, causal, window_size, dtype, softcap)
@@ -135,7 +141,7 @@ def test_qkvpacked_softcap_matches_reference(n_heads, n_kv_heads, causal, window
     assert rel_err(lse, lse_ref) < TOLERANCE[torch.bfloat16]
     assert rel_err(qkv.grad, qkv64.grad) < TOLERANCE[torch.bfloat16]
     o_plain, _ = reference(q, k, v, causal, 1 / math.sqrt(head_dim), window_size)
-    assert rel_err(o, o_plain.transpose(1, 2)) > 10 * TOLERANCE[torch.bfloat16]
+    assert rel_err(o, o_plain.transpose(1, 2)) > CAPPED_APART[torch.bfloat16]
 
 
 # (lengths_q, lengths_k, n_heads, n_kv_heads, head_dim, causal, window_size, dtype, softcap)
@@ -158,7 +164,7 @@ def test_varlen_softcap_matches_reference(lengths_q, lengths_k, n_heads, n_kv_he
                              softcap=softcap, input_scale=SCALE)
     uncapped = fa2_varlen_attention(*(t.detach() for t in inputs[:3]), *inputs[3:], max(lengths_q), max(lengths_k),
                                     causal=causal, window_size=window_size)
-    assert rel_err(o, uncapped) > 10 * TOLERANCE[dtype]
+    assert rel_err(o, uncapped) > CAPPED_APART[dtype]
 
 
 @pytest.mark.parametrize("grid", ["flat", "lpt", "padded"])
