@@ -5,6 +5,8 @@ and SDPA with a dense boolean mask (PyTorch's pick, and pinned to cuDNN), forwar
     python -m bench.masks --mode window --seqlen 8192 --window 1024
     python -m bench.masks --mode varlen --seqlen 8192 --median-doc 600 --out runs/bench_masks
     python -m bench.masks --mode window --batch 2 --n-heads 128 --seqlen 8192 --window 128   # gpt-oss's layers
+    python -m bench.masks --mode varlen --cuda-graph        # GPU time without the host's launch cost
+    python -m bench.masks --mode varlen --deterministic     # the bit-reproducible backwards' cost
 
 window: causal attention of B = --batch sequences of N = --seqlen tokens, in full (`fa3_full`, `fa2_full`) and
 with each query seeing itself and the --window keys before it: fa3 / fa2 `window_size=(window, 0)`, Flex a
@@ -27,6 +29,7 @@ into --out.
 
 import argparse
 import math
+import os
 import random
 from pathlib import Path
 
@@ -160,11 +163,12 @@ def run(mode, names, args, dtype) -> list[dict]:
         print(f"{mode} {name} ...", flush=True)
         attention = table[name]
         fwd, bwd = measure(lambda q, k, v, causal: attention(q, k, v), shape[0], args.n_heads, shape[1],
-                           args.head_dim, True, dtype)
+                           args.head_dim, True, dtype, cuda_graph=args.cuda_graph)
         visible = args.batch * window_pairs(args.seqlen, args.seqlen - 1) if name.endswith("_full") else pairs
         flop = 4 * args.n_heads * args.head_dim * visible
         rows.append({"mode": mode, "backend": name, "batch": args.batch, "n_heads": args.n_heads,
-                     "seqlen": args.seqlen, "head_dim": args.head_dim, "dtype": str(dtype), **setting,
+                     "seqlen": args.seqlen, "head_dim": args.head_dim, "dtype": str(dtype),
+                     "cuda_graph": args.cuda_graph, "deterministic": args.deterministic, **setting,
                      "visible_pairs": visible, "fwd_ms": fwd, "bwd_ms": bwd,
                      "fwd_tflops": fwd and flop / fwd / 1e9, "bwd_tflops": bwd and 2.5 * flop / bwd / 1e9})
     return rows
@@ -191,6 +195,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sigma", type=float, default=1.0, help="varlen mode: sigma of the log-normal lengths")
     p.add_argument("--seed", type=int, default=0, help="seed of the inputs and document lengths")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="input dtype")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="replay the calls from a CUDA graph (bench.attention's --cuda-graph: GPU time alone)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="torch.use_deterministic_algorithms(True): fa3 and fa2 run their atomic-free backwards")
     p.add_argument("--out", default="runs/bench_masks", help="folder for masks.csv and masks.json")
     args = p.parse_args(argv)
     args.backends = args.backends.split(",")
@@ -210,6 +218,9 @@ def main(argv=None):
     if not torch.cuda.is_available():
         raise SystemExit("bench.masks needs a CUDA GPU")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what deterministic cuBLAS needs
+        torch.use_deterministic_algorithms(True)
     rows = [r for mode in (("window", "varlen") if args.mode == "both" else (args.mode,))
             for r in run(mode, args.backends, args, dtype)]
     print(TABLE.render(rows))

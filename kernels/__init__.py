@@ -1,7 +1,7 @@
 """Our FlashAttention kernels: `fa3_attention` (FlashAttention-3 in Gluon for Hopper, forward and backward),
 `fa2_attention` / `fa2_varlen_attention` (FlashAttention-2 in Triton, with sliding windows, packed
-variable-length sequences and logit soft-capping; fa3 has windows and soft-capping too, and `fa3_varlen_attention`
-runs FA2's varlen kernels), `fa1_attention` (the FA1 baseline) and `fa2_decode` (split-K/V decode: one query per
+variable-length sequences and logit soft-capping; fa3 has all three too, packed sequences in
+`fa3_varlen_attention`), `fa1_attention` (the FA1 baseline) and `fa2_decode` (split-K/V decode: one query per
 (batch, head) against a KV cache). `fa*_qkvpacked_attention` take one packed qkv tensor (a fused projection's
 output) and write its gradient in place.
 
@@ -70,9 +70,13 @@ fa3_qkvpacked_attention.__doc__ = QKVPACKED_DOC.format(
           "do not apply (as fa3_attention).", name="fa3", gradients=FA3_GRADIENTS)
 fa3_varlen_attention = make_varlen_attention("fa3", lse_log_base=2.0)
 fa3_varlen_attention.__doc__ = VARLEN_DOC.format(
-    title="Packed variable-length sequences under the fa3 name: FA2's varlen kernels run (the Gluon kernels take "
-          "one batch of equal lengths), with fa3_attention's one-time RuntimeWarning naming the reason.",
-    source="as fa2_varlen_attention; see kernels/fa3.py (`RULES`).",
+    title="FlashAttention-3 (Gluon, Hopper) over packed variable-length sequences: packed self-attention (one set "
+          "of offsets: cu_seqlens_k with cu_seqlens_q's values, the same tensor costing no check) runs the Gluon "
+          "kernels, each row seeing its own sequence's keys through per-row bounds; two different sets of offsets, "
+          "and whatever fa3_attention sends to FA2, run FA2's varlen kernels with the one-time RuntimeWarning naming "
+          "the reason.",
+    source="Shah et al. 2024, FlashAttention-3, with flash-attn's varlen and window conventions; see kernels/fa3.py "
+           "(`RULES`, `doc_bounds`).",
 )
 
 __all__ = ["fa1_attention", "fa1_qkvpacked_attention", "fa2_attention", "fa2_decode", "fa2_qkvpacked_attention",

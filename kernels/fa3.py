@@ -3,8 +3,8 @@
 
 Every call asks `plan(direction, q, k, v, causal, ...)`, which reads one ordered table of rules (`RULES`) over the
 call's facts (`Facts`): first eligibility (an sm_90 GPU, a Triton whose Gluon API the kernels are written for,
-float16/bfloat16, head_dim 64 or 128, one batch of equal-length sequences (packed variable-length sequences run
-FA2's varlen kernels), inputs TMA can address), whose misses fall back to FA2 with a one-time
+float16/bfloat16, head_dim 64 or 128, packed variable-length sequences only with one set of offsets (packed
+self-attention: cu_seqlens_k equal to cu_seqlens_q), inputs TMA can address), whose misses fall back to FA2 with a one-time
 RuntimeWarning naming the reason; then performance (the backward below `BACKWARD_MIN_SEQLEN_K` keys, where FA2's
 measured faster); then determinism (the Gluon backward adds dQ up in float32 through TMA reduce-adds, as FA3 does,
 so it is not bit-reproducible: under `torch.use_deterministic_algorithms(True)` FA2's backward runs). The last two
@@ -92,9 +92,10 @@ class Facts(NamedTuple):
     dtype: torch.dtype
     head_dim: int
     seqlen_k: int
-    causal: bool  # a causal mask or a sliding window: the tile configs measured for causal
+    causal: bool  # a causal mask, a sliding window or packed sequences: the tile configs measured for causal
     window_left: int  # the sliding window's left edge (`fa2.window_edges`), -1 for none
     varlen: bool  # packed variable-length sequences (cu_seqlens)
+    shared_offsets: bool  # cu_seqlens_k equals cu_seqlens_q (packed self-attention); True without varlen
     tma_ok: bool  # every tensor the kernel reads or writes through TMA meets `common.use_tma`
     deterministic: bool  # torch.are_deterministic_algorithms_enabled()
 
@@ -118,8 +119,8 @@ RULES: tuple[tuple[bool, Callable[[Facts], Optional[str]]], ...] = (
     (True, lambda f: None if f.dtype in DTYPES else f"dtype {f.dtype} (the Gluon kernel takes float16 and bfloat16)"),
     (True, lambda f: None if f.head_dim in HEAD_DIMS else
         f"head_dim {f.head_dim} (the Gluon kernel takes {' and '.join(map(str, HEAD_DIMS))})"),
-    (True, lambda f: "packed variable-length sequences (the Gluon kernels take one batch of equal lengths)"
-        if f.varlen else None),
+    (True, lambda f: "packed sequences whose cu_seqlens_k differs from cu_seqlens_q (the Gluon kernels take one "
+        "set of offsets: packed self-attention)" if f.varlen and not f.shared_offsets else None),
     (True, lambda f: None if f.tma_ok else
         "inputs TMA cannot address (16-byte aligned data and 16-byte multiple strides needed)"),
     # performance: FA2's backward measured faster on short keys
@@ -147,15 +148,56 @@ def decide(facts: Facts) -> Plan:
     return Plan("gluon", config=BACKWARD_CONFIGS[facts.head_dim])
 
 
-def plan(direction: str, q, k, v, causal: bool, *more, varlen: bool = False, window_left: int = -1) -> Plan:
+def plan(direction: str, q, k, v, causal: bool, *more, varlen: bool = False, shared_offsets: bool = True,
+         window_left: int = -1) -> Plan:
     """Which kernel runs this call, from the tensors (q, k, v (batch, heads, seqlen, head_dim) and `more`, other
     tensors the kernel moves through TMA: the backward's dO and gradient buffers) and the machine (`decide`).
-    causal: a causal mask or a sliding window; varlen: packed sequences (q, k, v are then (total, heads, head_dim));
-    window_left: the window's left edge as the kernels apply it (`fa2.window_edges`), -1 for none."""
+    causal: a causal mask, a sliding window or packed sequences; varlen: packed sequences (q, k, v and `more` are
+    then (total, heads, head_dim)), shared_offsets: with one set of offsets (`same_offsets`); window_left: the
+    window's left edge as the kernels apply it (`fa2.window_edges`), -1 for none."""
+    tensors = [packed_view(t) for t in (q, k, v, *more)] if varlen else [q, k, v, *more]
     return decide(Facts(
         direction=direction, environment=gluon_device_reason(q.device), dtype=q.dtype, head_dim=q.shape[-1],
-        seqlen_k=k.shape[0 if varlen else 2], causal=causal, window_left=window_left, varlen=varlen, tma_ok=varlen or use_tma(q, k, v, *more),
+        seqlen_k=tensors[1].shape[2], causal=causal, window_left=window_left, varlen=varlen,
+        shared_offsets=shared_offsets, tma_ok=use_tma(*tensors),
         deterministic=torch.are_deterministic_algorithms_enabled()))
+
+
+def packed_view(t: torch.Tensor) -> torch.Tensor:
+    """(total, heads, head_dim) packed sequences as the kernels' (1, heads, total, head_dim), a view."""
+    return t.unsqueeze(0).transpose(1, 2)
+
+
+def same_offsets(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> bool:
+    """Whether the two offset tensors hold the same values: the same memory (as the model passes them) costs
+    nothing; otherwise the values are compared, a host sync."""
+    if cu_seqlens_q.data_ptr() == cu_seqlens_k.data_ptr() and cu_seqlens_q.shape == cu_seqlens_k.shape:
+        return True
+    return bool(torch.equal(cu_seqlens_q, cu_seqlens_k))
+
+
+def doc_bounds(cu_seqlens: torch.Tensor, total: int, before: int, after: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each position i of `total` packed positions, [start, limit): the positions of its own sequence (rows
+    cu_seqlens[b]:cu_seqlens[b + 1]) from i - before to i + after (-1: unlimited on that side). Two int32 (total,)
+    tensors, both non-decreasing in i (what the Gluon kernels' tile ranges rely on).
+
+    Packed self-attention with window (left, right) (`fa2.window_edges`, causal: right = 0): row i sees keys
+    doc_bounds(cu, total, left, right), and key j is seen by rows doc_bounds(cu, total, right, left), flash-attn's
+    varlen mask when every sequence has as many queries as keys."""
+    pos = torch.arange(total, device=cu_seqlens.device, dtype=torch.int32)
+    seq = torch.searchsorted(cu_seqlens, pos, right=True, out_int32=True) - 1  # empty sequences are skipped
+    start, limit = cu_seqlens[seq], cu_seqlens[seq + 1]
+    if before >= 0:
+        start = torch.maximum(start, pos - before)
+    if after >= 0:
+        limit = torch.minimum(limit, pos + (after + 1))
+    return start, limit
+
+
+@functools.lru_cache(maxsize=None)
+def _no_bounds(device) -> torch.Tensor:
+    """The bounds pointers' stand-in when there are no packed sequences (never read)."""
+    return torch.zeros(1, device=device, dtype=torch.int32)
 
 
 def triton_version() -> str:
@@ -247,10 +289,11 @@ def _caller_stacklevel() -> int:
 
 
 def run_forward(q, k, v, causal: bool, softmax_scale: float, config: ForwardConfig, window_size=(-1, -1),
-                softcap: float = 0.0):
+                softcap: float = 0.0, key_bounds=None):
     """The Gluon forward with `config` (no checks: `plan` decides where it applies) -> (o, base-2 LSE).
     window_size: flash-attn's (left, right), -1 = unlimited (`fa2.window_edges`); softcap: flash-attn's logit cap
-    (0 = off)."""
+    (0 = off). key_bounds: packed sequences (batch 1): each row's keys [start, limit) (`doc_bounds`), which then
+    replace causal and window_size."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     kernel = gluon_kernels().forward
@@ -258,6 +301,10 @@ def run_forward(q, k, v, causal: bool, softmax_scale: float, config: ForwardConf
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     num_consumers, block_n, num_stages, pingpong, persistent = config
     left, right = fa2.window_edges(causal, window_size, seqlen_q, seqlen_k)
+    docs = key_bounds is not None
+    if docs:  # both edges, per row
+        left, right = 0, 0
+    key_start, key_limit = key_bounds if docs else (_no_bounds(q.device),) * 2
     o = empty_like_layout(q)
     lse = torch.empty((batch, n_heads, seqlen_q), device=q.device, dtype=torch.float32)
     q_layout, kv_layout = shared_layouts(q.dtype, head_dim, block_n)
@@ -272,12 +319,13 @@ def run_forward(q, k, v, causal: bool, softmax_scale: float, config: ForwardConf
         grid = (min(n_tiles, _sm_count(q.device)),)
     else:
         grid = (persistent_grid(n_tiles_m, batch * n_heads, seqlen_q, num_consumers, _sm_count(q.device)),)
-    key = (kernel, config, q.dtype, q.device, q.shape, k.shape, left, right, softcap > 0)
+    key = (kernel, config, q.dtype, q.device, q.shape, k.shape, left, right, docs, softcap > 0)
     _run(kernel, key, grid,
          q_desc=desc(q, BLOCK_M, q_box), k_desc=desc(k, block_n, kv_box), v_desc=desc(v, block_n, kv_box),
          o_desc=desc(o, BLOCK_M, q_box), LSE=lse, n_heads=n_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-         window_left=max(left, 0), window_right=max(right, 0), **_logits(softmax_scale, softcap),
-         n_tiles_m=n_tiles_m, n_tiles=n_tiles, GROUP=n_heads // n_kv_heads, LEFT=left >= 0, RIGHT=right >= 0,
+         window_left=max(left, 0), window_right=max(right, 0), KEY_START=key_start, KEY_LIMIT=key_limit,
+         **_logits(softmax_scale, softcap), n_tiles_m=n_tiles_m, n_tiles=n_tiles, GROUP=n_heads // n_kv_heads,
+         LEFT=left >= 0, RIGHT=right >= 0, DOCS=docs,
          PINGPONG=pingpong, NUM_CONSUMERS=num_consumers,
          HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=num_stages, Q_LAYOUT=q_layout,
          KV_LAYOUT=kv_layout)
@@ -341,20 +389,49 @@ def shared_layouts(dtype, head_dim: int, block_n: int, rank: int = 2):
             gl.NVMMASharedLayout.get_default_for(lead + [block_n, head_dim], gl_dtype))
 
 
-def _band(q, k, causal: bool, window_size, varlen: bool) -> tuple[bool, int]:
-    """`plan`'s band arguments: whether there is a causal mask or a window, and the window's left edge."""
-    left = -1 if varlen else fa2.window_edges(causal, window_size, q.shape[2], k.shape[2])[0]
-    return causal or tuple(window_size) != (-1, -1), left
+def _band(q, k, causal: bool, window_size, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> tuple:
+    """`plan`'s band arguments: whether there is a causal mask, a window or packed sequences, and as keywords the
+    window's left edge and for packed sequences whether both sides share their offsets."""
+    varlen = cu_seqlens_q is not None
+    seqlens = (max_seqlen_q, max_seqlen_k) if varlen else (q.shape[2], k.shape[2])
+    left = fa2.window_edges(causal, window_size, *seqlens)[0]
+    return causal or varlen or tuple(window_size) != (-1, -1), dict(
+        window_left=left, varlen=varlen, shared_offsets=not varlen or same_offsets(cu_seqlens_q, cu_seqlens_k))
+
+
+# `doc_bounds` by offsets tensor: a model passes one cu_seqlens to every layer, forward and backward, so the bounds
+# are made once a step. Keyed weakly by the tensor and by its version (an in-place write makes new bounds).
+_BOUNDS = torch.utils.weak.WeakTensorKeyDictionary()
+
+
+def _packed_bounds(causal, window_size, cu_seqlens, total, max_seqlen, keys: bool = False):
+    """`doc_bounds` of packed self-attention: each row's keys, or with `keys` each key's rows. Made afresh while a
+    CUDA graph is captured (a replay must recompute them from the offsets it is given)."""
+    left, right = fa2.window_edges(causal, window_size, max_seqlen, max_seqlen)
+    before, after = (right, left) if keys else (left, right)
+    if cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
+        return doc_bounds(cu_seqlens, total, before, after)
+    version, made = _BOUNDS.get(cu_seqlens, (None, {}))
+    if version != cu_seqlens._version:
+        version, made = cu_seqlens._version, {}
+        _BOUNDS[cu_seqlens] = version, made
+    if (total, before, after) not in made:
+        made[total, before, after] = doc_bounds(cu_seqlens, total, before, after)
+    return made[total, before, after]
 
 
 def forward(q, k, v, causal, softmax_scale, window_size=(-1, -1), cu_seqlens_q=None, cu_seqlens_k=None,
             max_seqlen_q=0, max_seqlen_k=0, softcap=0.0):
     """Same contract as `fa2.forward`: o (like q, in q's memory order) and the base-2 LSE, float32
-    (batch, n_heads, seqlen_q), +inf for rows that see no key; sliding windows and softcap as there. The Gluon
-    kernel where `plan` says, else FA2's (always for packed sequences: cu_seqlens)."""
-    varlen = cu_seqlens_q is not None
-    banded, left = _band(q, k, causal, window_size, varlen)
-    choice = plan("forward", q, k, v, banded, varlen=varlen, window_left=left)
+    (batch, n_heads, seqlen_q) or for packed sequences (n_heads, total_q), +inf for rows that see no key;
+    sliding windows, packed sequences and softcap as there. The Gluon kernel where `plan` says, else FA2's."""
+    banded, band = _band(q, k, causal, window_size, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    choice = plan("forward", q, k, v, banded, **band)
+    if choice.kernel == "gluon" and band["varlen"]:
+        bounds = _packed_bounds(causal, window_size, cu_seqlens_q, q.shape[0], max(max_seqlen_q, max_seqlen_k))
+        o, lse = run_forward(*map(packed_view, (q, k, v)), causal, softmax_scale, choice.config, softcap=softcap,
+                             key_bounds=bounds)
+        return o[0].transpose(0, 1), lse[0]
     if choice.kernel == "gluon":
         return run_forward(q, k, v, causal, softmax_scale, choice.config, window_size, softcap)
     if choice.warn:
@@ -364,10 +441,11 @@ def forward(q, k, v, causal, softmax_scale, window_size=(-1, -1), cu_seqlens_q=N
 
 
 def run_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, config: BackwardConfig, out=None,
-                 window_size=(-1, -1), softcap: float = 0.0):
+                 window_size=(-1, -1), softcap: float = 0.0, bounds=None):
     """The Gluon backward with `config` (no checks: `plan` decides where it applies) -> (dq, dk, dv), into `out`
-    when given (`common.grad_buffers`). window_size and softcap as in `run_forward`. ValueError for a config the
-    kernel cannot run."""
+    when given (`common.grad_buffers`). window_size and softcap as in `run_forward`; bounds: packed sequences, each
+    row's keys [start, limit) and each key's rows [start, limit) (`doc_bounds`, four tensors). ValueError for a
+    config the kernel cannot run."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     dq_rows, dq_cols = config.dq_box(q.shape[-1])  # checks the config
@@ -376,6 +454,10 @@ def run_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, config
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     num_stages, split_dq, block_m = config
     left, right = fa2.window_edges(causal, window_size, seqlen_q, seqlen_k)
+    docs = bounds is not None
+    if docs:  # both edges, per row and per key
+        left, right = 0, 0
+    bounds = bounds if docs else (_no_bounds(q.device),) * 4
     seqlen_q_pad = triton.cdiv(seqlen_q, block_m) * block_m  # whole blocks for the dQ reduce-adds
     # In q's memory order, as dq: the last pass below is then a plain contiguous one (a (B, H, T, D) accumulator
     # for the model's (B, T, H, D) q made it a transposing copy: 110 us of GPT-2's 1k backward, cuDNN's 46).
@@ -389,13 +471,16 @@ def run_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, config
     block_n = BWD_CONSUMERS * 64
     grid = (triton.cdiv(seqlen_k, block_n), batch * n_kv_heads)
     lse = lse.contiguous()
-    key = (kernel, config, q.dtype, q.device, q.shape, k.shape, left, right, softcap > 0, lse.data_ptr() % 16 == 0)
+    key = (kernel, config, q.dtype, q.device, q.shape, k.shape, left, right, docs, softcap > 0,
+           lse.data_ptr() % 16 == 0)
     _run(kernel, key, grid,
          q_desc=desc(q, block_m, q_box), k_desc=desc(k, block_n, k_box), v_desc=desc(v, 64, v_box),
          do_desc=desc(do, block_m, q_box), dk_desc=desc(dk, 64, v_box), dv_desc=desc(dv, 64, v_box),
          dq_desc=desc(dq_acc, dq_rows, dq_box, dq_cols), LSE=lse, DELTA=delta, n_heads=n_heads, seqlen_q=seqlen_q,
-         seqlen_k=seqlen_k, window_left=max(left, 0), window_right=max(right, 0), **_logits(softmax_scale, softcap),
-         softmax_scale=softmax_scale, GROUP=n_heads // n_kv_heads, LEFT=left >= 0, RIGHT=right >= 0,
+         seqlen_k=seqlen_k, window_left=max(left, 0), window_right=max(right, 0),
+         **dict(zip(("KEY_START", "KEY_LIMIT", "QUERY_START", "QUERY_LIMIT"), bounds)),
+         **_logits(softmax_scale, softcap), softmax_scale=softmax_scale, GROUP=n_heads // n_kv_heads,
+         LEFT=left >= 0, RIGHT=right >= 0, DOCS=docs,
          NUM_CONSUMERS=BWD_CONSUMERS, HEAD_DIM=head_dim,
          BLOCK_M=block_m, NUM_STAGES=num_stages, SPLIT_DQ=split_dq,
          Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, DQ_LAYOUT=dq_layout)
@@ -457,10 +542,17 @@ def backward(do, q, k, v, o, lse, causal, softmax_scale, window_size=(-1, -1), c
              max_seqlen_q=0, max_seqlen_k=0, out=None, softcap=0.0):
     """Same contract as `fa2.backward`: dq, dk, dv like q, k, v, written into `out` when given
     (`common.grad_buffers`; TMA writes dk, dv, so they must meet `use_tma` or FA2's backward runs). `lse` is the
-    forward's base-2 LSE. The Gluon backward where `plan` says, else FA2's (always for packed sequences)."""
-    varlen = cu_seqlens_q is not None
-    banded, left = _band(q, k, causal, window_size, varlen)
-    choice = plan("backward", q, k, v, banded, do, *(out or ())[1:], varlen=varlen, window_left=left)
+    forward's base-2 LSE. The Gluon backward where `plan` says, else FA2's."""
+    banded, band = _band(q, k, causal, window_size, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    choice = plan("backward", q, k, v, banded, do, *(out or ())[1:], **band)
+    if choice.kernel == "gluon" and band["varlen"]:
+        total, longest = q.shape[0], max(max_seqlen_q, max_seqlen_k)
+        bounds = (*_packed_bounds(causal, window_size, cu_seqlens_q, total, longest),
+                  *_packed_bounds(causal, window_size, cu_seqlens_q, total, longest, keys=True))
+        packed_out = None if out is None else tuple(map(packed_view, out))
+        grads = run_backward(*map(packed_view, (do, q, k, v, o)), lse.unsqueeze(0), causal, softmax_scale,
+                             choice.config, packed_out, softcap=softcap, bounds=bounds)
+        return tuple(g[0].transpose(0, 1) for g in grads)
     if choice.kernel == "gluon":
         return run_backward(do, q, k, v, o, lse, causal, softmax_scale, choice.config, out, window_size, softcap)
     if choice.warn:
@@ -470,10 +562,11 @@ def backward(do, q, k, v, o, lse, causal, softmax_scale, window_size=(-1, -1), c
 
 
 def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, kernel="fwd", config=None,
-                     window=False, softcap=False):
+                     window=False, softcap=False, docs=False):
     """Compile the Gluon forward (kernel="fwd") or backward ("bwd") for sm_90 without a GPU (catches Gluon API
     breaks on CPU-only machines), with `config` (a ForwardConfig / BackwardConfig; default the measured one).
-    causal: the band's right edge (RIGHT); window: its left edge (LEFT, a sliding window); softcap: the logit cap.
+    causal: the band's right edge (RIGHT); window: its left edge (LEFT, a sliding window); softcap: the logit cap;
+    docs: packed sequences (DOCS, per-row bounds: both edges).
 
     Returns Triton's compiled kernel (`.asm` holds ttgir, ptx and cubin). Raises RuntimeError naming the
     reason when this Triton is not one the kernels support, ValueError for another `kernel`.
@@ -489,14 +582,16 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
     name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
     tensordesc = lambda rows, layout: f"tensordesc<{name}[1, 1, {rows}, {head_dim}],{layout!r}>"
     if kernel == "fwd":
+        if docs:
+            causal = window = True
         num_consumers, block_n, num_stages, pingpong, _ = config or FORWARD_CONFIGS[head_dim, causal or window]
         q_layout, kv_layout = shared_layouts(dtype, head_dim, block_n)
         q_box, kv_box = shared_layouts(dtype, head_dim, block_n, rank=4)
         fn = kernels.forward
         descs = dict(q_desc=tensordesc(BLOCK_M, q_box), o_desc=tensordesc(BLOCK_M, q_box),
                      k_desc=tensordesc(block_n, kv_box), v_desc=tensordesc(block_n, kv_box), LSE="*fp32",
-                     qk_scale="fp32", softcap_in="fp32")
-        constexprs = dict(GROUP=group, LEFT=window, RIGHT=causal, SOFTCAP=softcap, PINGPONG=pingpong, NUM_CONSUMERS=num_consumers,
+                     KEY_START="*i32", KEY_LIMIT="*i32", qk_scale="fp32", softcap_in="fp32")
+        constexprs = dict(GROUP=group, LEFT=window, RIGHT=causal, DOCS=docs, SOFTCAP=softcap, PINGPONG=pingpong, NUM_CONSUMERS=num_consumers,
                           HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=num_stages,
                           Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout)
     else:
@@ -510,9 +605,12 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
                                tensordesc(64, v_box))
         fn = kernels.backward
         descs = dict(q_desc=q_box, k_desc=k_box, v_desc=v_box, do_desc=q_box, dk_desc=v_box, dv_desc=v_box,
-                     dq_desc=dq_box, LSE="*fp32", DELTA="*fp32", qk_scale="fp32", softcap_in="fp32",
+                     dq_desc=dq_box, LSE="*fp32", DELTA="*fp32", KEY_START="*i32", KEY_LIMIT="*i32",
+                     QUERY_START="*i32", QUERY_LIMIT="*i32", qk_scale="fp32", softcap_in="fp32",
                      softmax_scale="fp32")
-        constexprs = dict(GROUP=group, LEFT=window, RIGHT=causal, SOFTCAP=softcap, NUM_CONSUMERS=BWD_CONSUMERS, HEAD_DIM=head_dim,
+        if docs:
+            causal = window = True
+        constexprs = dict(GROUP=group, LEFT=window, RIGHT=causal, DOCS=docs, SOFTCAP=softcap, NUM_CONSUMERS=BWD_CONSUMERS, HEAD_DIM=head_dim,
                           BLOCK_M=block_m, NUM_STAGES=num_stages, SPLIT_DQ=split_dq,
                           Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, DQ_LAYOUT=dq_layout)
     signature = {arg: "i32" for arg in fn.arg_names}

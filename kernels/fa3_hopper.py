@@ -28,6 +28,10 @@ ranges for its BLOCK_M rows: blocks of [lo_free, hi_free) are visible to all its
 at the edges are masked (a compare per edge and a select per score against the row's key range), and the tile's
 blocks that none of its rows see past its right edge (causal: past its diagonal) are skipped, only their ring slots
 released (`_skip_block`). One loop runs both kinds of block, branching per block.
+Packed sequences (DOCS, batch 1: the sequences back to back) are the same band with per-row edges: row i sees keys
+[KEY_START[i], KEY_LIMIT[i]) (its own sequence, cut by a causal mask or window: `kernels.fa3.doc_bounds`), both
+non-decreasing in i, so a tile's range and its all-visible blocks follow from its first and last rows' bounds. Tiles
+straddle sequence edges: TMA loads whole blocks, and the mask drops the other sequence's keys.
 
 q, k, v and o come through host-made 4-D TMA descriptors over (batch, heads, seqlen, HEAD_DIM) with the
 inputs' own strides, so any 16-byte-aligned layout with a unit last stride works (the model's (B, T, H, D)
@@ -200,8 +204,8 @@ def _n_tiles_of_cta(n_tiles, PAIRED: gl.constexpr):
 
 
 @gluon.jit
-def _tile(i, n_tiles_m, n_heads, seqlen_q, seqlen_k, window_left, window_right, LEFT: gl.constexpr,
-          RIGHT: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
+def _tile(i, n_tiles_m, n_heads, seqlen_q, seqlen_k, window_left, window_right, KEY_START, KEY_LIMIT,
+          LEFT: gl.constexpr, RIGHT: gl.constexpr, DOCS: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
     """This CTA's i-th tile -> (batch, head, batch * n_heads + head, first row, first key of the tile's key
     range (a multiple of BLOCK_N), how many K/V blocks from there the producer loads).
 
@@ -226,7 +230,8 @@ def _tile(i, n_tiles_m, n_heads, seqlen_q, seqlen_k, window_left, window_right, 
         pid_m = t % n_tiles_m
         bh = t // n_tiles_m
     start_m = pid_m * ROWS
-    lo, hi = _key_range(start_m, ROWS, seqlen_q, seqlen_k, window_left, window_right, LEFT, RIGHT)
+    lo, hi = _key_range(start_m, ROWS, seqlen_q, seqlen_k, window_left, window_right, KEY_START, KEY_LIMIT, LEFT,
+                        RIGHT, DOCS)
     first_n = lo // BLOCK_N * BLOCK_N
     # At least one block, so every partition runs the same code; a tile whose rows see no key masks it all.
     n_blocks = gl.maximum((hi + BLOCK_N - 1) // BLOCK_N - first_n // BLOCK_N, 1)
@@ -241,18 +246,24 @@ def _paired(LEFT, RIGHT):
 
 
 @gluon.jit
-def _key_range(row0, ROWS: gl.constexpr, seqlen_q, seqlen_k, window_left, window_right, LEFT: gl.constexpr,
-               RIGHT: gl.constexpr):
+def _key_range(row0, ROWS: gl.constexpr, seqlen_q, seqlen_k, window_left, window_right, KEY_START, KEY_LIMIT,
+               LEFT: gl.constexpr, RIGHT: gl.constexpr, DOCS: gl.constexpr):
     """[lo, hi): the keys that some row of [row0, row0 + ROWS) sees, flash-attn's band aligned bottom-right [3]:
     row i sees key j iff i + d - window_left <= j <= i + d + window_right, d = seqlen_k - seqlen_q, a side
-    limited only with LEFT / RIGHT (causal: RIGHT, window_right = 0). hi <= lo when no row sees a key."""
-    diag = seqlen_k - seqlen_q
-    lo = row0 * 0
-    hi = seqlen_k + row0 * 0
-    if LEFT:
-        lo = gl.maximum(row0 + diag - window_left, 0)
-    if RIGHT:
-        hi = gl.minimum(row0 + ROWS + diag + window_right, seqlen_k)
+    limited only with LEFT / RIGHT (causal: RIGHT, window_right = 0). hi <= lo when no row sees a key.
+    DOCS (packed sequences): row i sees keys [KEY_START[i], KEY_LIMIT[i]), both non-decreasing in i
+    (`kernels.fa3.doc_bounds`), so the first row's start and the last row's limit bound the rows'."""
+    if DOCS:
+        lo = gl.load(KEY_START + gl.minimum(row0, seqlen_q - 1))
+        hi = gl.load(KEY_LIMIT + gl.minimum(row0 + ROWS, seqlen_q) - 1)
+    else:
+        diag = seqlen_k - seqlen_q
+        lo = row0 * 0
+        hi = seqlen_k + row0 * 0
+        if LEFT:
+            lo = gl.maximum(row0 + diag - window_left, 0)
+        if RIGHT:
+            hi = gl.minimum(row0 + ROWS + diag + window_right, seqlen_k)
     return lo, hi
 
 
@@ -321,8 +332,8 @@ def _skip_block(j, kv_it, turn, ring, turn_bars, CID: gl.constexpr, NEXT: gl.con
 
 @gluon.jit
 def _consumer(tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, window_left, window_right,
-              qk_scale, softcap_in, CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr, LEFT: gl.constexpr,
-              RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+              KEY_START, KEY_LIMIT, qk_scale, softcap_in, CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+              LEFT: gl.constexpr, RIGHT: gl.constexpr, DOCS: gl.constexpr, SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Consumer warpgroup CID: rows [start_m + CID * BLOCK_M, + BLOCK_M) of each of the CTA's tiles."""
     dtype: gl.constexpr = tiles.q.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -340,28 +351,36 @@ def _consumer(tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, s
     tile_count = 0
     for tile_i in range(_n_tiles_of_cta(n_tiles, _paired(LEFT, RIGHT))):
         off_b, off_h, bh, start_m, first_n, n_blocks = _tile(
-            tile_i, n_tiles_m, n_heads, seqlen_q, seqlen_k, window_left, window_right, LEFT, RIGHT,
-            NUM_CONSUMERS * BLOCK_M, BLOCK_N)
+            tile_i, n_tiles_m, n_heads, seqlen_q, seqlen_k, window_left, window_right, KEY_START, KEY_LIMIT, LEFT,
+            RIGHT, DOCS, NUM_CONSUMERS * BLOCK_M, BLOCK_N)
         # This warpgroup's own key ranges [3]: keys [lo_free, hi_free) are seen by all its rows (unmasked blocks),
         # blocks before j0 and from n_own on by none of them (skipped: the tile's first blocks can be all left of
         # the last warpgroups' windows, its last block all above the first warpgroups' diagonal). Per row, keys
         # [key_start, key_limit) are visible.
         row0 = start_m + CID * BLOCK_M
         rows = row0 + gl.arange(0, BLOCK_M, layout=row_layout)
-        diag = seqlen_k - seqlen_q
-        if RIGHT:
-            key_limit = gl.minimum(rows + (diag + window_right + 1), seqlen_k)
-            hi_free = gl.minimum(gl.maximum(row0 + diag + window_right + 1, 0), seqlen_k) // BLOCK_N * BLOCK_N
+        if DOCS:  # the host's per-row bounds (rows past seqlen_q take the last row's: they are not stored)
+            last_row = gl.minimum(row0 + BLOCK_M - 1, seqlen_q - 1)
+            key_start = gl.load(KEY_START + gl.minimum(rows, seqlen_q - 1))
+            key_limit = gl.load(KEY_LIMIT + gl.minimum(rows, seqlen_q - 1))
+            hi_free = gl.load(KEY_LIMIT + gl.minimum(row0, seqlen_q - 1)) // BLOCK_N * BLOCK_N
+            lo_free = (gl.load(KEY_START + last_row) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
         else:
-            key_limit = gl.full([BLOCK_M], seqlen_k, gl.int32, layout=row_layout)
-            hi_free = seqlen_k // BLOCK_N * BLOCK_N
-        if LEFT:
-            key_start = rows + (diag - window_left)
-            lo_free = (gl.maximum(row0 + BLOCK_M - 1 + diag - window_left, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-        else:
-            key_start = key_limit  # unused
-            lo_free = hi_free * 0
-        lo, hi = _key_range(row0, BLOCK_M, seqlen_q, seqlen_k, window_left, window_right, LEFT, RIGHT)
+            diag = seqlen_k - seqlen_q
+            if RIGHT:
+                key_limit = gl.minimum(rows + (diag + window_right + 1), seqlen_k)
+                hi_free = gl.minimum(gl.maximum(row0 + diag + window_right + 1, 0), seqlen_k) // BLOCK_N * BLOCK_N
+            else:
+                key_limit = gl.full([BLOCK_M], seqlen_k, gl.int32, layout=row_layout)
+                hi_free = seqlen_k // BLOCK_N * BLOCK_N
+            if LEFT:
+                key_start = rows + (diag - window_left)
+                lo_free = (gl.maximum(row0 + BLOCK_M - 1 + diag - window_left, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+            else:
+                key_start = key_limit  # unused
+                lo_free = hi_free * 0
+        lo, hi = _key_range(row0, BLOCK_M, seqlen_q, seqlen_k, window_left, window_right, KEY_START, KEY_LIMIT, LEFT,
+                            RIGHT, DOCS)
         n_own = gl.minimum(gl.maximum((hi + BLOCK_N - 1) // BLOCK_N - first_n // BLOCK_N, 1), n_blocks)
         if LEFT:
             j0 = gl.minimum(lo // BLOCK_N - first_n // BLOCK_N, n_own - 1)
@@ -439,15 +458,16 @@ def _consumer(tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, s
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, tiles, ring, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, window_left,
-              window_right, GROUP: gl.constexpr, LEFT: gl.constexpr, RIGHT: gl.constexpr,
+              window_right, KEY_START, KEY_LIMIT, GROUP: gl.constexpr, LEFT: gl.constexpr, RIGHT: gl.constexpr,
+              DOCS: gl.constexpr,
               NUM_CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """The TMA warp: per tile the consumers' Q tiles, then K_j and V_j into the ring."""
     kv_it = 0
     tile_count = 0
     for tile_i in range(_n_tiles_of_cta(n_tiles, _paired(LEFT, RIGHT))):
         off_b, off_h, bh, start_m, first_n, n_blocks = _tile(
-            tile_i, n_tiles_m, n_heads, seqlen_q, seqlen_k, window_left, window_right, LEFT, RIGHT,
-            NUM_CONSUMERS * BLOCK_M, BLOCK_N)
+            tile_i, n_tiles_m, n_heads, seqlen_q, seqlen_k, window_left, window_right, KEY_START, KEY_LIMIT, LEFT,
+            RIGHT, DOCS, NUM_CONSUMERS * BLOCK_M, BLOCK_N)
         off_hk = off_h // GROUP  # GQA: GROUP query heads share one K/V head
         q_phase = (tile_count & 1) ^ 1  # a fresh barrier passes phase 1 at once
         for i in gl.static_range(NUM_CONSUMERS):
@@ -471,8 +491,8 @@ def _producer(q_desc, k_desc, v_desc, tiles, ring, n_tiles_m, n_tiles, n_heads, 
 @gluon.jit
 def fa3_fwd_kernel(
     q_desc, k_desc, v_desc, o_desc, LSE,
-    n_heads, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_in, n_tiles_m, n_tiles,
-    GROUP: gl.constexpr, LEFT: gl.constexpr, RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+    n_heads, seqlen_q, seqlen_k, window_left, window_right, KEY_START, KEY_LIMIT, qk_scale, softcap_in, n_tiles_m,
+    n_tiles, GROUP: gl.constexpr, LEFT: gl.constexpr, RIGHT: gl.constexpr, DOCS: gl.constexpr, SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr,
 ):
@@ -511,13 +531,14 @@ def fa3_fwd_kernel(
         gl.warp_specialize(
             [
             (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, window_left,
-                         window_right, qk_scale, softcap_in, 0, NUM_CONSUMERS, LEFT, RIGHT, SOFTCAP, PINGPONG, BLOCK_M,
-                         BLOCK_N, HEAD_DIM)),
+                         window_right, KEY_START, KEY_LIMIT, qk_scale, softcap_in, 0, NUM_CONSUMERS, LEFT, RIGHT,
+                         DOCS, SOFTCAP, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
             (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, window_left,
-                         window_right, qk_scale, softcap_in, 1, NUM_CONSUMERS, LEFT, RIGHT, SOFTCAP, PINGPONG, BLOCK_M,
-                         BLOCK_N, HEAD_DIM)),
+                         window_right, KEY_START, KEY_LIMIT, qk_scale, softcap_in, 1, NUM_CONSUMERS, LEFT, RIGHT,
+                         DOCS, SOFTCAP, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
             (_producer, (q_desc, k_desc, v_desc, tiles, ring, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k,
-                         window_left, window_right, GROUP, LEFT, RIGHT, NUM_CONSUMERS, BLOCK_M, BLOCK_N)),
+                         window_left, window_right, KEY_START, KEY_LIMIT, GROUP, LEFT, RIGHT, DOCS, NUM_CONSUMERS,
+                         BLOCK_M, BLOCK_N)),
             ],
             [4, 1],
             [240, 24],
@@ -526,16 +547,17 @@ def fa3_fwd_kernel(
         gl.warp_specialize(
             [
             (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, window_left,
-                         window_right, qk_scale, softcap_in, 0, NUM_CONSUMERS, LEFT, RIGHT, SOFTCAP, PINGPONG, BLOCK_M,
-                         BLOCK_N, HEAD_DIM)),
+                         window_right, KEY_START, KEY_LIMIT, qk_scale, softcap_in, 0, NUM_CONSUMERS, LEFT, RIGHT,
+                         DOCS, SOFTCAP, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
             (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, window_left,
-                         window_right, qk_scale, softcap_in, 1, NUM_CONSUMERS, LEFT, RIGHT, SOFTCAP, PINGPONG, BLOCK_M,
-                         BLOCK_N, HEAD_DIM)),
+                         window_right, KEY_START, KEY_LIMIT, qk_scale, softcap_in, 1, NUM_CONSUMERS, LEFT, RIGHT,
+                         DOCS, SOFTCAP, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
             (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, window_left,
-                         window_right, qk_scale, softcap_in, 2, NUM_CONSUMERS, LEFT, RIGHT, SOFTCAP, PINGPONG, BLOCK_M,
-                         BLOCK_N, HEAD_DIM)),
+                         window_right, KEY_START, KEY_LIMIT, qk_scale, softcap_in, 2, NUM_CONSUMERS, LEFT, RIGHT,
+                         DOCS, SOFTCAP, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
             (_producer, (q_desc, k_desc, v_desc, tiles, ring, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k,
-                         window_left, window_right, GROUP, LEFT, RIGHT, NUM_CONSUMERS, BLOCK_M, BLOCK_N)),
+                         window_left, window_right, KEY_START, KEY_LIMIT, GROUP, LEFT, RIGHT, DOCS, NUM_CONSUMERS,
+                         BLOCK_M, BLOCK_N)),
             ],
             [4, 4, 1],
             [160, 160, 24],

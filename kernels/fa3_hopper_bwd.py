@@ -25,7 +25,9 @@ their dS is 0 and their dO rows are 0: they add nothing to dK or dV, and their d
 padding. Keys past seqlen_k read as 0, so their dS adds nothing to dQ and their dK/dV rows are clipped by the TMA
 store. Only the band's edges need a mask (flash-attn's masks, as in the forward: RIGHT, the causal diagonal or a
 right window, query blocks [lo, m_free); LEFT, a sliding window's left edge, query blocks [m_free_hi, hi)); query
-blocks none of whose rows see a key of the CTA's are never visited, so a window's cost follows its band.
+blocks none of whose rows see a key of the CTA's are never visited, so a window's cost follows its band. Packed
+sequences (DOCS) take per-key and per-row bounds from the host (`kernels.fa3.doc_bounds`): key n is seen by rows
+[QUERY_START[n], QUERY_LIMIT[n]), row i sees keys [KEY_START[i], KEY_LIMIT[i]).
 """
 
 from triton.experimental import gluon
@@ -154,25 +156,35 @@ def _mask_band(p_t, keys, key_first, key_last, LEFT: gl.constexpr, RIGHT: gl.con
 
 
 @gluon.jit
-def _query_range(start_n, seqlen_q, seqlen_k, window_left, window_right, LEFT: gl.constexpr, RIGHT: gl.constexpr,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+def _query_range(start_n, seqlen_q, seqlen_k, window_left, window_right, QUERY_START, QUERY_LIMIT,
+                 LEFT: gl.constexpr, RIGHT: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr):
     """The query blocks that see keys [start_n, start_n + BLOCK_N): [lo, hi), masked below m_free (the right
     edge) and from m_free_hi on (the left edge), and how many there are. Query m sees key n iff
     m + d - window_left <= n <= m + d + window_right, d = seqlen_k - seqlen_q (bottom-right), a side limited only
-    with LEFT / RIGHT; the same band as the forward's, seen from the keys."""
+    with LEFT / RIGHT; the same band as the forward's, seen from the keys. DOCS (packed sequences): key n is seen
+    by rows [QUERY_START[n], QUERY_LIMIT[n]), both non-decreasing in n (`kernels.fa3.doc_bounds`)."""
     hi = ((seqlen_q + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
-    diag_offset = seqlen_k - seqlen_q
-    lo = hi * 0
-    m_free = lo
-    m_free_hi = hi
-    if RIGHT:  # m >= n - d - window_right
-        lo = (gl.maximum(start_n - diag_offset - window_right, 0) // BLOCK_M) * BLOCK_M
-        m_free = ((gl.maximum(start_n + BLOCK_N - 1 - diag_offset - window_right, 0) + BLOCK_M - 1)
-                  // BLOCK_M) * BLOCK_M
-    if LEFT:  # m <= n - d + window_left
-        hi = gl.minimum((gl.maximum(start_n + BLOCK_N - diag_offset + window_left, 0) + BLOCK_M - 1)
-                        // BLOCK_M * BLOCK_M, hi)
-        m_free_hi = gl.maximum(start_n - diag_offset + window_left + 1, 0) // BLOCK_M * BLOCK_M
+    if DOCS:
+        first_key = gl.minimum(start_n, seqlen_k - 1)
+        last_key = gl.minimum(start_n + BLOCK_N, seqlen_k) - 1
+        lo = gl.load(QUERY_START + first_key) // BLOCK_M * BLOCK_M
+        m_free = (gl.load(QUERY_START + last_key) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        m_free_hi = gl.load(QUERY_LIMIT + first_key) // BLOCK_M * BLOCK_M
+        hi = gl.minimum((gl.load(QUERY_LIMIT + last_key) + BLOCK_M - 1) // BLOCK_M * BLOCK_M, hi)
+    else:
+        diag_offset = seqlen_k - seqlen_q
+        lo = hi * 0
+        m_free = lo
+        m_free_hi = hi
+        if RIGHT:  # m >= n - d - window_right
+            lo = (gl.maximum(start_n - diag_offset - window_right, 0) // BLOCK_M) * BLOCK_M
+            m_free = ((gl.maximum(start_n + BLOCK_N - 1 - diag_offset - window_right, 0) + BLOCK_M - 1)
+                      // BLOCK_M) * BLOCK_M
+        if LEFT:  # m <= n - d + window_left
+            hi = gl.minimum((gl.maximum(start_n + BLOCK_N - diag_offset + window_left, 0) + BLOCK_M - 1)
+                            // BLOCK_M * BLOCK_M, hi)
+            m_free_hi = gl.maximum(start_n - diag_offset + window_left + 1, 0) // BLOCK_M * BLOCK_M
     lo = gl.minimum(lo, hi)
     m_free = gl.minimum(gl.maximum(m_free, lo), hi)
     m_free_hi = gl.minimum(gl.maximum(m_free_hi, lo), hi)
@@ -181,8 +193,9 @@ def _query_range(start_n, seqlen_q, seqlen_k, window_left, window_right, LEFT: g
 
 @gluon.jit
 def _consumer(keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, window_left, window_right,
-              qk_scale, softcap_in, softmax_scale, CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr, GROUP: gl.constexpr,
-              LEFT: gl.constexpr, RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+              KEY_START, KEY_LIMIT, QUERY_START, QUERY_LIMIT, qk_scale, softcap_in, softmax_scale, CID: gl.constexpr,
+              NUM_CONSUMERS: gl.constexpr, GROUP: gl.constexpr, LEFT: gl.constexpr, RIGHT: gl.constexpr,
+              DOCS: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
               SPLIT_DQ: gl.constexpr):
     """Consumer warpgroup CID: keys [start_n + 64 * CID, + 64) of the CTA's key block.
 
@@ -209,8 +222,8 @@ def _consumer(keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q
     n_kv_heads = n_heads // GROUP
     off_b = bhk // n_kv_heads
     off_hk = bhk % n_kv_heads
-    lo, m_free, m_free_hi, n_m = _query_range(start_n, seqlen_q, seqlen_k, window_left, window_right, LEFT, RIGHT,
-                                              BLOCK_M, BLOCK_N)
+    lo, m_free, m_free_hi, n_m = _query_range(start_n, seqlen_q, seqlen_k, window_left, window_right, QUERY_START,
+                                              QUERY_LIMIT, LEFT, RIGHT, DOCS, BLOCK_M, BLOCK_N)
     # K is one (BLOCK_N, HEAD_DIM) tile: wider-than-swizzle tiles are stored in column panels, so two stacked
     # (64, HEAD_DIM) tiles would not read as one (BLOCK_N, HEAD_DIM) tile for SPLIT_DQ.
     k_tile = k_smem.slice(CID * BLOCK_KEYS, BLOCK_KEYS, dim=0)
@@ -251,7 +264,11 @@ def _consumer(keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q
             p_t = gl.exp2(t * qk_scale - gl.expand_dims(lse, 0))
         else:
             p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse, 0))
-        if LEFT:
+        if DOCS:  # the host's per-row key bounds (rows past seqlen_q take the last row's: their dS is 0)
+            if (start_m < m_free) | (start_m >= m_free_hi):
+                cols = gl.minimum(start_m + gl.arange(0, BLOCK_M, layout=col_layout), seqlen_q - 1)
+                p_t = _mask_band(p_t, keys, gl.load(KEY_START + cols), gl.load(KEY_LIMIT + cols) - 1, True, True)
+        elif LEFT:
             if (start_m < m_free) | (start_m >= m_free_hi):
                 cols = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
                 p_t = _mask_band(p_t, keys, cols + (diag_offset - window_left), cols + (diag_offset + window_right),
@@ -300,8 +317,8 @@ def _consumer(keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, do_desc, keys_smem, ring, LSE, DELTA, n_heads, seqlen_q, seqlen_k, window_left,
-              window_right, NUM_CONSUMERS: gl.constexpr, GROUP: gl.constexpr, LEFT: gl.constexpr,
-              RIGHT: gl.constexpr, BLOCK_M: gl.constexpr):
+              window_right, QUERY_START, QUERY_LIMIT, NUM_CONSUMERS: gl.constexpr, GROUP: gl.constexpr,
+              LEFT: gl.constexpr, RIGHT: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr):
     """The loading warp: the CTA's K and V once, then Q_i and dO_i (TMA) and LSE_i and delta_i (cp.async) of every
     query block into the ring."""
     BLOCK_N: gl.constexpr = NUM_CONSUMERS * BLOCK_KEYS
@@ -316,8 +333,8 @@ def _producer(q_desc, k_desc, v_desc, do_desc, keys_smem, ring, LSE, DELTA, n_he
     for c in gl.static_range(NUM_CONSUMERS):
         row = start_n + c * BLOCK_KEYS
         tma_load(v_desc, [off_b, off_hk, row, 0], kv_bar, as_4d(keys_smem.v.index(c), v_desc))
-    lo, _, _, n_m = _query_range(start_n, seqlen_q, seqlen_k, window_left, window_right, LEFT, RIGHT, BLOCK_M,
-                                 BLOCK_N)
+    lo, _, _, n_m = _query_range(start_n, seqlen_q, seqlen_k, window_left, window_right, QUERY_START, QUERY_LIMIT,
+                                 LEFT, RIGHT, DOCS, BLOCK_M, BLOCK_N)
     for it in range(GROUP * n_m):
         slot = ring.slot(it)
         off_h = off_hk * GROUP + it // n_m
@@ -333,8 +350,9 @@ def _producer(q_desc, k_desc, v_desc, do_desc, keys_smem, ring, LSE, DELTA, n_he
 @gluon.jit
 def fa3_bwd_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA,
-    n_heads, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_in, softmax_scale,
-    GROUP: gl.constexpr, LEFT: gl.constexpr, RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr,
+    n_heads, seqlen_q, seqlen_k, window_left, window_right, KEY_START, KEY_LIMIT, QUERY_START, QUERY_LIMIT,
+    qk_scale, softcap_in, softmax_scale, GROUP: gl.constexpr, LEFT: gl.constexpr, RIGHT: gl.constexpr,
+    DOCS: gl.constexpr, SOFTCAP: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT_DQ: gl.constexpr,
     Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr, DS_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr,
 ):
@@ -376,13 +394,16 @@ def fa3_bwd_kernel(
     gl.warp_specialize(
         [
         (_consumer, (keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, window_left,
-                     window_right, qk_scale, softcap_in, softmax_scale, 0, NUM_CONSUMERS, GROUP, LEFT, RIGHT,
-                     SOFTCAP, BLOCK_M, HEAD_DIM, SPLIT_DQ)),
+                     window_right, KEY_START, KEY_LIMIT, QUERY_START, QUERY_LIMIT, qk_scale, softcap_in,
+                     softmax_scale, 0, NUM_CONSUMERS, GROUP, LEFT, RIGHT, DOCS, SOFTCAP, BLOCK_M, HEAD_DIM,
+                     SPLIT_DQ)),
         (_consumer, (keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, window_left,
-                     window_right, qk_scale, softcap_in, softmax_scale, 1, NUM_CONSUMERS, GROUP, LEFT, RIGHT,
-                     SOFTCAP, BLOCK_M, HEAD_DIM, SPLIT_DQ)),
+                     window_right, KEY_START, KEY_LIMIT, QUERY_START, QUERY_LIMIT, qk_scale, softcap_in,
+                     softmax_scale, 1, NUM_CONSUMERS, GROUP, LEFT, RIGHT, DOCS, SOFTCAP, BLOCK_M, HEAD_DIM,
+                     SPLIT_DQ)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, keys_smem, ring, LSE, DELTA, n_heads, seqlen_q, seqlen_k,
-                     window_left, window_right, NUM_CONSUMERS, GROUP, LEFT, RIGHT, BLOCK_M)),
+                     window_left, window_right, QUERY_START, QUERY_LIMIT, NUM_CONSUMERS, GROUP, LEFT, RIGHT, DOCS,
+                     BLOCK_M)),
         ],
         [4, 1],
         [240, 24],

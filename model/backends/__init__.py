@@ -13,8 +13,7 @@ Backends:
   dropout; windows and documents as a dense mask (slow); no logit soft-capping (SDPA has no score function).
 - ``sdpa_flash`` / ``sdpa_cudnn``: SDPA pinned to PyTorch's FlashAttention-2 or cuDNN kernel (cuDNN: CUDA only).
 - ``fa1`` / ``fa2`` / ``fa3``: the project's Triton FlashAttention-1 / -2 and Gluon FlashAttention-3 kernels
-  (``kernels/``); no dropout; fa2 and fa3 do windows and logit soft-capping in the kernel, fa2 documents (fa3's
-  documents run FA2's). Without a CUDA GPU they run under Triton's interpreter (very slow).
+  (``kernels/``); no dropout; fa2 and fa3 do windows, documents and logit soft-capping in the kernel. Without a CUDA GPU they run under Triton's interpreter (very slow).
 - ``flex``: PyTorch FlexAttention with block masks for windows and documents, a score_mod for soft-capping.
 
 Modules:

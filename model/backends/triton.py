@@ -2,8 +2,8 @@
 
 fa1 / fa2 are the Triton FlashAttention-1 / -2 kernels, fa3 the Gluon FlashAttention-3 kernels for Hopper (FA2's
 where they do not apply). fa2 and fa3 do sliding windows in the kernel and skip the key blocks outside them; fa2
-does documents too (``fa2_varlen_attention``), and fa3's documents run those same FA2 kernels
-(``fa3_varlen_attention``, with its one-time warning). fa1 refuses both. All three take the fused qkv
+and fa3 do documents too (``fa2_varlen_attention``, ``fa3_varlen_attention``: the batch as one packed sequence,
+each row seeing its own document). fa1 refuses both. All three take the fused qkv
 (``fa*_qkvpacked_attention``); fa2 and fa3 decode through the split-K/V kernel ``fa2_decode`` (flash-decoding).
 fa2 and fa3 have logit soft-capping (``softcap``) in every call form (fa3: in its Gluon kernels; decode through
 ``fa2_decode``); fa1 refuses it.

@@ -68,3 +68,10 @@ def test_bad_numbers_are_rejected_before_the_gpu(capsys, argv, message):
     with pytest.raises(SystemExit):
         masks.parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+def test_cuda_graph_and_determinism_are_off_unless_asked():
+    default = masks.parse_args([])
+    assert default.cuda_graph is False and default.deterministic is False
+    asked = masks.parse_args(["--mode", "varlen", "--cuda-graph", "--deterministic"])
+    assert asked.cuda_graph is True and asked.deterministic is True

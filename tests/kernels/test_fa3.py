@@ -47,7 +47,8 @@ def _qkv(dtype=torch.bfloat16, head_dim=64, device="cuda" if torch.cuda.is_avail
 def _facts(**changes) -> fa3.Facts:
     """The facts of a call the Gluon forward takes on an H200, with `changes`."""
     facts = fa3.Facts(direction="forward", environment=None, dtype=torch.bfloat16, head_dim=64, seqlen_k=4096,
-                      causal=True, window_left=-1, varlen=False, tma_ok=True, deterministic=False)
+                      causal=True, window_left=-1, varlen=False, shared_offsets=True, tma_ok=True,
+                      deterministic=False)
     return facts._replace(**changes)
 
 
@@ -76,7 +77,7 @@ def test_a_fallback_warns_once_from_the_callers_line(fresh_dispatch):
     (dict(head_dim=80), "head_dim 80"),
     (dict(head_dim=256, dtype=torch.float16), "head_dim 256"),
     (dict(tma_ok=False), "inputs TMA cannot address"),
-    (dict(varlen=True), "packed variable-length sequences"),
+    (dict(varlen=True, shared_offsets=False), "cu_seqlens_k differs from cu_seqlens_q"),
     (dict(environment="no CUDA GPU (x)", head_dim=80), "no CUDA GPU"),  # the machine is named first
 ])
 @pytest.mark.parametrize("direction", ["forward", "backward"])
@@ -571,7 +572,8 @@ def test_fa3_attention_runs_windows_on_gluon(fresh_dispatch):
 
 def test_windows_and_packed_sequences_run_fa2_where_gluon_does_not(fresh_dispatch):
     """fa3_attention(window_size=..., softcap=...) and fa3_varlen_attention give FA2's results wherever FA2's kernels
-    run (every call on a machine without an H200; packed sequences everywhere, with one warning naming them)."""
+    run (every call on a machine without an H200; packed sequences with two sets of offsets everywhere, with one
+    warning naming them)."""
     q, k, v = _qkv()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -580,12 +582,13 @@ def test_windows_and_packed_sequences_run_fa2_where_gluon_does_not(fresh_dispatc
         ref = fa2_attention(q, k, v, causal=True, window_size=(5, -1), softcap=2.0)
         torch.testing.assert_close(o, ref, rtol=0, atol=0)
     packed = [t[0].transpose(0, 1).contiguous() for t in (q, k, v)]  # (total, heads, head_dim)
-    cu = torch.tensor([0, 7, 7, 24], dtype=torch.int32, device=q.device)
+    cu_q = torch.tensor([0, 7, 7, 24], dtype=torch.int32, device=q.device)
+    cu_k = torch.tensor([0, 10, 14, 24], dtype=torch.int32, device=q.device)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        o = fa3_varlen_attention(*packed, cu, cu, 17, 17, causal=True, window_size=(3, -1))
-    assert any("packed variable-length sequences" in str(w.message) for w in caught) or not HOPPER
-    ref = fa2_varlen_attention(*packed, cu, cu, 17, 17, causal=True, window_size=(3, -1))
+        o = fa3_varlen_attention(*packed, cu_q, cu_k, 17, 10, causal=True, window_size=(3, -1))
+    assert any("cu_seqlens_k differs from cu_seqlens_q" in str(w.message) for w in caught) or not HOPPER
+    ref = fa2_varlen_attention(*packed, cu_q, cu_k, 17, 10, causal=True, window_size=(3, -1))
     torch.testing.assert_close(o, ref, rtol=0, atol=0)
 
 
@@ -621,3 +624,171 @@ def test_narrow_window_config_compiles_for_sm90():
     assert done.returncode == 0, done.stderr[-3000:]
     shared, wgmma = done.stdout.split()
     assert wgmma == "True" and int(shared) <= 232448
+
+
+# ------------------------------------------------------------------------------------------ packed sequences
+def _doc_bounds_loop(lengths, before, after):
+    """`fa3.doc_bounds` written out position by position."""
+    starts, limits, first = [], [], 0
+    for n in lengths:
+        for i in range(first, first + n):
+            starts.append(first if before < 0 else max(first, i - before))
+            limits.append(first + n if after < 0 else min(first + n, i + after + 1))
+        first += n
+    return starts, limits
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("before,after", [(-1, 0), (-1, -1), (5, 0), (0, 0), (3, 7)])
+def test_doc_bounds_match_a_loop(seed, before, after):
+    """Each position's [start, limit) within its own sequence, over random lengths with empty and one-token
+    sequences; both non-decreasing (the Gluon kernels' tile ranges rely on it)."""
+    rng = random.Random(seed)
+    lengths = [rng.choice([0, 1, rng.randint(2, 40)]) for _ in range(rng.randint(1, 9))] + [rng.randint(1, 9)]
+    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32)
+    start, limit = fa3.doc_bounds(cu, sum(lengths), before, after)
+    assert start.dtype == limit.dtype == torch.int32
+    assert (start.tolist(), limit.tolist()) == _doc_bounds_loop(lengths, before, after)
+    assert (start.diff() >= 0).all() and (limit.diff() >= 0).all()
+
+
+def test_packed_sequences_run_gluon_with_one_set_of_offsets():
+    """Packed self-attention (one set of offsets) takes the Gluon kernels with the causal configs; two different
+    sets of offsets fall back to FA2, warned."""
+    facts = _facts(varlen=True, causal=True, seqlen_k=8192)  # `fa3._band`: packed sequences are a band
+    assert fa3.decide(facts) == fa3.Plan("gluon", config=fa3.FORWARD_CONFIGS[64, True])
+    assert fa3.decide(facts._replace(direction="backward")).kernel == "gluon"
+    cu = torch.tensor([0, 3, 3, 10], dtype=torch.int32)
+    assert fa3.same_offsets(cu, cu) and fa3.same_offsets(cu, cu.clone())
+    assert not fa3.same_offsets(cu, torch.tensor([0, 4, 4, 10], dtype=torch.int32))
+
+
+@pytest.mark.skipif(not SUPPORTED, reason=f"triton {fa3.triton_version()} is not a release the Gluon kernels support")
+def test_packed_sequence_kernels_compile_for_sm90():
+    """The DOCS forward and backward (per-row bounds), compiled for sm_90 as `test_gluon_kernels_compile_for_sm90`
+    does: head_dim 64 and 128, with GQA."""
+    code = ("import torch; from kernels import fa3\n"
+            "for kernel in ('fwd', 'bwd'):\n"
+            "    for d in fa3.HEAD_DIMS:\n"
+            "        k = fa3.compile_for_sm90(torch.bfloat16, d, True, 2, kernel, docs=True)\n"
+            "        print(k.metadata.shared, 'wgmma.mma_async' in k.asm['ptx'] and 'ld.global' in k.asm['ptx'])")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line.split() for line in done.stdout.splitlines()]
+    assert len(lines) == 2 * len(fa3.HEAD_DIMS)
+    assert all(ok == "True" and int(shared) <= 232448 for shared, ok in lines), lines
+
+
+def _varlen_reference(q, k, v, do, cu, causal, window_size, softcap):
+    """float64 per-sequence reference of packed (total, heads, head_dim) inputs: o, natural lse (heads, total),
+    and dq, dk, dv for the output gradient do."""
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    as_batch = lambda t: t.transpose(0, 1)[None]
+    outs, lses = [], []
+    for b in range(len(cu) - 1):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        if rows.stop == rows.start:
+            continue
+        o_b, lse_b = reference(as_batch(q64[rows]), as_batch(k64[rows]), as_batch(v64[rows]), causal,
+                               q.shape[-1] ** -0.5, window_size, softcap)
+        outs.append(o_b[0].transpose(0, 1))
+        lses.append(lse_b[0])
+    o_ref = torch.cat(outs)
+    o_ref.backward(do.double())
+    return o_ref, torch.cat(lses, dim=1), (q64.grad, k64.grad, v64.grad)
+
+
+# (head_dim, causal, window_size, softcap, n_heads, n_kv_heads, lengths)
+VARLEN_CASES = [
+    (64, True, (-1, -1), 0.0, 4, 4, [600, 1, 0, 77, 1500, 130, 0, 2, 300]),  # ends inside tiles, empty, one-token
+    (128, True, (-1, -1), 0.0, 4, 2, [1000, 3, 900, 192, 64]),  # GQA, a document exactly one tile
+    (64, False, (-1, -1), 0.0, 2, 1, [257, 700, 5, 1100]),  # not causal
+    (128, False, (-1, -1), 0.0, 2, 2, [1, 1, 1, 400, 1, 1200]),
+    (64, True, (100, -1), 0.0, 4, 2, [900, 40, 1300]),  # a window narrower than the documents
+    (128, True, (300, -1), 20.0, 2, 2, [700, 1400, 33]),  # window and softcap
+]
+
+
+@gluon_on_hopper
+@pytest.mark.parametrize("head_dim,causal,window_size,softcap,n_heads,n_kv_heads,lengths", VARLEN_CASES)
+def test_gluon_varlen_matches_float64(fresh_dispatch, head_dim, causal, window_size, softcap, n_heads, n_kv_heads,
+                                      lengths):
+    """Packed sequences on the Gluon kernels (no fallback warning), forward and backward, against float64 per
+    sequence: o, lse, dq, dk, dv, the gradients written into NaN-filled buffers."""
+    total = sum(lengths)
+    q, k, v, do = (torch.randn(total, h, head_dim, device="cuda", dtype=torch.bfloat16)
+                   for h in (n_heads, n_kv_heads, n_kv_heads, n_heads))
+    q = q * (4.0 if softcap else 1.0)
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    longest, scale = max(lengths), head_dim ** -0.5
+    o_ref, lse_ref, grads_ref = _varlen_reference(q, k, v, do, cu, causal, window_size, softcap)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        o, lse = fa3.forward(q, k, v, causal, scale, window_size, cu, cu, longest, longest, softcap)
+        out = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+        grads = fa3.backward(do, q, k, v, o, lse, causal, scale, window_size, cu, cu, longest, longest, out=out,
+                             softcap=softcap)
+    assert lse.shape == (n_heads, total) and o.shape == q.shape
+    assert (lse.double() / fa2.LOG2E - lse_ref).abs().max() < 1e-2
+    for got, ref in ((o, o_ref), *zip(grads, grads_ref)):
+        assert torch.isfinite(got).all()
+        err = ((got.double() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, err
+
+
+@gluon_on_hopper
+def test_fa3_varlen_attention_runs_on_gluon_and_matches_fa2(fresh_dispatch):
+    """The public fa3_varlen_attention with one offsets tensor: no fallback warning, FA2's result."""
+    lengths = [700, 1, 2000, 0, 349]
+    q, k, v = (torch.randn(sum(lengths), 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        o = fa3_varlen_attention(q, k, v, cu, cu, 2000, 2000, causal=True)
+        o.backward(torch.ones_like(o))
+    grads = [t.grad for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    o2 = fa2_varlen_attention(q, k, v, cu, cu, 2000, 2000, causal=True)
+    o2.backward(torch.ones_like(o2))
+    assert (o - o2).abs().max() < 2e-2
+    for got, ref in zip(grads, (q.grad, k.grad, v.grad)):
+        assert ((got.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
+
+
+def test_packed_bounds_are_made_once_per_offsets_and_remade_after_a_write():
+    """The bounds of one offsets tensor are reused across calls (a model's layers), and made again once the
+    offsets are written in place."""
+    cu = torch.tensor([0, 3, 3, 10], dtype=torch.int32)
+    first = fa3._packed_bounds(True, (-1, -1), cu, 10, 7)
+    assert fa3._packed_bounds(True, (-1, -1), cu, 10, 7) is first
+    cu[1] = 2
+    again = fa3._packed_bounds(True, (-1, -1), cu, 10, 7)
+    assert again[0].tolist() == _doc_bounds_loop([2, 1, 7], -1, 0)[0]
+    keys = fa3._packed_bounds(True, (2, -1), cu, 10, 7, keys=True)  # each key's rows: the window seen from keys
+    assert [t.tolist() for t in keys] == list(_doc_bounds_loop([2, 1, 7], 0, 2))
+
+
+@gluon_on_hopper
+@pytest.mark.parametrize("packed", [False, True])
+def test_window_and_packed_backwards_are_bit_reproducible_when_deterministic(fresh_dispatch, monkeypatch, packed):
+    """Under torch.use_deterministic_algorithms(True) the windowed and the packed-sequence backwards run FA2's
+    atomic-free kernels: two runs give the same bits."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    lengths = [900, 1, 0, 1200, 300]
+    total = sum(lengths)
+    q, k, v, do = (torch.randn(total, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    mask = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1200, max_seqlen_k=1200) if packed else {}
+    if not packed:
+        q, k, v, do = (fa3.packed_view(t) for t in (q, k, v, do))
+    torch.use_deterministic_algorithms(True)
+    try:
+        o, lse = fa3.forward(q, k, v, True, 0.125, (255, -1), **mask)
+        runs = [fa3.backward(do, q, k, v, o, lse, True, 0.125, (255, -1), **mask) for _ in range(2)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for first, second in zip(*runs):
+        assert torch.equal(first, second)
