@@ -77,6 +77,9 @@ FORWARD_CONFIGS = {
 # windows and head_dim 128 keep the causal config (window 1024 measured with it).
 NARROW_WINDOW = 128
 NARROW_WINDOW_FORWARD_CONFIGS = {64: ForwardConfig(2, 64, 4, True, True)}
+# Packed sequences at 64 (log-normal documents of median 600 in 8k contexts): three consumers on 64-key blocks,
+# 0.182 ms against the causal config's 0.193 (benchmarks.md); at 128 the causal config measured fastest.
+PACKED_FORWARD_CONFIGS = {64: ForwardConfig(3, 64, 3, True, True)}
 # At 64, 128 query rows with dQ split by rows measured 3-9 % faster than 64 rows; at 128, BLOCK_M 128 fits neither
 # the registers nor the shared memory. Shared memory: 199 KB at 64, 198 KB at 128.
 BACKWARD_CONFIGS = {64: BackwardConfig(2, "rows", 128), 128: BackwardConfig(2, "cols", 64)}
@@ -142,6 +145,8 @@ def decide(facts: Facts) -> Plan:
         if reason is not None:
             return Plan("fa2", reason, warn)
     if facts.direction == "forward":
+        if facts.varlen and facts.head_dim in PACKED_FORWARD_CONFIGS:
+            return Plan("gluon", config=PACKED_FORWARD_CONFIGS[facts.head_dim])
         if 0 <= facts.window_left <= NARROW_WINDOW and facts.head_dim in NARROW_WINDOW_FORWARD_CONFIGS:
             return Plan("gluon", config=NARROW_WINDOW_FORWARD_CONFIGS[facts.head_dim])
         return Plan("gluon", config=FORWARD_CONFIGS[facts.head_dim, facts.causal])
@@ -313,6 +318,11 @@ def run_forward(q, k, v, causal: bool, softmax_scale: float, config: ForwardConf
     desc = lambda t, rows, layout: TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, head_dim], layout)
     n_tiles_m = triton.cdiv(seqlen_q, num_consumers * BLOCK_M)
     n_tiles = n_tiles_m * batch * n_heads
+    order = _no_bounds(q.device)
+    if docs:
+        rows = num_consumers * BLOCK_M
+        order = _made_once(key_start, (rows, block_n, batch * n_heads),
+                           lambda: tile_order(key_start, key_limit, rows, block_n, batch * n_heads))
     if not persistent:
         grid = (n_tiles,)
     elif left >= 0 or right >= 0:  # tiles of unequal cost: the kernel orders them (`fa3_hopper._tile`)
@@ -324,6 +334,7 @@ def run_forward(q, k, v, causal: bool, softmax_scale: float, config: ForwardConf
          q_desc=desc(q, BLOCK_M, q_box), k_desc=desc(k, block_n, kv_box), v_desc=desc(v, block_n, kv_box),
          o_desc=desc(o, BLOCK_M, q_box), LSE=lse, n_heads=n_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
          window_left=max(left, 0), window_right=max(right, 0), KEY_START=key_start, KEY_LIMIT=key_limit,
+         TILE_ORDER=order,
          **_logits(softmax_scale, softcap), n_tiles_m=n_tiles_m, n_tiles=n_tiles, GROUP=n_heads // n_kv_heads,
          LEFT=left >= 0, RIGHT=right >= 0, DOCS=docs,
          PINGPONG=pingpong, NUM_CONSUMERS=num_consumers,
@@ -399,25 +410,54 @@ def _band(q, k, causal: bool, window_size, cu_seqlens_q, cu_seqlens_k, max_seqle
         window_left=left, varlen=varlen, shared_offsets=not varlen or same_offsets(cu_seqlens_q, cu_seqlens_k))
 
 
-# `doc_bounds` by offsets tensor: a model passes one cu_seqlens to every layer, forward and backward, so the bounds
-# are made once a step. Keyed weakly by the tensor and by its version (an in-place write makes new bounds).
-_BOUNDS = torch.utils.weak.WeakTensorKeyDictionary()
+def tile_order(key_start: torch.Tensor, key_limit: torch.Tensor, rows: int, block_n: int, n_bh: int) -> torch.Tensor:
+    """The Gluon forward's tiles over packed sequences, longest first: int32 (n_tiles,) tile numbers
+    bh * n_tiles_m + m (tile m: rows [m * rows, (m + 1) * rows) of head bh), sorted by the K/V blocks their rows'
+    bounds (`doc_bounds`) span, every head of one row block together. The kernel deals them out in a snake
+    (`fa3_hopper._tile`)."""
+    total = key_start.shape[0]
+    first = torch.arange(0, total, rows, device=key_start.device)
+    last = (first + rows).clamp(max=total) - 1
+    blocks = (key_limit[last] + block_n - 1) // block_n - key_start[first] // block_n
+    order = torch.argsort(blocks, descending=True, stable=True).to(torch.int32)
+    heads = torch.arange(n_bh, device=key_start.device, dtype=torch.int32) * first.shape[0]
+    return (order[:, None] + heads[None, :]).flatten()
+
+
+def block_order(query_start: torch.Tensor, query_limit: torch.Tensor, block_n: int) -> torch.Tensor:
+    """The Gluon backward's key blocks over packed sequences, longest first: int32 block numbers sorted by the
+    query rows that see them (`doc_bounds` from the keys' side)."""
+    total = query_start.shape[0]
+    first = torch.arange(0, total, block_n, device=query_start.device)
+    last = (first + block_n).clamp(max=total) - 1
+    return torch.argsort(query_limit[last] - query_start[first], descending=True, stable=True).to(torch.int32)
+
+
+# What packed sequences' calls derive from their offsets (`doc_bounds`, then the tile orders), made once per tensor:
+# a model passes one cu_seqlens to every layer, forward and backward. Keyed weakly by the tensor and by its version
+# (an in-place write makes them again).
+_MADE = torch.utils.weak.WeakTensorKeyDictionary()
+
+
+def _made_once(tensor: torch.Tensor, key, make: Callable):
+    """make(), once per (tensor, its version, key); afresh while a CUDA graph is captured (a replay must recompute
+    from the inputs it is given)."""
+    if tensor.is_cuda and torch.cuda.is_current_stream_capturing():
+        return make()
+    version, made = _MADE.get(tensor, (None, {}))
+    if version != tensor._version:
+        version, made = tensor._version, {}
+        _MADE[tensor] = version, made
+    if key not in made:
+        made[key] = make()
+    return made[key]
 
 
 def _packed_bounds(causal, window_size, cu_seqlens, total, max_seqlen, keys: bool = False):
-    """`doc_bounds` of packed self-attention: each row's keys, or with `keys` each key's rows. Made afresh while a
-    CUDA graph is captured (a replay must recompute them from the offsets it is given)."""
+    """`doc_bounds` of packed self-attention: each row's keys, or with `keys` each key's rows."""
     left, right = fa2.window_edges(causal, window_size, max_seqlen, max_seqlen)
     before, after = (right, left) if keys else (left, right)
-    if cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
-        return doc_bounds(cu_seqlens, total, before, after)
-    version, made = _BOUNDS.get(cu_seqlens, (None, {}))
-    if version != cu_seqlens._version:
-        version, made = cu_seqlens._version, {}
-        _BOUNDS[cu_seqlens] = version, made
-    if (total, before, after) not in made:
-        made[total, before, after] = doc_bounds(cu_seqlens, total, before, after)
-    return made[total, before, after]
+    return _made_once(cu_seqlens, (total, before, after), lambda: doc_bounds(cu_seqlens, total, before, after))
 
 
 def forward(q, k, v, causal, softmax_scale, window_size=(-1, -1), cu_seqlens_q=None, cu_seqlens_k=None,
@@ -458,6 +498,8 @@ def run_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, config
     if docs:  # both edges, per row and per key
         left, right = 0, 0
     bounds = bounds if docs else (_no_bounds(q.device),) * 4
+    order = _made_once(bounds[2], BWD_CONSUMERS * 64, lambda: block_order(bounds[2], bounds[3], BWD_CONSUMERS * 64)) \
+        if docs else _no_bounds(q.device)
     seqlen_q_pad = triton.cdiv(seqlen_q, block_m) * block_m  # whole blocks for the dQ reduce-adds
     # In q's memory order, as dq: the last pass below is then a plain contiguous one (a (B, H, T, D) accumulator
     # for the model's (B, T, H, D) q made it a transposing copy: 110 us of GPT-2's 1k backward, cuDNN's 46).
@@ -478,7 +520,7 @@ def run_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, config
          do_desc=desc(do, block_m, q_box), dk_desc=desc(dk, 64, v_box), dv_desc=desc(dv, 64, v_box),
          dq_desc=desc(dq_acc, dq_rows, dq_box, dq_cols), LSE=lse, DELTA=delta, n_heads=n_heads, seqlen_q=seqlen_q,
          seqlen_k=seqlen_k, window_left=max(left, 0), window_right=max(right, 0),
-         **dict(zip(("KEY_START", "KEY_LIMIT", "QUERY_START", "QUERY_LIMIT"), bounds)),
+         **dict(zip(("KEY_START", "KEY_LIMIT", "QUERY_START", "QUERY_LIMIT"), bounds)), BLOCK_ORDER=order,
          **_logits(softmax_scale, softcap), softmax_scale=softmax_scale, GROUP=n_heads // n_kv_heads,
          LEFT=left >= 0, RIGHT=right >= 0, DOCS=docs,
          NUM_CONSUMERS=BWD_CONSUMERS, HEAD_DIM=head_dim,
@@ -590,7 +632,7 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
         fn = kernels.forward
         descs = dict(q_desc=tensordesc(BLOCK_M, q_box), o_desc=tensordesc(BLOCK_M, q_box),
                      k_desc=tensordesc(block_n, kv_box), v_desc=tensordesc(block_n, kv_box), LSE="*fp32",
-                     KEY_START="*i32", KEY_LIMIT="*i32", qk_scale="fp32", softcap_in="fp32")
+                     KEY_START="*i32", KEY_LIMIT="*i32", TILE_ORDER="*i32", qk_scale="fp32", softcap_in="fp32")
         constexprs = dict(GROUP=group, LEFT=window, RIGHT=causal, DOCS=docs, SOFTCAP=softcap, PINGPONG=pingpong, NUM_CONSUMERS=num_consumers,
                           HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=num_stages,
                           Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout)
@@ -606,7 +648,7 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
         fn = kernels.backward
         descs = dict(q_desc=q_box, k_desc=k_box, v_desc=v_box, do_desc=q_box, dk_desc=v_box, dv_desc=v_box,
                      dq_desc=dq_box, LSE="*fp32", DELTA="*fp32", KEY_START="*i32", KEY_LIMIT="*i32",
-                     QUERY_START="*i32", QUERY_LIMIT="*i32", qk_scale="fp32", softcap_in="fp32",
+                     QUERY_START="*i32", QUERY_LIMIT="*i32", BLOCK_ORDER="*i32", qk_scale="fp32", softcap_in="fp32",
                      softmax_scale="fp32")
         if docs:
             causal = window = True

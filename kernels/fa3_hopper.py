@@ -192,10 +192,14 @@ def _row_sums(l_i, row_layout: gl.constexpr):
 
 
 @gluon.jit
-def _n_tiles_of_cta(n_tiles, PAIRED: gl.constexpr):
+def _n_tiles_of_cta(n_tiles, PAIRED: gl.constexpr, SNAKE: gl.constexpr):
     """How many tiles this CTA runs (`_tile`'s i = 0, 1, ...)."""
     pid = gl.program_id(0)
     grid = gl.num_programs(0)
+    if SNAKE:  # rounds of grid tiles, every other one in reverse: the last, partial round's first places
+        rounds = n_tiles // grid
+        place = gl.where(rounds % 2 == 0, pid, grid - 1 - pid)
+        return rounds + gl.where(place < n_tiles - rounds * grid, 1, 0)
     if PAIRED:  # the first and second tiles of pairs pid, pid + grid, ... (tiles 2 * pair and 2 * pair + 1)
         firsts = gl.cdiv(gl.maximum(n_tiles - 2 * pid, 0), 2 * grid)
         seconds = gl.cdiv(gl.maximum(n_tiles - 2 * pid - 1, 0), 2 * grid)
@@ -204,7 +208,7 @@ def _n_tiles_of_cta(n_tiles, PAIRED: gl.constexpr):
 
 
 @gluon.jit
-def _tile(i, n_tiles_m, n_heads, seqlen_q, seqlen_k, window_left, window_right, KEY_START, KEY_LIMIT,
+def _tile(i, n_tiles_m, n_heads, seqlen_q, seqlen_k, window_left, window_right, KEY_START, KEY_LIMIT, TILE_ORDER,
           LEFT: gl.constexpr, RIGHT: gl.constexpr, DOCS: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
     """This CTA's i-th tile -> (batch, head, batch * n_heads + head, first row, first key of the tile's key
     range (a multiple of BLOCK_N), how many K/V blocks from there the producer loads).
@@ -217,8 +221,16 @@ def _tile(i, n_tiles_m, n_heads, seqlen_q, seqlen_k, window_left, window_right, 
     (except in the reversed heads, whose pairs come short tile first).
     This balances the persistent CTAs' work as running all heads' longest blocks first did (an earlier order,
     which read ~130 heads' K/V at once: 78 % DRAM bandwidth, 12 % L2 hits at D = 128, N = 2k).
+    Packed sequences (DOCS): tile costs follow the sequences' lengths, so the host sorts the tiles longest first
+    (TILE_ORDER, `kernels.fa3.tile_order`) and the CTAs take them in rounds of grid, every other round in reverse
+    (a snake: each CTA's long and short tiles even out).
     """
-    if _paired(LEFT, RIGHT):
+    if DOCS:
+        place = gl.where(i % 2 == 0, gl.program_id(0), gl.num_programs(0) - 1 - gl.program_id(0))
+        t = gl.load(TILE_ORDER + i * gl.num_programs(0) + place)
+        pid_m = t % n_tiles_m
+        bh = t // n_tiles_m
+    elif _paired(LEFT, RIGHT):
         s = 2 * (gl.program_id(0) + (i // 2) * gl.num_programs(0)) + i % 2
         bh = s // n_tiles_m
         u = s % n_tiles_m
@@ -332,7 +344,7 @@ def _skip_block(j, kv_it, turn, ring, turn_bars, CID: gl.constexpr, NEXT: gl.con
 
 @gluon.jit
 def _consumer(tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, window_left, window_right,
-              KEY_START, KEY_LIMIT, qk_scale, softcap_in, CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+              KEY_START, KEY_LIMIT, TILE_ORDER, qk_scale, softcap_in, CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
               LEFT: gl.constexpr, RIGHT: gl.constexpr, DOCS: gl.constexpr, SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Consumer warpgroup CID: rows [start_m + CID * BLOCK_M, + BLOCK_M) of each of the CTA's tiles."""
     dtype: gl.constexpr = tiles.q.dtype
@@ -349,10 +361,10 @@ def _consumer(tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, s
     kv_it = 0  # position in the K/V ring, running across tiles as in the producer
     turn = 0  # PINGPONG turns taken
     tile_count = 0
-    for tile_i in range(_n_tiles_of_cta(n_tiles, _paired(LEFT, RIGHT))):
+    for tile_i in range(_n_tiles_of_cta(n_tiles, _paired(LEFT, RIGHT), DOCS)):
         off_b, off_h, bh, start_m, first_n, n_blocks = _tile(
-            tile_i, n_tiles_m, n_heads, seqlen_q, seqlen_k, window_left, window_right, KEY_START, KEY_LIMIT, LEFT,
-            RIGHT, DOCS, NUM_CONSUMERS * BLOCK_M, BLOCK_N)
+            tile_i, n_tiles_m, n_heads, seqlen_q, seqlen_k, window_left, window_right, KEY_START, KEY_LIMIT,
+            TILE_ORDER, LEFT, RIGHT, DOCS, NUM_CONSUMERS * BLOCK_M, BLOCK_N)
         # This warpgroup's own key ranges [3]: keys [lo_free, hi_free) are seen by all its rows (unmasked blocks),
         # blocks before j0 and from n_own on by none of them (skipped: the tile's first blocks can be all left of
         # the last warpgroups' windows, its last block all above the first warpgroups' diagonal). Per row, keys
@@ -458,16 +470,16 @@ def _consumer(tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, s
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, tiles, ring, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, window_left,
-              window_right, KEY_START, KEY_LIMIT, GROUP: gl.constexpr, LEFT: gl.constexpr, RIGHT: gl.constexpr,
+              window_right, KEY_START, KEY_LIMIT, TILE_ORDER, GROUP: gl.constexpr, LEFT: gl.constexpr, RIGHT: gl.constexpr,
               DOCS: gl.constexpr,
               NUM_CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """The TMA warp: per tile the consumers' Q tiles, then K_j and V_j into the ring."""
     kv_it = 0
     tile_count = 0
-    for tile_i in range(_n_tiles_of_cta(n_tiles, _paired(LEFT, RIGHT))):
+    for tile_i in range(_n_tiles_of_cta(n_tiles, _paired(LEFT, RIGHT), DOCS)):
         off_b, off_h, bh, start_m, first_n, n_blocks = _tile(
-            tile_i, n_tiles_m, n_heads, seqlen_q, seqlen_k, window_left, window_right, KEY_START, KEY_LIMIT, LEFT,
-            RIGHT, DOCS, NUM_CONSUMERS * BLOCK_M, BLOCK_N)
+            tile_i, n_tiles_m, n_heads, seqlen_q, seqlen_k, window_left, window_right, KEY_START, KEY_LIMIT,
+            TILE_ORDER, LEFT, RIGHT, DOCS, NUM_CONSUMERS * BLOCK_M, BLOCK_N)
         off_hk = off_h // GROUP  # GQA: GROUP query heads share one K/V head
         q_phase = (tile_count & 1) ^ 1  # a fresh barrier passes phase 1 at once
         for i in gl.static_range(NUM_CONSUMERS):
@@ -491,8 +503,9 @@ def _producer(q_desc, k_desc, v_desc, tiles, ring, n_tiles_m, n_tiles, n_heads, 
 @gluon.jit
 def fa3_fwd_kernel(
     q_desc, k_desc, v_desc, o_desc, LSE,
-    n_heads, seqlen_q, seqlen_k, window_left, window_right, KEY_START, KEY_LIMIT, qk_scale, softcap_in, n_tiles_m,
-    n_tiles, GROUP: gl.constexpr, LEFT: gl.constexpr, RIGHT: gl.constexpr, DOCS: gl.constexpr, SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+    n_heads, seqlen_q, seqlen_k, window_left, window_right, KEY_START, KEY_LIMIT, TILE_ORDER, qk_scale, softcap_in,
+    n_tiles_m, n_tiles, GROUP: gl.constexpr, LEFT: gl.constexpr, RIGHT: gl.constexpr, DOCS: gl.constexpr,
+    SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr,
 ):
@@ -531,14 +544,14 @@ def fa3_fwd_kernel(
         gl.warp_specialize(
             [
             (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, window_left,
-                         window_right, KEY_START, KEY_LIMIT, qk_scale, softcap_in, 0, NUM_CONSUMERS, LEFT, RIGHT,
-                         DOCS, SOFTCAP, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
+                         window_right, KEY_START, KEY_LIMIT, TILE_ORDER, qk_scale, softcap_in, 0, NUM_CONSUMERS,
+                         LEFT, RIGHT, DOCS, SOFTCAP, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
             (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, window_left,
-                         window_right, KEY_START, KEY_LIMIT, qk_scale, softcap_in, 1, NUM_CONSUMERS, LEFT, RIGHT,
-                         DOCS, SOFTCAP, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
+                         window_right, KEY_START, KEY_LIMIT, TILE_ORDER, qk_scale, softcap_in, 1, NUM_CONSUMERS,
+                         LEFT, RIGHT, DOCS, SOFTCAP, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
             (_producer, (q_desc, k_desc, v_desc, tiles, ring, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k,
-                         window_left, window_right, KEY_START, KEY_LIMIT, GROUP, LEFT, RIGHT, DOCS, NUM_CONSUMERS,
-                         BLOCK_M, BLOCK_N)),
+                         window_left, window_right, KEY_START, KEY_LIMIT, TILE_ORDER, GROUP, LEFT, RIGHT, DOCS,
+                         NUM_CONSUMERS, BLOCK_M, BLOCK_N)),
             ],
             [4, 1],
             [240, 24],
@@ -547,17 +560,17 @@ def fa3_fwd_kernel(
         gl.warp_specialize(
             [
             (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, window_left,
-                         window_right, KEY_START, KEY_LIMIT, qk_scale, softcap_in, 0, NUM_CONSUMERS, LEFT, RIGHT,
-                         DOCS, SOFTCAP, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
+                         window_right, KEY_START, KEY_LIMIT, TILE_ORDER, qk_scale, softcap_in, 0, NUM_CONSUMERS,
+                         LEFT, RIGHT, DOCS, SOFTCAP, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
             (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, window_left,
-                         window_right, KEY_START, KEY_LIMIT, qk_scale, softcap_in, 1, NUM_CONSUMERS, LEFT, RIGHT,
-                         DOCS, SOFTCAP, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
+                         window_right, KEY_START, KEY_LIMIT, TILE_ORDER, qk_scale, softcap_in, 1, NUM_CONSUMERS,
+                         LEFT, RIGHT, DOCS, SOFTCAP, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
             (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, window_left,
-                         window_right, KEY_START, KEY_LIMIT, qk_scale, softcap_in, 2, NUM_CONSUMERS, LEFT, RIGHT,
-                         DOCS, SOFTCAP, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
+                         window_right, KEY_START, KEY_LIMIT, TILE_ORDER, qk_scale, softcap_in, 2, NUM_CONSUMERS,
+                         LEFT, RIGHT, DOCS, SOFTCAP, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
             (_producer, (q_desc, k_desc, v_desc, tiles, ring, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k,
-                         window_left, window_right, KEY_START, KEY_LIMIT, GROUP, LEFT, RIGHT, DOCS, NUM_CONSUMERS,
-                         BLOCK_M, BLOCK_N)),
+                         window_left, window_right, KEY_START, KEY_LIMIT, TILE_ORDER, GROUP, LEFT, RIGHT, DOCS,
+                         NUM_CONSUMERS, BLOCK_M, BLOCK_N)),
             ],
             [4, 4, 1],
             [160, 160, 24],

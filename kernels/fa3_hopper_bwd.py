@@ -156,6 +156,15 @@ def _mask_band(p_t, keys, key_first, key_last, LEFT: gl.constexpr, RIGHT: gl.con
 
 
 @gluon.jit
+def _key_block(BLOCK_ORDER, DOCS: gl.constexpr):
+    """This CTA's key block. Packed sequences (DOCS): the host orders the blocks longest first (BLOCK_ORDER,
+    `kernels.fa3.block_order`), so the hardware starts the long CTAs first and the short ones fill the tail."""
+    if DOCS:
+        return gl.load(BLOCK_ORDER + gl.program_id(0))
+    return gl.program_id(0)
+
+
+@gluon.jit
 def _query_range(start_n, seqlen_q, seqlen_k, window_left, window_right, QUERY_START, QUERY_LIMIT,
                  LEFT: gl.constexpr, RIGHT: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr):
@@ -193,7 +202,7 @@ def _query_range(start_n, seqlen_q, seqlen_k, window_left, window_right, QUERY_S
 
 @gluon.jit
 def _consumer(keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, window_left, window_right,
-              KEY_START, KEY_LIMIT, QUERY_START, QUERY_LIMIT, qk_scale, softcap_in, softmax_scale, CID: gl.constexpr,
+              KEY_START, KEY_LIMIT, QUERY_START, QUERY_LIMIT, BLOCK_ORDER, qk_scale, softcap_in, softmax_scale, CID: gl.constexpr,
               NUM_CONSUMERS: gl.constexpr, GROUP: gl.constexpr, LEFT: gl.constexpr, RIGHT: gl.constexpr,
               DOCS: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
               SPLIT_DQ: gl.constexpr):
@@ -217,7 +226,7 @@ def _consumer(keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
 
-    start_n = gl.program_id(0) * BLOCK_N
+    start_n = _key_block(BLOCK_ORDER, DOCS) * BLOCK_N
     bhk = gl.program_id(1)
     n_kv_heads = n_heads // GROUP
     off_b = bhk // n_kv_heads
@@ -317,12 +326,12 @@ def _consumer(keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, do_desc, keys_smem, ring, LSE, DELTA, n_heads, seqlen_q, seqlen_k, window_left,
-              window_right, QUERY_START, QUERY_LIMIT, NUM_CONSUMERS: gl.constexpr, GROUP: gl.constexpr,
+              window_right, QUERY_START, QUERY_LIMIT, BLOCK_ORDER, NUM_CONSUMERS: gl.constexpr, GROUP: gl.constexpr,
               LEFT: gl.constexpr, RIGHT: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr):
     """The loading warp: the CTA's K and V once, then Q_i and dO_i (TMA) and LSE_i and delta_i (cp.async) of every
     query block into the ring."""
     BLOCK_N: gl.constexpr = NUM_CONSUMERS * BLOCK_KEYS
-    start_n = gl.program_id(0) * BLOCK_N
+    start_n = _key_block(BLOCK_ORDER, DOCS) * BLOCK_N
     bhk = gl.program_id(1)
     n_kv_heads = n_heads // GROUP
     off_b = bhk // n_kv_heads
@@ -351,7 +360,7 @@ def _producer(q_desc, k_desc, v_desc, do_desc, keys_smem, ring, LSE, DELTA, n_he
 def fa3_bwd_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA,
     n_heads, seqlen_q, seqlen_k, window_left, window_right, KEY_START, KEY_LIMIT, QUERY_START, QUERY_LIMIT,
-    qk_scale, softcap_in, softmax_scale, GROUP: gl.constexpr, LEFT: gl.constexpr, RIGHT: gl.constexpr,
+    BLOCK_ORDER, qk_scale, softcap_in, softmax_scale, GROUP: gl.constexpr, LEFT: gl.constexpr, RIGHT: gl.constexpr,
     DOCS: gl.constexpr, SOFTCAP: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT_DQ: gl.constexpr,
     Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr, DS_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr,
@@ -394,15 +403,15 @@ def fa3_bwd_kernel(
     gl.warp_specialize(
         [
         (_consumer, (keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, window_left,
-                     window_right, KEY_START, KEY_LIMIT, QUERY_START, QUERY_LIMIT, qk_scale, softcap_in,
-                     softmax_scale, 0, NUM_CONSUMERS, GROUP, LEFT, RIGHT, DOCS, SOFTCAP, BLOCK_M, HEAD_DIM,
+                     window_right, KEY_START, KEY_LIMIT, QUERY_START, QUERY_LIMIT, BLOCK_ORDER, qk_scale,
+                     softcap_in, softmax_scale, 0, NUM_CONSUMERS, GROUP, LEFT, RIGHT, DOCS, SOFTCAP, BLOCK_M, HEAD_DIM,
                      SPLIT_DQ)),
         (_consumer, (keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, window_left,
-                     window_right, KEY_START, KEY_LIMIT, QUERY_START, QUERY_LIMIT, qk_scale, softcap_in,
-                     softmax_scale, 1, NUM_CONSUMERS, GROUP, LEFT, RIGHT, DOCS, SOFTCAP, BLOCK_M, HEAD_DIM,
+                     window_right, KEY_START, KEY_LIMIT, QUERY_START, QUERY_LIMIT, BLOCK_ORDER, qk_scale,
+                     softcap_in, softmax_scale, 1, NUM_CONSUMERS, GROUP, LEFT, RIGHT, DOCS, SOFTCAP, BLOCK_M, HEAD_DIM,
                      SPLIT_DQ)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, keys_smem, ring, LSE, DELTA, n_heads, seqlen_q, seqlen_k,
-                     window_left, window_right, QUERY_START, QUERY_LIMIT, NUM_CONSUMERS, GROUP, LEFT, RIGHT, DOCS,
+                     window_left, window_right, QUERY_START, QUERY_LIMIT, BLOCK_ORDER, NUM_CONSUMERS, GROUP, LEFT, RIGHT, DOCS,
                      BLOCK_M)),
         ],
         [4, 1],

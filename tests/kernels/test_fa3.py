@@ -656,7 +656,8 @@ def test_packed_sequences_run_gluon_with_one_set_of_offsets():
     """Packed self-attention (one set of offsets) takes the Gluon kernels with the causal configs; two different
     sets of offsets fall back to FA2, warned."""
     facts = _facts(varlen=True, causal=True, seqlen_k=8192)  # `fa3._band`: packed sequences are a band
-    assert fa3.decide(facts) == fa3.Plan("gluon", config=fa3.FORWARD_CONFIGS[64, True])
+    assert fa3.decide(facts) == fa3.Plan("gluon", config=fa3.PACKED_FORWARD_CONFIGS[64])
+    assert fa3.decide(facts._replace(head_dim=128)) == fa3.Plan("gluon", config=fa3.FORWARD_CONFIGS[128, True])
     assert fa3.decide(facts._replace(direction="backward")).kernel == "gluon"
     cu = torch.tensor([0, 3, 3, 10], dtype=torch.int32)
     assert fa3.same_offsets(cu, cu) and fa3.same_offsets(cu, cu.clone())
@@ -671,12 +672,14 @@ def test_packed_sequence_kernels_compile_for_sm90():
             "for kernel in ('fwd', 'bwd'):\n"
             "    for d in fa3.HEAD_DIMS:\n"
             "        k = fa3.compile_for_sm90(torch.bfloat16, d, True, 2, kernel, docs=True)\n"
-            "        print(k.metadata.shared, 'wgmma.mma_async' in k.asm['ptx'] and 'ld.global' in k.asm['ptx'])")
+            "        print(k.metadata.shared, 'wgmma.mma_async' in k.asm['ptx'] and 'ld.global' in k.asm['ptx'])\n"
+            "k = fa3.compile_for_sm90(torch.bfloat16, 64, True, 2, 'fwd', fa3.PACKED_FORWARD_CONFIGS[64], docs=True)\n"
+            "print(k.metadata.shared, 'wgmma.mma_async' in k.asm['ptx'])")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line.split() for line in done.stdout.splitlines()]
-    assert len(lines) == 2 * len(fa3.HEAD_DIMS)
+    assert len(lines) == 2 * len(fa3.HEAD_DIMS) + 1
     assert all(ok == "True" and int(shared) <= 232448 for shared, ok in lines), lines
 
 
@@ -792,3 +795,27 @@ def test_window_and_packed_backwards_are_bit_reproducible_when_deterministic(fre
         torch.use_deterministic_algorithms(False)
     for first, second in zip(*runs):
         assert torch.equal(first, second)
+
+
+def test_tile_and_block_orders_put_the_longest_first():
+    """Over random packed sequences: the forward's tile order is every tile of every head once, longest (most
+    K/V blocks) first with the heads of a row block together; the backward's block order is every key block once,
+    the blocks seen by the most query rows first."""
+    rng = random.Random(0)
+    lengths = [rng.choice([1, rng.randint(2, 700)]) for _ in range(12)]
+    total, rows, block_n, n_bh = sum(lengths), 128, 64, 3
+    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32)
+    key_start, key_limit = fa3.doc_bounds(cu, total, -1, 0)
+    order = fa3.tile_order(key_start, key_limit, rows, block_n, n_bh).tolist()
+    n_tiles_m = -(-total // rows)
+    assert sorted(order) == list(range(n_tiles_m * n_bh))
+    cost = lambda m: (-(-int(key_limit[min((m + 1) * rows, total) - 1]) // block_n)
+                      - int(key_start[m * rows]) // block_n)
+    costs = [cost(t % n_tiles_m) for t in order]
+    assert costs == sorted(costs, reverse=True)
+    assert all(len({t % n_tiles_m for t in order[i:i + n_bh]}) == 1 for i in range(0, len(order), n_bh))
+    query_start, query_limit = fa3.doc_bounds(cu, total, 0, -1)
+    blocks = fa3.block_order(query_start, query_limit, 128).tolist()
+    assert sorted(blocks) == list(range(-(-total // 128)))
+    seen = [int(query_limit[min((b + 1) * 128, total) - 1]) - int(query_start[b * 128]) for b in blocks]
+    assert seen == sorted(seen, reverse=True)
