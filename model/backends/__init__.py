@@ -63,8 +63,10 @@ def resolve_backend(name: str, head_dim: int | None = None, docs: bool = False, 
     """The backend object of ``name``. 'auto': without CUDA sdpa, or flex for logit soft-capping (``softcap``: sdpa
     has none, and flex runs on the CPU without Triton's interpreter); with CUDA fa3 where its Gluon kernels run
     (``triton.fa3_runs``: an sm_90 GPU and a Triton they support), the model's head_dim (None: not known) is one
-    they take and no document masks are needed (``docs``: fa3 runs FA2's varlen kernels for them), else fa2. On
-    the H200 fa3 measured faster than fa2 in every cell (docs/benchmarks.md). Nothing is loaded (``Backend.load``).
+    they take and no document masks are needed, else fa2. On the H200 fa3 measured faster than fa2 in every dense
+    and windowed cell; over packed documents (``docs``) its Gluon kernels are level with fa2 at head_dim 64 and
+    1.1-1.24× faster at 128, kernels alone, and are not yet measured in training, so documents keep fa2
+    (docs/benchmarks.md). Nothing is loaded (``Backend.load``).
 
     Raises ValueError for a name outside ``BACKENDS``.
     """

@@ -353,8 +353,8 @@ def test_printed_overrides_survive_the_shell_and_hydra(name):
 
 def test_auto_backend_follows_the_model(monkeypatch):
     """attn=auto on a (pretended) Hopper GPU where the Gluon kernels run: fa3, windows included (the Gluon kernels
-    take them), but fa2 for a head_dim they do not take or for document masks (fa3 would run FA2's varlen kernels
-    for them, with a warning)."""
+    take them), but fa2 for a head_dim they do not take or for document masks (where fa3's Gluon kernels measured
+    level with fa2's at GPT-2's head_dim)."""
     from kernels import fa3
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
