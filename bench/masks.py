@@ -15,9 +15,8 @@ cuDNN, whose sliding-window support torch's SDPA does not expose). The windows a
 than the full causal at N = 8192, window 1024.
 varlen: documents with log-normal lengths (median --median-doc tokens, sigma --sigma, like web text) packed
 back to back into B contexts of N tokens (the last document of a context is cut at its end, as a packing
-loader does); causal attention within each document: fa2_varlen_attention (and fa3_varlen_attention, which runs
-FA2's varlen kernels), Flex with a document block mask,
-SDPA with a dense mask. The B contexts are one sequence of B * N tokens for every backend (no document
+loader does); causal attention within each document: fa3_varlen_attention and fa2_varlen_attention, Flex with
+a document block mask, SDPA with a dense mask. The B contexts are one sequence of B * N tokens for every backend (no document
 crosses a context's end, so the mask is the same), which the packed (total, H, D) layout of fa2 views
 without a copy. fa2 is built to be >= 1.2x Flex here.
 

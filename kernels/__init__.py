@@ -40,6 +40,7 @@ fa2_varlen_attention = make_varlen_attention("fa2", lse_log_base=2.0)
 fa2_varlen_attention.__doc__ = VARLEN_DOC.format(
     title="FlashAttention-2 (Triton) over packed variable-length sequences: forward and backward.",
     source="Dao 2023, FlashAttention-2, with flash-attn's varlen and window conventions; see kernels/fa2.py.",
+    gradients=DETERMINISTIC_GRADIENTS,
 )
 fa1_attention, fa1_qkvpacked_attention = make_attention("fa1", fa1.forward, fa1.backward, lse_log_base=math.e)
 fa1_attention.__doc__ = PUBLIC_DOC.format(
@@ -77,6 +78,7 @@ fa3_varlen_attention.__doc__ = VARLEN_DOC.format(
           "the reason.",
     source="Shah et al. 2024, FlashAttention-3, with flash-attn's varlen and window conventions; see kernels/fa3.py "
            "(`RULES`, `doc_bounds`).",
+    gradients=FA3_GRADIENTS,
 )
 
 __all__ = ["fa1_attention", "fa1_qkvpacked_attention", "fa2_attention", "fa2_decode", "fa2_qkvpacked_attention",

@@ -277,7 +277,7 @@ def _warn_fallback(reason: str) -> None:
     if reason in _WARNED:
         return
     _WARNED.add(reason)
-    warnings.warn(f"fa3_attention: running FA2's Triton kernels instead of the Gluon FA3 kernels: {reason}",
+    warnings.warn(f"fa3: running FA2's Triton kernels instead of the Gluon FA3 kernels: {reason}",
                   RuntimeWarning, stacklevel=_caller_stacklevel())
 
 

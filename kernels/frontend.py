@@ -513,7 +513,7 @@ VARLEN_DOC = """{title}
     Returns:
         o: (total_q, n_heads, head_dim), like q; or (o, lse) with lse (n_heads, total_q), float32, natural log,
         -inf for rows that see no key (their o and gradients are 0). Differentiable w.r.t. q, k and v;
-        deterministic gradients.
+        {gradients}
 
     Raises:
         TypeError: non-tensor inputs, unsupported or mismatched dtypes, cu_seqlens not int32, a non-int

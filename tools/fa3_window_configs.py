@@ -42,8 +42,10 @@ def main(argv=None):
     parser.add_argument("--forward", default=None, help="forward variants (default: a few per head_dim)")
     parser.add_argument("--backward", default=None, help="backward variants (default: a few per head_dim)")
     args = parser.parse_args(argv)
+    if args.median_doc < 0:
+        parser.error(f"--median-doc {args.median_doc}: give a number >= 0 (0: a window)")
     for name in ("window", "batch", "n_heads", "seqlen"):
-        if getattr(args, name) < (0 if name == "window" else 1) or args.median_doc < 0:
+        if getattr(args, name) < (0 if name == "window" else 1):
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: give a number >= "
                          f"{0 if name == 'window' else 1}")
     d = args.head_dim

@@ -66,7 +66,7 @@ def test_a_fallback_warns_once_from_the_callers_line(fresh_dispatch):
         warnings.simplefilter("always")
         o = fa3_attention(q, k, v, causal=True)
         fa3_attention(q, k, v, causal=True)
-    fallback = [w for w in caught if "fa3_attention: running FA2's" in str(w.message)]
+    fallback = [w for w in caught if "fa3: running FA2's" in str(w.message)]
     assert len(fallback) == 1 and fa3.gluon_unsupported_reason(q, k, v) in str(fallback[0].message)
     assert fallback[0].filename == __file__  # the warning names the caller's line, not a library frame
     torch.testing.assert_close(o, fa2_attention(q, k, v, causal=True), rtol=0, atol=0)
