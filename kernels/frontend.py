@@ -85,7 +85,8 @@ def validate(q, k, v, causal, softmax_scale, packed=False) -> None:
     if n_kv_heads == 0 or n_heads % n_kv_heads != 0:
         raise ValueError(f"n_heads={n_heads} (q) must be a multiple of n_kv_heads={n_kv_heads} (k, v)")
     if seqlen_q == 0 or seqlen_k == 0 or batch == 0:
-        raise ValueError(f"batch, seqlen_q and seqlen_k must be >= 1, got q={tuple(q.shape)}, k={tuple(k.shape)}")
+        sizes = "total_q and total_k (the packed rows)" if packed else "batch, seqlen_q and seqlen_k"
+        raise ValueError(f"{sizes} must be >= 1, got q={tuple(q.shape)}, k={tuple(k.shape)}")
     if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))):
         raise TypeError(f"softmax_scale must be a number (int or float) or None, got {type_name(softmax_scale)}")
     # >= 0: the kernels take a row's largest scaled score as max(q k^T) * softmax_scale (FlashAttention's shortcut)

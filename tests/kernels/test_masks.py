@@ -334,6 +334,8 @@ BAD_VARLEN = [
     (dict(window_size=(-2, 0)), ValueError, r"window_size\[0\] = -2 is below -1"),
     (dict(return_lse=1), TypeError, "return_lse must be a bool, got int"),
     (dict(softmax_scale="0.1"), TypeError, "softmax_scale must be a number"),
+    (dict(q=randn(0, 4, 32, dtype=torch.float16), cu_seqlens_q=_int32([0, 0, 0])), ValueError,
+     r"total_q and total_k \(the packed rows\) must be >= 1"),
 ]
 
 
