@@ -27,6 +27,20 @@ SUPPORTED = not isinstance(fa3.gluon_kernels(), str)  # the installed Triton is 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
+SM90_SHARED_MEMORY = 232448  # bytes an sm_90 block may have
+
+
+def compile_in_fresh_process(code: str, timeout: int = 900) -> list[list[str]]:
+    """Run `code` (it compiles Gluon kernels for sm_90 and prints a line each) in a fresh process without
+    TRITON_INTERPRET: under the interpreter Triton's own jitted helpers (the reductions' combine functions) are
+    interpreted objects a compiled kernel cannot reference. Returns its lines, split into words."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [line.split() for line in done.stdout.splitlines()]
+
+
 def gluon_on_hopper(test):
     """Marks a test that runs the Gluon kernels: `gpu`, skipped without an sm_90 GPU or a supported Triton."""
     test = pytest.mark.skipif(not SUPPORTED, reason="the installed Triton is not one the Gluon kernels support")(test)
@@ -100,10 +114,7 @@ def test_gluon_kernels_compile_for_sm90(kernel):
     """No GPU needed: Triton compiles for a named target, on whatever release is installed (CI's is the one
     `pip install -r requirements.txt` gives). Every head_dim, causal or not, with a sliding window's left edge
     or not, bfloat16 and float16, with GQA in some: the compile must succeed, not fall back. Catches Gluon API
-    breaks before a user's GPU does.
-
-    Runs in a fresh process without TRITON_INTERPRET: under the interpreter Triton's own jitted helpers (the
-    reductions' combine functions) are interpreted objects a compiled kernel cannot reference.
+    breaks before a user's GPU does (in a fresh process: `compile_in_fresh_process`).
     """
     code = (f"import itertools, torch; from kernels import fa3\n"
             f"for d, c, w, t in itertools.product(fa3.HEAD_DIMS, (True, False), (True, False),"
@@ -111,14 +122,11 @@ def test_gluon_kernels_compile_for_sm90(kernel):
             f"    k = fa3.compile_for_sm90(t, d, c, 1 if c else 4, {kernel!r}, window=w); ptx = k.asm['ptx']\n"
             "    print(d, c, w, t, k.metadata.shared,"
             " all(s in ptx for s in ('wgmma.mma_async', 'setmaxnreg', 'cp.async.bulk.tensor')))")
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = [line.split() for line in done.stdout.splitlines()]
+    lines = compile_in_fresh_process(code)
     assert len(lines) == 2 * 2 * len(fa3.HEAD_DIMS) * 2
     for *combination, shared, has_hopper_instructions in lines:
         assert has_hopper_instructions == "True", f"{combination}: wgmma, setmaxnreg and TMA copies expected"
-        assert int(shared) <= 232448, f"{combination}: more shared memory than an sm_90 block may have"
+        assert int(shared) <= SM90_SHARED_MEMORY, f"{combination}: more shared memory than an sm_90 block may have"
 
 
 @pytest.mark.skipif(SUPPORTED, reason="the installed Triton is supported: the compile test runs instead")
@@ -619,11 +627,8 @@ def test_narrow_window_config_compiles_for_sm90():
     code = ("import torch; from kernels import fa3\n"
             "k = fa3.compile_for_sm90(torch.bfloat16, 64, True, 2, 'fwd', fa3.NARROW_WINDOW_FORWARD_CONFIGS[64],"
             " window=True)\nprint(k.metadata.shared, 'wgmma.mma_async' in k.asm['ptx'])")
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    shared, wgmma = done.stdout.split()
-    assert wgmma == "True" and int(shared) <= 232448
+    [(shared, wgmma)] = compile_in_fresh_process(code, timeout=600)
+    assert wgmma == "True" and int(shared) <= SM90_SHARED_MEMORY
 
 
 # ------------------------------------------------------------------------------------------ packed sequences
@@ -675,12 +680,9 @@ def test_packed_sequence_kernels_compile_for_sm90():
             "        print(k.metadata.shared, 'wgmma.mma_async' in k.asm['ptx'] and 'ld.global' in k.asm['ptx'])\n"
             "k = fa3.compile_for_sm90(torch.bfloat16, 64, True, 2, 'fwd', fa3.PACKED_FORWARD_CONFIGS[64], docs=True)\n"
             "print(k.metadata.shared, 'wgmma.mma_async' in k.asm['ptx'])")
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = [line.split() for line in done.stdout.splitlines()]
+    lines = compile_in_fresh_process(code)
     assert len(lines) == 2 * len(fa3.HEAD_DIMS) + 1
-    assert all(ok == "True" and int(shared) <= 232448 for shared, ok in lines), lines
+    assert all(ok == "True" and int(shared) <= SM90_SHARED_MEMORY for shared, ok in lines), lines
 
 
 def _varlen_reference(q, k, v, do, cu, causal, window_size, softcap):
