@@ -494,12 +494,14 @@ def run_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, config
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     num_stages, split_dq, block_m = config
     left, right = fa2.window_edges(causal, window_size, seqlen_q, seqlen_k)
+    block_n = BWD_CONSUMERS * 64
     docs = bounds is not None
-    if docs:  # both edges, per row and per key
+    if docs:  # both edges, per row and per key; the key blocks longest first
         left, right = 0, 0
-    bounds = bounds if docs else (_no_bounds(q.device),) * 4
-    order = _made_once(bounds[2], BWD_CONSUMERS * 64, lambda: block_order(bounds[2], bounds[3], BWD_CONSUMERS * 64)) \
-        if docs else _no_bounds(q.device)
+        query_start, query_limit = bounds[2:]
+        order = _made_once(query_start, block_n, lambda: block_order(query_start, query_limit, block_n))
+    else:
+        bounds, order = (_no_bounds(q.device),) * 4, _no_bounds(q.device)
     seqlen_q_pad = triton.cdiv(seqlen_q, block_m) * block_m  # whole blocks for the dQ reduce-adds
     # In q's memory order, as dq: the last pass below is then a plain contiguous one (a (B, H, T, D) accumulator
     # for the model's (B, T, H, D) q made it a transposing copy: 110 us of GPT-2's 1k backward, cuDNN's 46).
@@ -510,7 +512,6 @@ def run_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, config
     q_box, k_box, v_box, _, dq_box = _bwd_layouts(q.dtype, head_dim, block_m, (dq_rows, dq_cols), rank=4)
     desc = lambda t, rows, layout, cols=head_dim: TensorDescriptor(
         t, list(t.shape), list(t.stride()), [1, 1, rows, cols], layout)
-    block_n = BWD_CONSUMERS * 64
     grid = (triton.cdiv(seqlen_k, block_n), batch * n_kv_heads)
     lse = lse.contiguous()
     key = (kernel, config, q.dtype, q.device, q.shape, k.shape, left, right, docs, softcap > 0,
