@@ -77,9 +77,6 @@ FORWARD_CONFIGS = {
 # windows and head_dim 128 keep the causal config (window 1024 measured with it).
 NARROW_WINDOW = 128
 NARROW_WINDOW_FORWARD_CONFIGS = {64: ForwardConfig(2, 64, 4, True, True)}
-# Packed sequences at 64 (log-normal documents of median 600 in 8k contexts): three consumers on 64-key blocks,
-# 0.182 ms against the causal config's 0.193 (benchmarks.md); at 128 the causal config measured fastest.
-PACKED_FORWARD_CONFIGS = {64: ForwardConfig(3, 64, 3, True, True)}
 # At 64, 128 query rows with dQ split by rows measured 3-9 % faster than 64 rows; at 128, BLOCK_M 128 fits neither
 # the registers nor the shared memory. Shared memory: 199 KB at 64, 198 KB at 128.
 BACKWARD_CONFIGS = {64: BackwardConfig(2, "rows", 128), 128: BackwardConfig(2, "cols", 64)}
@@ -145,8 +142,6 @@ def decide(facts: Facts) -> Plan:
         if reason is not None:
             return Plan("fa2", reason, warn)
     if facts.direction == "forward":
-        if facts.varlen and facts.head_dim in PACKED_FORWARD_CONFIGS:
-            return Plan("gluon", config=PACKED_FORWARD_CONFIGS[facts.head_dim])
         if 0 <= facts.window_left <= NARROW_WINDOW and facts.head_dim in NARROW_WINDOW_FORWARD_CONFIGS:
             return Plan("gluon", config=NARROW_WINDOW_FORWARD_CONFIGS[facts.head_dim])
         return Plan("gluon", config=FORWARD_CONFIGS[facts.head_dim, facts.causal])

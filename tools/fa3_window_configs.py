@@ -120,8 +120,7 @@ def _packed(args, name, bench, q, k, v, do, scale, forward, backward, o_ref, gra
         o, _ = fa3.run_forward(q, k, v, True, scale, config, **fa3_args)
         t = bench(lambda: fa3.run_forward(q, k, v, True, scale, config, **fa3_args))
         print(f"{name} fa3 fwd {tuple(config)} {t:.3f} ms (o err {rel(unpack(o), o_ref):.1e})", flush=True)
-    o, lse = fa3.run_forward(q, k, v, True, scale, fa3.PACKED_FORWARD_CONFIGS.get(args.head_dim, forward[0]),
-                             **fa3_args)
+    o, lse = fa3.run_forward(q, k, v, True, scale, fa3.FORWARD_CONFIGS[args.head_dim, True], **fa3_args)
     for config in backward:
         grads = fa3.run_backward(do, q, k, v, o, lse, True, scale, config, **bwd_args)
         err = max(rel(unpack(g), r) for g, r in zip(grads, grads_ref))
