@@ -401,8 +401,11 @@ def _band(q, k, causal: bool, window_size, cu_seqlens_q, cu_seqlens_k, max_seqle
     varlen = cu_seqlens_q is not None
     seqlens = (max_seqlen_q, max_seqlen_k) if varlen else (q.shape[2], k.shape[2])
     left = fa2.window_edges(causal, window_size, *seqlens)[0]
+    # compared only where the Gluon kernels could run: distinct tensors cost a host sync
+    shared = (not varlen or gluon_device_reason(q.device) is not None
+              or same_offsets(cu_seqlens_q, cu_seqlens_k))
     return causal or varlen or tuple(window_size) != (-1, -1), dict(
-        window_left=left, varlen=varlen, shared_offsets=not varlen or same_offsets(cu_seqlens_q, cu_seqlens_k))
+        window_left=left, varlen=varlen, shared_offsets=shared)
 
 
 def tile_order(key_start: torch.Tensor, key_limit: torch.Tensor, rows: int, block_n: int, n_bh: int) -> torch.Tensor:
