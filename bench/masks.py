@@ -207,8 +207,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("batch", "n_heads", "head_dim", "seqlen", "median_doc"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: give a number >= 1")
-    if args.window < 0 or args.sigma < 0:
-        p.error(f"--window {args.window}, --sigma {args.sigma}: give numbers >= 0")
+    for name in ("window", "sigma"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name} {getattr(args, name)}: give a number >= 0")
+    from kernels.frontend import MAX_HEAD_DIM, MIN_HEAD_DIM  # the kernels' import waits for a run
+
+    if not MIN_HEAD_DIM <= args.head_dim <= MAX_HEAD_DIM:
+        p.error(f"--head-dim {args.head_dim}: the kernels take {MIN_HEAD_DIM} to {MAX_HEAD_DIM}")
     return args
 
 

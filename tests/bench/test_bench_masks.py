@@ -63,7 +63,8 @@ def test_unknown_backend_is_rejected_with_the_accepted_names(capsys):
 
 
 @pytest.mark.parametrize("argv,message", [(["--window", "-5"], "--window -5"), (["--seqlen", "0"], "--seqlen 0"),
-                                          (["--sigma", "-1"], "--sigma -1.0")])
+                                          (["--sigma", "-1"], "--sigma -1.0: give a number >= 0"),
+                                          (["--head-dim", "8"], "--head-dim 8: the kernels take 16 to 256")])
 def test_bad_numbers_are_rejected_before_the_gpu(capsys, argv, message):
     with pytest.raises(SystemExit):
         masks.parse_args(argv)
