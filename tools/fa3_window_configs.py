@@ -65,7 +65,7 @@ def main(argv=None):
     q, k, v, do = (torch.randn(shape, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(4))
     window, scale = (args.window, 0), d ** -0.5
     name = f"B={args.batch} H={args.n_heads} N={args.seqlen} D={d} window={args.window}"
-    fa2_args, fa3_args = (window,), dict(window_size=window)
+    fa2_args = (window,)
     if args.median_doc:  # one packed sequence (B * N, H, D)
         from bench.masks import cu_seqlens, packed_documents
 
@@ -76,16 +76,14 @@ def main(argv=None):
         name = f"B={args.batch} H={args.n_heads} N={args.seqlen} D={d} documents={sum(map(len, documents))}"
         fa2_args = ((-1, -1), cu, cu, longest, longest)
         made = lambda: (fa3.doc_bounds(cu, total, -1, 0), fa3.doc_bounds(cu, total, 0, -1))  # causal
-        key_bounds, query_bounds = made()
+        bounds = made()
         print(f"{name} per-row and per-key bounds (made once per offsets) {bench(made):.3f} ms")
-        fa3_args = dict(key_bounds=key_bounds)
-        bwd_args = dict(bounds=(*key_bounds, *query_bounds))
     o_ref, lse_ref = fa2.forward(q, k, v, True, scale, *fa2_args)
     grads_ref = fa2.backward(do, q, k, v, o_ref, lse_ref, True, scale, *fa2_args)
     print(f"{name} fa2 fwd {bench(lambda: fa2.forward(q, k, v, True, scale, *fa2_args)):.3f} ms")
     print(f"{name} fa2 bwd {bench(lambda: fa2.backward(do, q, k, v, o_ref, lse_ref, True, scale, *fa2_args)):.3f} ms")
     if args.median_doc:  # the Gluon kernels on (1, H, B * N, D) views
-        _packed(args, name, bench, q, k, v, do, scale, forward, backward, o_ref, grads_ref, fa3_args, bwd_args)
+        _packed(args, name, bench, q, k, v, do, scale, forward, backward, o_ref, grads_ref, *bounds)
         return
     full = fa3.FORWARD_CONFIGS[d, True]
     print(f"{name} fa3 full causal fwd {bench(lambda: fa3.run_forward(q, k, v, True, scale, full)):.3f} ms")
@@ -108,13 +106,10 @@ def main(argv=None):
           f"ms, dQ cast {bench(lambda: fa3.convert_dq(acc, scale, dq)):.3f} ms")
 
 
-if __name__ == "__main__":
-    main()
-
-
-def _packed(args, name, bench, q, k, v, do, scale, forward, backward, o_ref, grads_ref, fa3_args, bwd_args):
+def _packed(args, name, bench, q, k, v, do, scale, forward, backward, o_ref, grads_ref, key_bounds, query_bounds):
     """--median-doc: the Gluon kernels on the packed sequence with each config, checked against FA2's varlen."""
     q, k, v, do = (fa3.packed_view(t) for t in (q, k, v, do))
+    fa3_args, bwd_args = dict(key_bounds=key_bounds), dict(bounds=(*key_bounds, *query_bounds))
     unpack = lambda t: t[0].transpose(0, 1)
     for config in forward:
         o, _ = fa3.run_forward(q, k, v, True, scale, config, **fa3_args)
@@ -126,3 +121,8 @@ def _packed(args, name, bench, q, k, v, do, scale, forward, backward, o_ref, gra
         err = max(rel(unpack(g), r) for g, r in zip(grads, grads_ref))
         t = bench(lambda: fa3.run_backward(do, q, k, v, o, lse, True, scale, config, **bwd_args))
         print(f"{name} fa3 bwd {tuple(config)} {t:.3f} ms (max grad err {err:.1e})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
+
