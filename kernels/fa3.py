@@ -51,6 +51,10 @@ class BackwardConfig(NamedTuple):
     num_stages: int  # depth of the (Q_i, dO_i) ring
     split_dq: str  # "cols" / "rows": each warpgroup computes a share of dQ_i's columns / rows over all the keys
     block_m: int  # query rows per step (64, or 128 with "rows")
+    # (batch, kv head) pairs launched together, key block by key block (`_cta_block`): every pair's first (under
+    # a causal mask the longest) key block starts before any second one, and the CTAs in flight share these pairs'
+    # Q, dO and dQ in L2. 0: a wave's worth (SMs // key blocks); 1: one pair's key blocks after another's.
+    section_heads: int = 0
 
     def dq_box(self, head_dim: int) -> tuple[int, int]:
         """(rows, columns) of one warpgroup's share of a query block's dQ; ValueError for a config the kernel
@@ -60,6 +64,9 @@ class BackwardConfig(NamedTuple):
         if self.block_m not in (64, 128) or (self.split_dq == "rows" and self.block_m != 128):
             raise ValueError(f"BackwardConfig.block_m={self.block_m!r} with split_dq={self.split_dq!r}; accepted 64 "
                              "or 128, and 128 for 'rows' (64 rows a warpgroup: a wgmma's M)")
+        if self.section_heads < 0:
+            raise ValueError(f"BackwardConfig.section_heads={self.section_heads!r}; accepted 0 (a wave's worth) "
+                             "or more")
         if self.split_dq == "rows":
             return self.block_m // BWD_CONSUMERS, head_dim
         return self.block_m, head_dim // BWD_CONSUMERS
@@ -490,7 +497,7 @@ def run_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, config
     kernel = gluon_kernels().backward
     batch, n_heads, seqlen_q, head_dim = q.shape
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    num_stages, split_dq, block_m = config
+    num_stages, split_dq, block_m, section_heads = config
     left, right = fa2.window_edges(causal, window_size, seqlen_q, seqlen_k)
     block_n = BWD_CONSUMERS * 64
     docs = bounds is not None
@@ -510,7 +517,9 @@ def run_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, config
     q_box, k_box, v_box, _, dq_box = _bwd_layouts(q.dtype, head_dim, block_m, (dq_rows, dq_cols), rank=4)
     desc = lambda t, rows, layout, cols=head_dim: TensorDescriptor(
         t, list(t.shape), list(t.stride()), [1, 1, rows, cols], layout)
-    grid = (triton.cdiv(seqlen_k, block_n), batch * n_kv_heads)
+    n_blocks = triton.cdiv(seqlen_k, block_n)
+    grid = (n_blocks * batch * n_kv_heads,)
+    section_heads = section_heads or max(1, _sm_count(q.device) // n_blocks)
     lse = lse.contiguous()
     key = (kernel, config, q.dtype, q.device, q.shape, k.shape, left, right, docs, softcap > 0,
            lse.data_ptr() % 16 == 0)
@@ -520,6 +529,7 @@ def run_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, config
          dq_desc=desc(dq_acc, dq_rows, dq_box, dq_cols), LSE=lse, DELTA=delta, n_heads=n_heads, seqlen_q=seqlen_q,
          seqlen_k=seqlen_k, window_left=max(left, 0), window_right=max(right, 0),
          **dict(zip(("KEY_START", "KEY_LIMIT", "QUERY_START", "QUERY_LIMIT"), bounds)), BLOCK_ORDER=order,
+         SECTION_HEADS=section_heads,
          **_logits(softmax_scale, softcap), softmax_scale=softmax_scale, GROUP=n_heads // n_kv_heads,
          LEFT=left >= 0, RIGHT=right >= 0, DOCS=docs,
          NUM_CONSUMERS=BWD_CONSUMERS, HEAD_DIM=head_dim,
@@ -637,7 +647,7 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
                           Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout)
     else:
         config = config or BACKWARD_CONFIGS[head_dim]
-        num_stages, split_dq, block_m = config
+        num_stages, split_dq, block_m, _ = config
         dq_rows, dq_cols = config.dq_box(head_dim)
         q_layout, kv_layout, _, ds_layout, dq_layout = _bwd_layouts(dtype, head_dim, block_m, (dq_rows, dq_cols))
         q_box, k_box, v_box, _, dq_box = _bwd_layouts(dtype, head_dim, block_m, (dq_rows, dq_cols), rank=4)
@@ -647,8 +657,8 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
         fn = kernels.backward
         descs = dict(q_desc=q_box, k_desc=k_box, v_desc=v_box, do_desc=q_box, dk_desc=v_box, dv_desc=v_box,
                      dq_desc=dq_box, LSE="*fp32", DELTA="*fp32", KEY_START="*i32", KEY_LIMIT="*i32",
-                     QUERY_START="*i32", QUERY_LIMIT="*i32", BLOCK_ORDER="*i32", qk_scale="fp32", softcap_in="fp32",
-                     softmax_scale="fp32")
+                     QUERY_START="*i32", QUERY_LIMIT="*i32", BLOCK_ORDER="*i32", SECTION_HEADS="i32",
+                     qk_scale="fp32", softcap_in="fp32", softmax_scale="fp32")
         if docs:
             causal = window = True
         constexprs = dict(GROUP=group, LEFT=window, RIGHT=causal, DOCS=docs, SOFTCAP=softcap, NUM_CONSUMERS=BWD_CONSUMERS, HEAD_DIM=head_dim,

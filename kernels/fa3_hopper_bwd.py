@@ -156,12 +156,24 @@ def _mask_band(p_t, keys, key_first, key_last, LEFT: gl.constexpr, RIGHT: gl.con
 
 
 @gluon.jit
-def _key_block(BLOCK_ORDER, DOCS: gl.constexpr):
-    """This CTA's key block. Packed sequences (DOCS): the host orders the blocks longest first (BLOCK_ORDER,
-    `kernels.fa3.block_order`), so the hardware starts the long CTAs first and the short ones fill the tail."""
+def _cta_block(seqlen_k, SECTION_HEADS, BLOCK_ORDER, DOCS: gl.constexpr, BLOCK_N: gl.constexpr):
+    """This CTA's (key block, batch * n_kv_heads index) in a 1-D grid of key blocks x (batch, kv head) pairs,
+    launched in sections of SECTION_HEADS pairs, key-major within a section: the hardware starts CTAs in launch
+    order, so every pair's first key block (under a causal mask the longest) starts before any second one, while
+    the CTAs in flight share a few pairs' Q, dO and dQ accumulator in L2 (SECTION_HEADS = 1: one pair's key blocks
+    after another's). Packed sequences (DOCS): the key blocks in the host's longest-first order (BLOCK_ORDER,
+    `kernels.fa3.block_order`)."""
+    n_blocks = (seqlen_k + BLOCK_N - 1) // BLOCK_N
+    n_pairs = gl.num_programs(0) // n_blocks
+    pid = gl.program_id(0)
+    section = pid // (SECTION_HEADS * n_blocks)
+    first = section * SECTION_HEADS
+    heads = gl.minimum(SECTION_HEADS, n_pairs - first)
+    rank = pid - first * n_blocks
+    block = rank // heads
     if DOCS:
-        return gl.load(BLOCK_ORDER + gl.program_id(0))
-    return gl.program_id(0)
+        block = gl.load(BLOCK_ORDER + block)
+    return block, first + rank % heads
 
 
 @gluon.jit
@@ -202,7 +214,8 @@ def _query_range(start_n, seqlen_q, seqlen_k, window_left, window_right, QUERY_S
 
 @gluon.jit
 def _consumer(keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, window_left, window_right,
-              KEY_START, KEY_LIMIT, QUERY_START, QUERY_LIMIT, BLOCK_ORDER, qk_scale, softcap_in, softmax_scale, CID: gl.constexpr,
+              KEY_START, KEY_LIMIT, QUERY_START, QUERY_LIMIT, BLOCK_ORDER, SECTION_HEADS, qk_scale, softcap_in,
+              softmax_scale, CID: gl.constexpr,
               NUM_CONSUMERS: gl.constexpr, GROUP: gl.constexpr, LEFT: gl.constexpr, RIGHT: gl.constexpr,
               DOCS: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
               SPLIT_DQ: gl.constexpr):
@@ -226,8 +239,8 @@ def _consumer(keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
 
-    start_n = _key_block(BLOCK_ORDER, DOCS) * BLOCK_N
-    bhk = gl.program_id(1)
+    block, bhk = _cta_block(seqlen_k, SECTION_HEADS, BLOCK_ORDER, DOCS, BLOCK_N)
+    start_n = block * BLOCK_N
     n_kv_heads = n_heads // GROUP
     off_b = bhk // n_kv_heads
     off_hk = bhk % n_kv_heads
@@ -326,13 +339,14 @@ def _consumer(keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, do_desc, keys_smem, ring, LSE, DELTA, n_heads, seqlen_q, seqlen_k, window_left,
-              window_right, QUERY_START, QUERY_LIMIT, BLOCK_ORDER, NUM_CONSUMERS: gl.constexpr, GROUP: gl.constexpr,
+              window_right, QUERY_START, QUERY_LIMIT, BLOCK_ORDER, SECTION_HEADS, NUM_CONSUMERS: gl.constexpr,
+              GROUP: gl.constexpr,
               LEFT: gl.constexpr, RIGHT: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr):
     """The loading warp: the CTA's K and V once, then Q_i and dO_i (TMA) and LSE_i and delta_i (cp.async) of every
     query block into the ring."""
     BLOCK_N: gl.constexpr = NUM_CONSUMERS * BLOCK_KEYS
-    start_n = _key_block(BLOCK_ORDER, DOCS) * BLOCK_N
-    bhk = gl.program_id(1)
+    block, bhk = _cta_block(seqlen_k, SECTION_HEADS, BLOCK_ORDER, DOCS, BLOCK_N)
+    start_n = block * BLOCK_N
     n_kv_heads = n_heads // GROUP
     off_b = bhk // n_kv_heads
     off_hk = bhk % n_kv_heads
@@ -360,12 +374,14 @@ def _producer(q_desc, k_desc, v_desc, do_desc, keys_smem, ring, LSE, DELTA, n_he
 def fa3_bwd_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA,
     n_heads, seqlen_q, seqlen_k, window_left, window_right, KEY_START, KEY_LIMIT, QUERY_START, QUERY_LIMIT,
-    BLOCK_ORDER, qk_scale, softcap_in, softmax_scale, GROUP: gl.constexpr, LEFT: gl.constexpr, RIGHT: gl.constexpr,
+    BLOCK_ORDER, SECTION_HEADS, qk_scale, softcap_in, softmax_scale, GROUP: gl.constexpr, LEFT: gl.constexpr,
+    RIGHT: gl.constexpr,
     DOCS: gl.constexpr, SOFTCAP: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT_DQ: gl.constexpr,
     Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr, DS_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr,
 ):
-    """Grid (cdiv(seqlen_k, NUM_CONSUMERS * 64), batch * n_kv_heads): see the module docstring. LSE, DELTA:
+    """Grid (cdiv(seqlen_k, NUM_CONSUMERS * 64) * batch * n_kv_heads,), in sections of SECTION_HEADS (batch, kv
+    head) pairs (`_cta_block`): see the module docstring. LSE, DELTA:
     float32 (batch, n_heads, seqlen_q); dq_desc: over the zeroed float32 (batch, n_heads, seqlen_q, HEAD_DIM) dQ
     accumulator padded to whole BLOCK_M-row blocks (any strides TMA takes: the host keeps it in q's memory order),
     with the (1, 1, rows, columns) boxes of one warpgroup's share of dQ_i (SPLIT_DQ)."""
@@ -403,15 +419,16 @@ def fa3_bwd_kernel(
     gl.warp_specialize(
         [
         (_consumer, (keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, window_left,
-                     window_right, KEY_START, KEY_LIMIT, QUERY_START, QUERY_LIMIT, BLOCK_ORDER, qk_scale,
+                     window_right, KEY_START, KEY_LIMIT, QUERY_START, QUERY_LIMIT, BLOCK_ORDER, SECTION_HEADS, qk_scale,
                      softcap_in, softmax_scale, 0, NUM_CONSUMERS, GROUP, LEFT, RIGHT, DOCS, SOFTCAP, BLOCK_M, HEAD_DIM,
                      SPLIT_DQ)),
         (_consumer, (keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, window_left,
-                     window_right, KEY_START, KEY_LIMIT, QUERY_START, QUERY_LIMIT, BLOCK_ORDER, qk_scale,
+                     window_right, KEY_START, KEY_LIMIT, QUERY_START, QUERY_LIMIT, BLOCK_ORDER, SECTION_HEADS, qk_scale,
                      softcap_in, softmax_scale, 1, NUM_CONSUMERS, GROUP, LEFT, RIGHT, DOCS, SOFTCAP, BLOCK_M, HEAD_DIM,
                      SPLIT_DQ)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, keys_smem, ring, LSE, DELTA, n_heads, seqlen_q, seqlen_k,
-                     window_left, window_right, QUERY_START, QUERY_LIMIT, BLOCK_ORDER, NUM_CONSUMERS, GROUP, LEFT, RIGHT, DOCS,
+                     window_left, window_right, QUERY_START, QUERY_LIMIT, BLOCK_ORDER, SECTION_HEADS, NUM_CONSUMERS,
+                     GROUP, LEFT, RIGHT, DOCS,
                      BLOCK_M)),
         ],
         [4, 1],

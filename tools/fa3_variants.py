@@ -3,8 +3,9 @@
     python -m tools.fa3_variants --variants 2:128:2:1:1,2:128:2:1:0 --head-dims 128 --seqlens 4096,16384
     python -m tools.fa3_variants --backward --variants 2:0:cols,3:0:cols --head-dims 128 --seqlens 2048,8192
 
-Backward: a variant is NUM_STAGES[:SPLIT_DQ[:BLOCK_M]] (a `kernels.fa3.BackwardConfig`, the fields left out as in
-`BACKWARD_CONFIGS[head_dim]`; SPLIT_DQ is cols or rows); each is checked against float32 gradients (dq, dk, dv by
+Backward: a variant is NUM_STAGES[:SPLIT_DQ[:BLOCK_M[:SECTION_HEADS]]] (a `kernels.fa3.BackwardConfig`, the fields
+left out as in `BACKWARD_CONFIGS[head_dim]`; SPLIT_DQ is cols or rows; SECTION_HEADS the launch order, 0 for a
+wave's worth); each is checked against float32 gradients (dq, dk, dv by
 relative error) on the shapes below, then backward medians of the Gluon kernel are printed next to FA2's backward
 and cuDNN's on the same inputs (forward excluded).
 Forward: a variant is NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT (a `kernels.fa3.ForwardConfig`), run
@@ -119,14 +120,15 @@ def main_backward(args, dtype):
         for causal in (True, False):
             for seqlen in map(int, args.seqlens.split(",")):
                 batch, n_heads = max(1, TOKENS // seqlen), WIDTH // head_dim
-                q, k, v, do = (torch.randn(batch, n_heads, seqlen, head_dim, device="cuda", dtype=dtype)
-                               for _ in range(4))
+                q, do = (torch.randn(batch, n_heads, seqlen, head_dim, device="cuda", dtype=dtype) for _ in range(2))
+                k, v = (torch.randn(batch, n_heads // args.group, seqlen, head_dim, device="cuda", dtype=dtype)
+                        for _ in range(2))
                 tf = lambda ms: flops(batch, n_heads, seqlen, head_dim, causal, "bwd") / ms / 1e9
                 o, lse = fa2.forward(q, k, v, causal, 0.1)
                 cells = {}
                 leaves = [t.clone().requires_grad_() for t in (q, k, v)]
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    out = F.scaled_dot_product_attention(*leaves, is_causal=causal)
+                    out = F.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=args.group > 1)
                 cells["cudnn"] = do_bench(lambda: out.backward(do, retain_graph=True), grad_to_none=leaves,
                                           return_mode="median")
                 cells["fa2"] = do_bench(lambda: fa2.backward(do, q, k, v, o, lse, causal, 0.1), return_mode="median")
@@ -162,22 +164,24 @@ def _ints(variant, fields):
 
 
 def backward_config(variant, default=fa3.BackwardConfig(2, "cols", 64)):
-    """'NUM_STAGES[:SPLIT_DQ[:BLOCK_M]]' -> a `kernels.fa3.BackwardConfig`, the fields left out taken from
-    `default`; SPLIT_DQ is cols or rows, BLOCK_M 64 or 128."""
+    """'NUM_STAGES[:SPLIT_DQ[:BLOCK_M[:SECTION_HEADS]]]' -> a `kernels.fa3.BackwardConfig`, the fields left out
+    taken from `default`; SPLIT_DQ is cols or rows, BLOCK_M 64 or 128, SECTION_HEADS 0 or more."""
     fields = variant.split(":")
-    if not 1 <= len(fields) <= 3:
-        raise SystemExit(f"backward variant {variant}: give 1 to 3 fields (see --help)")
+    if not 1 <= len(fields) <= 4:
+        raise SystemExit(f"backward variant {variant}: give 1 to 4 fields (see --help)")
     if len(fields) >= 2 and fields[1] not in ("cols", "rows"):
         raise SystemExit(f"backward variant {variant}: SPLIT_DQ {fields[1]!r}; accepted cols, rows")
     if len(fields) == 3 and fields[2] not in ("64", "128"):
         raise SystemExit(f"backward variant {variant}: BLOCK_M {fields[2]}; accepted 64, 128")
+    if len(fields) == 4 and not fields[3].isdigit():
+        raise SystemExit(f"backward variant {variant}: SECTION_HEADS {fields[3]}; give 0 or more")
     try:
         num_stages = int(fields[0])
     except ValueError:
         raise SystemExit(f"backward variant {variant}: NUM_STAGES is an integer (see --help)") from None
     if num_stages < 1:
         raise SystemExit(f"backward variant {variant}: NUM_STAGES {num_stages}; give 1 or more")
-    return default._replace(num_stages=num_stages, **dict(zip(("split_dq", "block_m"), (
+    return default._replace(num_stages=num_stages, **dict(zip(("split_dq", "block_m", "section_heads"), (
         *fields[1:2], *(int(x) for x in fields[2:])))))
 
 
@@ -212,12 +216,18 @@ def main(argv=None):
     parser.add_argument("--seqlens", default="2048,8192", help="comma-separated sequence lengths N")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"], help="input dtype")
     parser.add_argument("--backward", action="store_true", help="check and time the Gluon backward instead")
+    parser.add_argument("--group", type=int, default=1,
+                        help="query heads per key/value head (GQA) in the timed backward shapes (divides 2048 / D)")
     args = parser.parse_args(argv)
     # Checked before the GPU is looked for, so a typo is caught on any machine.
     args.variants = parse_variants(args.variants or (BACKWARD_DEFAULT if args.backward else FORWARD_DEFAULT),
                                    backward_config if args.backward else forward_config)
     if args.backward:
         check_backward_configs(args.variants, map(int, args.head_dims.split(",")))
+    for head_dim in map(int, args.head_dims.split(",")):
+        if args.group < 1 or (WIDTH // head_dim) % args.group:
+            raise SystemExit(f"--group {args.group}: give a divisor of the {WIDTH // head_dim} heads at head_dim "
+                             f"{head_dim}")
     if not torch.cuda.is_available():
         raise SystemExit("tools.fa3_variants needs a CUDA GPU (an sm_90 one for the Gluon kernels)")
     from triton.testing import do_bench

@@ -339,6 +339,24 @@ def test_gluon_backward_matches_float64(fresh_dispatch, head_dim, causal, n_head
 
 
 @gluon_on_hopper
+@pytest.mark.parametrize("section_heads", [1, 2, 4, 0, 9, 20])
+def test_gluon_backward_launch_orders_cover_every_key_block(fresh_dispatch, section_heads):
+    """Every launch order of the backward's CTAs (sections of `section_heads` (batch, kv head) pairs, key-major
+    within each; 0: a wave's worth) visits each key block of each of the 9 pairs once, partial last sections
+    included: the gradients match float64, written into NaN-filled buffers."""
+    q = torch.randn(3, 6, 1000, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(3, 3, 1000, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    do = torch.randn_like(q)
+    _, grads_ref = _reference_grads(q, k, v, do, True)
+    o, lse = fa3.run_forward(q, k, v, True, 0.125, fa3.FORWARD_CONFIGS[64, True])
+    out = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+    config = fa3.BACKWARD_CONFIGS[64]._replace(section_heads=section_heads)
+    for grad, ref in zip(fa3.run_backward(do, q, k, v, o, lse, True, 0.125, config, out), grads_ref):
+        err = ((grad.double() - ref).norm() / ref.norm()).item()
+        assert torch.isfinite(grad).all() and err < 1e-2, err
+
+
+@gluon_on_hopper
 @pytest.mark.parametrize("head_dim,causal,n_heads,n_kv_heads,seqlen", [
     (64, True, 4, 4, 1100), (64, False, 4, 2, 1030), (128, True, 4, 2, 300), (128, False, 2, 2, 517),
 ])
@@ -476,6 +494,7 @@ def test_empty_like_layout_keeps_the_memory_order_with_another_shape_and_dtype()
     (fa3.BackwardConfig(2, "none", 64), "split_dq='none'; accepted 'cols', 'rows'"),
     (fa3.BackwardConfig(2, "rows", 64), "block_m=64 with split_dq='rows'"),
     (fa3.BackwardConfig(2, "cols", 96), "block_m=96 with split_dq='cols'"),
+    (fa3.BackwardConfig(2, "cols", 64, -1), "section_heads=-1; accepted 0"),
 ])
 def test_backward_configs_are_checked(config, message):
     """A BackwardConfig the Gluon backward cannot run (e.g. one typed into tools.fa3_variants) is named before

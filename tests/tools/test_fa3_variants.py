@@ -20,13 +20,17 @@ def test_fa3_backward_variant_fields_default_to_the_head_dims_config():
     assert backward_config("4", BackwardConfig(2, "cols", 64)) == BackwardConfig(4, "cols", 64)
     assert backward_config("3:rows", BackwardConfig(2, "cols", 128)) == BackwardConfig(3, "rows", 128)
     assert backward_config("2:rows:128", BackwardConfig(4, "cols", 64)) == BackwardConfig(2, "rows", 128)
+    assert backward_config("2:rows:128:1", BackwardConfig(4, "cols", 64)) == BackwardConfig(2, "rows", 128, 1)
+    assert backward_config("2:cols:64:0", BackwardConfig(4, "cols", 64, 8)) == BackwardConfig(2, "cols", 64, 0)
 
 
 @pytest.mark.parametrize("argv,message", [
     (["--variants", "foo"], "variant 'foo': give colon-separated integers"),
     (["--variants", "2:128:2"], "variant 2:128:2: give 5 fields"),
     (["--variants", "2:128:2:1:1:0"], "variant 2:128:2:1:1:0: give 5 fields"),
-    (["--backward", "--variants", "2:128:2:1"], "backward variant 2:128:2:1: give 1 to 3 fields"),
+    (["--backward", "--variants", "2:rows:128:1:0"], "backward variant 2:rows:128:1:0: give 1 to 4 fields"),
+    (["--backward", "--variants", "2:rows:128:yes"], "SECTION_HEADS yes; give 0 or more"),
+    (["--backward", "--group", "3", "--head-dims", "128"], "--group 3: give a divisor of the 16 heads"),
     (["--backward", "--variants", "2:none"], "SPLIT_DQ 'none'; accepted cols, rows"),
     (["--backward", "--variants", "2:rows:96"], "BLOCK_M 96; accepted 64, 128"),
     (["--backward", "--variants", "x"], "backward variant x: NUM_STAGES is an integer"),
