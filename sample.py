@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from bench import HelpFormatter
 from data.tokenizers import tokenizer_from_meta
 from model.backends import REGISTRY, backends_with
 from model.gpt import GPT, GPTConfig
@@ -66,7 +67,7 @@ def show_warning(message, category, filename, lineno, file=None, line=None) -> N
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--run", required=True, help="run name (under --runs-root), run folder, or checkpoint file")
     ap.add_argument("--runs-root", default="runs", help="folder holding run folders (train.py's run.root)")
     ap.add_argument("--prompt", default="", help="text to continue (default: start of a document)")
@@ -74,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-samples", type=int, default=1, help=">= 1; samples, generated as one batch")
     ap.add_argument("--temperature", type=float, default=0.8, help="> 0; lower is more conservative")
     ap.add_argument("--top-k", type=int, default=200, help="keep the k most likely tokens; 0 = all, 1 = greedy")
-    ap.add_argument("--seed", type=int, default=1337)
-    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    ap.add_argument("--seed", type=int, default=1337, help="seed of the sampling")
+    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: cuda when available")
     ap.add_argument("--attn", default="sdpa", choices=list(REGISTRY), help="attention backend")
     ap.add_argument("--kv-cache", action=argparse.BooleanOptionalAction, default=True,
                     help="cache keys/values: prefill the prompt once, then one decode step per token")

@@ -2,7 +2,7 @@
 
     attention   kernel TFLOP/s of every attention backend, forward and backward; --shape grid (default), llama
                 (NVIDIA's published H200 shape) or decode (one query against a KV cache)
-    masks       sliding windows and packed documents: fa2 against FlexAttention and SDPA with a dense mask
+    masks       sliding windows and packed documents: fa3 and fa2 against FlexAttention, cuDNN and SDPA's dense mask
     throughput  training tokens/s, MFU and memory per backend through the trainer (--baseline: the bare loop too)
     baseline    the bare training loop that throughput --baseline measures the trainer against
     generate    generation tokens/s with and without the KV cache, eager, compiled and as CUDA graphs

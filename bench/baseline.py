@@ -90,3 +90,8 @@ def run_bare_loop(cfg: DictConfig, warmup: int, steps: int, on_step: Optional[Ca
             "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
             "tokens_per_step": cfg.trainer.batch_size * grad_accum * cfg.model.block_size,
             "num_params": model.num_params(), "flops_per_token": model.estimate_flops_per_token()}
+
+
+if __name__ == "__main__":
+    raise SystemExit("bench.baseline is the bare loop that `python -m bench.throughput --baseline` runs; it has no "
+                     "command line of its own (see python -m bench.throughput --help)")

@@ -246,7 +246,7 @@ def parse_args(argv):
     parser.add_argument("--name", default=f"throughput_{time.strftime('%Y-%m-%d_%H-%M-%S')}",
                         help="run group: runs/<name>/<backend>, W&B group <name>")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for train.py, e.g. model=gpt2")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # Hydra overrides before, between or after the options
     args.backends = args.backends.split(",")
     bad = [b for b in args.backends if b not in BACKENDS or b == "auto"]
     if bad or args.steps < 1 or args.warmup < 0 or args.repeats < 1:

@@ -256,6 +256,9 @@ def _read(path: Path) -> Any:
     if head and head != ZIP_MAGIC:  # random bytes, text, an old-style pickle: not even a cut-short checkpoint
         raise UnreadableCheckpoint(f"not a checkpoint file: {path} (not a file torch.save writes)")
     is_zip = zipfile.is_zipfile(path)
+    if head and not is_zip:  # torch.load's own error for it is an unhelpful OSError (EINVAL)
+        raise UnreadableCheckpoint(f"checkpoint {path} is corrupt or unreadable (cut short or damaged: its zip "
+                                   "archive has no end record)")
     try:
         if is_zip:  # torch.load does not check the records' CRC-32: a flipped byte would load
             with zipfile.ZipFile(path) as archive:

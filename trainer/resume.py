@@ -97,7 +97,9 @@ def check_compatible(ckpt: Checkpoint, model_args: GPTConfig, data_meta: dict, c
             diffs.append(f"data tokenizer {k}: checkpoint {old_meta.get(k)!r}, config {data_meta.get(k)!r}")
     if diffs:
         raise ConfigError(f"cannot resume from {ckpt.path}: the model or tokenizer differs:\n  " + "\n  ".join(diffs))
-    changed = changed_settings(ckpt["config"], OmegaConf.to_container(cfg, resolve=True))
+    # attn.backend as typed ("auto") may name the backend that ran before: the backends that run are compared
+    changed = [c for c in changed_settings(ckpt["config"], OmegaConf.to_container(cfg, resolve=True))
+               if not c.startswith("attn.backend:")]
     if ckpt["attn_backend"] != model_args.attn:
         changed.append(f"attention backend (resolved): {ckpt['attn_backend']} -> {model_args.attn}")
     if changed:

@@ -161,6 +161,12 @@ def test_the_long_context_document_comparison_validates_on_a_gpu(monkeypatch, tm
         assert cfg.model.block_size == 8192 and cfg.data.document_mask and cfg.attn.backend == backend
 
 
+def test_overrides_may_stand_between_the_options():
+    _, args = throughput.parse_args(["model=tiny", "--backends", "sdpa", "model.n_layer=1", "--steps", "2",
+                                     "trainer.batch_size=2"])
+    assert args.overrides == ["model=tiny", "model.n_layer=1", "trainer.batch_size=2"] and args.steps == 2
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--backends", "sdpa,flash"], "unknown"),
     (["--steps", "0"], "--steps"),
@@ -245,6 +251,14 @@ def test_bench_help_shows_defaults():
         out = subprocess.run([sys.executable, "-m", f"bench.{module}", "--help"], cwd=ROOT, capture_output=True,
                              text=True, timeout=120)
         assert out.returncode == 0 and "(default: " in out.stdout, out.stderr[-2000:]
+    out = subprocess.run([sys.executable, "sample.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "(default: 500)" in out.stdout and "(default: 1337)" in out.stdout
+
+
+def test_the_baseline_library_says_it_has_no_command_line():
+    out = subprocess.run([sys.executable, "-m", "bench.baseline", "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 1 and "bench.throughput --baseline" in out.stderr
 
 
 @pytest.mark.gpu

@@ -487,9 +487,18 @@ def test_changed_settings_on_resume_are_a_warning_listing_the_keys(make_cfg, cap
     train(make_cfg("run.name=mixed", "trainer.max_steps=4", "attn=sdpa_flash", "optim.lr=0.001"))
     warnings = "\n".join(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
     assert "resuming" in warnings and "with changed settings" in warnings
-    assert "attn.backend: 'sdpa' -> 'sdpa_flash'" in warnings and "optim.lr: 0.002 -> 0.001" in warnings
-    assert "attention backend (resolved): sdpa -> sdpa_flash" in warnings
+    assert "optim.lr: 0.002 -> 0.001" in warnings and "attention backend (resolved): sdpa -> sdpa_flash" in warnings
     assert "trainer.max_steps" not in warnings  # meant to change on resume
+
+
+def test_resuming_with_the_backend_auto_resolved_to_is_no_change(make_cfg, caplog):
+    """attn=auto resolves to sdpa without a GPU: resuming its run with attn=sdpa, and back, runs the same backend,
+    so no changed-settings warning names attn.backend."""
+    train(make_cfg("run.name=auto", "trainer.max_steps=2", "attn=auto"))
+    caplog.clear()
+    train(make_cfg("run.name=auto", "trainer.max_steps=3", "attn=sdpa"))
+    train(make_cfg("run.name=auto", "trainer.max_steps=4", "attn=auto"))
+    assert "changed settings" not in caplog.text
 
 
 def test_resuming_past_max_steps_says_so(make_cfg, caplog):
