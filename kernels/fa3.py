@@ -415,14 +415,19 @@ def _band(q, k, causal: bool, window_size, cu_seqlens_q, cu_seqlens_k, max_seqle
         window_left=left, varlen=varlen, shared_offsets=shared)
 
 
+def _block_edges(bounds: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first and last positions of each `size`-long block of the packed positions `bounds` covers."""
+    total = bounds.shape[0]
+    first = torch.arange(0, total, size, device=bounds.device)
+    return first, (first + size).clamp(max=total) - 1
+
+
 def tile_order(key_start: torch.Tensor, key_limit: torch.Tensor, rows: int, block_n: int, n_bh: int) -> torch.Tensor:
     """The Gluon forward's tiles over packed sequences, longest first: int32 (n_tiles,) tile numbers
     bh * n_tiles_m + m (tile m: rows [m * rows, (m + 1) * rows) of head bh), sorted by the K/V blocks their rows'
     bounds (`doc_bounds`) span, every head of one row block together. The kernel deals them out in a snake
     (`fa3_hopper._tile`)."""
-    total = key_start.shape[0]
-    first = torch.arange(0, total, rows, device=key_start.device)
-    last = (first + rows).clamp(max=total) - 1
+    first, last = _block_edges(key_start, rows)
     blocks = (key_limit[last] + block_n - 1) // block_n - key_start[first] // block_n
     order = torch.argsort(blocks, descending=True, stable=True).to(torch.int32)
     heads = torch.arange(n_bh, device=key_start.device, dtype=torch.int32) * first.shape[0]
@@ -432,9 +437,7 @@ def tile_order(key_start: torch.Tensor, key_limit: torch.Tensor, rows: int, bloc
 def block_order(query_start: torch.Tensor, query_limit: torch.Tensor, block_n: int) -> torch.Tensor:
     """The Gluon backward's key blocks over packed sequences, longest first: int32 block numbers sorted by the
     query rows that see them (`doc_bounds` from the keys' side)."""
-    total = query_start.shape[0]
-    first = torch.arange(0, total, block_n, device=query_start.device)
-    last = (first + block_n).clamp(max=total) - 1
+    first, last = _block_edges(query_start, block_n)
     return torch.argsort(query_limit[last] - query_start[first], descending=True, stable=True).to(torch.int32)
 
 

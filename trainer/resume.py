@@ -98,8 +98,8 @@ def check_compatible(ckpt: Checkpoint, model_args: GPTConfig, data_meta: dict, c
     if diffs:
         raise ConfigError(f"cannot resume from {ckpt.path}: the model or tokenizer differs:\n  " + "\n  ".join(diffs))
     # attn.backend as typed ("auto") may name the backend that ran before: the backends that run are compared
-    changed = [c for c in changed_settings(ckpt["config"], OmegaConf.to_container(cfg, resolve=True))
-               if not c.startswith("attn.backend:")]
+    changed = changed_settings(ckpt["config"], OmegaConf.to_container(cfg, resolve=True),
+                               skip=MAY_CHANGE | {"attn.backend"})
     if ckpt["attn_backend"] != model_args.attn:
         changed.append(f"attention backend (resolved): {ckpt['attn_backend']} -> {model_args.attn}")
     if changed:
@@ -127,13 +127,13 @@ def _split_id(meta: dict, split: str) -> tuple:
     return meta.get(f"{split}_tokens"), (files.get(f"{split}.bin") or {}).get("sha256")
 
 
-def changed_settings(old: dict, new: dict, prefix: str = "") -> list[str]:
-    """'key: old -> new' for every differing leaf key outside MAY_CHANGE."""
+def changed_settings(old: dict, new: dict, prefix: str = "", skip: frozenset = MAY_CHANGE) -> list[str]:
+    """'key: old -> new' for every differing leaf key outside `skip` (dotted keys)."""
     out = []
     for k in sorted(set(old) | set(new)):
         a, b = old.get(k), new.get(k)
         if isinstance(a, dict) and isinstance(b, dict):
-            out += changed_settings(a, b, f"{prefix}{k}.")
-        elif a != b and f"{prefix}{k}" not in MAY_CHANGE:
+            out += changed_settings(a, b, f"{prefix}{k}.", skip)
+        elif a != b and f"{prefix}{k}" not in skip:
             out.append(f"{prefix}{k}: {a!r} -> {b!r}")
     return out
