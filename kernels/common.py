@@ -16,6 +16,9 @@ import triton.language as tl
 
 # Read once, the same way Triton decides at decoration time whether `@triton.jit` functions are interpreted.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Passed to every kernel launch here: FMA contraction on, as every measurement in docs/ ran. Left unset, Triton 3.9
+# warns at each process's first launch that its default turns it off in 3.10 (TRITON_DEFAULT_FP_FUSION).
+LAUNCH_OPTIONS = {"enable_fp_fusion": True}
 
 
 @triton.jit
@@ -271,6 +274,6 @@ def bwd_preprocess(o, do, dq_acc=None):
         o, do, delta, delta if dq_acc is None else dq_acc, *o.stride()[:3], *do.stride()[:3],
         *(dq_acc.stride()[:3] if dq_acc is not None else (0, 0, 0)), n_heads, seqlen_q,
         seqlen_q_pad, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=PREPROCESS_BLOCK_M,
-        ZERO_DQ=dq_acc is not None,
+        ZERO_DQ=dq_acc is not None, **LAUNCH_OPTIONS,
     )
     return delta

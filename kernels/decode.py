@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import INTERPRET, block_d, check_grid, head_ptr, load_tile, softcap_args, tanh
+from .common import INTERPRET, LAUNCH_OPTIONS, block_d, check_grid, head_ptr, load_tile, softcap_args, tanh
 from .frontend import check_softcap, validate
 
 LOG2E = math.log2(math.e)
@@ -121,12 +121,12 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, num_splits: 
         q, k, v, o_part, lse_part, q.stride(0), q.stride(1), *k.stride()[:3], *v.stride()[:3],
         n_heads, seqlen_k, split_size, num_splits, qk_scale, softcap_scale, seqlen,
         GROUP=n_heads // n_kv_heads, HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_N=BLOCK_N, HAS_SEQLEN=seqlen is not None,
-        SOFTCAP=softcap > 0,
+        SOFTCAP=softcap > 0, **LAUNCH_OPTIONS,
     )
     o = torch.empty_like(q)
     _combine[(batch * n_heads,)](
         o_part, lse_part, o, o.stride(0), o.stride(1), n_heads, num_splits,
-        HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), **LAUNCH_OPTIONS,
     )
     return o
 

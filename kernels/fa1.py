@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .common import (
-    block_d, bwd_preprocess, check_grid, empty_like_layout, grad_buffers, head_ptr, load_tile, mma, store_tile,
+    LAUNCH_OPTIONS, block_d, bwd_preprocess, check_grid, empty_like_layout, grad_buffers, head_ptr, load_tile, mma, store_tile,
     upcast_dot, visible_mask,
 )
 
@@ -97,6 +97,7 @@ def forward(q, k, v, causal, softmax_scale):
         n_heads, seqlen_q, seqlen_k, softmax_scale,
         GROUP=n_heads // n_kv_heads, CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
         UPCAST=upcast_dot(q.dtype), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        **LAUNCH_OPTIONS,
     )
     return o, lse
 
@@ -207,6 +208,7 @@ def backward(do, q, k, v, o, lse, causal, softmax_scale, out=None):
     meta = dict(
         GROUP=n_heads // n_kv_heads, CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
         UPCAST=upcast_dot(q.dtype), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        **LAUNCH_OPTIONS,
     )
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
     _bwd_dkdv[(triton.cdiv(seqlen_k, BLOCK_N), batch * n_kv_heads)](

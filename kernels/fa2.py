@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from .common import (
-    INTERPRET, block_d, bucket, bwd_preprocess, check_grid, empty_like_layout, grad_buffers, head_ptr,
+    INTERPRET, LAUNCH_OPTIONS, block_d, bucket, bwd_preprocess, check_grid, empty_like_layout, grad_buffers, head_ptr,
     load_rows, load_tile, mma, softcap_args, store_tile, tanh, tile_source, upcast_dot, use_tma, visible_mask,
 )
 
@@ -387,7 +387,7 @@ def forward(q, k, v, causal, softmax_scale, window_size=(-1, -1), cu_seqlens_q=N
         q, k, v, o, lse, mask[0], mask[1], *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
         n_heads, seqlen_q, seqlen_k, *mask[2:], qk_scale, softcap_scale, bucket(max_q), bucket(max_k),
         GROUP=n_heads // n_kv_heads, **constexprs, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
-        UPCAST=upcast_dot(q.dtype), TMA_OK=options.tma and use_tma(q, k, v), SOFTCAP=softcap > 0,
+        UPCAST=upcast_dot(q.dtype), TMA_OK=options.tma and use_tma(q, k, v), SOFTCAP=softcap > 0, **LAUNCH_OPTIONS,
     )
     if varlen:
         return _packed(o), lse[0]
@@ -636,7 +636,7 @@ def backward(do, q, k, v, o, lse, causal, softmax_scale, window_size=(-1, -1), c
         GROUP=n_heads // n_kv_heads, **constexprs, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
         UPCAST=upcast_dot(q.dtype), TMA_OK=options.tma and use_tma(q, k, v, do),
         FLAT=flat, LPT=flat and options.varlen_bwd_grid == "lpt", SEQS=triton.next_power_of_2(batch) if flat else 1,
-        VARLEN_TILES=varlen and options.varlen_bwd_tiles, SOFTCAP=softcap > 0,
+        VARLEN_TILES=varlen and options.varlen_bwd_tiles, SOFTCAP=softcap > 0, **LAUNCH_OPTIONS,
     )
     qk_scale, softcap_scale = softcap_args(softmax_scale, softcap, LOG2E)
     sizes = (n_heads, seqlen_q, seqlen_k, *mask[2:], qk_scale, softmax_scale, softcap_scale, batch, bucket(max_q),
@@ -677,4 +677,4 @@ def compile_for_sm90(kernel, left=True, right=True, varlen=True, tma=True, head_
                  for arg in fn.arg_names}
     source = ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in constexprs.items()})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+                          options={"num_warps": num_warps, "num_stages": num_stages, **LAUNCH_OPTIONS})

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from . import fa2
-from .common import INTERPRET, bwd_preprocess, empty_like_layout, grad_buffers, use_tma
+from .common import INTERPRET, LAUNCH_OPTIONS, bwd_preprocess, empty_like_layout, grad_buffers, use_tma
 
 # Triton releases (major.minor) whose Gluon Hopper API the kernels are written for: `kernels/gluon_compat.py` maps
 # their differences; `tools/check_triton_versions.sh` compiles both kernels on each.
@@ -270,7 +270,7 @@ def _run(kernel, key, grid, **args):
     if compiled is not None:  # its launcher takes a 3-D grid (Triton's binder pads it)
         compiled[(*grid, 1, 1)[:3]](*[args[name] for name in kernel.arg_names])
         return
-    compiled = kernel[grid](**args, num_warps=4)
+    compiled = kernel[grid](**args, num_warps=4, **LAUNCH_OPTIONS)
     if len(_COMPILED) < _COMPILED_MAX and set(kernel.arg_names) == set(args):
         _COMPILED[key] = compiled
 
@@ -575,7 +575,7 @@ def convert_dq(dq_acc, softmax_scale: float, dq) -> None:
                          f"{tuple(dq.stride())}")
     grid = (triton.cdiv(seqlen_q, CONVERT_DQ_BLOCK_M), batch * n_heads)
     _convert_dq[grid](dq_acc, dq, softmax_scale, *dq_acc.stride()[:3], *dq.stride()[:3], n_heads, seqlen_q,
-                      HEAD_DIM=head_dim, BLOCK_M=CONVERT_DQ_BLOCK_M)
+                      HEAD_DIM=head_dim, BLOCK_M=CONVERT_DQ_BLOCK_M, **LAUNCH_OPTIONS)
 
 
 @functools.lru_cache(maxsize=None)  # pure, and made on every backward call
@@ -671,4 +671,4 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
     signature.update(descs)
     signature.update({arg: "constexpr" for arg in constexprs})
     source = GluonASTSource(fn, signature, constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **LAUNCH_OPTIONS})

@@ -20,6 +20,7 @@ import torch
 from kernels import (
     fa2, fa2_attention, fa2_varlen_attention, fa3, fa3_attention, fa3_qkvpacked_attention, fa3_varlen_attention,
 )
+from kernels.common import LAUNCH_OPTIONS
 from test_attention import reference
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,16 +117,18 @@ def test_gluon_kernels_compile_for_sm90(kernel):
     or not, bfloat16 and float16, with GQA in some: the compile must succeed, not fall back. Catches Gluon API
     breaks before a user's GPU does (in a fresh process: `compile_in_fresh_process`).
     """
-    code = (f"import itertools, torch; from kernels import fa3\n"
+    code = (f"import itertools, torch, warnings; from kernels import fa3\n"
+            "warnings.filterwarnings('error', category=UserWarning, module='triton')\n"  # e.g. an unset default
             f"for d, c, w, t in itertools.product(fa3.HEAD_DIMS, (True, False), (True, False),"
             f" (torch.bfloat16, torch.float16)):\n"
             f"    k = fa3.compile_for_sm90(t, d, c, 1 if c else 4, {kernel!r}, window=w); ptx = k.asm['ptx']\n"
-            "    print(d, c, w, t, k.metadata.shared,"
+            "    print(d, c, w, t, k.metadata.shared, k.metadata.enable_fp_fusion,"
             " all(s in ptx for s in ('wgmma.mma_async', 'setmaxnreg', 'cp.async.bulk.tensor')))")
     lines = compile_in_fresh_process(code)
     assert len(lines) == 2 * 2 * len(fa3.HEAD_DIMS) * 2
-    for *combination, shared, has_hopper_instructions in lines:
+    for *combination, shared, fp_fusion, has_hopper_instructions in lines:
         assert has_hopper_instructions == "True", f"{combination}: wgmma, setmaxnreg and TMA copies expected"
+        assert fp_fusion == "True", f"{combination}: compiled without LAUNCH_OPTIONS"
         assert int(shared) <= SM90_SHARED_MEMORY, f"{combination}: more shared memory than an sm_90 block may have"
 
 
@@ -217,9 +220,9 @@ def test_gluon_relaunch_of_a_shape_reads_the_new_inputs(fresh_dispatch, monkeypa
 
 
 def test_compiled_launch_cache_orders_the_arguments(monkeypatch):
-    """`fa3._run`: a key's first launch goes through Triton (`kernel[grid](**args, num_warps=4)`), later ones
-    through the compiled kernel's launcher with every argument in the kernel's parameter order; a launch that
-    leaves a parameter to its default is never cached (the order would need Triton's defaults)."""
+    """`fa3._run`: a key's first launch goes through Triton (`kernel[grid](**args, num_warps=4, **LAUNCH_OPTIONS)`),
+    later ones through the compiled kernel's launcher with every argument in the kernel's parameter order; a launch
+    that leaves a parameter to its default is never cached (the order would need Triton's defaults)."""
     monkeypatch.setattr(fa3, "_COMPILED", {})
     launches = []
 
@@ -241,11 +244,12 @@ def test_compiled_launch_cache_orders_the_arguments(monkeypatch):
     fa3._run(kernel, "key", (4,), n=8, BLOCK=64, x_desc="d1")
     fa3._run(kernel, "other", (5,), n=9, x_desc="d2")  # BLOCK left to a default: Triton's path every time
     fa3._run(kernel, "other", (5,), n=9, x_desc="d3")
+    options = dict(num_warps=4, **LAUNCH_OPTIONS)
     assert launches == [
-        ("triton", (3,), dict(BLOCK=64, n=7, x_desc="d0", num_warps=4)),
+        ("triton", (3,), dict(BLOCK=64, n=7, x_desc="d0", **options)),
         ("compiled", (4, 1, 1), ("d1", 8, 64)),
-        ("triton", (5,), dict(n=9, x_desc="d2", num_warps=4)),
-        ("triton", (5,), dict(n=9, x_desc="d3", num_warps=4)),
+        ("triton", (5,), dict(n=9, x_desc="d2", **options)),
+        ("triton", (5,), dict(n=9, x_desc="d3", **options)),
     ]
 
 
