@@ -3,7 +3,9 @@
 # sees this machine's torch (--system-site-packages) and installs only `triton==VERSION`.
 #   bash tools/check_triton_versions.sh               # 3.6.0 3.7.1 3.8.0 3.9.0
 #   bash tools/check_triton_versions.sh 3.9.0 3.10.0  # any releases
-# Prints one line per release and kernel: compiled (PTX size, shared memory) or the reason it falls back to FA2.
+# Prints one line per release and kernel: how many of its variants compiled (the dense ones, then sliding window,
+# packed documents, softcap and GQA; the largest shared memory) or the reason it falls back to FA2. A warning
+# Triton gives while compiling is printed as is.
 set -u
 cd "$(dirname "$0")/.."
 versions=${*:-3.6.0 3.7.1 3.8.0 3.9.0}
@@ -14,7 +16,7 @@ for version in $versions; do
   if ! { python3 -m venv --system-site-packages "$venv" && "$venv/bin/pip" install -q "triton==$version"; } >"$root/log" 2>&1; then
     echo "triton $version: not installed ($(tail -n 1 "$root/log"))"; continue
   fi
-  env -u TRITON_INTERPRET "$venv/bin/python" - "$version" <<'PY' 2>&1 | grep -v "nanobind\|leaked\|FP_FUSION\|warn_once\|skipped remainder\|refleaks"
+  env -u TRITON_INTERPRET "$venv/bin/python" - "$version" <<'PY' 2>&1 | grep -v "nanobind\|leaked\|skipped remainder\|refleaks"
 import itertools, sys
 import torch
 from kernels import fa3
@@ -23,16 +25,20 @@ kernels = fa3.gluon_kernels()
 if isinstance(kernels, str):
     print(f"triton {version}: falls back to FA2: {kernels}")
     sys.exit()
+variants = [dict(head_dim=d, causal=c, dtype=t) for d, c, t in
+            itertools.product(fa3.HEAD_DIMS, (True, False), (torch.bfloat16, torch.float16))]
+variants += [dict(head_dim=d, causal=True, dtype=torch.bfloat16, **extra) for d in fa3.HEAD_DIMS for extra in
+             (dict(window=True), dict(docs=True), dict(softcap=True), dict(group=4))]
 for kernel in ("fwd", "bwd"):
     ok, shared = 0, 0
-    for head_dim, causal, dtype in itertools.product(fa3.HEAD_DIMS, (True, False), (torch.bfloat16, torch.float16)):
+    for v in variants:
         try:
-            compiled = fa3.compile_for_sm90(dtype, head_dim, causal, 1, kernel)
+            compiled = fa3.compile_for_sm90(kernel=kernel, **v)
         except Exception as e:
-            print(f"triton {version} {kernel} D={head_dim} causal={causal} {dtype}: FAILED {type(e).__name__}: {str(e)[:200]}")
+            print(f"triton {version} {kernel} {v}: FAILED {type(e).__name__}: {str(e)[:200]}")
             continue
         ok, shared = ok + 1, max(shared, compiled.metadata.shared)
-    print(f"triton {version} {kernel}: {ok} of 8 compiled for sm_90 (head_dim 64/128, causal or not, bf16/fp16; "
-          f"max shared memory {shared} B)")
+    print(f"triton {version} {kernel}: {ok} of {len(variants)} compiled for sm_90 (head_dim 64/128, causal or not, "
+          f"bf16/fp16; window, documents, softcap, GQA 4; max shared memory {shared} B)")
 PY
 done
