@@ -124,6 +124,7 @@ def run_job(cfg: DictConfig, overrides: list[str], run_dir: Path, sweep_args: li
     reason = refusal(str(cfg.resume), run_dir)  # from file names only: before the folder is touched
     if reason:
         return error(reason)
+    new_folder = not run_dir.exists()  # made for this job: a refused job takes it away again
     with contextlib.ExitStack() as stack:
         accept = stack.enter_context(run_log(run_dir, cfg, overrides, sweep_args, dist.is_main))
         if dist.is_main:
@@ -138,7 +139,7 @@ def run_job(cfg: DictConfig, overrides: list[str], run_dir: Path, sweep_args: li
         try:
             summary = train(cfg, run_dir=run_dir, on_accept=accept)
         except (*EXPECTED, PreparationInterrupted, KeyboardInterrupt) as e:
-            return failed(e, run_dir, overrides, dist)
+            return failed(e, run_dir, new_folder, dist)
         if summary.stop_reason == "interrupted":  # saved and resumable, but not finished: say so to the caller
             return 128 + summary.stop_signal
         if sweep_args is not None:  # `run.name=X` alone would start a run in the sweep's folder
@@ -151,9 +152,9 @@ def run_job(cfg: DictConfig, overrides: list[str], run_dir: Path, sweep_args: li
     return 0
 
 
-def failed(e: BaseException, run_dir: Path, overrides: list[str], dist: DistInfo) -> int:
+def failed(e: BaseException, run_dir: Path, new_folder: bool, dist: DistInfo) -> int:
     """The exit code of a job that ``train`` ended with ``e`` (an expected failure or an interrupt), after one
-    line that says why."""
+    line that says why. new_folder: this job made ``run_dir``."""
     if isinstance(e, PreparationInterrupted):  # Ctrl-C or SIGTERM while the token cache was written
         log.error("%s", e)
         return 128 + e.signum
@@ -166,16 +167,15 @@ def failed(e: BaseException, run_dir: Path, overrides: list[str], dist: DistInfo
         log.error("interrupted before training started; nothing to save")
         return 128 + signal.SIGINT
     log.error("%s", e)
-    if dist.is_main and not any(o.lstrip("+").startswith("run.name=") for o in overrides):
+    if dist.is_main and new_folder:
         discard_unused_folder(run_dir)
     return 1
 
 
 def discard_unused_folder(run_dir: Path) -> None:
-    """Remove the folder of a refused run under a default name (the launch time and a random suffix: no other
-    process uses it) when it holds nothing but the lock, so a typo on the command line leaves no folder. Under
-    torchrun the ranks share rank 0's default name as a run.name override: that folder is kept, like any
-    folder named with run.name=."""
+    """Remove the folder a refused job made when it holds nothing but the lock (rank 0 still holds it), so a typo
+    on the command line leaves no folder, under a default name or a new run.name. A folder that was there before
+    the job is kept as it was."""
     if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {".lock"}:
         shutil.rmtree(run_dir, ignore_errors=True)
 

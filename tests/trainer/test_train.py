@@ -315,7 +315,15 @@ def test_cli_entry_point(tiny_overrides, tmp_path):
         bad = subprocess.run([sys.executable, "train.py", *args, f"run.name={name}"], cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=300)
         assert bad.returncode == 1 and f"run.name={name!r}: must be a non-empty folder name" in bad.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["cli"]
+    # So does a refused run under a new run.name; a folder that was there before is kept.
+    bad = subprocess.run([sys.executable, "train.py", *args, "run.name=typo", "optim.lr=-1"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and "optim.lr=-1.0: must be > 0" in bad.stdout + bad.stderr
+    (tmp_path / "empty").mkdir()
+    bad = subprocess.run([sys.executable, "train.py", *args, "run.name=empty", "optim.lr=-1"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and (tmp_path / "empty").is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cli", "empty"]
 
 
 def test_fa2_backend_trains_like_sdpa(make_cfg):
