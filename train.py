@@ -27,6 +27,7 @@ from pathlib import Path
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from data.prepare import PreparationInterrupted
 from data.sources import DataError
@@ -127,6 +128,7 @@ def run_job(cfg: DictConfig, overrides: list[str], run_dir: Path, sweep_args: li
     new_folder = not run_dir.exists()  # made for this job: a refused job takes it away again
     with contextlib.ExitStack() as stack:
         accept = stack.enter_context(run_log(run_dir, cfg, overrides, sweep_args, dist.is_main))
+        stack.enter_context(logging_redirect_tqdm())  # a warning during training gets its own line, not the bar's
         if dist.is_main:
             try:
                 stack.enter_context(own_run_folder(run_dir))
