@@ -303,8 +303,9 @@ def _check_model(check, m) -> Optional[list[int]]:
             check(m.n_head % m.n_kv_head == 0, "model.n_kv_head", f"must divide model.n_head={m.n_head}")
     check(0.0 <= m.dropout < 1.0, "model.dropout", "must be in [0, 1)")
     windows = attn_windows(m)
-    check(windows is not None, "model.attn_window",
-          f"must be an int >= 0 (0 = full attention) or a list of model.n_layer={m.n_layer} of them")
+    if m.n_layer >= 1:  # a list's length is checked against n_layer: a bad n_layer is named on its own
+        check(windows is not None, "model.attn_window",
+              f"must be an int >= 0 (0 = full attention) or a list of model.n_layer={m.n_layer} of them")
     for key, msg in block_option_errors(m):  # pos_emb, norm, mlp and their numbers: what model.gpt accepts
         check(False, f"model.{key}", msg)
     return windows

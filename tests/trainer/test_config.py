@@ -107,6 +107,15 @@ def test_invalid_values_name_the_key(overrides, key):
     assert f"{key}=" in str(e.value)
 
 
+@pytest.mark.parametrize("n_layer", [0, -1])
+def test_a_bad_n_layer_is_named_alone(n_layer):
+    """attn_window's list length depends on n_layer: a bad n_layer is one error, not also one about attn_window."""
+    cfg = compose_config(["trainer.device=cpu", f"model.n_layer={n_layer}"])
+    with pytest.raises(ConfigError) as e:
+        validate_config(cfg)
+    assert str(e.value) == f"invalid config:\n  model.n_layer={n_layer}: must be a positive integer"
+
+
 def test_cuda_device_without_gpu_is_rejected(monkeypatch, capsys):
     import torch
 
