@@ -34,7 +34,8 @@ from data.sources import DataError
 from model.backends import BackendUnavailableError
 from trainer import ConfigError, NonFiniteLossError, train
 from trainer.checkpoint import CheckpointError, latest_checkpoint
-from trainer.config import CONF_DIR, RUN_NAME_RULE, Config, compose_config, continue_command, valid_run_name
+from trainer.config import (CONF_DIR, RUN_NAME_RULE, Config, compose_config, continue_command, override_error,
+                            valid_run_name)
 from trainer.config_help import help_text
 from trainer.distributed import destroy_process_group, torchrun_overrides
 from trainer.resume import refusal
@@ -64,7 +65,7 @@ def main(argv: list[str]) -> int:
     try:  # every job composed first: a bad override stops a sweep before its first job
         jobs = [(job, compose_config(job)) for job in (sweep(overrides) if multirun else [overrides])]
     except HydraException as e:  # an unknown key or group, a wrong type, an override that does not parse
-        return error(f"{e}" + (f"\n{e.__cause__}" if e.__cause__ else ""))
+        return error(override_error(e))
     if any(f in HELP for f in flags):
         print(help_text(jobs[0][1], Config, CONF_DIR))
         return 0

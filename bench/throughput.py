@@ -268,7 +268,7 @@ def plan(parser, args):
     from omegaconf.errors import OmegaConfBaseException
 
     from trainer import ConfigError, compose_config
-    from trainer.config import RUN_NAME_RULE, valid_run_name, validate_config
+    from trainer.config import RUN_NAME_RULE, override_error, valid_run_name, validate_config
 
     if not valid_run_name(args.name):
         parser.error(f"--name {args.name!r}: {RUN_NAME_RULE}")
@@ -280,7 +280,9 @@ def plan(parser, args):
         out_dir = Path(compose_config(args.overrides).run.root) / args.name
         for overrides, backend, label in jobs + sweep_jobs:
             validate_config(backend_config(overrides, backend, out_dir, label, args.warmup, args.steps))
-    except (ConfigError, HydraException, OmegaConfBaseException) as e:
+    except HydraException as e:
+        parser.error(override_error(e))
+    except (ConfigError, OmegaConfBaseException) as e:
         parser.error(str(e))
     if out_dir.exists() and any(out_dir.iterdir()):
         parser.error(f"--name {args.name}: {out_dir} already holds a comparison; choose a new --name")

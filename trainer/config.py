@@ -31,7 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
+from hydra.errors import HydraException, MissingConfigException
 from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from data.prepare import TOKENIZERS
 from data.sources import SOURCES
@@ -254,8 +256,7 @@ def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -
             f"{k}: has no value; set it on the command line ({k}=...)" for k in missing))
     unknown = unknown_keys(cfg)
     if unknown:  # Hydra's '+key=value' adds keys even to a structured config; nothing would read them
-        raise ConfigError("invalid config:\n  " + "\n  ".join(
-            f"{k}: not a config key (a typo?); `python train.py --help` lists them all" for k in unknown))
+        raise ConfigError("invalid config:\n  " + "\n  ".join(f"{k}: {NOT_A_KEY}" for k in unknown))
     errors: list[str] = []
 
     def check(ok: bool, key: str, msg: str) -> None:
@@ -484,3 +485,18 @@ def compose_config(overrides: Optional[List[str]] = None) -> DictConfig:
         return compose(config_name="config", overrides=list(overrides or []))
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides or []))
+
+
+NOT_A_KEY = "not a config key (a typo?); `python train.py --help` lists them all"
+
+
+def override_error(e: HydraException) -> str:
+    """The message for an override ``compose_config`` refused: an unknown group option or key in one line that
+    names it and what is accepted; anything else (a wrong type, an override that does not parse) as Hydra words it."""
+    if isinstance(e, MissingConfigException) and e.missing_cfg_file and e.options:
+        group, _, option = e.missing_cfg_file.rpartition("/")
+        return f"{group}={option}: not an option of {group}; accepted: {', '.join(e.options)}"
+    cause = e.__cause__
+    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and cause.full_key:
+        return f"{cause.full_key}: {NOT_A_KEY}"
+    return f"{e}" + (f"\n{cause}" if cause else "")

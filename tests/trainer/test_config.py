@@ -313,10 +313,31 @@ def test_help_lists_every_key_with_its_meaning():
     assert lines["optim.lr"].split()[1] == "0.01" and "peak learning rate" in lines["optim.lr"]
     assert "<computed>" in lines["run.name"] and "model: baby, gpt2, llama_1b, llama_small, tiny" in out.stdout
     for bad, message in (("trainer.max_steps=abc", "Value 'abc' of type 'str' could not be converted to Integer"),
-                         ("model=huge", "Could not find 'model/huge'"), ("nokey=1", "Could not override 'nokey'")):
+                         ("model=huge", "model=huge: not an option of model; accepted: baby, gpt2, llama_1b, "
+                          "llama_small, tiny"), ("nokey=1", "nokey: not a config key (a typo?)"),
+                         ("model.foo=1", "model.foo: not a config key (a typo?)")):
         out = subprocess.run([sys.executable, "train.py", "--help", bad], cwd=root, capture_output=True, text=True,
                              timeout=120)
         assert out.returncode == 1 and message in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("override,message", [
+    ("attn=fa4", "attn=fa4: not an option of attn; accepted: auto, fa1, fa2, fa3, flex, sdpa, sdpa_cudnn, sdpa_flash"),
+    ("model.foo=1", "model.foo: not a config key (a typo?); `python train.py --help` lists them all"),
+    ("trainer.nope=1", "trainer.nope: not a config key (a typo?)"),
+    ("trainer.max_steps=many", "Value 'many' of type 'str' could not be converted to Integer"),
+])
+def test_refused_overrides_get_one_message(override, message):
+    """An unknown group option or key is one line naming it (and the accepted options), not Hydra's advice to
+    add it with '+', which validation would then refuse; other errors keep Hydra's words."""
+    from hydra.errors import HydraException
+
+    from trainer.config import override_error
+
+    with pytest.raises(HydraException) as e:
+        compose_config([override])
+    text = override_error(e.value)
+    assert message in text and "To append" not in text and "search path" not in text
 
 
 def _leaf_keys(d, prefix=""):
