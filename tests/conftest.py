@@ -55,7 +55,7 @@ SLOW_TESTS = {
     "test_document_mask_and_window_compile_in_one_graph", "test_sample_py_greedy_same_with_and_without_cache",
     "test_document_mask_matches_sdpa_and_isolates_documents",
     "test_fused_qkv_goes_to_the_packed_kernel_and_matches_sdpa", "test_softcap_kernels_compile_for_sm90",
-    "test_packed_sequence_kernels_compile_for_sm90",
+    "test_packed_sequence_kernels_compile_for_sm90", "test_counts_the_compiled_forward",
 }
 
 
