@@ -217,6 +217,7 @@ class ConfigError(ValueError):
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 WANDB_MODES = ("offline", "online", "disabled")
+NOT_A_KEY = "not a config key (a typo?); `python train.py --help` lists them all"
 
 
 def attn_windows(m: DictConfig) -> Optional[list[int]]:
@@ -485,9 +486,6 @@ def compose_config(overrides: Optional[List[str]] = None) -> DictConfig:
         return compose(config_name="config", overrides=list(overrides or []))
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides or []))
-
-
-NOT_A_KEY = "not a config key (a typo?); `python train.py --help` lists them all"
 
 
 def override_error(e: HydraException) -> str:
