@@ -424,21 +424,24 @@ def min_params(args: GPTConfig) -> int:
 
 def check_memory(args: GPTConfig, device: torch.device, tokens: int = 0) -> None:
     """Refuse (ConfigError) a run whose parameters, with their gradients and AdamW state, plus the float32 logits of
-    one micro-batch of `tokens` tokens (the loss's log-softmax; one chunk with model.loss=chunked), need more than
-    the device's memory (``trainer.runtime.device_memory``). Both are lower bounds (``min_params``; no other activations), so a run that
-    fits is never refused. Catches e.g. a mistyped model.vocab_size or a batch far too large before an allocator
-    error or the out-of-memory killer does."""
+    one micro-batch of `tokens` tokens (the loss's log-softmax; one chunk with model.loss=chunked), plus the input
+    each block keeps for the backward (n_layer x tokens x n_embd values, 2 bytes at least), need more than the
+    device's memory (``trainer.runtime.device_memory``). All three are lower bounds (``min_params``; no other
+    activations), so a run that fits is never refused. Catches e.g. a mistyped model.vocab_size or a batch far too
+    large before an allocator error or the out-of-memory killer does."""
     params, memory = min_params(args), device_memory(device)
     logit_rows = {"full": tokens, "chunked": min(tokens, CHUNK_TOKENS)}[args.loss]
     weights, logits = params * TRAINING_BYTES_PER_PARAM, logit_rows * args.vocab_size * 4
-    if memory and weights + logits > memory:
+    activations = args.n_layer * tokens * args.n_embd * 2
+    if memory and weights + logits + activations > memory:
         raise ConfigError(
             f"the model is too large for {device}: {params:,} parameters (model.vocab_size={args.vocab_size}, "
             f"model.n_embd={args.n_embd}, model.n_layer={args.n_layer}, model.block_size={args.block_size}) need at "
             f"least {weights / 2**30:,.0f} GiB for weights, gradients and AdamW state ({TRAINING_BYTES_PER_PARAM} "
-            f"bytes each) and the float32 logits of {logit_rows:,} tokens (model.loss={args.loss}; a micro-batch is "
-            f"trainer.batch_size x block_size = {tokens:,}) {logits / 2**30:,.0f} GiB more, and it has "
-            f"{memory / 2**30:,.0f} GiB; choose smaller values")
+            f"bytes each), the float32 logits of {logit_rows:,} tokens (model.loss={args.loss}; a micro-batch is "
+            f"trainer.batch_size x block_size = {tokens:,}) {logits / 2**30:,.0f} GiB more, and each layer's input "
+            f"for the backward {activations / 2**30:,.0f} GiB more, and it has {memory / 2**30:,.0f} GiB; choose "
+            f"smaller values")
 
 
 def _folder_id(folder: Path) -> Optional[tuple[int, int]]:

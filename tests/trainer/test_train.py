@@ -643,7 +643,7 @@ def test_resuming_on_changed_data_warns_with_both_token_counts_and_checksums(mak
     assert "other data" not in caplog.text
 
 
-def test_a_model_larger_than_the_memory_is_one_error_naming_its_size(make_cfg):
+def test_a_model_larger_than_the_memory_is_one_error_naming_its_size(make_cfg, monkeypatch):
     """model.vocab_size=10**12: a clear error with the parameter count and memory, not an allocator failure."""
     with pytest.raises(ConfigError, match=r"the model is too large for cpu: 32,000,\d{3},\d{3},\d{3} parameters "
                                           r"\(model.vocab_size=1000000000000, model.n_embd=32.*GiB"):
@@ -652,10 +652,14 @@ def test_a_model_larger_than_the_memory_is_one_error_naming_its_size(make_cfg):
 
     args = model_config(make_cfg("model.bias=true"), 65, "sdpa")
     check_memory(args, torch.device("cpu"), 4 * 32)  # the tiny model fits
-    with pytest.raises(ConfigError, match=r"and the float32 logits of 2,097,152,000 tokens \(model.loss=full"):
-        check_memory(args, torch.device("cpu"), 2_097_152_000)  # weights fit; one micro-batch's logits do not
+    memory = args.n_layer * args.n_embd * 2 * 2**30 * 3 // 2  # a device that holds 1.5 x one 2**30-token micro-batch's layer inputs
+    monkeypatch.setattr("trainer.loop.device_memory", lambda device: memory)
+    with pytest.raises(ConfigError, match=r", the float32 logits of 1,073,741,824 tokens \(model.loss=full"):
+        check_memory(args, torch.device("cpu"), 2**30)  # weights and layer inputs fit; one micro-batch's logits do not
     chunked = model_config(make_cfg("model.bias=true", "model.loss=chunked"), 65, "sdpa")
-    check_memory(chunked, torch.device("cpu"), 2_097_152_000)  # one chunk's logits at a time: it fits
+    check_memory(chunked, torch.device("cpu"), 2**30)  # one chunk's logits at a time: it fits
+    with pytest.raises(ConfigError, match=r"each layer's input for the backward 256 GiB more"):
+        check_memory(chunked, torch.device("cpu"), 2**31)  # a batch far too large: the layer inputs alone do not fit
     for shape in (args, model_config(make_cfg("model.n_kv_head=4", "model.n_layer=3"), 1000, "sdpa")):
         matrices = [p for p in GPT(shape).parameters() if p.dim() == 2]  # the tied embedding once
         assert min_params(shape) == sum(p.numel() for p in matrices)  # exact: only biases and layer norms left out
