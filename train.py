@@ -160,6 +160,8 @@ def failed(e: BaseException, run_dir: Path, new_folder: bool, dist: DistInfo) ->
     line that says why. new_folder: this job made ``run_dir``."""
     if isinstance(e, PreparationInterrupted):  # Ctrl-C or SIGTERM while the token cache was written
         log.error("%s", e)
+        if dist.is_main and new_folder:
+            discard_unused_folder(run_dir)
         return 128 + e.signum
     if isinstance(e, TrainingAborted):  # a second Ctrl-C: no save; the last checkpoint stays the latest
         last = latest_checkpoint(run_dir)

@@ -28,6 +28,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import signal
 import threading
 from dataclasses import dataclass
@@ -129,10 +130,12 @@ def prepare_data(cfg) -> PreparedData:
     try:
         with _sigterm_raises():
             _build(cfg, folder)
-    except (KeyboardInterrupt, _Terminated) as e:
+    except (KeyboardInterrupt, _Terminated, DataError) as e:
         if created:
             with contextlib.suppress(OSError):
                 folder.rmdir()  # only if empty
+        if isinstance(e, DataError):
+            raise
         raise PreparationInterrupted(folder, getattr(e, "signum", signal.SIGINT)) from None
     return load_prepared(folder)
 
@@ -238,6 +241,16 @@ def _build_tokenizer(cfg, docs) -> Tokenizer:
     raise DataError(f"data.tokenizer={cfg.tokenizer!r} is not known; accepted: {', '.join(TOKENIZERS)}")
 
 
+def _allocate(path: Path, size: int) -> None:
+    """Give `path` its `size` bytes on disk before it is written through a memmap: a full disk is then an OSError
+    (ENOSPC) here, where writing into a sparse file's holes would kill the process with SIGBUS."""
+    with open(path, "r+b") as f:
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(f.fileno(), 0, size)
+        else:  # no preallocation on this platform (macOS): a sparse file
+            f.truncate(size)
+
+
 def _build(cfg, folder: Path) -> None:
     texts = load_documents(cfg)
     tokenizer = _build_tokenizer(cfg, texts)
@@ -260,40 +273,46 @@ def _build(cfg, folder: Path) -> None:
     docs = {"train": starts[starts < n_train],
             "val": np.union1d([0], starts[starts >= n_train] - n_train).astype(np.int64)}
 
-    folder.mkdir(parents=True, exist_ok=True)
-    names = ("train", "val", "train_docs", "val_docs")
-    with contextlib.ExitStack() as stack:  # the files are renamed only if all were written
-        tmp = {s: stack.enter_context(atomic_path(folder / f"{s}.bin")) for s in names}
-        for s in ("train", "val"):
-            docs[s].tofile(tmp[f"{s}_docs"])
-        out = {s: np.memmap(tmp[s], dtype=dtype, mode="w+", shape=(n,)) for s, n in (("train", n_train), ("val", n_val))}
-        pos = 0
-        with tqdm(total=total, desc=f"writing {folder.name}", unit="tok", unit_scale=True) as bar:
-            for batch in tokens.iter(batch_size=1024):
-                ids = np.concatenate([np.asarray(x, dtype=dtype) for x in batch["ids"]]) if batch["ids"] else np.empty(0, dtype)
-                # The stream's first n_train tokens go to train.bin, the rest to val.bin.
-                a = ids[: max(0, n_train - pos)]
-                b = ids[len(a):]
-                if len(a):
-                    out["train"][pos: pos + len(a)] = a
-                if len(b):
-                    start = pos + len(a) - n_train
-                    out["val"][start: start + len(b)] = b
-                pos += len(ids)
-                bar.update(len(ids))
-        for arr in out.values():
-            arr.flush()
-        out.clear()  # drop the memmaps before the files are synced and renamed
-    files = {}
-    for s in names:  # os.replace kept each file's mtime
-        path = folder / f"{s}.bin"
-        st = path.stat()
-        files[path.name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": file_sha256(path)}
-    meta = {
-        "version": PREP_VERSION, "name": cfg.name, "source": source_identity(cfg), **tokenizer.meta(),
-        "dtype": dtype.name, "train_tokens": n_train, "val_tokens": n_val, "documents": len(texts),
-        "train_docs": len(docs["train"]), "val_docs": len(docs["val"]), "val_fraction": cfg.val_fraction,
-        "files": files,
-    }
-    atomic_write_text(folder / "meta.json", json.dumps(meta, indent=1))  # last: a folder with meta.json is complete
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        names = ("train", "val", "train_docs", "val_docs")
+        with contextlib.ExitStack() as stack:  # the files are renamed only if all were written
+            tmp = {s: stack.enter_context(atomic_path(folder / f"{s}.bin")) for s in names}
+            for s in ("train", "val"):
+                docs[s].tofile(tmp[f"{s}_docs"])
+            for s, n in (("train", n_train), ("val", n_val)):
+                _allocate(tmp[s], n * dtype.itemsize)
+            out = {s: np.memmap(tmp[s], dtype=dtype, mode="r+", shape=(n,)) for s, n in (("train", n_train), ("val", n_val))}
+            pos = 0
+            with tqdm(total=total, desc=f"writing {folder.name}", unit="tok", unit_scale=True) as bar:
+                for batch in tokens.iter(batch_size=1024):
+                    ids = np.concatenate([np.asarray(x, dtype=dtype) for x in batch["ids"]]) if batch["ids"] else np.empty(0, dtype)
+                    # The stream's first n_train tokens go to train.bin, the rest to val.bin.
+                    a = ids[: max(0, n_train - pos)]
+                    b = ids[len(a):]
+                    if len(a):
+                        out["train"][pos: pos + len(a)] = a
+                    if len(b):
+                        start = pos + len(a) - n_train
+                        out["val"][start: start + len(b)] = b
+                    pos += len(ids)
+                    bar.update(len(ids))
+            for arr in out.values():
+                arr.flush()
+            out.clear()  # drop the memmaps before the files are synced and renamed
+        files = {}
+        for s in names:  # os.replace kept each file's mtime
+            path = folder / f"{s}.bin"
+            st = path.stat()
+            files[path.name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": file_sha256(path)}
+        meta = {
+            "version": PREP_VERSION, "name": cfg.name, "source": source_identity(cfg), **tokenizer.meta(),
+            "dtype": dtype.name, "train_tokens": n_train, "val_tokens": n_val, "documents": len(texts),
+            "train_docs": len(docs["train"]), "val_docs": len(docs["val"]), "val_fraction": cfg.val_fraction,
+            "files": files,
+        }
+        atomic_write_text(folder / "meta.json", json.dumps(meta, indent=1))  # last: a folder with meta.json is complete
+    except OSError as e:  # an unwritable or full data.cache_dir; the temporary files are gone
+        raise DataError(f"data.cache_dir={cfg.cache_dir!r}: cannot write the token cache {folder} "
+                        f"({e.strerror or e}); choose a writable data.cache_dir with free space") from e
     log.info("token cache ready: %s (%d train / %d val tokens, vocab %d)", folder, n_train, n_val, tokenizer.vocab_size)

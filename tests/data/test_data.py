@@ -111,6 +111,31 @@ def test_interrupted_preparation_leaves_no_files(make_cfg, monkeypatch):
 
 
 
+
+def test_a_full_cache_disk_is_one_error_naming_data_cache_dir(make_cfg, monkeypatch):
+    """No space left while the token streams are allocated: a DataError naming data.cache_dir and the reason, no file
+    left behind, and the next start (with space) builds the cache. The streams are allocated on disk before they are
+    written, so a full disk cannot surface as SIGBUS inside the memmap."""
+    import errno
+
+    cfg = data_cfg(make_cfg, "data.name=fulldisk")
+    folder = cache_folder(cfg)
+
+    def no_space(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "posix_fallocate", no_space, raising=False)
+        with pytest.raises(DataError, match=rf"data.cache_dir={str(cfg.cache_dir)!r}: cannot write the token cache "
+                                            rf".*\(No space left on device\); choose a writable data.cache_dir"):
+            prepare_data(cfg)
+    assert not folder.exists()
+    data = prepare_data(cfg)
+    for split in ("train", "val"):
+        path = data.dir / f"{split}.bin"
+        assert path.stat().st_blocks * 512 >= path.stat().st_size  # allocated, not sparse
+
+
 @pytest.mark.parametrize("overrides", [("data.name=nohash",), ("data=shakespeare_scenes",)])
 def test_preparation_never_hashes_the_mapped_functions(make_cfg, cache_dir, tmp_path, monkeypatch, overrides):
     """`datasets` hashes a mapped function (dill-pickling it: the tokenizer inside, seconds for BPE) under a bare
@@ -170,6 +195,7 @@ def test_cli_signal_while_the_cache_is_written(tiny_overrides, tmp_path, sig):
     assert f"data preparation interrupted by {signal.Signals(sig).name}: nothing was kept" in text, text[-3000:]
     assert "Traceback" not in text and "second Ctrl-C" not in text, text[-3000:]
     assert [p for p in cache.rglob("*") if p.is_file()] == []
+    assert not (tmp_path / "runs" / "prep").exists()  # the run folder this start made, holding only its lock
     ok = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                         timeout=300)
     assert ok.returncode == 0, ok.stderr[-3000:]
