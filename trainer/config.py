@@ -286,6 +286,9 @@ def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -
     check(bool(cfg.wandb.project), "wandb.project", "must be a non-empty name")
 
     check(valid_run_name(str(cfg.run.name)), "run.name", RUN_NAME_RULE)
+    check(bool(str(cfg.run.root).strip()), "run.root", "must be a folder path (default runs; . for the current folder)")
+    check(bool(str(cfg.data.cache_dir).strip()), "data.cache_dir",
+          "must be a folder path (default cache; . for the current folder)")
     check(0 <= cfg.seed < 2**32, "seed", "must be in [0, 2**32)")
     check(bool(cfg.resume), "resume", "accepted: auto, never, or a checkpoint path")
 

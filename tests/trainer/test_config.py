@@ -98,6 +98,8 @@ def test_unknown_option_key_and_type_errors_come_from_hydra():
     (["attn=sdpa_cudnn"], "attn.backend"),  # the test config runs on the CPU
     (["data.val_fraction=1.0"], "data.val_fraction"),
     (["run.name=a/b"], "run.name"),
+    (["run.root="], "run.root"),
+    (["data.cache_dir=' '"], "data.cache_dir"),
     (["seed=-1"], "seed"),
 ])
 def test_invalid_values_name_the_key(overrides, key):
