@@ -326,8 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--shape", choices=SHAPES, default="grid", help="which cells (see above)")
     p.add_argument("--backends", type=csv_list(str),
-                   help="comma-separated, from model.backends.REGISTRY (decode: also fa2_splitkv); ratios are "
-                        "against the first. Default: every backend (decode: sdpa,fa2,fa2_splitkv,fa3)")
+                   help="comma-separated, from model.backends.REGISTRY (decode: also fa2_splitkv); dense shapes "
+                        "print ratios against the first, decode a 'vs fa2' column (- without fa2). Default: every "
+                        "backend (decode: sdpa,fa2,fa2_splitkv,fa3)")
     p.add_argument("--head-dims", type=csv_list(int),
                    help=f"comma-separated head dimensions D ({shape_values('head_dims')})")
     p.add_argument("--seqlens", type=csv_list(int),
