@@ -168,8 +168,8 @@ class MetricsLogger:
         for record in rows:
             self._log_wandb(record)
         if rows:
-            log.info("W&B run %s: logged steps %d-%d again from metrics.jsonl (a killed process may not have "
-                     "written them to W&B)", self.run.id, rows[0]["step"], rows[-1]["step"])
+            log.info("W&B run %s: logged steps %d-%d again from metrics.jsonl, as on every resume (a process "
+                     "that was killed may not have sent them all)", self.run.id, rows[0]["step"], rows[-1]["step"])
 
     def _log_wandb(self, record: dict) -> None:
         self.run.log({k: v for k, v in record.items() if v is not None and k != "step"}, step=record["step"])
