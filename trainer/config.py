@@ -33,7 +33,7 @@ from typing import Any, List, Optional
 from hydra.core.config_store import ConfigStore
 from hydra.errors import HydraException, MissingConfigException
 from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ConfigTypeError, ValidationError
 
 from data.prepare import TOKENIZERS
 from data.sources import SOURCES
@@ -492,12 +492,15 @@ def compose_config(overrides: Optional[List[str]] = None) -> DictConfig:
 
 
 def override_error(e: HydraException) -> str:
-    """The message for an override ``compose_config`` refused: an unknown group option or key in one line that
-    names it and what is accepted; anything else (a wrong type, an override that does not parse) as Hydra words it."""
+    """The message for an override ``compose_config`` refused, in one line that names the key: an unknown group
+    option or key with what is accepted, a wrong type in OmegaConf's words (their first line); anything else (an
+    override that does not parse) as Hydra words it."""
     if isinstance(e, MissingConfigException) and e.missing_cfg_file and e.options:
         group, _, option = e.missing_cfg_file.rpartition("/")
         return f"{group}={option}: not an option of {group}; accepted: {', '.join(e.options)}"
     cause = e.__cause__
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and cause.full_key:
         return f"{cause.full_key}: {NOT_A_KEY}"
+    if isinstance(cause, (ValidationError, ConfigTypeError)) and cause.full_key:  # e.g. a float for an int key
+        return f"{cause.full_key}: {str(cause.msg).splitlines()[0]}"
     return f"{e}" + (f"\n{cause}" if cause else "")
