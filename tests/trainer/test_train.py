@@ -652,7 +652,7 @@ def test_a_model_larger_than_the_memory_is_one_error_naming_its_size(make_cfg, m
 
     args = model_config(make_cfg("model.bias=true"), 65, "sdpa")
     check_memory(args, torch.device("cpu"), 4 * 32)  # the tiny model fits
-    memory = args.n_layer * args.n_embd * 2 * 2**30 * 3 // 2  # a device that holds 1.5 x one 2**30-token micro-batch's layer inputs
+    memory = args.n_layer * args.n_embd * 2 * 2**30 * 3 // 2  # 1.5 x the layer inputs of 2**30 tokens
     monkeypatch.setattr("trainer.loop.device_memory", lambda device: memory)
     with pytest.raises(ConfigError, match=r", the float32 logits of 1,073,741,824 tokens \(model.loss=full"):
         check_memory(args, torch.device("cpu"), 2**30)  # weights and layer inputs fit; one micro-batch's logits do not
