@@ -157,11 +157,16 @@ def run_job(cfg: DictConfig, overrides: list[str], run_dir: Path, sweep_args: li
 
 def failed(e: BaseException, run_dir: Path, new_folder: bool, dist: DistInfo) -> int:
     """The exit code of a job that ``train`` ended with ``e`` (an expected failure or an interrupt), after one
-    line that says why. new_folder: this job made ``run_dir``."""
+    line that says why; the folder this job made (new_folder) goes away if it holds nothing but the lock."""
+    code = _report(e, run_dir)
+    if dist.is_main and new_folder:
+        discard_unused_folder(run_dir)
+    return code
+
+
+def _report(e: BaseException, run_dir: Path) -> int:
     if isinstance(e, PreparationInterrupted):  # Ctrl-C or SIGTERM while the token cache was written
         log.error("%s", e)
-        if dist.is_main and new_folder:
-            discard_unused_folder(run_dir)
         return 128 + e.signum
     if isinstance(e, TrainingAborted):  # a second Ctrl-C: no save; the last checkpoint stays the latest
         last = latest_checkpoint(run_dir)
@@ -172,8 +177,6 @@ def failed(e: BaseException, run_dir: Path, new_folder: bool, dist: DistInfo) ->
         log.error("interrupted before training started; nothing to save")
         return 128 + signal.SIGINT
     log.error("%s", e)
-    if dist.is_main and new_folder:
-        discard_unused_folder(run_dir)
     return 1
 
 

@@ -130,13 +130,13 @@ def prepare_data(cfg) -> PreparedData:
     try:
         with _sigterm_raises():
             _build(cfg, folder)
-    except (KeyboardInterrupt, _Terminated, DataError) as e:
+    except BaseException as e:  # the temporary files are gone; an interrupt becomes one line
         if created:
             with contextlib.suppress(OSError):
                 folder.rmdir()  # only if empty
-        if isinstance(e, DataError):
-            raise
-        raise PreparationInterrupted(folder, getattr(e, "signum", signal.SIGINT)) from None
+        if isinstance(e, (KeyboardInterrupt, _Terminated)):
+            raise PreparationInterrupted(folder, getattr(e, "signum", signal.SIGINT)) from None
+        raise
     return load_prepared(folder)
 
 
