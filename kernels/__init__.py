@@ -12,7 +12,7 @@ output) and write its gradient in place.
     fa3.py             FlashAttention-3: `plan()` (Gluon kernel or FA2, from one table of rules), configs, launchers
     fa3_hopper.py      the Gluon forward (warp-specialised, ping-pong, persistent)
     fa3_hopper_bwd.py  the Gluon backward (dQ through TMA reduce-adds)
-    gluon_compat.py    the Gluon API names that differ between Triton 3.6 and 3.9, in one place
+    gluon_compat.py    what differs between Triton 3.6 and 3.9 (Gluon names, a PTX fix), in one place
     decode.py          split-K/V decode kernel (softcap too)
 
 To run them without a GPU, set TRITON_INTERPRET=1 before importing this package (slow; for tests).

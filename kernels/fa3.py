@@ -214,6 +214,7 @@ def triton_version() -> str:
 class GluonKernels(NamedTuple):
     forward: Callable  # fa3_hopper.fa3_fwd_kernel
     backward: Callable  # fa3_hopper_bwd.fa3_bwd_kernel
+    compiling: Callable  # gluon_compat.compiling: the context every compile of the two runs in
 
 
 @functools.lru_cache(maxsize=None)
@@ -228,9 +229,10 @@ def gluon_kernels(version: Optional[str] = None) -> GluonKernels | str:
     try:
         from .fa3_hopper import fa3_fwd_kernel
         from .fa3_hopper_bwd import fa3_bwd_kernel
+        from .gluon_compat import compiling
     except ImportError as e:  # a build of Triton without Gluon's Hopper API
         return f"triton {version} has no usable Gluon Hopper API ({e})"
-    return GluonKernels(fa3_fwd_kernel, fa3_bwd_kernel)
+    return GluonKernels(fa3_fwd_kernel, fa3_bwd_kernel, compiling)
 
 
 def gluon_device_reason(device: torch.device) -> str | None:
@@ -270,7 +272,8 @@ def _run(kernel, key, grid, **args):
     if compiled is not None:  # its launcher takes a 3-D grid (Triton's binder pads it)
         compiled[(*grid, 1, 1)[:3]](*[args[name] for name in kernel.arg_names])
         return
-    compiled = kernel[grid](**args, num_warps=4, **LAUNCH_OPTIONS)
+    with gluon_kernels().compiling():
+        compiled = kernel[grid](**args, num_warps=4, **LAUNCH_OPTIONS)
     if len(_COMPILED) < _COMPILED_MAX and set(kernel.arg_names) == set(args):
         _COMPILED[key] = compiled
 
@@ -671,4 +674,5 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
     signature.update(descs)
     signature.update({arg: "constexpr" for arg in constexprs})
     source = GluonASTSource(fn, signature, constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **LAUNCH_OPTIONS})
+    with kernels.compiling():
+        return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **LAUNCH_OPTIONS})

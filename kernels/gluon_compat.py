@@ -16,8 +16,18 @@ Each entry prefers the newer name and falls back to the older one, so a release 
 way. `constexpr_function` (the aggregates' constructors) and `as_4d` are the same on every release and live here
 because both kernels need them. `kernels.fa3.GLUON_TRITON_VERSIONS` lists the releases whose sm_90 compile of both
 kernels is checked (`tools/check_triton_versions.sh`; in CI on the installed release, tests/kernels/test_fa3.py).
+
+Code generation differs too: `compiling()`, the context `kernels.fa3` compiles the kernels in, fixes the one
+difference found to cost time (Triton 3.9's wgmma descriptors, below).
 """
 
+import collections
+import contextlib
+import hashlib
+import re
+
+import triton
+from triton import knobs
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -27,8 +37,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import tma
 from triton.language import core as _tl_core
 
-__all__ = ["aggregate", "as_4d", "constexpr_function", "cp_async_load", "reinterpret", "tma_load", "tma_reduce_add",
-           "tma_store"]
+__all__ = ["aggregate", "as_4d", "compiling", "constexpr_function", "cp_async_load", "reinterpret", "tma_load",
+           "tma_reduce_add", "tma_store", "wgmma_descriptor_adds"]
 
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
@@ -61,3 +71,111 @@ def as_4d(tile, desc):
     """A (rows, HEAD_DIM) shared tile as the (1, 1, rows, HEAD_DIM) box a 4-D descriptor copies (same bytes and
     swizzle): the kernels keep 2-D tiles for wgmma and copy them through descriptors over (B, H, N, D) tensors."""
     return reinterpret(tile, desc.dtype, desc.block_type.shape, desc.layout)
+
+
+# --- Triton 3.9's wgmma descriptors -------------------------------------------------------------------------------
+# From 3.9 on (triton-lang/triton#11329), the PTX builds each wgmma's shared-memory descriptor as
+# `zext(base + offset) | high word`, the offset added in 32 bits. From that, ptxas rebuilds one uniform register pair
+# before every wgmma of a chain (`UIADD3` + `UMOV` between consecutive HGMMAs), where 3.6-3.8's 64-bit adds let it
+# prepare the next descriptor in a second pair while the previous HGMMA issues. `wgmma_descriptor_adds` writes them
+# back as 64-bit adds, the same values, before ptxas runs: the head_dim-64 causal forward 2-3 % faster under 3.9
+# (docs/hopper-notes.md, "FA3 forward tiles under Triton 3.9").
+
+_BFE = re.compile(r"^\s*bfe\.u32\s+(%r\d+), %r\d+, \d+, (\d+);")
+_ADD = re.compile(r"^\s*(add\.s32|or\.b32)\s+(%r\d+), (%r\d+), (\d+);")
+_CVT = re.compile(r"^(\s*)cvt\.u64\.u32\s+(%rd\d+), (%r\d+);")
+_OR = re.compile(r"^(\s*)or\.b64\s+(%rd\d+), (%rd\d+), (\d+);")
+_BLOCK_LABEL = re.compile(r"^\$L__BB\d+_\d+:")
+
+
+def _adds(op: str, c: int) -> bool:
+    """Whether `op` (add.s32 or or.b32) of a 16-bit b and c is b + c, without wrapping in 32 bits."""
+    return c < (1 << 32) - (1 << 16) if op == "add.s32" else c & 0xFFFF == 0
+
+
+def wgmma_descriptor_adds(ptx: str) -> tuple[str, int]:
+    """PTX with every descriptor `d = zext(b + c) | K` rewritten as `d = zext(b) + (K + c)` -> (PTX, how many).
+
+    Matched only where that is the same value: b is a bit field of at most 16 bits (`bfe.u32`); c is added
+    (`add.s32`, b + c < 2^32), or or-ed into bits above b's (`or.b32`), or absent; K's low 32 bits are 0, so nothing
+    carries into its bits; b and b + c are each defined once and the zext's register is used once; and all of it is
+    in one basic block (no `$L__BB` label between), so the zext reads the b the add read. Anything else is left.
+    """
+    lines = ptx.split("\n")
+    block = 0  # basic-block number of each line
+    blocks, bases, offsets, zexts = [], {}, {}, {}
+    for i, line in enumerate(lines):
+        block += bool(_BLOCK_LABEL.match(line))
+        blocks.append(block)
+        if m := _BFE.match(line):
+            if int(m.group(2)) <= 16:
+                bases[m.group(1)] = block
+        elif (m := _ADD.match(line)) and bases.get(m.group(3)) == block and _adds(m.group(1), int(m.group(4))):
+            offsets[m.group(2)] = (m.group(3), int(m.group(4)))
+        elif m := _CVT.match(line):
+            zexts[m.group(2)] = (i, m.group(3))
+    defined = collections.Counter(re.findall(r"^\s*[a-z][\w.]*\s+(%r\d+),", ptx, re.M))
+    uses = collections.Counter(re.findall(r"%rd\d+\b", ptx))
+    done = 0
+    for i, line in enumerate(lines):
+        m = _OR.match(line)
+        if not m or m.group(3) not in zexts or int(m.group(4)) & 0xFFFFFFFF or uses[m.group(3)] != 2:
+            continue
+        j, x = zexts[m.group(3)]
+        base, offset = offsets.get(x, (x, 0))
+        if bases.get(base) != blocks[i] or blocks[j] != blocks[i] or defined[base] != 1 or defined[x] != 1:
+            continue
+        lines[j] = f"{_CVT.match(lines[j]).group(1)}cvt.u64.u32 \t{m.group(3)}, {base};"
+        lines[i] = f"{m.group(1)}add.s64 \t{m.group(2)}, {m.group(3)}, {int(m.group(4)) + offset};"
+        done += 1
+    return "\n".join(lines), done
+
+
+_TRITON_3_9_OR_LATER = tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 9)
+# Only the forward: the backward keeps its descriptors in per-thread registers, and there the rewrite costs ptxas
+# registers (sm_90 SASS of the head_dim-64 causal backward under 3.9: 2,912 instructions, 3,120 rewritten, with
+# spills; 2,768 on 3.6).
+_DESCRIPTOR_ADDS_KERNELS = ("fa3_fwd_kernel",)
+with open(__file__, "rb") as _f:  # Triton's compile cache keys on this file: a change here recompiles
+    _HOOK_KEY = "fa3-wgmma-descriptor-adds-" + hashlib.sha256(_f.read()).hexdigest()[:16]
+
+
+class _DescriptorAdds:
+    """A Triton `knobs.runtime.add_stages_inspection_hook`: called with no argument, the key it adds to the compile
+    cache's; called by a backend's `add_stages`, it wraps the "ptx" stage with `wgmma_descriptor_adds` (for the
+    kernels in `_DESCRIPTOR_ADDS_KERNELS`) after running the hook it replaced, if any."""
+
+    def __init__(self, previous):
+        self.previous = previous
+
+    def __call__(self, *args):
+        if not args:
+            key, value = self.previous() if self.previous else ("", "")
+            ours = f"{_HOOK_KEY}-{'-'.join(_DESCRIPTOR_ADDS_KERNELS)}"
+            return key + ours, f"{value}{ours}"
+        if self.previous:
+            self.previous(*args)
+        stages = args[1]
+        make_ptx = stages["ptx"]
+
+        def ptx(src, metadata):
+            ptx = make_ptx(src, metadata)  # names the kernel in metadata
+            return wgmma_descriptor_adds(ptx)[0] if metadata["name"] in _DESCRIPTOR_ADDS_KERNELS else ptx
+
+        stages["ptx"] = ptx
+
+
+@contextlib.contextmanager
+def compiling():
+    """Compile (or look up) the FA3 kernels inside this context: on Triton >= 3.9 it installs `_DescriptorAdds`
+    as Triton's stages hook for the context's duration, then puts back the hook that was there; on earlier
+    releases it does nothing."""
+    if not _TRITON_3_9_OR_LATER:
+        yield
+        return
+    previous = knobs.runtime.add_stages_inspection_hook
+    knobs.runtime.add_stages_inspection_hook = _DescriptorAdds(previous)
+    try:
+        yield
+    finally:
+        knobs.runtime.add_stages_inspection_hook = previous

@@ -1,0 +1,174 @@
+"""`kernels.gluon_compat`'s rewrite of Triton 3.9's wgmma descriptors (`wgmma_descriptor_adds`) and the compile
+context that applies it (`compiling`). CPU only: the rewrite is text in, text out, checked by evaluating both
+versions of the PTX's integer arithmetic; the compiled forward is checked as `test_fa3`'s sm_90 compile is."""
+
+import random
+import re
+
+import pytest
+
+from kernels import fa3
+from test_fa3 import SUPPORTED, compile_in_fresh_process
+
+pytestmark = pytest.mark.skipif(not SUPPORTED, reason=f"triton {fa3.triton_version()} has no Gluon kernels to build")
+if SUPPORTED:
+    from triton import knobs
+
+    from kernels import gluon_compat
+
+MASK32, MASK64 = (1 << 32) - 1, (1 << 64) - 1
+
+
+def evaluate(ptx: str, seed: int) -> list[tuple[str, int]]:
+    """Run the PTX's integer ops that build descriptors (bfe.u32, add.s32, or.b32, cvt.u64.u32, or.b64, add.s64) in
+    line order, every other register holding a random value drawn from `seed`. Returns, for each wgmma in order and
+    each `%rd` operand of it, the operand and its value there."""
+    rng = random.Random(seed)
+    values: dict[str, int] = {}
+
+    def value(token: str) -> int:
+        if not token.startswith("%"):
+            return int(token)
+        if token not in values:
+            values[token] = rng.getrandbits(64 if token.startswith("%rd") else 32)
+        return values[token]
+
+    seen = []
+    for line in ptx.split("\n"):
+        if "wgmma.mma_async" in line:
+            seen += [(token, value(token)) for token in re.findall(r"%rd\d+\b", line)]
+            continue
+        m = re.match(r"^\s*([a-z][\w.]*)\s+(%\w+), ([%\w]+), ([%\w]+)(?:, (\d+))?;", line) or \
+            re.match(r"^\s*(cvt\.u64\.u32)\s+(%\w+), (%\w+)();", line)
+        if not m:
+            continue
+        op, dst, a = m.group(1), m.group(2), m.group(3)
+        if op == "bfe.u32":
+            pos, length = int(m.group(4)), int(m.group(5))
+            values[dst] = (value(a) >> pos) & ((1 << length) - 1)
+        elif op == "add.s32":
+            values[dst] = (value(a) + value(m.group(4))) & MASK32
+        elif op == "or.b32":
+            values[dst] = value(a) | value(m.group(4))
+        elif op == "cvt.u64.u32":
+            values[dst] = value(a) & MASK32
+        elif op == "or.b64":
+            values[dst] = value(a) | value(m.group(4))
+        elif op == "add.s64":
+            values[dst] = (value(a) + value(m.group(4))) & MASK64
+    return seen
+
+
+def descriptors(rng: random.Random, count: int) -> str:
+    """PTX in the shape Triton 3.9 writes: a 14-16-bit base from `bfe.u32`, then per descriptor an optional
+    `add.s32` / `or.b32` of an offset, its `cvt.u64.u32`, and an `or.b64` with a constant whose low word is 0, used
+    by a wgmma."""
+    width = rng.choice((14, 15, 16))
+    lines = [f"\tbfe.u32 \t%r1, %r0, {rng.choice((0, 4))}, {width};"]
+    for i in range(count):
+        x = "%r1"
+        kind = rng.choice(("none", "add", "or"))
+        if kind == "add":
+            x = f"%r{100 + i}"
+            lines.append(f"\tadd.s32 \t{x}, %r1, {rng.randrange((1 << 32) - (1 << 16))};")
+        elif kind == "or":
+            x = f"%r{100 + i}"
+            lines.append(f"\tor.b32 \t{x}, %r1, {rng.getrandbits(16) << 16};")
+        high = rng.getrandbits(31) << 32
+        lines += [f"\tcvt.u64.u32 \t%rd{200 + i}, {x};", f"\tor.b64 \t%rd{300 + i}, %rd{200 + i}, {high};",
+                  f"\twgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {{%r5}}, {{%r6}}, %rd{300 + i}, p, 1, 1, 1;"]
+    return "\n".join(lines)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_descriptor_adds_keep_every_value(seed):
+    rng = random.Random(seed)
+    count = rng.randint(1, 12)
+    ptx = descriptors(rng, count)
+    rewritten, done = gluon_compat.wgmma_descriptor_adds(ptx)
+    assert done == count
+    assert "or.b64" not in rewritten and rewritten.count("add.s64") == count
+    for inputs in range(4):
+        assert evaluate(rewritten, inputs) == evaluate(ptx, inputs)
+
+
+SNIPPET = ("\tbfe.u32 \t%r1, %r0, 4, 14;\n\tadd.s32 \t%r2, %r1, 128;\n\tcvt.u64.u32 \t%rd1, %r2;\n"
+           "\tor.b64 \t%rd2, %rd1, 4611686293305294848;\n"
+           "\twgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%r5}, {%r6}, %rd2, p, 1, 1, 1;")
+
+
+@pytest.mark.parametrize("change", [
+    ("4611686293305294848;", "4611686293305294849;"),  # K has low bits: a carry could reach them
+    ("4, 14;", "4, 17;"),  # a base wider than 16 bits: b + c might wrap
+    ("%r1, 128;", "%r1, 4294901761;"),  # c too large: b + c might wrap
+    ("\tadd.s32 \t%r2, %r1, 128;", "\tor.b32 \t%r2, %r1, 128;"),  # or-ed into b's bits: not an add
+    ("\tcvt.u64.u32", "$L__BB0_1:\n\tcvt.u64.u32"),  # another basic block
+    ("\tcvt.u64.u32", "\tadd.s32 \t%r1, %r7, 1;\n\tcvt.u64.u32"),  # b redefined before the zext
+    ("\tor.b64", "\tst.shared.u64 \t[%r9], %rd1;\n\tor.b64"),  # the zext's register used again
+])
+def test_descriptor_adds_leave_what_they_cannot_prove(change):
+    ptx = SNIPPET.replace(*change)
+    assert ptx != SNIPPET
+    assert gluon_compat.wgmma_descriptor_adds(ptx) == (ptx, 0)
+    assert gluon_compat.wgmma_descriptor_adds(SNIPPET)[1] == 1  # the unchanged snippet is rewritten
+
+
+def test_compiled_forward_descriptors_keep_their_values(tmp_path):
+    """The forward's PTX as the installed Triton writes it (the rewrite off), rewritten here: every wgmma reads the
+    same descriptor values. On 3.9 and later the rewrite must find descriptors to rewrite (if a release stops
+    writing them this way, the workaround is obsolete); before 3.9 there are none."""
+    path = tmp_path / "fwd.ptx"
+    compile_in_fresh_process("import torch; from kernels import fa3, gluon_compat\n"
+                             "gluon_compat._TRITON_3_9_OR_LATER = False\n"
+                             f"open({str(path)!r}, 'w').write("
+                             "fa3.compile_for_sm90(torch.bfloat16, 64, True, 1, 'fwd').asm['ptx'])")
+    ptx = path.read_text()
+    rewritten, done = gluon_compat.wgmma_descriptor_adds(ptx)
+    assert (done > 0) == gluon_compat._TRITON_3_9_OR_LATER
+    seen = evaluate(ptx, 0)
+    assert len(seen) >= 2 * 12  # the QK and PV chains' descriptors at least
+    assert evaluate(rewritten, 0) == seen
+
+
+class RecordingHook:
+    """A stages hook a user might have installed."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args):
+        if not args:
+            return "user-key", "user-hash"
+        self.calls.append(args)
+
+
+def test_compiling_wraps_the_forward_ptx_and_restores_the_previous_hook(monkeypatch):
+    monkeypatch.setattr(gluon_compat, "_TRITON_3_9_OR_LATER", True)
+    user = RecordingHook()
+    monkeypatch.setattr(knobs.runtime, "add_stages_inspection_hook", user)
+    with gluon_compat.compiling():
+        hook = knobs.runtime.add_stages_inspection_hook
+        assert hook is not user
+        key, value = hook()
+        assert key.startswith("user-key") and value.startswith("user-hash") and key != "user-key"
+
+        def make_ptx(src, metadata):
+            metadata["name"] = src
+            return SNIPPET
+
+        stages = {"ptx": make_ptx}
+        hook(None, stages, None, None, 90)
+        assert len(user.calls) == 1  # the user's hook still runs
+        assert stages["ptx"]("fa3_fwd_kernel", {}) == gluon_compat.wgmma_descriptor_adds(SNIPPET)[0] != SNIPPET
+        assert stages["ptx"]("fa3_bwd_kernel", {}) == SNIPPET  # only the forward
+    assert knobs.runtime.add_stages_inspection_hook is user
+    with pytest.raises(KeyError), gluon_compat.compiling():
+        raise KeyError("a failed compile")
+    assert knobs.runtime.add_stages_inspection_hook is user
+
+
+def test_compiling_does_nothing_before_triton_3_9(monkeypatch):
+    monkeypatch.setattr(gluon_compat, "_TRITON_3_9_OR_LATER", False)
+    monkeypatch.setattr(knobs.runtime, "add_stages_inspection_hook", None)
+    with gluon_compat.compiling():
+        assert knobs.runtime.add_stages_inspection_hook is None
