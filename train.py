@@ -144,14 +144,19 @@ def run_job(cfg: DictConfig, overrides: list[str], run_dir: Path, sweep_args: li
         except (*EXPECTED, PreparationInterrupted, KeyboardInterrupt) as e:
             return failed(e, run_dir, new_folder, dist)
         if summary.stop_reason == "interrupted":  # saved and resumable, but not finished: say so to the caller
+            if sweep_args is not None:  # `run.name=X` alone would start a run in the sweep's folder
+                log.info("interrupted at step %d; to resume these runs: the same `python train.py -m ...` command",
+                         summary.step)
+            else:
+                log.info("interrupted at step %d; to resume: %s", summary.step,
+                         continue_command(cfg.run, dist.world_size, overrides))
             return 128 + summary.stop_signal
-        if sweep_args is not None:  # `run.name=X` alone would start a run in the sweep's folder
+        if sweep_args is not None:
             log.info("finished at step %d; to continue these runs: the same `python train.py -m ...` command with "
                      "trainer.max_steps=<more than %d>", summary.step, summary.step)
         else:
-            log.info("finished at step %d; to continue this run: %s trainer.max_steps=<more than %d> (with the same "
-                     "settings, and resume=auto, the default, in place of any resume=<file>)", summary.step,
-                     continue_command(cfg.run, dist.world_size), summary.step)
+            log.info("finished at step %d; to continue this run: %s trainer.max_steps=<more than %d>", summary.step,
+                     continue_command(cfg.run, dist.world_size, overrides, drop=["trainer.max_steps"]), summary.step)
     return 0
 
 

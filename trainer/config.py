@@ -28,7 +28,7 @@ import re
 import secrets
 import shlex
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
 from hydra.errors import HydraException, MissingConfigException
@@ -190,12 +190,21 @@ def override_arg(key: str, value: Any) -> str:
     return f'"{word}"' if not re.search(r'[$`"\\!]', word) else shlex.quote(word)
 
 
-def continue_command(run: DictConfig, world_size: int) -> str:
-    """The start of the command that continues the run of config section ``run`` (name, and root unless it is the
-    default) with the same number of processes."""
+def continue_command(run: DictConfig, world_size: int, overrides: Sequence[str] = (),
+                     drop: Sequence[str] = ()) -> str:
+    """The command that continues the run of config section ``run`` with the same number of processes: its name
+    (and root unless it is the default), then the job's other command-line ``overrides`` as given, each one shell
+    word, except ``resume`` (the default, auto, takes the latest checkpoint) and the keys in ``drop``."""
     launcher = "torchrun ... train.py" if world_size > 1 else "python train.py"
     root = f" {override_arg('run.root', run.root)}" if run.root != RunConfig.root else ""
-    return f"{launcher} {override_arg('run.name', run.name)}{root}"
+    skip = {"run.name", "run.root", "resume", *drop}
+    rest = "".join(f" {shlex.quote(o)}" for o in overrides if override_key(o) not in skip)
+    return f"{launcher} {override_arg('run.name', run.name)}{root}{rest}"
+
+
+def override_key(override: str) -> str:
+    """The key a Hydra command-line override sets, adds (+, ++) or deletes (~): ``+a.b=1`` -> ``a.b``."""
+    return override.lstrip("+~").split("=", 1)[0]
 
 
 @functools.cache

@@ -32,7 +32,7 @@ from model.layers import mlp_width
 from model.loss import CHUNK_TOKENS
 import trainer.checkpoint as checkpoint
 from trainer.compile import compile_model, convert_to_fp8
-from trainer.config import (ConfigError, config_backend, continue_command, padded_vocab_size, resolved_grad_accum,
+from trainer.config import (ConfigError, config_backend, padded_vocab_size, resolved_grad_accum,
                             validate_against_data, validate_config)
 from trainer.distributed import all_reduce_sum, barrier, broadcast_object, gather_objects, init_process_group
 from trainer.lr_schedule import lr_at
@@ -397,9 +397,6 @@ class Trainer:
         if s.final_val_loss is not None:  # "last": an interrupted run has more steps to go
             log.info("%s val loss %.4f (step %d)", "last" if s.stop_reason == "interrupted" else "final",
                      s.final_val_loss, s.final_val_step)
-        if s.stop_reason == "interrupted":
-            log.info("interrupted at step %d; to resume: %s (with the same settings)", self.state.step,
-                     continue_command(self.cfg.run, self.dist.world_size))
 
 
 def model_config(cfg: DictConfig, data_vocab: int, backend: str) -> GPTConfig:

@@ -414,6 +414,28 @@ def test_the_continue_command_names_run_root_unless_it_is_the_default():
     assert continue_command(run, 2) == "torchrun ... train.py run.name=a \"run.root='/tmp/my runs'\""
 
 
+def test_the_continue_command_repeats_the_runs_overrides():
+    """The job's overrides follow, one shell word each, so the printed command composes the same config; resume=
+    and the keys the caller drops are left out (resume=auto, the default, takes the latest checkpoint)."""
+    import shlex
+
+    from omegaconf import OmegaConf
+
+    from trainer.config import continue_command
+
+    overrides = ["model=tiny", "++resume=runs/x/checkpoints/step_00000002.pt", "optim.lr=3e-4", "run.name=a",
+                 "run.root=/tmp/my runs", "data.files=/data/*.txt", "wandb.tags=[a, 'b c']", "trainer.max_steps=9",
+                 "wandb.group=\"two words\""]
+    run = compose_config(overrides).run
+    command = continue_command(run, 1, overrides, drop=["trainer.max_steps"])
+    words = shlex.split(command)
+    assert words[:4] == ["python", "train.py", "run.name=a", "run.root='/tmp/my runs'"]
+    assert words[4:] == ["model=tiny", "optim.lr=3e-4", "data.files=/data/*.txt", "wandb.tags=[a, 'b c']",
+                         "wandb.group=\"two words\""]
+    again = OmegaConf.to_container(compose_config(words[2:] + ["trainer.max_steps=9"]))
+    assert again == OmegaConf.to_container(compose_config([o for o in overrides if "resume" not in o]))
+
+
 def test_compile_mode_and_fp8_are_checked(make_cfg):
     """trainer.compile_mode needs trainer.compile and a known mode; CUDA-graph modes and trainer.fp8 need a GPU."""
     validate_config(make_cfg("trainer.compile=true", "trainer.compile_mode=max-autotune-no-cudagraphs"))

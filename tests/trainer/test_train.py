@@ -3,6 +3,8 @@
 import json
 import math
 import os
+import re
+import shlex
 import signal
 import statistics
 import subprocess
@@ -196,7 +198,11 @@ def test_cli_exit_code_after_sigterm_is_143(tiny_overrides, tmp_path):
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
     assert len(list_checkpoints(tmp_path / "term")) == 1 and "interrupted at step" in out
-    assert f"to resume: python train.py run.name=term run.root={tmp_path} (with the same settings)" in out
+    # The command repeats the run's own overrides, one shell word each, so it runs as printed.
+    command = re.search(r"interrupted at step \d+; to resume: (.*)", out).group(1)
+    words = shlex.split(command)
+    assert words[:4] == ["python", "train.py", "run.name=term", f"run.root={tmp_path}"]
+    assert words[4:] == [a for a in args if not a.startswith("run.")]
     assert "received SIGTERM: stopping after this step and saving a checkpoint (Ctrl-C to abort)" in out
     assert "last val loss" in out and "final val loss" not in out  # an interrupted run has steps to go
 
@@ -296,8 +302,10 @@ def test_cli_entry_point(tiny_overrides, tmp_path):
     log = (run_dir / "train.log").read_text()
     assert "attention backend: sdpa" in log and "final val loss" in log
     # A finished run says how to continue it, as an interrupted one does.
-    assert f"finished at step 2; to continue this run: python train.py run.name=cli run.root={tmp_path} " \
-           "trainer.max_steps=<more than 2>" in log  # run.root is not the default: the command names it
+    # run.root is not the default: the command names it; the other overrides follow, trainer.max_steps last.
+    rest = " ".join(shlex.quote(a) for a in args if not a.startswith(("run.", "trainer.max_steps")))
+    assert f"finished at step 2; to continue this run: python train.py run.name=cli run.root={tmp_path} {rest} " \
+           "trainer.max_steps=<more than 2>" in log
     assert [p.name for p in list_checkpoints(run_dir)] == ["step_00000002.pt"]
     record = {p.name: p.read_text() for p in (run_dir / ".hydra").iterdir()}
     bad = subprocess.run([sys.executable, "train.py", *args, "model.n_embd=30"], cwd=ROOT, env=env,
