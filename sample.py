@@ -21,17 +21,20 @@ from bench import HelpFormatter
 from data.tokenizers import tokenizer_from_meta
 from model.backends import REGISTRY, backends_with
 from model.gpt import GPT, GPTConfig
-from trainer.checkpoint import CheckpointError, clean_state_dict, latest_checkpoint, load_checkpoint
+from trainer.checkpoint import CheckpointError, checkpoint_dir, clean_state_dict, latest_checkpoint, load_checkpoint
 from trainer.runtime import NO_CUDA
 
 
 def find_checkpoint(run: str, runs_root: str = "runs") -> Path:
-    """A checkpoint file, a run folder (its latest checkpoint) or a run name under ``runs_root``."""
+    """A checkpoint file, a run folder or its checkpoints folder (the latest checkpoint), or a run name under
+    ``runs_root``."""
     p = Path(run)
     if p.is_file():
         return p
     for folder in (p, Path(runs_root) / run):
         if folder.is_dir():
+            if folder.name == "checkpoints" and not checkpoint_dir(folder).is_dir():  # <run>/checkpoints itself
+                folder = folder.parent
             ckpt = latest_checkpoint(folder)
             if ckpt is None:
                 raise CheckpointError(f"run folder {folder} has no checkpoints (checkpoints/step_*.pt)")
@@ -68,7 +71,8 @@ def show_warning(message, category, filename, lineno, file=None, line=None) -> N
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    ap.add_argument("--run", required=True, help="run name (under --runs-root), run folder, or checkpoint file")
+    ap.add_argument("--run", required=True,
+                    help="run name (under --runs-root), run folder or its checkpoints folder, or checkpoint file")
     ap.add_argument("--runs-root", default="runs", help="folder holding run folders (train.py's run.root)")
     ap.add_argument("--prompt", default="", help="text to continue (default: start of a document)")
     ap.add_argument("--num-tokens", type=int, default=500, help=">= 1; tokens to generate per sample")

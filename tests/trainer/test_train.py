@@ -746,6 +746,27 @@ def test_wandb_holds_every_step_up_to_the_checkpoint_after_kill_9(tiny_overrides
     assert [r["step"] for r in read_jsonl(tmp_path / "wbk" / "metrics.jsonl")] == list(range(1, 13))
 
 
+def test_sample_finds_the_latest_checkpoint_from_a_run_or_its_checkpoints_folder(tmp_path):
+    import sample
+
+    ckpts = tmp_path / "runs" / "r" / "checkpoints"
+    ckpts.mkdir(parents=True)
+    with pytest.raises(CheckpointError, match=f"run folder {tmp_path / 'runs' / 'r'} has no checkpoints"):
+        sample.find_checkpoint(str(ckpts))
+    for step in (1, 3, 2):
+        (ckpts / f"step_{step:08d}.pt").write_bytes(b"")
+    latest = ckpts / "step_00000003.pt"
+    assert sample.find_checkpoint(str(ckpts)) == sample.find_checkpoint(str(ckpts.parent)) == latest
+    assert sample.find_checkpoint("r", str(tmp_path / "runs")) == latest
+    assert sample.find_checkpoint(str(ckpts / "step_00000001.pt")) == ckpts / "step_00000001.pt"
+    with pytest.raises(CheckpointError, match="neither a checkpoint file, a run folder"):
+        sample.find_checkpoint(str(tmp_path / "nowhere"), str(tmp_path / "runs"))
+    named = tmp_path / "runs" / "checkpoints" / "checkpoints"  # a run named "checkpoints"
+    named.mkdir(parents=True)
+    (named / "step_00000005.pt").write_bytes(b"")
+    assert sample.find_checkpoint("checkpoints", str(tmp_path / "runs")) == named / "step_00000005.pt"
+
+
 def test_sample_py_prints_a_warning_as_one_line(capsys):
     """sample.py's command line shows a Python warning as its category and message alone, not the source line."""
     import sample
