@@ -45,14 +45,14 @@ from trainer.runtime import NO_CUDA
 
 @dataclass
 class ModelConfig:
-    """GPT shape (see model.gpt.GPTConfig). vocab_size None: the data's vocabulary rounded up to a
+    """GPT shape (see model.gpt.GPTConfig). vocab_size null: the data's vocabulary rounded up to a
     multiple of vocab_multiple (GPT-2 BPE: 50257 -> 50304)."""
     n_layer: int = MISSING             # transformer blocks
     n_head: int = MISSING              # query heads
-    n_kv_head: Optional[int] = None   # None = n_head; fewer = grouped-query attention
+    n_kv_head: Optional[int] = None   # null = n_head; fewer = grouped-query attention
     n_embd: int = MISSING              # width; head_dim = n_embd / n_head
     block_size: int = MISSING          # context length (tokens)
-    vocab_size: Optional[int] = None   # None = the data's vocabulary, rounded up to vocab_multiple
+    vocab_size: Optional[int] = None   # null = the data's vocabulary, rounded up to vocab_multiple
     vocab_multiple: int = 64           # vocab_size=null pads the tokenizer's vocabulary to a multiple of this
     dropout: float = 0.0               # > 0 only with the SDPA backends (sdpa; sdpa_flash, sdpa_cudnn on CUDA)
     bias: bool = False                 # biases in linear layers and layer norms (rmsnorm has none)
@@ -105,7 +105,7 @@ class TrainerConfig:
     compile: bool = False              # torch.compile the model
     compile_mode: str = "default"      # with compile: default | max-autotune-no-cudagraphs | max-autotune | reduce-overhead
     fp8: bool = False                  # FP8 linear layers (torchao float8 training; GPU of compute capability 8.9+)
-    peak_flops: Optional[float] = None  # FLOP/s of one GPU for MFU; None = look the GPU up in trainer.metrics
+    peak_flops: Optional[float] = None  # FLOP/s of one GPU for MFU; null = look the GPU up in trainer.metrics
     dist_timeout_s: int = 1800         # torchrun: a collective waiting longer than this fails the job
 
 
@@ -138,7 +138,7 @@ class CkptConfig:
 class WandbConfig:
     mode: str = "offline"              # offline | online | disabled
     project: str = "flash-gpt"
-    entity: Optional[str] = None       # W&B team or user; None = your default
+    entity: Optional[str] = None       # W&B team or user; null = your default
     group: Optional[str] = None        # W&B run group
     tags: List[str] = field(default_factory=list)
 

@@ -314,6 +314,8 @@ def test_help_lists_every_key_with_its_meaning():
     assert keys and all(k in lines for k in keys), sorted(set(keys) - set(lines))
     assert lines["optim.lr"].split()[1] == "0.01" and "peak learning rate" in lines["optim.lr"]
     assert "<computed>" in lines["run.name"] and "model: baby, gpt2, llama_1b, llama_small, tiny" in out.stdout
+    # YAML's word, as typed in an override: `model.n_kv_head=None` would be the string "None".
+    assert "None" not in out.stdout and "null = n_head" in lines["model.n_kv_head"]
     for bad, message in (("trainer.max_steps=abc", "Value 'abc' of type 'str' could not be converted to Integer"),
                          ("model=huge", "model=huge: not an option of model; accepted: baby, gpt2, llama_1b, "
                           "llama_small, tiny"), ("nokey=1", "nokey: not a config key (a typo?)"),
