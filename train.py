@@ -24,25 +24,33 @@ import sys
 import warnings
 from pathlib import Path
 
-from hydra.errors import HydraException
-from omegaconf import DictConfig, OmegaConf
-from torch.distributed.elastic.multiprocessing.errors import record
-from tqdm.contrib.logging import logging_redirect_tqdm
+NOT_STARTED = "interrupted before training started; nothing to save"
 
-from data.prepare import PreparationInterrupted
-from data.sources import DataError
-from model.backends import BackendUnavailableError
-from trainer import ConfigError, NonFiniteLossError, train
-from trainer.checkpoint import CheckpointError, latest_checkpoint
-from trainer.config import (CONF_DIR, RUN_NAME_RULE, Config, compose_config, continue_command, override_error,
-                            valid_run_name)
-from trainer.config_help import help_text
-from trainer.distributed import destroy_process_group, torchrun_overrides
-from trainer.resume import refusal
-from trainer.run_lock import RunFolderBusy, own_run_folder
-from trainer.runtime import DistInfo
-from trainer.stop import TrainingAborted
-from utils.atomic import atomic_write_text
+try:  # torch, hydra and the rest take seconds to load
+    from hydra.errors import HydraException
+    from omegaconf import DictConfig, OmegaConf
+    from torch.distributed.elastic.multiprocessing.errors import record
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    from data.prepare import PreparationInterrupted
+    from data.sources import DataError
+    from model.backends import BackendUnavailableError
+    from trainer import ConfigError, NonFiniteLossError, train
+    from trainer.checkpoint import CheckpointError, latest_checkpoint
+    from trainer.config import (CONF_DIR, RUN_NAME_RULE, Config, compose_config, continue_command, override_error,
+                                valid_run_name)
+    from trainer.config_help import help_text
+    from trainer.distributed import destroy_process_group, torchrun_overrides
+    from trainer.resume import refusal
+    from trainer.run_lock import RunFolderBusy, own_run_folder
+    from trainer.runtime import DistInfo
+    from trainer.stop import TrainingAborted
+    from utils.atomic import atomic_write_text
+except KeyboardInterrupt:  # Ctrl-C while loading: one line, not the import machinery's traceback
+    if __name__ != "__main__":
+        raise
+    print(NOT_STARTED, file=sys.stderr)
+    sys.exit(128 + signal.SIGINT)
 
 log = logging.getLogger("train")
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's
@@ -179,7 +187,7 @@ def _report(e: BaseException, run_dir: Path) -> int:
                   f"resume continues from {last.name}" if last else "no checkpoint was saved yet")
         return 128 + signal.SIGINT
     if isinstance(e, KeyboardInterrupt):  # before the training loop took over the signal (model build, W&B start)
-        log.error("interrupted before training started; nothing to save")
+        log.error(NOT_STARTED)
         return 128 + signal.SIGINT
     log.error("%s", e)
     return 1
@@ -237,4 +245,8 @@ def write_record(run_dir: Path, cfg: DictConfig, overrides: list[str], sweep_arg
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except KeyboardInterrupt:  # while composing the config, before a job handles its own
+        print(NOT_STARTED, file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)

@@ -225,6 +225,23 @@ def test_cli_second_ctrl_c_aborts_with_130_and_no_traceback(tiny_overrides, tmp_
     assert [p.name for p in list_checkpoints(tmp_path / "abort")] == kept
 
 
+@pytest.mark.parametrize("module", ["torch", "hydra.errors"])
+def test_cli_ctrl_c_while_loading_is_one_line(module):
+    """Ctrl-C in the seconds `python train.py` spends importing torch and Hydra: exit 130 and one line, no
+    traceback through the import machinery (the interrupt simulated where `module` is imported)."""
+    code = ("import importlib.abc, runpy, sys\n"
+            "class Interrupt(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            f"        if name == {module!r}: raise KeyboardInterrupt\n"
+            "sys.meta_path.insert(0, Interrupt())\n"
+            "sys.argv = ['train.py']\n"
+            "runpy.run_path('train.py', run_name='__main__')\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 128 + signal.SIGINT, proc.stderr[-3000:]
+    assert proc.stderr == "interrupted before training started; nothing to save\n" and proc.stdout == ""
+
+
 def test_cli_ctrl_c_before_training_says_nothing_was_trained(tiny_overrides, tmp_path):
     """A (first) Ctrl-C while the model is built, before the training loop handles signals: exit 130, one line
     saying nothing was trained, not the second Ctrl-C's message."""
