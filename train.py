@@ -26,6 +26,13 @@ from pathlib import Path
 
 NOT_STARTED = "interrupted before training started; nothing to save"
 
+
+def exit_not_started() -> None:
+    """A Ctrl-C before any job handles its own (loading torch and Hydra, composing the config): one line, exit 130."""
+    print(NOT_STARTED, file=sys.stderr)
+    sys.exit(128 + signal.SIGINT)
+
+
 try:  # torch, hydra and the rest take seconds to load
     from hydra.errors import HydraException
     from omegaconf import DictConfig, OmegaConf
@@ -46,11 +53,10 @@ try:  # torch, hydra and the rest take seconds to load
     from trainer.runtime import DistInfo
     from trainer.stop import TrainingAborted
     from utils.atomic import atomic_write_text
-except KeyboardInterrupt:  # Ctrl-C while loading: one line, not the import machinery's traceback
+except KeyboardInterrupt:  # not the import machinery's traceback
     if __name__ != "__main__":
         raise
-    print(NOT_STARTED, file=sys.stderr)
-    sys.exit(128 + signal.SIGINT)
+    exit_not_started()
 
 log = logging.getLogger("train")
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's
@@ -247,6 +253,5 @@ def write_record(run_dir: Path, cfg: DictConfig, overrides: list[str], sweep_arg
 if __name__ == "__main__":
     try:
         sys.exit(main(sys.argv[1:]))
-    except KeyboardInterrupt:  # while composing the config, before a job handles its own
-        print(NOT_STARTED, file=sys.stderr)
-        sys.exit(128 + signal.SIGINT)
+    except KeyboardInterrupt:
+        exit_not_started()
