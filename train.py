@@ -140,7 +140,7 @@ def run_job(cfg: DictConfig, overrides: list[str], run_dir: Path, sweep_args: li
     reason = refusal(str(cfg.resume), run_dir)  # from file names only: before the folder is touched
     if reason:
         return error(reason)
-    new_folder = not run_dir.exists()  # made for this job: a refused job takes it away again
+    made = new_folders(run_dir)  # made for this job: a refused job takes them away again
     with contextlib.ExitStack() as stack:
         accept = stack.enter_context(run_log(run_dir, cfg, overrides, sweep_args, dist.is_main))
         stack.enter_context(logging_redirect_tqdm())  # a warning during training gets its own line, not the bar's
@@ -156,7 +156,7 @@ def run_job(cfg: DictConfig, overrides: list[str], run_dir: Path, sweep_args: li
         try:
             summary = train(cfg, run_dir=run_dir, on_accept=accept)
         except (*EXPECTED, PreparationInterrupted, KeyboardInterrupt) as e:
-            return failed(e, run_dir, new_folder, dist)
+            return failed(e, run_dir, made, dist)
         if summary.stop_reason == "interrupted":  # saved and resumable, but not finished: say so to the caller
             if sweep_args is not None:  # `run.name=X` alone would start a run in the sweep's folder
                 log.info("interrupted at step %d; to resume these runs: the same `python train.py -m ...` command",
@@ -174,13 +174,27 @@ def run_job(cfg: DictConfig, overrides: list[str], run_dir: Path, sweep_args: li
     return 0
 
 
-def failed(e: BaseException, run_dir: Path, new_folder: bool, dist: DistInfo) -> int:
+def failed(e: BaseException, run_dir: Path, made: list[Path], dist: DistInfo) -> int:
     """The exit code of a job that ``train`` ended with ``e`` (an expected failure or an interrupt), after one
-    line that says why; the folder this job made (new_folder) goes away if it holds nothing but the lock."""
+    line that says why; the folders this job made (``new_folders``) go away if they hold nothing but the lock."""
     code = _report(e, run_dir)
-    if dist.is_main and new_folder:
+    if dist.is_main and made:
         discard_unused_folder(run_dir)
+        for folder in made[1:]:  # a sweep's folder, a new run.root: empty unless another job wrote there
+            try:
+                folder.rmdir()
+            except OSError:
+                break
     return code
+
+
+def new_folders(run_dir: Path) -> list[Path]:
+    """``run_dir`` and those of its parents that do not exist yet, innermost first."""
+    made = []
+    while not run_dir.exists() and run_dir != run_dir.parent:
+        made.append(run_dir)
+        run_dir = run_dir.parent
+    return made
 
 
 def _report(e: BaseException, run_dir: Path) -> int:

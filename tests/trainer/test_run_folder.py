@@ -111,6 +111,21 @@ def test_single_process_multirun_jobs_each_own_their_folder(args, tmp_path):
     assert "to continue these runs: the same `python train.py -m ...` command" in text and "run.name=sweep" not in text
 
 
+def test_a_refused_job_takes_away_the_folders_it_made(args, tmp_path):
+    """A sweep whose first job train() refuses leaves no sweep folder; a refused run under a new, nested run.root
+    leaves no run.root. A folder that was there before stays."""
+    refused = ["attn=flex", "model.dropout=0.1"]  # flex has no attention dropout: refused in train()
+    out = cli(args, "-m", "run.name=sweep", "trainer.max_steps=1,2", *refused)
+    assert out.returncode == 1 and "attn=flex has no attention dropout" in out.stdout + out.stderr
+    assert not (tmp_path / "runs").exists()
+    nested = tmp_path / "new" / "root"
+    out = cli(args, f"run.root={nested}", "run.name=x", *refused)
+    assert out.returncode == 1 and not (tmp_path / "new").exists()
+    (tmp_path / "kept").mkdir()
+    out = cli(args, f"run.root={tmp_path / 'kept'}", "run.name=x", *refused)
+    assert out.returncode == 1 and list((tmp_path / "kept").iterdir()) == []
+
+
 @pytest.mark.parametrize("override, message", [
     ("run.name=" + "x" * 300, "run.name='xxx.*': must be a non-empty folder name of at most 128 characters"),
     ("run.name=${oc.env:HOME}", "run.name='/.*': must be a non-empty folder name"),  # an interpolation's path
