@@ -202,6 +202,13 @@ def continue_command(run: DictConfig, world_size: int, overrides: Sequence[str] 
     return f"{launcher} {override_arg('run.name', run.name)}{root}{rest}"
 
 
+def override_value(value: Any) -> str:
+    """A config value as an override spells it: null, true / false, strings quoted."""
+    if value is None:
+        return "null"
+    return str(value).lower() if isinstance(value, bool) else repr(value)
+
+
 def override_key(override: str) -> str:
     """The key a Hydra command-line override sets, adds (+, ++) or deletes (~): ``+a.b=1`` -> ``a.b``."""
     return override.lstrip("+~").split("=", 1)[0]
@@ -271,7 +278,7 @@ def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -
 
     def check(ok: bool, key: str, msg: str) -> None:
         if not ok:
-            errors.append(f"{key}={OmegaConf.select(cfg, key)!r}: {msg}")
+            errors.append(f"{key}={override_value(OmegaConf.select(cfg, key))}: {msg}")
 
     windows = _check_model(check, cfg.model)
     _check_data(check, cfg.data)

@@ -134,7 +134,7 @@ def test_registry_entry_and_refusals(attention):
     validate_config(compose_config([*cpu, "model.attn_window=8", "data.document_mask=true"]))
     with pytest.raises(ConfigError, match="model.dropout=0.1: attn=flex has no attention dropout"):
         validate_config(compose_config([*cpu, "model.dropout=0.1"]))
-    with pytest.raises(ConfigError, match="trainer.compile=True: attn=flex cannot train under torch.compile"):
+    with pytest.raises(ConfigError, match="trainer.compile=true: attn=flex cannot train under torch.compile"):
         validate_config(compose_config([*cpu, "trainer.compile=true"]))
 
 

@@ -226,9 +226,9 @@ def test_several_errors_are_reported_together():
 
 
 def test_required_values_of_a_group_are_named():
-    with pytest.raises(ConfigError, match="data.files=None: data.source=local_text needs a glob of text files"):
+    with pytest.raises(ConfigError, match="data.files=null: data.source=local_text needs a glob of text files"):
         validate_config(compose_config(["data=local_text"]))
-    with pytest.raises(ConfigError, match="data.dataset=None: data.source=hub needs a hub dataset name"):
+    with pytest.raises(ConfigError, match="data.dataset=null: data.source=hub needs a hub dataset name"):
         validate_config(compose_config(["data=hub"]))
 
 
@@ -254,7 +254,7 @@ def test_attn_window_accepts_an_int_or_one_per_layer(window):
     (["attn=sdpa_flash", "model.attn_window=8"],
      "attn=sdpa_flash has no sliding-window attention; use attn=sdpa or attn=fa2"),
     (["attn=fa1", "model.attn_window=[8,0,8,0]"], "attn=fa1 has no sliding-window attention"),
-    (["attn=sdpa_flash", "data.document_mask=true"], "data.document_mask=True: attn=sdpa_flash has no document masks"),
+    (["attn=sdpa_flash", "data.document_mask=true"], "data.document_mask=true: attn=sdpa_flash has no document masks"),
 ])
 def test_bad_attn_window_is_refused_before_training(monkeypatch, overrides, message):
     monkeypatch.setattr(TritonBackend, "head_dim_limits", lambda self: (16, 256))  # no kernel import needed
@@ -445,7 +445,7 @@ def test_compile_mode_and_fp8_are_checked(make_cfg):
         (["trainer.compile_mode=max-autotune-no-cudagraphs"], "set trainer.compile=true with it"),
         (["trainer.compile=true", "trainer.compile_mode=fast"], "accepted: default, max-autotune-no-cudagraphs"),
         (["trainer.compile=true", "trainer.compile_mode=reduce-overhead"], "CUDA graphs need a CUDA GPU"),
-        (["trainer.fp8=true"], r"trainer.fp8=True: needs a CUDA GPU with FP8 tensor cores"),
+        (["trainer.fp8=true"], r"trainer.fp8=true: needs a CUDA GPU with FP8 tensor cores"),
     ]:
         with pytest.raises(ConfigError, match=message):
             validate_config(make_cfg(*overrides))

@@ -472,7 +472,7 @@ def test_document_mask_trains_like_sdpa(make_cfg, tmp_path, attn):
     for a, b in zip(ref.records, run.records):
         assert b["train/loss"] == pytest.approx(a["train/loss"], abs=1e-4)
     assert [r["train/loss"] for r in plain.records] != [r["train/loss"] for r in ref.records]
-    with pytest.raises(ConfigError, match="data.document_mask=True: attn=fa1 has no document masks"):
+    with pytest.raises(ConfigError, match="data.document_mask=true: attn=fa1 has no document masks"):
         train(make_cfg(*micro, *masked, "attn=fa1", "run.name=docs_fa1"))
 
 
