@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import signal
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -251,7 +252,18 @@ def _allocate(path: Path, size: int) -> None:
             f.truncate(size)
 
 
+def _cannot_write(cfg, folder: Path, e: OSError) -> DataError:
+    return DataError(f"data.cache_dir={cfg.cache_dir!r}: cannot write the token cache {folder} "
+                     f"({e.strerror or e}); choose a writable data.cache_dir with free space")
+
+
 def _build(cfg, folder: Path) -> None:
+    try:  # an unwritable data.cache_dir fails now, not after the corpus is read and tokenized
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise _cannot_write(cfg, folder, e) from e
     texts = load_documents(cfg)
     tokenizer = _build_tokenizer(cfg, texts)
     # Small corpora are tokenized in memory (no extra copy in the datasets cache); large ones on disk.
@@ -312,7 +324,6 @@ def _build(cfg, folder: Path) -> None:
             "files": files,
         }
         atomic_write_text(folder / "meta.json", json.dumps(meta, indent=1))  # last: a folder with meta.json is complete
-    except OSError as e:  # an unwritable or full data.cache_dir; the temporary files are gone
-        raise DataError(f"data.cache_dir={cfg.cache_dir!r}: cannot write the token cache {folder} "
-                        f"({e.strerror or e}); choose a writable data.cache_dir with free space") from e
+    except OSError as e:  # a full data.cache_dir; the temporary files are gone
+        raise _cannot_write(cfg, folder, e) from e
     log.info("token cache ready: %s (%d train / %d val tokens, vocab %d)", folder, n_train, n_val, tokenizer.vocab_size)

@@ -136,6 +136,20 @@ def test_a_full_cache_disk_is_one_error_naming_data_cache_dir(make_cfg, monkeypa
         assert path.stat().st_blocks * 512 >= path.stat().st_size  # allocated, not sparse
 
 
+def test_an_unwritable_cache_dir_fails_before_the_corpus_is_read(make_cfg, tmp_path, monkeypatch):
+    """A data.cache_dir that cannot hold the cache (here under a file; tests run as root, so permission bits would
+    not stop them) is one DataError before any document is loaded or tokenized."""
+    import data.prepare as prepare
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    cfg = data_cfg(make_cfg, f"data.cache_dir={blocker / 'cache'}")
+    monkeypatch.setattr(prepare, "load_documents", lambda cfg: pytest.fail("read the corpus first"))
+    with pytest.raises(DataError, match=rf"data.cache_dir={str(blocker / 'cache')!r}: cannot write the token cache"):
+        prepare_data(cfg)
+    assert blocker.read_text() == ""
+
+
 @pytest.mark.parametrize("overrides", [("data.name=nohash",), ("data=shakespeare_scenes",)])
 def test_preparation_never_hashes_the_mapped_functions(make_cfg, cache_dir, tmp_path, monkeypatch, overrides):
     """`datasets` hashes a mapped function (dill-pickling it: the tokenizer inside, seconds for BPE) under a bare
