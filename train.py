@@ -15,6 +15,7 @@ others log warnings and errors to stderr, and an unexpected error goes to torchr
 """
 
 import contextlib
+import copy
 import itertools
 import logging
 import logging.handlers
@@ -45,7 +46,7 @@ try:  # torch, hydra and the rest take seconds to load
     from trainer import ConfigError, NonFiniteLossError, train
     from trainer.checkpoint import CheckpointError, latest_checkpoint
     from trainer.config import (CONF_DIR, RUN_NAME_RULE, Config, compose_config, continue_command, override_error,
-                                valid_run_name)
+                                valid_run_name, validate_config)
     from trainer.config_help import help_text
     from trainer.distributed import destroy_process_group, torchrun_overrides
     from trainer.resume import refusal
@@ -86,6 +87,11 @@ def main(argv: list[str]) -> int:
     bad = next((cfg.run.name for _, cfg in jobs if not valid_run_name(str(cfg.run.name))), None)
     if bad is not None:
         return error(f"run.name={bad!r}: {RUN_NAME_RULE}")
+    for num, (job, cfg) in enumerate(jobs if multirun else []):  # a bad value stops a sweep before its first job
+        try:
+            validate_config(resolved(cfg), dist.world_size, dist.local_rank)
+        except ConfigError as e:
+            return error(f"job {num} of {len(jobs)} ({' '.join(job)}): {e}")
     set_up_logging(dist)
     for num, (job, cfg) in enumerate(jobs):
         if multirun:
@@ -96,6 +102,13 @@ def main(argv: list[str]) -> int:
             return code
     destroy_process_group()  # torchrun: after every job of the sweep
     return 0
+
+
+def resolved(cfg: DictConfig) -> DictConfig:
+    """A copy of ``cfg`` with its interpolations resolved, as ``train`` checks it."""
+    cfg = copy.deepcopy(cfg)
+    OmegaConf.resolve(cfg)
+    return cfg
 
 
 def error(message: str) -> int:

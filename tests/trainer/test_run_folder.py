@@ -111,6 +111,14 @@ def test_single_process_multirun_jobs_each_own_their_folder(args, tmp_path):
     assert "to continue these runs: the same `python train.py -m ...` command" in text and "run.name=sweep" not in text
 
 
+def test_a_sweep_checks_every_jobs_values_before_the_first_job(args, tmp_path):
+    out = cli(args, "-m", "run.name=sweep", "trainer.max_steps=1", "trainer.batch_size=4,-1")
+    text = out.stdout + out.stderr
+    assert out.returncode == 1 and "Traceback" not in text, text[-3000:]
+    assert text.startswith("error: job 1 of 2 (") and "trainer.batch_size=-1: must be a positive integer" in text
+    assert not (tmp_path / "runs").exists()  # job 0 did not train
+
+
 def test_a_refused_job_takes_away_the_folders_it_made(args, tmp_path):
     """A sweep whose first job train() refuses leaves no sweep folder; a refused run under a new, nested run.root
     leaves no run.root. A folder that was there before stays."""
