@@ -37,9 +37,12 @@ def find_checkpoint(run: str, runs_root: str = "runs") -> Path:
                 folder = folder.parent
             ckpt = latest_checkpoint(folder)
             if ckpt is None:
-                raise CheckpointError(f"run folder {folder} has no checkpoints (checkpoints/step_*.pt)")
+                runs = sorted(p.name for p in folder.iterdir() if latest_checkpoint(p) is not None)
+                inside = f"; it holds the runs {', '.join(runs)}: give --run {folder / runs[0]}" if runs else ""
+                raise CheckpointError(f"run folder {folder} has no checkpoints (checkpoints/step_*.pt){inside}")
             return ckpt
-    raise CheckpointError(f"--run {run!r} is neither a checkpoint file, a run folder, nor a run under {runs_root}/")
+    where = "" if p.is_absolute() else f", nor a run under {runs_root}/"
+    raise CheckpointError(f"--run {run!r} is neither a checkpoint file, a run folder{where}")
 
 
 def load_model(ckpt_path: Path, device: str = "cpu", attn: str = "sdpa"):

@@ -12,10 +12,10 @@ step time (ms) and the mean, the spread (interquartile range of the step times o
 final train loss and the speed-up over `sdpa`. A backend that runs another's kernels here (fa3 without a Hopper
 GPU: FA2's) is starred, and named under the table. On a CPU the table is a smoke test, not a benchmark: the
 ratios between backends change from run to run. Each backend is its own W&B run in one W&B group
-(`wandb.group`), so the loss and step time curves overlay in the W&B UI. Files go to runs/<name>/:
-throughput.csv, throughput.json, throughput.png, rewritten after every run (a backend that crashes the process
-leaves the rows measured before it), and one run folder per backend (metrics, W&B files; its checkpoints are
-deleted after the run).
+(`wandb.group`), so the loss and step time curves overlay in the W&B UI. Files go to <run.root>/<name>/ (run.root:
+runs unless an override sets it): throughput.csv, throughput.json, throughput.png, rewritten after every run (a
+backend that crashes the process leaves the rows measured before it), and one run folder per backend (metrics, W&B
+files; its checkpoints are deleted after the run).
 
 `--baseline` also runs, per backend and in the same process, the bare training loop of `bench.baseline` (same
 model, data, dtype, compile and optimizer; forward, backward, clip, step, zero_grad and nothing else), timed the
@@ -244,7 +244,7 @@ def parse_args(argv):
                         help="context lengths for a sweep, e.g. 1024,2048,4096,8192 (none by default)")
     parser.add_argument("--sweep-tokens", type=int, default=32768, help="tokens per step in the sweep")
     parser.add_argument("--name", default=f"throughput_{time.strftime('%Y-%m-%d_%H-%M-%S')}",
-                        help="run group: runs/<name>/<backend>, W&B group <name>")
+                        help="run group: <run.root>/<name>/<backend>, W&B group <name>")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for train.py, e.g. model=gpt2")
     args = parser.parse_intermixed_args(argv)  # Hydra overrides before, between or after the options
     args.backends = args.backends.split(",")

@@ -778,6 +778,11 @@ def test_sample_finds_the_latest_checkpoint_from_a_run_or_its_checkpoints_folder
     assert sample.find_checkpoint(str(ckpts / "step_00000001.pt")) == ckpts / "step_00000001.pt"
     with pytest.raises(CheckpointError, match="neither a checkpoint file, a run folder"):
         sample.find_checkpoint(str(tmp_path / "nowhere"), str(tmp_path / "runs"))
+    with pytest.raises(CheckpointError, match=rf"neither a checkpoint file, a run folder$"):  # absolute: no runs/
+        sample.find_checkpoint(str(tmp_path / "nowhere"))
+    # A sweep's folder (or a runs root): its runs are named.
+    with pytest.raises(CheckpointError, match=rf"it holds the runs r: give --run {tmp_path / 'runs' / 'r'}$"):
+        sample.find_checkpoint(str(tmp_path / "runs"))
     named = tmp_path / "runs" / "checkpoints" / "checkpoints"  # a run named "checkpoints"
     named.mkdir(parents=True)
     (named / "step_00000005.pt").write_bytes(b"")
