@@ -15,7 +15,6 @@ others log warnings and errors to stderr, and an unexpected error goes to torchr
 """
 
 import contextlib
-import copy
 import itertools
 import logging
 import logging.handlers
@@ -46,7 +45,7 @@ try:  # torch, hydra and the rest take seconds to load
     from trainer import ConfigError, NonFiniteLossError, train
     from trainer.checkpoint import CheckpointError, latest_checkpoint
     from trainer.config import (CONF_DIR, RUN_NAME_RULE, Config, compose_config, continue_command, override_error,
-                                valid_run_name, validate_config)
+                                resolved, valid_run_name, validate_config)
     from trainer.config_help import help_text
     from trainer.distributed import destroy_process_group, torchrun_overrides
     from trainer.resume import refusal
@@ -102,13 +101,6 @@ def main(argv: list[str]) -> int:
             return code
     destroy_process_group()  # torchrun: after every job of the sweep
     return 0
-
-
-def resolved(cfg: DictConfig) -> DictConfig:
-    """A copy of ``cfg`` with its interpolations resolved, as ``train`` checks it."""
-    cfg = copy.deepcopy(cfg)
-    OmegaConf.resolve(cfg)
-    return cfg
 
 
 def error(message: str) -> int:

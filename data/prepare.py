@@ -285,8 +285,7 @@ def _build(cfg, folder: Path) -> None:
     docs = {"train": starts[starts < n_train],
             "val": np.union1d([0], starts[starts >= n_train] - n_train).astype(np.int64)}
 
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
+    try:  # the folder exists: made at the start
         names = ("train", "val", "train_docs", "val_docs")
         with contextlib.ExitStack() as stack:  # the files are renamed only if all were written
             tmp = {s: stack.enter_context(atomic_path(folder / f"{s}.bin")) for s in names}

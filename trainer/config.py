@@ -19,6 +19,7 @@ and an N-rank run with the same settings see the same data and compute the same 
 
 from __future__ import annotations
 
+import copy
 import datetime
 import functools
 import dataclasses
@@ -200,6 +201,13 @@ def continue_command(run: DictConfig, world_size: int, overrides: Sequence[str] 
     skip = {"run.name", "run.root", "resume", *drop}
     rest = "".join(f" {shlex.quote(o)}" for o in overrides if override_key(o) not in skip)
     return f"{launcher} {override_arg('run.name', run.name)}{root}{rest}"
+
+
+def resolved(cfg: DictConfig) -> DictConfig:
+    """A copy of ``cfg`` with its interpolations resolved (e.g. the timestamped default run.name, frozen once)."""
+    cfg = copy.deepcopy(cfg)
+    OmegaConf.resolve(cfg)
+    return cfg
 
 
 def override_value(value: Any) -> str:

@@ -12,7 +12,6 @@ Under torchrun every rank runs it; the model is wrapped in DDP and the collectiv
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import logging
 import math
@@ -32,7 +31,7 @@ from model.layers import mlp_width
 from model.loss import CHUNK_TOKENS
 import trainer.checkpoint as checkpoint
 from trainer.compile import compile_model, convert_to_fp8
-from trainer.config import (ConfigError, config_backend, padded_vocab_size, resolved_grad_accum,
+from trainer.config import (ConfigError, config_backend, padded_vocab_size, resolved, resolved_grad_accum,
                             validate_against_data, validate_config)
 from trainer.distributed import all_reduce_sum, barrier, broadcast_object, gather_objects, init_process_group
 from trainer.lr_schedule import lr_at
@@ -100,8 +99,7 @@ def train(cfg: DictConfig, run_dir: Optional[Path] = None,
     (``trainer.distributed.destroy_process_group`` ends it); takes rank 0's ``run.name`` and
     ``run_dir``; and trains with DDP, see README "Multi-GPU". Config errors are raised on every rank alike.
     """
-    cfg = copy.deepcopy(cfg)
-    OmegaConf.resolve(cfg)  # freeze interpolations (e.g. the timestamped run.name) once
+    cfg = resolved(cfg)
     dist = DistInfo.from_env()
     validate_config(cfg, dist.world_size, dist.local_rank)
     backend = config_backend(cfg)
