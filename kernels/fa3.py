@@ -44,6 +44,7 @@ class ForwardConfig(NamedTuple):
     num_stages: int  # depth of the K/V shared-memory ring
     pingpong: bool  # consumers take turns issuing their GEMMs (FA3 Section 3.1)
     persistent: bool  # one CTA per SM looping over tiles, else one CTA per tile
+    late_k_release: bool = False  # a consumer gives K_j's ring slot back after block j's softmax, not once S_j is done
 
 
 class BackwardConfig(NamedTuple):
@@ -75,10 +76,29 @@ class BackwardConfig(NamedTuple):
 # Measured on the H200 (docs/hopper-notes.md): at 64, two consumers for causal and three for non-causal, a 4-deep
 # ring for causal; ping-pong everywhere but causal 128. NUM_CONSUMERS x 64 x D Q tiles plus the K and V rings must
 # fit the 227 KiB of shared memory (an overflow is only caught at launch).
-FORWARD_CONFIGS = {
+_FORWARD_CONFIGS = {
     (64, True): ForwardConfig(2, 128, 4, True, True), (64, False): ForwardConfig(3, 128, 3, True, True),
     (128, True): ForwardConfig(2, 128, 2, False, True), (128, False): ForwardConfig(2, 128, 2, True, True),
 }
+# Per Triton release (major, minor), from that release on. Triton 3.9's code for the head_dim-64 causal forward
+# runs 5-7 % behind 3.6's with the same config; releasing each K slot after the softmax (its arrive is a warpgroup
+# barrier, which then no longer sits between S_j and the softmax) brings it within 1-3 % (H200, both releases'
+# cubins in one process). Under 3.6 the late release measured 0-2.6 % slower, and with the 2- and 3-deep rings of
+# the other configs up to 30 % slower under either release: the producer waits for the slot.
+_FORWARD_CONFIGS_FROM = {(3, 9): {(64, True): ForwardConfig(2, 128, 4, True, True, late_k_release=True)}}
+
+
+def forward_configs(version: str) -> dict[tuple[int, bool], ForwardConfig]:
+    """The forward's measured config per (head_dim, causal) for Triton `version` ("3.9.0")."""
+    release = tuple(int(part) for part in version.split(".")[:2])
+    configs = dict(_FORWARD_CONFIGS)
+    for since, changes in sorted(_FORWARD_CONFIGS_FROM.items()):
+        if release >= since:
+            configs.update(changes)
+    return configs
+
+
+FORWARD_CONFIGS = forward_configs(triton.__version__)
 # Narrow sliding windows (window_left <= NARROW_WINDOW) at 64: 64-key blocks waste less of the band than 128-key ones.
 # Measured at window 128 (gpt-oss's layers, B 2, H 128, N 8192): 0.535 ms against 0.686 (benchmarks.md); wider
 # windows and head_dim 128 keep the causal config (window 1024 measured with it).
@@ -309,7 +329,7 @@ def run_forward(q, k, v, causal: bool, softmax_scale: float, config: ForwardConf
     kernel = gluon_kernels().forward
     batch, n_heads, seqlen_q, head_dim = q.shape
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    num_consumers, block_n, num_stages, pingpong, persistent = config
+    num_consumers, block_n, num_stages, pingpong, persistent, late_k_release = config
     left, right = fa2.window_edges(causal, window_size, seqlen_q, seqlen_k)
     docs = key_bounds is not None
     if docs:  # both edges, per row
@@ -342,7 +362,7 @@ def run_forward(q, k, v, causal: bool, softmax_scale: float, config: ForwardConf
          TILE_ORDER=order,
          **_logits(softmax_scale, softcap), n_tiles_m=n_tiles_m, n_tiles=n_tiles, GROUP=n_heads // n_kv_heads,
          LEFT=left >= 0, RIGHT=right >= 0, DOCS=docs,
-         PINGPONG=pingpong, NUM_CONSUMERS=num_consumers,
+         PINGPONG=pingpong, LATE_K_RELEASE=late_k_release, NUM_CONSUMERS=num_consumers,
          HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=num_stages, Q_LAYOUT=q_layout,
          KV_LAYOUT=kv_layout)
     return o, lse
@@ -619,11 +639,13 @@ def backward(do, q, k, v, o, lse, causal, softmax_scale, window_size=(-1, -1), c
 
 
 def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, kernel="fwd", config=None,
-                     window=False, softcap=False, docs=False):
+                     window=False, softcap=False, docs=False, divisible=()):
     """Compile the Gluon forward (kernel="fwd") or backward ("bwd") for sm_90 without a GPU (catches Gluon API
     breaks on CPU-only machines), with `config` (a ForwardConfig / BackwardConfig; default the measured one).
     causal: the band's right edge (RIGHT); window: its left edge (LEFT, a sliding window); softcap: the logit cap;
-    docs: packed sequences (DOCS, per-row bounds: both edges).
+    docs: packed sequences (DOCS, per-row bounds: both edges). divisible: names of integer and pointer arguments
+    to compile as multiples of 16 (`tt.divisibility`), as a launch specializes the ones whose values are; by default
+    none, so the kernel is valid for any values.
 
     Returns Triton's compiled kernel (`.asm` holds ttgir, ptx and cubin). Raises RuntimeError naming the
     reason when this Triton is not one the kernels support, ValueError for another `kernel`.
@@ -641,14 +663,16 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
     if kernel == "fwd":
         if docs:
             causal = window = True
-        num_consumers, block_n, num_stages, pingpong, _ = config or FORWARD_CONFIGS[head_dim, causal or window]
+        num_consumers, block_n, num_stages, pingpong, _, late_k_release = (config or
+                                                                           FORWARD_CONFIGS[head_dim, causal or window])
         q_layout, kv_layout = shared_layouts(dtype, head_dim, block_n)
         q_box, kv_box = shared_layouts(dtype, head_dim, block_n, rank=4)
         fn = kernels.forward
         descs = dict(q_desc=tensordesc(BLOCK_M, q_box), o_desc=tensordesc(BLOCK_M, q_box),
                      k_desc=tensordesc(block_n, kv_box), v_desc=tensordesc(block_n, kv_box), LSE="*fp32",
                      KEY_START="*i32", KEY_LIMIT="*i32", TILE_ORDER="*i32", qk_scale="fp32", softcap_in="fp32")
-        constexprs = dict(GROUP=group, LEFT=window, RIGHT=causal, DOCS=docs, SOFTCAP=softcap, PINGPONG=pingpong, NUM_CONSUMERS=num_consumers,
+        constexprs = dict(GROUP=group, LEFT=window, RIGHT=causal, DOCS=docs, SOFTCAP=softcap, PINGPONG=pingpong,
+                          LATE_K_RELEASE=late_k_release, NUM_CONSUMERS=num_consumers,
                           HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=num_stages,
                           Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout)
     else:
@@ -673,6 +697,10 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
     signature = {arg: "i32" for arg in fn.arg_names}
     signature.update(descs)
     signature.update({arg: "constexpr" for arg in constexprs})
-    source = GluonASTSource(fn, signature, constexprs)
+    unknown = set(divisible) - {arg for arg, kind in signature.items() if kind == "i32" or kind.startswith("*")}
+    if unknown:
+        raise ValueError(f"divisible={sorted(unknown)}: not integer or pointer arguments of the {kernel} kernel")
+    attrs = {(fn.arg_names.index(arg),): [["tt.divisibility", 16]] for arg in divisible}
+    source = GluonASTSource(fn, signature, constexprs, attrs)
     with kernels.compiling():
         return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **LAUNCH_OPTIONS})

@@ -282,11 +282,14 @@ def _key_range(row0, ROWS: gl.constexpr, seqlen_q, seqlen_k, window_left, window
 @gluon.jit
 def _kv_block(j, kv_it, acc, p_op, m_i, l_i, turn, q_tile, ring, turn_bars, first_n, key_start, key_limit,
               lo_free, hi_free, qk_scale, softcap_in, CID: gl.constexpr, NEXT: gl.constexpr,
-              PACKED_CVT: gl.constexpr, PINGPONG: gl.constexpr, LEFT: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+              PACKED_CVT: gl.constexpr, PINGPONG: gl.constexpr, LATE_K_RELEASE: gl.constexpr, LEFT: gl.constexpr,
+              SOFTCAP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr,
+              o_layout: gl.constexpr, p_layout: gl.constexpr):
     """K/V block j >= 1 of a consumer's tile (FA3 Algorithm 2): issue S_j = Q K_j^T and O += P_{j-1} V_{j-1},
     wait for S_j, softmax of block j under the PV GEMM, then wait for it and rescale O. The block holds keys
     [start_n, start_n + BLOCK_N), start_n = first_n + j * BLOCK_N, and is masked outside [lo_free, hi_free).
+    LATE_K_RELEASE: K_j's slot goes back to the producer after the softmax rather than as soon as S_j is done
+    (the arrive is a warpgroup barrier plus one elected arrive: `ForwardConfig.late_k_release`).
     Returns acc, p_op (P_j as the next PV GEMM's A operand), m_i, l_i, turn."""
     slot = ring.slot(kv_it + j)
     prev = ring.slot(kv_it + j - 1)
@@ -301,7 +304,8 @@ def _kv_block(j, kv_it, acc, p_op, m_i, l_i, turn, q_tile, ring, turn_bars, firs
     if PINGPONG:
         mbarrier.arrive(turn_bars.index(NEXT))
     s = warpgroup_mma_wait(1, deps=(s,))  # S_j is done; the PV GEMM may still run
-    mbarrier.arrive(ring.k_empty.index(slot))
+    if not LATE_K_RELEASE:
+        mbarrier.arrive(ring.k_empty.index(slot))
     start_n = first_n + j * BLOCK_N
     if _masked(start_n, lo_free, hi_free, LEFT):
         p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, key_start, key_limit, start_n, qk_scale, softcap_in, True,
@@ -309,6 +313,8 @@ def _kv_block(j, kv_it, acc, p_op, m_i, l_i, turn, q_tile, ring, turn_bars, firs
     else:
         p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, key_start, key_limit, start_n, qk_scale, softcap_in, False,
                                             LEFT, SOFTCAP, BLOCK_N, s_layout)
+    if LATE_K_RELEASE:
+        mbarrier.arrive(ring.k_empty.index(slot))
     acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
     mbarrier.arrive(ring.v_empty.index(prev))
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -345,7 +351,8 @@ def _skip_block(j, kv_it, turn, ring, turn_bars, CID: gl.constexpr, NEXT: gl.con
 @gluon.jit
 def _consumer(tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, window_left, window_right,
               KEY_START, KEY_LIMIT, TILE_ORDER, qk_scale, softcap_in, CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-              LEFT: gl.constexpr, RIGHT: gl.constexpr, DOCS: gl.constexpr, SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+              LEFT: gl.constexpr, RIGHT: gl.constexpr, DOCS: gl.constexpr, SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr,
+              LATE_K_RELEASE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Consumer warpgroup CID: rows [start_m + CID * BLOCK_M, + BLOCK_M) of each of the CTA's tiles."""
     dtype: gl.constexpr = tiles.q.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -432,13 +439,13 @@ def _consumer(tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, s
         p_op = gl.convert_layout(_to_operand(p, dtype, PACKED_CVT), p_layout)
 
         # Blocks (j0, n_own), masked or not decided per block at run time (one loop measured as fast as separate
-        # unmasked and masked loops, and faster for causal at head_dim 64 up to 4k: docs/hopper-notes.md).
+        # unmasked and masked loops, and faster for causal at head_dim 64 up to 4k, under Triton 3.6 and 3.9:
+        # docs/hopper-notes.md).
         for j in range(j0 + 1, n_own):
             acc, p_op, m_i, l_i, turn = _kv_block(
                 j, kv_it, acc, p_op, m_i, l_i, turn, q_tile, ring, turn_bars, first_n, key_start, key_limit,
-                lo_free, hi_free, qk_scale, softcap_in, CID, NEXT, PACKED_CVT, PINGPONG, LEFT, SOFTCAP, BLOCK_M,
-                BLOCK_N, s_layout,
-                o_layout, p_layout)
+                lo_free, hi_free, qk_scale, softcap_in, CID, NEXT, PACKED_CVT, PINGPONG, LATE_K_RELEASE, LEFT,
+                SOFTCAP, BLOCK_M, BLOCK_N, s_layout, o_layout, p_layout)
         mbarrier.arrive(tiles.q_empty.index(CID))  # every QK GEMM of ours is done: the buffer may take a new Q
 
         last = ring.slot(kv_it + n_own - 1)
@@ -505,7 +512,7 @@ def fa3_fwd_kernel(
     q_desc, k_desc, v_desc, o_desc, LSE,
     n_heads, seqlen_q, seqlen_k, window_left, window_right, KEY_START, KEY_LIMIT, TILE_ORDER, qk_scale, softcap_in,
     n_tiles_m, n_tiles, GROUP: gl.constexpr, LEFT: gl.constexpr, RIGHT: gl.constexpr, DOCS: gl.constexpr,
-    SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+    SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr, LATE_K_RELEASE: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr,
 ):
@@ -545,10 +552,10 @@ def fa3_fwd_kernel(
             [
             (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, window_left,
                          window_right, KEY_START, KEY_LIMIT, TILE_ORDER, qk_scale, softcap_in, 0, NUM_CONSUMERS,
-                         LEFT, RIGHT, DOCS, SOFTCAP, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
+                         LEFT, RIGHT, DOCS, SOFTCAP, PINGPONG, LATE_K_RELEASE, BLOCK_M, BLOCK_N, HEAD_DIM)),
             (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, window_left,
                          window_right, KEY_START, KEY_LIMIT, TILE_ORDER, qk_scale, softcap_in, 1, NUM_CONSUMERS,
-                         LEFT, RIGHT, DOCS, SOFTCAP, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
+                         LEFT, RIGHT, DOCS, SOFTCAP, PINGPONG, LATE_K_RELEASE, BLOCK_M, BLOCK_N, HEAD_DIM)),
             (_producer, (q_desc, k_desc, v_desc, tiles, ring, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k,
                          window_left, window_right, KEY_START, KEY_LIMIT, TILE_ORDER, GROUP, LEFT, RIGHT, DOCS,
                          NUM_CONSUMERS, BLOCK_M, BLOCK_N)),
@@ -561,13 +568,13 @@ def fa3_fwd_kernel(
             [
             (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, window_left,
                          window_right, KEY_START, KEY_LIMIT, TILE_ORDER, qk_scale, softcap_in, 0, NUM_CONSUMERS,
-                         LEFT, RIGHT, DOCS, SOFTCAP, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
+                         LEFT, RIGHT, DOCS, SOFTCAP, PINGPONG, LATE_K_RELEASE, BLOCK_M, BLOCK_N, HEAD_DIM)),
             (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, window_left,
                          window_right, KEY_START, KEY_LIMIT, TILE_ORDER, qk_scale, softcap_in, 1, NUM_CONSUMERS,
-                         LEFT, RIGHT, DOCS, SOFTCAP, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
+                         LEFT, RIGHT, DOCS, SOFTCAP, PINGPONG, LATE_K_RELEASE, BLOCK_M, BLOCK_N, HEAD_DIM)),
             (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, window_left,
                          window_right, KEY_START, KEY_LIMIT, TILE_ORDER, qk_scale, softcap_in, 2, NUM_CONSUMERS,
-                         LEFT, RIGHT, DOCS, SOFTCAP, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
+                         LEFT, RIGHT, DOCS, SOFTCAP, PINGPONG, LATE_K_RELEASE, BLOCK_M, BLOCK_N, HEAD_DIM)),
             (_producer, (q_desc, k_desc, v_desc, tiles, ring, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k,
                          window_left, window_right, KEY_START, KEY_LIMIT, TILE_ORDER, GROUP, LEFT, RIGHT, DOCS,
                          NUM_CONSUMERS, BLOCK_M, BLOCK_N)),

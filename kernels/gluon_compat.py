@@ -17,8 +17,9 @@ way. `constexpr_function` (the aggregates' constructors) and `as_4d` are the sam
 because both kernels need them. `kernels.fa3.GLUON_TRITON_VERSIONS` lists the releases whose sm_90 compile of both
 kernels is checked (`tools/check_triton_versions.sh`; in CI on the installed release, tests/kernels/test_fa3.py).
 
-Code generation differs too: `compiling()`, the context `kernels.fa3` compiles the kernels in, fixes the one
-difference found to cost time (Triton 3.9's wgmma descriptors, below).
+Code generation differs too: `compiling()`, the context `kernels.fa3` compiles the kernels in, rewrites Triton 3.9's
+wgmma descriptors (below); the other 3.9 difference found to cost time, the head_dim-64 causal forward's schedule,
+is answered by a per-release config entry in `kernels.fa3` (`_FORWARD_CONFIGS_FROM`: the late K release).
 """
 
 import collections

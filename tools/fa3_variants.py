@@ -8,7 +8,8 @@ left out as in `BACKWARD_CONFIGS[head_dim]`; SPLIT_DQ is cols or rows; SECTION_H
 wave's worth); each is checked against float32 gradients (dq, dk, dv by
 relative error) on the shapes below, then backward medians of the Gluon kernel are printed next to FA2's backward
 and cuDNN's on the same inputs (forward excluded).
-Forward: a variant is NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT (a `kernels.fa3.ForwardConfig`), run
+Forward: a variant is NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT[:LATE_K_RELEASE] (a
+`kernels.fa3.ForwardConfig`), run
 for both values of causal. The kernels run with each variant's config passed in (`fa3.run_forward` /
 `fa3.run_backward`); nothing in `kernels` is changed. Every variant is first checked against a
 float32 reference (SDPA's math kernel on upcast inputs) on odd lengths, seqlen_q != seqlen_k both ways, GQA and
@@ -199,17 +200,18 @@ def check_backward_configs(variants, head_dims):
 
 
 def forward_config(variant):
-    """'NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT' (ints) -> a `kernels.fa3.ForwardConfig`."""
+    """'NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT[:LATE_K_RELEASE]' (ints) -> a
+    `kernels.fa3.ForwardConfig`."""
     fields = _ints(variant, variant.split(":"))
-    if len(fields) != 5:
-        raise SystemExit(f"variant {variant}: give 5 fields (see --help)")
-    return fa3.ForwardConfig(*fields[:3], bool(fields[3]), bool(fields[4]))
+    if len(fields) not in (5, 6):
+        raise SystemExit(f"variant {variant}: give 5 or 6 fields (see --help)")
+    return fa3.ForwardConfig(*fields[:3], *(bool(f) for f in fields[3:]))
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--variants", default=None,
-                        help="comma-separated NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT "
+                        help="comma-separated NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT[:LATE_K_RELEASE] "
                              f"(default {FORWARD_DEFAULT}); with --backward "
                              f"NUM_STAGES[:SPLIT_DQ[:BLOCK_M]] (default {BACKWARD_DEFAULT})")
     parser.add_argument("--head-dims", default="64,128", help="comma-separated head dimensions D")

@@ -135,6 +135,34 @@ def test_gluon_kernels_compile_for_sm90(kernel):
         assert int(shared) <= SM90_SHARED_MEMORY, f"{combination}: more shared memory than an sm_90 block may have"
 
 
+def test_forward_configs_per_triton_release():
+    """From Triton 3.9 on the head_dim-64 causal forward releases K slots after the softmax (measured faster
+    there, slower on 3.6-3.8); every other config is the same on every release, and the installed release's table
+    is FORWARD_CONFIGS."""
+    before = fa3.forward_configs("3.8.0")
+    for version in ("3.9.0", "3.9.1", "3.10.0"):
+        after = fa3.forward_configs(version)
+        assert after[64, True] == before[64, True]._replace(late_k_release=True)
+        assert {key: c for key, c in after.items() if key != (64, True)} == {
+            key: c for key, c in before.items() if key != (64, True)}
+    for version in ("3.6.0", "3.7.1", "3.8.0"):
+        assert not any(c.late_k_release for c in fa3.forward_configs(version).values())
+    assert fa3.FORWARD_CONFIGS == fa3.forward_configs(fa3.triton_version())
+
+
+@pytest.mark.skipif(not SUPPORTED, reason=f"triton {fa3.triton_version()} is not a release the Gluon kernels support")
+def test_late_k_release_moves_the_slot_arrive_after_the_softmax():
+    """In the compiled K/V loop, between S_j's wait (`wgmma.wait_group 1`) and the softmax's first exp2, the K
+    slot's arrive is there with the early release and gone with the late one."""
+    code = ("import torch; from kernels import fa3\n"
+            "for late in (False, True):\n"
+            "    c = fa3.FORWARD_CONFIGS[64, True]._replace(late_k_release=late)\n"
+            "    ptx = fa3.compile_for_sm90(torch.bfloat16, 64, True, 1, 'fwd', c).asm['ptx']\n"
+            "    after_s = ptx[ptx.index('wgmma.wait_group.sync.aligned 1;'):]\n"
+            "    print(late, 'mbarrier.arrive' in after_s[:after_s.index('ex2.approx')])")
+    assert compile_in_fresh_process(code, timeout=600) == [["False", "True"], ["True", "False"]]
+
+
 @pytest.mark.skipif(SUPPORTED, reason="the installed Triton is supported: the compile test runs instead")
 def test_unsupported_triton_takes_the_fallback(fresh_dispatch):
     reason = fa3.gluon_kernels()
@@ -167,6 +195,26 @@ def test_gluon_forward_matches_float64(fresh_dispatch, head_dim, causal):
         o, lse = fa3.forward(q, k, v, causal, head_dim ** -0.5)
     o_ref, _ = _reference_grads(q, k, v, torch.randn_like(q), causal)
     assert ((o.double() - o_ref).norm() / o_ref.norm()).item() < 1e-2
+
+
+@gluon_on_hopper
+@pytest.mark.parametrize("late_k_release", [True, False])
+@pytest.mark.parametrize("head_dim,causal", [(64, True), (64, False), (128, True)])
+def test_gluon_forward_k_release_points_match_float64(fresh_dispatch, head_dim, causal, late_k_release):
+    """Both points where a consumer can give a K slot back (`ForwardConfig.late_k_release`), whichever one the
+    installed release's config uses: o and the LSE against float64 over several tiles per CTA, outputs poisoned."""
+    config = fa3.FORWARD_CONFIGS[head_dim, causal]._replace(late_k_release=late_k_release)
+    q, k, v = (torch.randn(2, 9, 1500, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    poison = torch.full((2 * 9 * 1500 * (head_dim + 2),), float("nan"), device="cuda")
+    del poison
+    o, lse = fa3.run_forward(q, k, v, causal, head_dim ** -0.5, config)
+    o_ref, _ = _reference_grads(q, k, v, torch.randn_like(q), causal)
+    s = (q.double() @ k.double().transpose(-1, -2)) * head_dim ** -0.5
+    if causal:
+        s = s.masked_fill(torch.ones(1500, 1500, dtype=torch.bool, device="cuda").triu(1), float("-inf"))
+    lse_ref = torch.logsumexp(s, dim=-1) / torch.log(torch.tensor(2.0, dtype=torch.float64))
+    assert ((o.double() - o_ref).norm() / o_ref.norm()).item() < 1e-2
+    assert ((lse.double() - lse_ref).norm() / lse_ref.norm()).item() < 1e-3
 
 
 @gluon_on_hopper

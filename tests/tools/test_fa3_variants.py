@@ -9,8 +9,11 @@ def test_fa3_variant_fields():
 
     assert forward_config("3:128:2:1:1") == ForwardConfig(3, 128, 2, True, True)
     assert forward_config("2:64:4:0:0") == ForwardConfig(2, 64, 4, False, False)
-    with pytest.raises(SystemExit, match="variant 3:128:2: give 5 fields"):
+    assert forward_config("2:128:4:1:1:1") == ForwardConfig(2, 128, 4, True, True, late_k_release=True)
+    with pytest.raises(SystemExit, match="variant 3:128:2: give 5 or 6 fields"):
         forward_config("3:128:2")
+    with pytest.raises(SystemExit, match="give 5 or 6 fields"):
+        forward_config("2:128:4:1:1:1:1")
 
 
 def test_fa3_backward_variant_fields_default_to_the_head_dims_config():
@@ -26,8 +29,8 @@ def test_fa3_backward_variant_fields_default_to_the_head_dims_config():
 
 @pytest.mark.parametrize("argv,message", [
     (["--variants", "foo"], "variant 'foo': give colon-separated integers"),
-    (["--variants", "2:128:2"], "variant 2:128:2: give 5 fields"),
-    (["--variants", "2:128:2:1:1:0"], "variant 2:128:2:1:1:0: give 5 fields"),
+    (["--variants", "2:128:2"], "variant 2:128:2: give 5 or 6 fields"),
+    (["--variants", "2:128:2:1:1:0:1"], "variant 2:128:2:1:1:0:1: give 5 or 6 fields"),
     (["--backward", "--variants", "2:rows:128:1:0"], "backward variant 2:rows:128:1:0: give 1 to 4 fields"),
     (["--backward", "--variants", "2:rows:128:yes"], "SECTION_HEADS yes; give 0 or more"),
     (["--backward", "--group", "3", "--head-dims", "128"], "--group 3: give a divisor of the 16 heads"),
@@ -65,7 +68,7 @@ def test_window_configs_tool_checks_its_variants_before_the_gpu(monkeypatch):
     without a GPU it says so."""
     from tools import fa3_window_configs
 
-    with pytest.raises(SystemExit, match="give 5 fields"):
+    with pytest.raises(SystemExit, match="give 5 or 6 fields"):
         fa3_window_configs.main(["--forward", "2:128:4"])
     with pytest.raises(SystemExit, match="backward variant 2:rows:64 at head_dim 64"):
         fa3_window_configs.main(["--backward", "2:rows:64"])
