@@ -7,8 +7,8 @@
     torchrun --standalone --nproc_per_node=8 train.py attn=fa2 model=gpt2 trainer.grad_accum=8   # DDP
 
 The config is conf/config.yaml on the typed defaults of trainer/config.py, composed with Hydra's compose API
-(``compose_config``). A run folder, ``<run.root>/<run.name>[/<job number>]``, is written only once ``train()``
-accepted the run: ``.hydra/`` (config.yaml, overrides.yaml; a sweep's multirun.yaml one level up) and
+(``compose_config``). A run folder, ``<run.root>/<run.name>[/<job number in that folder>]``, is written only once
+``train()`` accepted the run: ``.hydra/`` (config.yaml, overrides.yaml; a sweep's multirun.yaml one level up) and
 ``train.log`` (with the lines held until then). A refused run leaves the folder as it was. Under torchrun every
 rank runs this file: the ranks share rank 0's default run.name, rank 0 alone locks and writes the folder, the
 others log warnings and errors to stderr, and an unexpected error goes to torchrun's report (``record``).
@@ -92,15 +92,23 @@ def main(argv: list[str]) -> int:
         except ConfigError as e:
             return error(f"job {num} of {len(jobs)} ({' '.join(job)}): {e}")
     set_up_logging(dist)
-    for num, (job, cfg) in enumerate(jobs):
+    for num, ((job, cfg), run_dir) in enumerate(zip(jobs, run_dirs(jobs, multirun))):
         if multirun:
             log.info("job %d of %d: %s", num, len(jobs), " ".join(job))
-        folder = Path(cfg.run.root) / cfg.run.name
-        code = run_job(cfg, job, folder / str(num) if multirun else folder, overrides if multirun else None, dist)
+        code = run_job(cfg, job, run_dir, overrides if multirun else None, dist)
         if code:
             return code
     destroy_process_group()  # torchrun: after every job of the sweep
     return 0
+
+
+def run_dirs(jobs: list[tuple[list[str], DictConfig]], multirun: bool) -> list[Path]:
+    """Each job's run folder: ``<run.root>/<run.name>``, and in a sweep ``<run.root>/<run.name>/<n>``, n counting
+    the sweep's jobs in that folder from 0 (``-m run.name=a,b``: a/0 and b/0)."""
+    folders = [Path(cfg.run.root) / cfg.run.name for _, cfg in jobs]
+    if not multirun:
+        return folders
+    return [folder / str(folders[:num].count(folder)) for num, folder in enumerate(folders)]
 
 
 def error(message: str) -> int:

@@ -111,6 +111,23 @@ def test_single_process_multirun_jobs_each_own_their_folder(args, tmp_path):
     assert "to continue these runs: the same `python train.py -m ...` command" in text and "run.name=sweep" not in text
 
 
+def test_a_swept_run_name_numbers_the_jobs_in_each_folder(args, tmp_path):
+    """`-m run.name=a,b trainer.max_steps=1,2`: each name's folder holds its own jobs, numbered from 0; without
+    run.name the sweep's jobs share one default-named folder."""
+    out = cli(["-m", *args, "run.name=a,b", "trainer.max_steps=1,2"])
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    for name in ("a", "b"):
+        assert sorted(p.name for p in (tmp_path / "runs" / name).iterdir() if p.is_dir()) == ["0", "1"]
+        jobs = [(tmp_path / "runs" / name / job / ".hydra" / "overrides.yaml").read_text() for job in ("0", "1")]
+        assert f"run.name={name}" in jobs[0] and "trainer.max_steps=1" in jobs[0] and "trainer.max_steps=2" in jobs[1]
+    out = cli(["-m", *[a for a in args if not a.startswith("run.root")], f"run.root={tmp_path / 'default'}",
+               "trainer.max_steps=1,2"])
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    [folder] = (tmp_path / "default").iterdir()
+    assert re.fullmatch(DEFAULT_NAME, folder.name) and sorted(p.name for p in folder.iterdir() if p.is_dir()) == [
+        "0", "1"]
+
+
 def test_a_sweep_checks_every_jobs_values_before_the_first_job(args, tmp_path):
     out = cli(args, "-m", "run.name=sweep", "trainer.max_steps=1", "trainer.batch_size=4,-1")
     text = out.stdout + out.stderr
