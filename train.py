@@ -222,7 +222,8 @@ def _report(e: BaseException, run_dir: Path) -> int:
     if isinstance(e, KeyboardInterrupt):  # before the training loop took over the signal (model build, W&B start)
         log.error(NOT_STARTED)
         return 128 + signal.SIGINT
-    log.error("%s", e)
+    for line in str(e).splitlines():  # a record per line (e.g. one per bad config value), each with its prefix
+        log.error("%s", line)
     return 1
 
 

@@ -128,6 +128,19 @@ def test_a_swept_run_name_numbers_the_jobs_in_each_folder(args, tmp_path):
         "0", "1"]
 
 
+def test_every_line_of_a_refusal_is_a_log_record(args, tmp_path):
+    """Two bad values in one run: the refusal names both, each on its own prefixed log line (a log filter or grep
+    for [ERROR] sees every bad key), no traceback, no run folder."""
+    out = cli(args, "run.name=bad", "trainer.batch_size=-1", "optim.lr=-1")
+    text = out.stdout + out.stderr
+    assert out.returncode == 1 and "Traceback" not in text, text[-3000:]
+    errors = [line for line in text.splitlines() if "[ERROR]" in line]
+    assert len(errors) == 3 and errors[0].endswith("- invalid config:"), text[-3000:]
+    assert "trainer.batch_size=-1" in errors[1] + errors[2] and "optim.lr=-1" in errors[1] + errors[2]
+    assert not [line for line in text.splitlines() if line.startswith("  ")]  # no unprefixed continuation lines
+    assert not (tmp_path / "runs" / "bad").exists()
+
+
 def test_a_sweep_checks_every_jobs_values_before_the_first_job(args, tmp_path):
     out = cli(args, "-m", "run.name=sweep", "trainer.max_steps=1", "trainer.batch_size=4,-1")
     text = out.stdout + out.stderr
