@@ -189,10 +189,14 @@ def run_job(cfg: DictConfig, overrides: list[str], run_dir: Path, sweep_args: li
 
 def failed(e: BaseException, run_dir: Path, made: list[Path], dist: DistInfo) -> int:
     """The exit code of a job that ``train`` ended with ``e`` (an expected failure or an interrupt), after one
-    line that says why; the folders this job made (``new_folders``) go away if they hold nothing but the lock."""
+    line that says why; the folders this job made (``new_folders``) go away if they hold nothing but the lock, or,
+    after a Ctrl-C before training started, nothing but this job's record (a new folder has no checkpoint yet)."""
     code = _report(e, run_dir)
     if dist.is_main and made:
-        discard_unused_folder(run_dir)
+        if isinstance(e, KeyboardInterrupt) and not isinstance(e, TrainingAborted):
+            shutil.rmtree(run_dir, ignore_errors=True)
+        else:
+            discard_unused_folder(run_dir)
         for folder in made[1:]:  # a sweep's folder, a new run.root: empty unless another job wrote there
             try:
                 folder.rmdir()

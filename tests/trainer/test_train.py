@@ -244,7 +244,8 @@ def test_cli_ctrl_c_while_loading_is_one_line(module):
 
 def test_cli_ctrl_c_before_training_says_nothing_was_trained(tiny_overrides, tmp_path):
     """A (first) Ctrl-C while the model is built, before the training loop handles signals: exit 130, one line
-    saying nothing was trained, not the second Ctrl-C's message."""
+    saying nothing was trained, not the second Ctrl-C's message, and the run folder it had made is gone again; a
+    folder that was there before (a resume) stays, with its checkpoints."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": "0", "TEST_INTERRUPT_BUILD": "0"}
     args = [a for a in tiny_overrides if not a.startswith("run.")] + [f"run.root={tmp_path}", "run.name=early"]
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "trainer" / "torchrun_entry.py"), *args], cwd=ROOT,
@@ -252,7 +253,17 @@ def test_cli_ctrl_c_before_training_says_nothing_was_trained(tiny_overrides, tmp
     out = proc.stdout + proc.stderr
     assert proc.returncode == 128 + signal.SIGINT, out[-3000:]
     assert "interrupted before training started; nothing to save" in out and "Traceback" not in out, out[-3000:]
-    assert "second Ctrl-C" not in out and list_checkpoints(tmp_path / "early") == []
+    assert "second Ctrl-C" not in out and not (tmp_path / "early").exists()
+    kept = tmp_path / "kept"
+    args[-1] = "run.name=kept"
+    done = subprocess.run([sys.executable, "train.py", *args, "trainer.max_steps=3"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0 and list_checkpoints(kept), (done.stdout + done.stderr)[-3000:]
+    before = sorted(p.name for p in kept.rglob("*"))
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "trainer" / "torchrun_entry.py"), *args,
+                           "trainer.max_steps=6"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 128 + signal.SIGINT, (proc.stdout + proc.stderr)[-3000:]
+    assert set(before) <= {p.name for p in kept.rglob("*")}  # nothing of the earlier run removed
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(make_cfg, monkeypatch):
