@@ -125,7 +125,7 @@ class Trainer:
         self.data = _prepare_data(cfg, dist)
         validate_against_data(cfg, len(self.data.train), len(self.data.val), self.data.vocab_size)
         self.model_args = model_config(cfg, self.data.vocab_size, backend)
-        check_memory(self.model_args, device, cfg.trainer.batch_size * self.model_args.block_size)
+        check_memory(self.model_args, device, cfg.trainer.batch_size * self.model_args.block_size, dtype)
         if ckpt is not None:
             check_compatible(ckpt, self.model_args, self.data.meta, cfg)
         if on_accept is not None:
@@ -417,17 +417,21 @@ def min_params(args: GPTConfig) -> int:
     return int(E * tables + L * (attn + mlp))  # embeddings (and head), blocks
 
 
-def check_memory(args: GPTConfig, device: torch.device, tokens: int = 0) -> None:
+def check_memory(args: GPTConfig, device: torch.device, tokens: int = 0,
+                 dtype: torch.dtype = torch.bfloat16) -> None:
     """Refuse (ConfigError) a run whose parameters, with their gradients and AdamW state, plus the float32 logits of
-    one micro-batch of `tokens` tokens (the loss's log-softmax; one chunk with model.loss=chunked), plus the input
-    each block keeps for the backward (n_layer x tokens x n_embd values, 2 bytes at least), need more than the
-    device's memory (``trainer.runtime.device_memory``). All three are lower bounds (``min_params``; no other
-    activations), so a run that fits is never refused. Catches e.g. a mistyped model.vocab_size or a batch far too
-    large before an allocator error or the out-of-memory killer does."""
+    one micro-batch of `tokens` tokens (the loss's log-softmax; one chunk with model.loss=chunked), plus what each
+    block keeps for the backward at least (its input, n_embd values a token, and its MLP's hidden layer, the input
+    of the MLP's output projection, in the compute `dtype`, 2 bytes at least), need more than the device's memory
+    (``trainer.runtime.device_memory``). All three are lower bounds (``min_params``; no other activations), so a run
+    that fits is never refused. Catches e.g. a mistyped model.vocab_size or a batch far too large before an
+    allocator error or the out-of-memory killer does."""
     params, memory = min_params(args), device_memory(device)
     logit_rows = {"full": tokens, "chunked": min(tokens, CHUNK_TOKENS)}[args.loss]
     weights, logits = params * TRAINING_BYTES_PER_PARAM, logit_rows * args.vocab_size * 4
-    activations = args.n_layer * tokens * args.n_embd * 2
+    hidden = mlp_width(args.n_embd, args.mlp, args.mlp_hidden, args.multiple_of)
+    per_value = max(torch.finfo(dtype).bits // 8, 2)
+    activations = args.n_layer * tokens * (args.n_embd + hidden) * per_value
     if memory and weights + logits + activations > memory:
         raise ConfigError(
             f"the model is too large for {device}: {params:,} parameters (model.vocab_size={args.vocab_size}, "
@@ -435,8 +439,8 @@ def check_memory(args: GPTConfig, device: torch.device, tokens: int = 0) -> None
             f"least {weights / 2**30:,.0f} GiB for weights, gradients and AdamW state ({TRAINING_BYTES_PER_PARAM} "
             f"bytes each), the float32 logits of {logit_rows:,} tokens (model.loss={args.loss}; a micro-batch is "
             f"trainer.batch_size x block_size = {tokens:,}) {logits / 2**30:,.0f} GiB more, and each layer's input "
-            f"for the backward {activations / 2**30:,.0f} GiB more, and it has {memory / 2**30:,.0f} GiB; choose "
-            f"smaller values")
+            f"and MLP hidden layer ({hidden} wide) for the backward {activations / 2**30:,.0f} GiB more "
+            f"({per_value} bytes a value), and it has {memory / 2**30:,.0f} GiB; choose smaller values")
 
 
 def _folder_id(folder: Path) -> Optional[tuple[int, int]]:

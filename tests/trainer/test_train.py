@@ -687,15 +687,19 @@ def test_a_model_larger_than_the_memory_is_one_error_naming_its_size(make_cfg, m
     from trainer.loop import check_memory, min_params, model_config
 
     args = model_config(make_cfg("model.bias=true"), 65, "sdpa")
-    check_memory(args, torch.device("cpu"), 4 * 32)  # the tiny model fits
-    memory = args.n_layer * args.n_embd * 2 * 2**30 * 3 // 2  # 1.5 x the layer inputs of 2**30 tokens
+    check_memory(args, torch.device("cpu"), 4 * 32, torch.float32)  # the tiny model fits
+    kept = args.n_layer * (args.n_embd + 4 * args.n_embd) * 2  # bytes a token: each layer's input and MLP hidden
+    memory = kept * 2**30 * 3 // 2  # 1.5 x what the layers keep of 2**30 tokens in bf16
     monkeypatch.setattr("trainer.loop.device_memory", lambda device: memory)
     with pytest.raises(ConfigError, match=r", the float32 logits of 1,073,741,824 tokens \(model.loss=full"):
-        check_memory(args, torch.device("cpu"), 2**30)  # weights and layer inputs fit; one micro-batch's logits do not
+        check_memory(args, torch.device("cpu"), 2**30)  # weights and activations fit; one micro-batch's logits do not
     chunked = model_config(make_cfg("model.bias=true", "model.loss=chunked"), 65, "sdpa")
     check_memory(chunked, torch.device("cpu"), 2**30)  # one chunk's logits at a time: it fits
-    with pytest.raises(ConfigError, match=r"each layer's input for the backward 256 GiB more"):
-        check_memory(chunked, torch.device("cpu"), 2**31)  # a batch far too large: the layer inputs alone do not fit
+    with pytest.raises(ConfigError, match=rf"MLP hidden layer \(128 wide\) for the backward {2 * kept:,} GiB more "
+                                          r"\(2 bytes a value\)"):
+        check_memory(chunked, torch.device("cpu"), 2**31)  # a batch far too large: the activations alone do not fit
+    with pytest.raises(ConfigError, match=rf"for the backward {2 * kept:,} GiB more \(4 bytes a value\)"):
+        check_memory(chunked, torch.device("cpu"), 2**30, torch.float32)  # float32 on the CPU: twice the bytes
     for shape in (args, model_config(make_cfg("model.n_kv_head=4", "model.n_layer=3"), 1000, "sdpa")):
         matrices = [p for p in GPT(shape).parameters() if p.dim() == 2]  # the tied embedding once
         assert min_params(shape) == sum(p.numel() for p in matrices)  # exact: only biases and layer norms left out
