@@ -26,8 +26,6 @@ cuDNN's.
 import argparse
 import copy
 import json
-import math
-import os
 import subprocess
 from pathlib import Path
 from unittest import mock
@@ -68,13 +66,9 @@ def divisible_arguments(head_dim: int, causal: bool, seqlen: int, config: fa3.Fo
 
 
 def _ptxas_version() -> str:
-    import triton
+    """The last line of `ptxas --version` for the assembler this Triton uses for sm_90."""
     from triton.backends.nvidia.compiler import get_ptxas
-    try:
-        path = get_ptxas(90).path
-    except (AttributeError, TypeError):  # releases whose helper takes no architecture
-        path = get_ptxas().path
-    return subprocess.run([path, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    return subprocess.run([get_ptxas(90).path, "--version"], capture_output=True, text=True).stdout.splitlines()[-1]
 
 
 def build(out: Path, tag: str, head_dims, causals, seqlens, variant: str | None) -> list[Path]:
