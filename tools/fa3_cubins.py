@@ -1,9 +1,10 @@
-"""Build the Gluon FA3 forward's cubins with any Triton release on a CPU machine, then time them on an H100/H200
-in one process against the cubin the installed release compiles itself.
+"""Build the Gluon FA3 kernels' cubins with any Triton release on a CPU machine, then time them on an H100/H200
+in one process against the cubins the installed release compiles itself.
 
     # once per Triton release, in that release's environment (no GPU needed):
     python -m tools.fa3_cubins build cubins --tag 3.9 --head-dims 64 --causal 1 --seqlens 2048,8192
     python -m tools.fa3_cubins build cubins --tag 3.9-late --head-dims 64 --causal 1 --variant 2:128:4:1:1:1
+    python -m tools.fa3_cubins build cubins --tag 3.9 --kernel bwd --head-dims 128 --causal 0
     # on the GPU machine, with the installed release (its runtime launches every cubin):
     python -m tools.fa3_cubins time cubins --rounds 4
 
@@ -13,14 +14,16 @@ through the installed release's compiled kernel for the same shape (same argumen
 machine code and its shared-memory size change), interleaved with the native one over --rounds rounds.
 
 build: for each head_dim, causal and seqlen of the benchmark grid (B * N = 16k tokens, H * D = 2048, bf16, as
-`bench.attention`), compiles the forward with the config given (--variant, a `tools.fa3_variants` forward variant;
-default the installed release's FORWARD_CONFIGS entry), specialized as a launch of that shape specializes it
-(Triton marks integer and pointer arguments that are multiples of 16: `divisible_arguments`). Writes
-<out>/d<D><c|n>_<tag>_n<N>.cubin and a .json beside it (Triton and ptxas versions, config, shared memory).
-time: the cubins of <dir>, shape by shape: their o must equal the native kernel's bit for bit (same arithmetic in
-another order would differ; that is reported, not timed), then `triton.testing.do_bench` medians per round and the
-median over rounds; prints each variant's time and native / variant (above 1: faster than the native cubin), and
-cuDNN's.
+`bench.attention`), compiles the forward (--kernel fwd) or the backward (bwd) with the config given (--variant, a
+`tools.fa3_variants` variant of that kernel; default the installed release's FORWARD_CONFIGS / BACKWARD_CONFIGS
+entry), specialized as a launch of that shape on a 132-SM GPU specializes it (Triton marks integer and pointer
+arguments that are multiples of 16: `divisible_arguments`). Writes <out>/<kernel>_d<D><c|n>_<tag>_n<N>.cubin and a
+.json beside it (Triton and ptxas versions, config, shared memory).
+time: the cubins of <dir>, shape by shape, against the native kernel on the same inputs: the forward's o and the
+backward's dK and dV must be equal bit for bit, the backward's dQ (float32 reduce-adds in any order) within 1e-5
+relative (another result is reported and not timed); then `triton.testing.do_bench` medians per round, the median
+over rounds; prints each variant's time and native / variant (above 1: faster than the native cubin), and for the
+forward cuDNN's.
 """
 
 import argparse
@@ -34,27 +37,38 @@ import torch
 
 from bench import HelpFormatter
 from kernels import fa3
-from tools.fa3_variants import forward_config
+from tools.fa3_variants import backward_config, forward_config
 
 TOKENS, WIDTH = 16384, 2048  # bench.attention's grid: B * N and H * D
 
 
-def divisible_arguments(head_dim: int, causal: bool, seqlen: int, config: fa3.ForwardConfig) -> list[str]:
-    """The forward's integer and pointer arguments that a launch on the grid shape (head_dim, seqlen) passes as
-    multiples of 16, which Triton then compiles as such: run_forward's arguments, built on the CPU (no launch),
-    through the installed Triton's own specialization."""
+def _grid_inputs(head_dim: int, seqlen: int, device: str = "cpu", fill=torch.zeros):
+    """q, k, v and dO of the benchmark grid's shape for (head_dim, seqlen), bf16."""
+    return tuple(fill(TOKENS // seqlen, WIDTH // head_dim, seqlen, head_dim, device=device, dtype=torch.bfloat16)
+                 for _ in range(4))
+
+
+def divisible_arguments(kernel: str, head_dim: int, causal: bool, seqlen: int, config) -> list[str]:
+    """The integer and pointer arguments of the forward (kernel="fwd") or backward ("bwd") that a launch on the grid
+    shape (head_dim, seqlen) passes as multiples of 16, which Triton then compiles as such: run_forward's or
+    run_backward's arguments, built on the CPU (nothing launched, the backward's Triton passes stubbed), through the
+    installed Triton's own specialization."""
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
 
     captured = {}
-    q, k, v = (torch.zeros(TOKENS // seqlen, WIDTH // head_dim, seqlen, head_dim, dtype=torch.bfloat16)
-               for _ in range(3))
+    q, k, v, do = _grid_inputs(head_dim, seqlen)
+    scale = head_dim ** -0.5
     with mock.patch.object(fa3, "_run", lambda kernel, key, grid, **args: captured.update(args)), \
-            mock.patch.object(fa3, "_sm_count", lambda device: 132):
-        fa3.run_forward(q, k, v, causal, head_dim ** -0.5, config)
-    kernel = fa3.gluon_kernels().forward
+            mock.patch.object(fa3, "_sm_count", lambda device: 132), \
+            mock.patch.object(fa3, "bwd_preprocess", lambda o, do, dq_acc: torch.zeros(o.shape[:3])), \
+            mock.patch.object(fa3, "convert_dq", lambda *args: None):
+        if kernel == "fwd":
+            fa3.run_forward(q, k, v, causal, scale, config)
+        else:
+            fa3.run_backward(do, q, k, v, q, torch.zeros(q.shape[:3]), causal, scale, config)
     names = []
-    for param in kernel.params:
+    for param in getattr(fa3.gluon_kernels(), {"fwd": "forward", "bwd": "backward"}[kernel]).params:
         value = captured[param.name]
         if param.is_constexpr or not (isinstance(value, (int, torch.Tensor)) and not isinstance(value, bool)):
             continue
@@ -71,7 +85,15 @@ def _ptxas_version() -> str:
     return subprocess.run([get_ptxas(90).path, "--version"], capture_output=True, text=True).stdout.splitlines()[-1]
 
 
-def build(out: Path, tag: str, head_dims, causals, seqlens, variant: str | None) -> list[Path]:
+def _config(kernel: str, head_dim: int, causal: bool, variant: str | None):
+    """The config to build or to time: `variant` parsed as tools.fa3_variants does, else the measured one."""
+    if kernel == "fwd":
+        return forward_config(variant) if variant else fa3.FORWARD_CONFIGS[head_dim, causal]
+    measured = fa3.BACKWARD_CONFIGS[head_dim]
+    return backward_config(variant, measured) if variant else measured
+
+
+def build(out: Path, tag: str, kernel: str, head_dims, causals, seqlens, variant: str | None) -> list[Path]:
     """Compile and write the cubins (see the module docstring); returns their paths."""
     import triton
     reason = fa3.gluon_kernels()
@@ -81,15 +103,15 @@ def build(out: Path, tag: str, head_dims, causals, seqlens, variant: str | None)
     written = []
     for head_dim in head_dims:
         for causal in causals:
-            config = forward_config(variant) if variant else fa3.FORWARD_CONFIGS[head_dim, causal]
+            config = _config(kernel, head_dim, causal, variant)
             for seqlen in seqlens:
-                divisible = divisible_arguments(head_dim, causal, seqlen, config)
-                compiled = fa3.compile_for_sm90(torch.bfloat16, head_dim, causal, 1, "fwd", config,
+                divisible = divisible_arguments(kernel, head_dim, causal, seqlen, config)
+                compiled = fa3.compile_for_sm90(torch.bfloat16, head_dim, causal, 1, kernel, config,
                                                 divisible=divisible)
-                path = out / f"d{head_dim}{'c' if causal else 'n'}_{tag}_n{seqlen}.cubin"
+                path = out / f"{kernel}_d{head_dim}{'c' if causal else 'n'}_{tag}_n{seqlen}.cubin"
                 path.write_bytes(compiled.asm["cubin"])
                 path.with_suffix(".json").write_text(json.dumps(dict(
-                    tag=tag, head_dim=head_dim, causal=causal, seqlen=seqlen, config=config._asdict(),
+                    kernel=kernel, tag=tag, head_dim=head_dim, causal=causal, seqlen=seqlen, config=config._asdict(),
                     shared=compiled.metadata.shared, divisible=divisible, triton=triton.__version__,
                     ptxas=_ptxas_version()), indent=1) + "\n")
                 print(f"wrote {path} (triton {triton.__version__}, {compiled.metadata.shared} B shared)")
@@ -100,21 +122,51 @@ def build(out: Path, tag: str, head_dims, causals, seqlens, variant: str | None)
 def _swapped(compiled, cubin: bytes, shared: int):
     """A copy of Triton's compiled kernel `compiled` that launches `cubin` (with `shared` bytes of dynamic shared
     memory) through the same launcher."""
+    from triton.compiler.compiler import make_backend
+
     swapped = copy.copy(compiled)
     swapped.kernel = cubin
     swapped.asm = {**compiled.asm, "cubin": cubin}
     swapped.metadata = compiled.metadata._replace(shared=shared)
-    swapped.packed_metadata = (compiled.metadata.num_warps, compiled.metadata.num_ctas, shared)
+    swapped.packed_metadata = make_backend(swapped.metadata.target).pack_metadata(swapped.metadata)
     swapped.module = swapped.function = swapped._run = None
     swapped._init_handles()
     return swapped
 
 
+def _runner(kernel: str, head_dim: int, causal: bool, seqlen: int):
+    """A function config -> outputs that runs the forward (o) or the backward (dq, dk, dv) on fixed random inputs
+    of the grid shape, and cuDNN's forward on them (None for the backward)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v, do = _grid_inputs(head_dim, seqlen, "cuda", torch.randn)
+    scale = head_dim ** -0.5
+    if kernel == "fwd":
+        def cudnn():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+        return lambda config: (fa3.run_forward(q, k, v, causal, scale, config)[0],), cudnn
+    o, lse = fa3.run_forward(q, k, v, causal, scale, fa3.FORWARD_CONFIGS[head_dim, causal])
+    return lambda config: fa3.run_backward(do, q, k, v, o, lse, causal, scale, config), None
+
+
+def _same(kernel: str, outputs, reference) -> str | None:
+    """Why `outputs` do not count as the native kernel's (bit-equal o, dK, dV; dQ within 1e-5), or None."""
+    for name, out, ref in zip(("o",) if kernel == "fwd" else ("dq", "dk", "dv"), outputs, reference):
+        if name == "dq":
+            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            if err > 1e-5:
+                return f"dq differs from the native kernel's by {err:.3g} relative"
+        elif not torch.equal(out, ref):
+            return f"{name} differs from the native kernel's by up to {(out.float() - ref.float()).abs().max():.3g}"
+    return None
+
+
 def time_cubins(folder: Path, rounds: int) -> None:
     """Time every cubin of `folder` against the native kernel (see the module docstring)."""
     import triton
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     reason = fa3.gluon_device_reason(torch.device("cuda"))
     if reason:
@@ -122,48 +174,49 @@ def time_cubins(folder: Path, rounds: int) -> None:
     groups = {}
     for path in sorted(folder.glob("*.cubin")):
         meta = json.loads(path.with_suffix(".json").read_text())
-        groups.setdefault((meta["head_dim"], meta["causal"], meta["seqlen"]), []).append((path, meta))
+        groups.setdefault((meta["kernel"], meta["head_dim"], meta["causal"], meta["seqlen"]), []).append(
+            (path, meta))
     print(f"triton {triton.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}")
-    for (head_dim, causal, seqlen), cubins in sorted(groups.items()):
-        config = fa3.FORWARD_CONFIGS[head_dim, causal]
-        q, k, v = (torch.randn(TOKENS // seqlen, WIDTH // head_dim, seqlen, head_dim, device="cuda",
-                               dtype=torch.bfloat16) for _ in range(3))
-        scale = head_dim ** -0.5
-        before = set(fa3._COMPILED)
-        o_native, _ = fa3.run_forward(q, k, v, causal, scale, config)
-        [key] = set(fa3._COMPILED) - before
-        native = fa3._COMPILED[key]
-        variants = {f"native {triton.__version__}": native}
+    for (kernel, head_dim, causal, seqlen), cubins in sorted(groups.items()):
+        run, cudnn = _runner(kernel, head_dim, causal, seqlen)
+        natives = {}  # config -> (key in fa3._COMPILED, the installed release's compiled kernel, its outputs)
+
+        def native(config):
+            if config not in natives:
+                before = set(fa3._COMPILED)
+                outputs = run(config)
+                [key] = set(fa3._COMPILED) - before
+                natives[config] = key, fa3._COMPILED[key], outputs
+            return natives[config]
+
+        measured = _config(kernel, head_dim, causal, None)
+        key, compiled, _ = native(measured)
+        variants = {f"native {triton.__version__}": (measured, key, compiled)}
         for path, meta in cubins:
-            if meta["config"]["num_consumers"] != config.num_consumers or meta["config"]["block_n"] != config.block_n:
-                print(f"  {path.name}: another tile shape than the native {config} (grid differs): skipped")
-                continue
-            swapped = _swapped(native, path.read_bytes(), meta["shared"])
+            config = type(measured)(**meta["config"])
+            key, compiled, reference = native(config)  # the same config compiled here: same launch, same result
+            swapped = _swapped(compiled, path.read_bytes(), meta["shared"])
             fa3._COMPILED[key] = swapped
-            o, _ = fa3.run_forward(q, k, v, causal, scale, config)
-            if not torch.equal(o, o_native):
-                print(f"  {path.name}: o differs from the native kernel's by up to "
-                      f"{(o.float() - o_native.float()).abs().max().item():.3g}: skipped")
+            why = _same(kernel, run(config), reference)
+            fa3._COMPILED[key] = compiled
+            if why:
+                print(f"  {path.name}: {why}: skipped")
                 continue
-            variants[path.stem] = swapped
-
-        def cudnn():
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
-        times = {name: [] for name in [*variants, "cudnn"]}
+            variants[path.stem] = (config, key, swapped)
+        times = {name: [] for name in [*variants, *(["cudnn"] if cudnn else [])]}
         try:
             for _ in range(rounds):
-                for name, compiled in variants.items():
+                for name, (config, key, compiled) in variants.items():
                     fa3._COMPILED[key] = compiled
-                    times[name].append(triton.testing.do_bench(
-                        lambda: fa3.run_forward(q, k, v, causal, scale, config), warmup=25, rep=150))
-                times["cudnn"].append(triton.testing.do_bench(cudnn, warmup=25, rep=150))
+                    times[name].append(triton.testing.do_bench(lambda: run(config), warmup=25, rep=150))
+                if cudnn:
+                    times["cudnn"].append(triton.testing.do_bench(cudnn, warmup=25, rep=150))
         finally:
-            fa3._COMPILED[key] = native
+            for key, compiled, _ in natives.values():
+                fa3._COMPILED[key] = compiled
         median = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
         base = median[f"native {triton.__version__}"]
-        print(f"D={head_dim} causal={causal} N={seqlen} (B={TOKENS // seqlen}, H={WIDTH // head_dim}), "
+        print(f"{kernel} D={head_dim} causal={causal} N={seqlen} (B={TOKENS // seqlen}, H={WIDTH // head_dim}), "
               f"ms (native / variant):")
         for name, ms in median.items():
             print(f"  {name:40s} {ms:8.4f}  ({base / ms:.3f})")
@@ -175,11 +228,12 @@ def main(argv=None):
     make = commands.add_parser("build", help="compile cubins with the installed Triton (no GPU needed)")
     make.add_argument("out", type=Path, help="folder to write into")
     make.add_argument("--tag", required=True, help="names this build in the file names (e.g. the release)")
+    make.add_argument("--kernel", choices=["fwd", "bwd"], default="fwd", help="the Gluon forward or backward")
     make.add_argument("--head-dims", default="64", help="comma-separated head dims")
     make.add_argument("--causal", default="1", help="comma-separated 1 (causal) / 0")
     make.add_argument("--seqlens", default="2048,4096,8192,16384", help="comma-separated N")
-    make.add_argument("--variant", default=None, help="a tools.fa3_variants forward variant; default the "
-                                                      "installed release's measured config")
+    make.add_argument("--variant", default=None, help="a tools.fa3_variants variant of --kernel's format; default "
+                                                      "the installed release's measured config")
     run = commands.add_parser("time", help="time a folder's cubins on the GPU against the native ones")
     run.add_argument("folder", type=Path)
     run.add_argument("--rounds", type=int, default=4, help="interleaved rounds (the median is reported)")
@@ -189,7 +243,7 @@ def main(argv=None):
         head_dims = ints(args.head_dims, "head-dims")
         if set(head_dims) - set(fa3.HEAD_DIMS):
             parser.error(f"--head-dims {args.head_dims}: accepted {', '.join(map(str, fa3.HEAD_DIMS))}")
-        build(args.out, args.tag, head_dims, [bool(c) for c in ints(args.causal, "causal")],
+        build(args.out, args.tag, args.kernel, head_dims, [bool(c) for c in ints(args.causal, "causal")],
               ints(args.seqlens, "seqlens"), args.variant)
     else:
         if args.rounds < 1:

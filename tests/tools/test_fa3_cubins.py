@@ -27,7 +27,7 @@ def test_divisible_arguments_follow_the_launch_values(head_dim, causal, seqlen):
     from tools.fa3_cubins import divisible_arguments
 
     config = fa3.FORWARD_CONFIGS[head_dim, causal]
-    names = divisible_arguments(head_dim, causal, seqlen, config)
+    names = divisible_arguments("fwd", head_dim, causal, seqlen, config)
     n_tiles_m = -(-seqlen // (config.num_consumers * fa3.BLOCK_M))
     heads = 2048 // head_dim
     values = dict(n_heads=heads, seqlen_q=seqlen, seqlen_k=seqlen, window_left=0, window_right=0,
@@ -39,19 +39,50 @@ def test_divisible_arguments_follow_the_launch_values(head_dim, causal, seqlen):
 
 
 @needs_gluon
-def test_build_writes_a_cubin_and_what_built_it(tmp_path):
-    """One build on the installed Triton (a fresh process without the interpreter: `compile_in_fresh_process`):
-    an sm_90 ELF and its JSON (config, shared memory, the arguments compiled as multiples of 16, versions)."""
+@pytest.mark.parametrize("head_dim,seqlen", [(64, 2048), (128, 1024)])
+def test_backward_divisible_arguments_follow_the_launch_values(head_dim, seqlen):
+    """The backward's launch: SECTION_HEADS is a wave's worth of (batch, kv head) pairs on 132 SMs, 132 // key
+    blocks (8 at 2k keys: not marked; 16 at 1k: marked), the lengths and heads as passed."""
+    from tools.fa3_cubins import divisible_arguments
+
+    names = divisible_arguments("bwd", head_dim, True, seqlen, fa3.BACKWARD_CONFIGS[head_dim])
+    section_heads = 132 // (seqlen // (fa3.BWD_CONSUMERS * 64))
+    values = dict(n_heads=2048 // head_dim, seqlen_q=seqlen, seqlen_k=seqlen, SECTION_HEADS=section_heads)
+    for name, value in values.items():
+        assert (name in names) == (value % 16 == 0), (name, value)
+    assert {"LSE", "DELTA", "BLOCK_ORDER"} <= set(names) and "softmax_scale" not in names
+
+
+def test_outputs_count_as_the_native_kernels_when_equal():
+    """o, dK and dV bit for bit; dQ (float32 reduce-adds in any order) within 1e-5 relative."""
+    from tools.fa3_cubins import _same
+
+    ref = [torch.randn(64, dtype=torch.float32) for _ in range(3)]
+    assert _same("fwd", [ref[0].clone()], [ref[0]]) is None
+    assert "o differs" in _same("fwd", [ref[0] + 1e-7], [ref[0]])
+    assert _same("bwd", [ref[0] * (1 + 1e-7), ref[1].clone(), ref[2].clone()], ref) is None
+    assert "dq differs" in _same("bwd", [ref[0] * 1.001, ref[1], ref[2]], ref)
+    assert "dv differs" in _same("bwd", [ref[0], ref[1], ref[2].nextafter(ref[2] + 1)], ref)
+
+
+@needs_gluon
+@pytest.mark.parametrize("kernel", ["fwd", "bwd"])
+def test_build_writes_a_cubin_and_what_built_it(tmp_path, kernel):
+    """One build on the installed Triton (a fresh process without the interpreter, as `compile_in_fresh_process`
+    in tests/kernels/test_fa3.py): an sm_90 ELF and its JSON (kernel, config, shared memory, the arguments
+    compiled as multiples of 16, versions)."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-m", "tools.fa3_cubins", "build", str(tmp_path), "--tag", "t",
-                           "--seqlens", "2048"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+                           "--kernel", kernel, "--seqlens", "2048"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    cubin = tmp_path / "d64c_t_n2048.cubin"
+    cubin = tmp_path / f"{kernel}_d64c_t_n2048.cubin"
     assert cubin.read_bytes()[:4] == b"\x7fELF"
     meta = json.loads(cubin.with_suffix(".json").read_text())
-    assert meta["config"] == fa3.FORWARD_CONFIGS[64, True]._asdict()
+    config = fa3.FORWARD_CONFIGS[64, True] if kernel == "fwd" else fa3.BACKWARD_CONFIGS[64]
+    assert meta["config"] == config._asdict() and meta["kernel"] == kernel
     assert meta["head_dim"] == 64 and meta["causal"] is True and meta["seqlen"] == 2048
-    assert 0 < meta["shared"] <= 227 * 1024 and "n_tiles_m" in meta["divisible"]
+    assert 0 < meta["shared"] <= 227 * 1024 and "seqlen_q" in meta["divisible"]
     assert meta["triton"] == fa3.triton_version() and "cuda_" in meta["ptxas"]
 
 
