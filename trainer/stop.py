@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from typing import Optional
@@ -17,26 +18,66 @@ class TrainingAborted(KeyboardInterrupt):
 
 class StopRequest:
     """First Ctrl-C / SIGTERM: finish the current step, save, exit cleanly (``signum`` is set).
-    Second Ctrl-C: raise KeyboardInterrupt at once. Handlers are installed in the main thread only."""
+    Second Ctrl-C: raise KeyboardInterrupt at once. Handlers are installed in the main thread only.
+
+    Python runs a signal handler only between bytecodes, so inside one long operation (a CPU attention over a very
+    long context) the second Ctrl-C would wait for the operation to end. A watcher thread reads the signals as they
+    arrive (``signal.set_wakeup_fd``); when the main thread has not taken a second Ctrl-C within ``ABORT_GRACE_S``,
+    it ends the process with 130 and the same words as the abort, the step in flight not saved (checkpoints are
+    written atomically: the last complete one stays). Not installed where another wakeup fd is set."""
+
+    ABORT_GRACE_S = 2.0
 
     def __init__(self):
         self.signum: Optional[int] = None
         self._previous: dict = {}
+        self._aborting = threading.Event()
+        self._wakeup: Optional[tuple[int, int]] = None  # the pipe the interpreter writes signal numbers into
 
     def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._previous[sig] = signal.signal(sig, self._handle)
+            self._start_watcher()
         return self
 
     def __exit__(self, *exc) -> bool:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        if self._wakeup is not None:
+            signal.set_wakeup_fd(-1)
+            os.close(self._wakeup[1])  # the watcher's read returns empty: it ends and closes its end
+            self._wakeup = None
         return False
 
     def _handle(self, signum, frame):
         if self.signum is not None and signum == signal.SIGINT:
+            self._aborting.set()
             raise KeyboardInterrupt
         self.signum = signum
         log.warning("received %s: stopping after this step and saving a checkpoint (Ctrl-C %sto abort)",
                     signal.Signals(signum).name, "again " if signum == signal.SIGINT else "")
+
+    def _start_watcher(self) -> None:
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        if previous != -1:  # someone else listens (an event loop): leave it theirs
+            signal.set_wakeup_fd(previous)
+            os.close(read), os.close(write)
+            return
+        self._wakeup = (read, write)
+        threading.Thread(target=self._watch, args=(read,), name="stop-watcher", daemon=True).start()
+
+    def _watch(self, read: int) -> None:
+        seen = 0  # SIGINT / SIGTERM so far
+        try:
+            while data := os.read(read, 64):
+                for signum in data:
+                    if signum == signal.SIGINT and seen and not self._aborting.wait(self.ABORT_GRACE_S):
+                        log.error("aborted by a second Ctrl-C during a long operation; this step was not saved "
+                                  "(a resume continues from the last checkpoint)")
+                        os._exit(128 + signal.SIGINT)  # the log handlers flush every record
+                    seen += signum in (signal.SIGINT, signal.SIGTERM)
+        finally:
+            os.close(read)
