@@ -36,10 +36,9 @@ from unittest import mock
 import torch
 
 from bench import HelpFormatter
+from bench.attention import TOKENS, WIDTH
 from kernels import fa3
 from tools.fa3_variants import backward_config, forward_config
-
-TOKENS, WIDTH = 16384, 2048  # bench.attention's grid: B * N and H * D
 
 
 def _grid_inputs(head_dim: int, seqlen: int, device: str = "cpu", fill=torch.zeros):
