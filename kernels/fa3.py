@@ -639,13 +639,14 @@ def backward(do, q, k, v, o, lse, causal, softmax_scale, window_size=(-1, -1), c
 
 
 def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, kernel="fwd", config=None,
-                     window=False, softcap=False, docs=False, divisible=()):
+                     window=False, softcap=False, docs=False, divisible=(), ones=()):
     """Compile the Gluon forward (kernel="fwd") or backward ("bwd") for sm_90 without a GPU (catches Gluon API
     breaks on CPU-only machines), with `config` (a ForwardConfig / BackwardConfig; default the measured one).
     causal: the band's right edge (RIGHT); window: its left edge (LEFT, a sliding window); softcap: the logit cap;
     docs: packed sequences (DOCS, per-row bounds: both edges). divisible: names of integer and pointer arguments
-    to compile as multiples of 16 (`tt.divisibility`), as a launch specializes the ones whose values are; by default
-    none, so the kernel is valid for any values.
+    to compile as multiples of 16 (`tt.divisibility`), as a launch specializes the ones whose values are; ones:
+    names of integer arguments to compile as the constant 1, as a launch specializes an integer passed as 1; by
+    default neither, so the kernel is valid for any values.
 
     Returns Triton's compiled kernel (`.asm` holds ttgir, ptx and cubin). Raises RuntimeError naming the
     reason when this Triton is not one the kernels support, ValueError for another `kernel`.
@@ -700,7 +701,12 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
     unknown = set(divisible) - {arg for arg, kind in signature.items() if kind == "i32" or kind.startswith("*")}
     if unknown:
         raise ValueError(f"divisible={sorted(unknown)}: not integer or pointer arguments of the {kernel} kernel")
+    unknown = set(ones) - {arg for arg, kind in signature.items() if kind == "i32"}
+    if unknown:
+        raise ValueError(f"ones={sorted(unknown)}: not integer arguments of the {kernel} kernel")
     attrs = {(fn.arg_names.index(arg),): [["tt.divisibility", 16]] for arg in divisible}
+    signature.update({arg: "constexpr" for arg in ones})
+    constexprs.update({arg: 1 for arg in ones})
     source = GluonASTSource(fn, signature, constexprs, attrs)
     with kernels.compiling():
         return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **LAUNCH_OPTIONS})
