@@ -17,9 +17,10 @@ way. `constexpr_function` (the aggregates' constructors) and `as_4d` are the sam
 because both kernels need them. `kernels.fa3.GLUON_TRITON_VERSIONS` lists the releases whose sm_90 compile of both
 kernels is checked (`tools/check_triton_versions.sh`; in CI on the installed release, tests/kernels/test_fa3.py).
 
-Code generation differs too: `compiling()`, the context `kernels.fa3` compiles the kernels in, rewrites Triton 3.9's
-wgmma descriptors (below); the other 3.9 difference found to cost time, the head_dim-64 causal forward's schedule,
-is answered by a per-release config entry in `kernels.fa3` (`_FORWARD_CONFIGS_FROM`: the late K release).
+Code generation differs too: `compiling()`, the context `kernels.fa3` compiles the kernels in, rewrites Triton
+3.9's wgmma descriptors in the PTX (below, `PTX_REWRITES`); the other 3.9 difference found to cost time, the
+head_dim-64 causal forward's schedule, is answered by a per-release config entry in `kernels.fa3`
+(`_FORWARD_CONFIGS_FROM`: the late K release).
 """
 
 import collections
@@ -39,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import tma
 from triton.language import core as _tl_core
 
 __all__ = ["aggregate", "as_4d", "compiling", "constexpr_function", "cp_async_load", "reinterpret", "tma_load",
-           "tma_reduce_add", "tma_store", "wgmma_descriptor_adds"]
+           "rewrite_ptx", "tma_reduce_add", "tma_store", "wgmma_descriptor_adds", "wgmma_descriptor_sink"]
 
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
@@ -81,6 +82,11 @@ def as_4d(tile, desc):
 # prepare the next descriptor in a second pair while the previous HGMMA issues. `wgmma_descriptor_adds` writes them
 # back as 64-bit adds, the same values, before ptxas runs: the head_dim-64 causal forward 2-3 % faster under 3.9
 # (docs/hopper-notes.md, "FA3 forward tiles under Triton 3.9").
+# 3.9's PTX also builds a whole chain's descriptors before its first wgmma, and 3.9 assembles with
+# `--regAllocOptLevel=2`: the values live across the chain, and the backward's consumers spill (32 bytes of stack at
+# head_dim 128; none under 3.8). `wgmma_descriptor_sink` moves each descriptor's ops down to its wgmma, as 3.8 writes
+# them: no spills there, and both kernels 0-4 % faster under 3.9 (docs/hopper-notes.md, "FA3 under Triton 3.9:
+# descriptors built at their wgmma").
 
 _BFE = re.compile(r"^\s*bfe\.u32\s+(%r\d+), %r\d+, \d+, (\d+);")
 _ADD = re.compile(r"^\s*(add\.s32|or\.b32)\s+(%r\d+), (%r\d+), (\d+);")
@@ -132,19 +138,97 @@ def wgmma_descriptor_adds(ptx: str) -> tuple[str, int]:
     return "\n".join(lines), done
 
 
+_REGISTER = re.compile(r"%[a-z]+\d+\b")
+# An instruction line: [@predicate] opcode operands;
+_INSTRUCTION = re.compile(r"^\s*(@!?%p\d+\s+)?([a-z][\w.:]*)\s+([^;]*);\s*$")
+_SINKABLE = ("add.s32", "or.b32", "cvt.u64.u32", "add.s64", "or.b64")  # what Triton 3.9 builds descriptors with
+
+
+def _destinations(line: str) -> list[str]:
+    """The registers an instruction line writes: its first operand, or every register of a leading `{...}`."""
+    m = _INSTRUCTION.match(line)
+    if not m:
+        return []
+    operands = m.group(3).lstrip()
+    if operands.startswith("{"):
+        return _REGISTER.findall(operands[:operands.find("}")])
+    first = operands.split(",", 1)[0].strip()
+    return [first] if _REGISTER.fullmatch(first) else []
+
+
+def wgmma_descriptor_sink(ptx: str) -> tuple[str, int]:
+    """PTX with each wgmma's descriptor computation moved down to just before that wgmma -> (PTX, how many wgmmas).
+
+    Moved: the chain of integer ops (`_SINKABLE`, unpredicated) that builds a descriptor operand, each op's result
+    written once and read once (by the next op of the chain or the wgmma), in the wgmma's basic block, and every
+    register it reads written once in the whole PTX, so it reads the same value further down. Anything else stays.
+    """
+    lines = ptx.split("\n")
+    block, blocks = 0, []
+    writes, mentions = collections.defaultdict(list), collections.Counter()
+    for i, line in enumerate(lines):
+        block += bool(_BLOCK_LABEL.match(line))
+        blocks.append(block)
+        for register in _destinations(line):
+            writes[register].append(i)
+        mentions.update(_REGISTER.findall(line))
+    sunk, moves = set(), {}  # moves: wgmma line -> the lines moved before it, in order
+
+    def pull(register: str, wgmma: int, chain: list[int]) -> None:
+        if len(writes[register]) != 1 or mentions[register] != 2:  # written once, read once
+            return
+        j = writes[register][0]
+        m = _INSTRUCTION.match(lines[j])
+        if j >= wgmma or j in sunk or blocks[j] != blocks[wgmma] or m.group(1) or m.group(2) not in _SINKABLE:
+            return
+        sources = _REGISTER.findall(m.group(3).split(",", 1)[1])
+        if any(len(writes[source]) != 1 for source in sources):
+            return
+        for source in sources:
+            pull(source, wgmma, chain)
+        sunk.add(j)
+        chain.append(j)
+
+    for i, line in enumerate(lines):
+        if "wgmma.mma_async" in line and "}" in line:
+            chain = []
+            for register in re.findall(r"%rd\d+\b", line[line.rfind("}"):]):  # the descriptor operands
+                pull(register, i, chain)
+            if chain and chain != list(range(i - len(chain), i)):  # not already right above the wgmma
+                moves[i] = chain
+            else:
+                sunk.difference_update(chain)
+    out = []
+    for i, line in enumerate(lines):
+        out.extend(lines[j] for j in moves.get(i, ()))
+        if i not in sunk:
+            out.append(line)
+    return "\n".join(out), len(moves)
+
+
 _TRITON_3_9_OR_LATER = tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 9)
-# Only the forward: the backward keeps its descriptors in per-thread registers, and there the rewrite costs ptxas
-# registers (sm_90 SASS of the head_dim-64 causal backward under 3.9: 2,912 instructions, 3,120 rewritten, with
-# spills; 2,768 on 3.6).
-_DESCRIPTOR_ADDS_KERNELS = ("fa3_fwd_kernel",)
+# Per kernel, the rewrites of Triton 3.9's PTX (above), in order. The 64-bit adds cost the backward registers (it
+# keeps its descriptors in per-thread registers), so it only has its descriptors sunk.
+PTX_REWRITES = {"fa3_fwd_kernel": (wgmma_descriptor_sink, wgmma_descriptor_adds),
+                "fa3_bwd_kernel": (wgmma_descriptor_sink,)}
 with open(__file__, "rb") as _f:  # Triton's compile cache keys on this file: a change here recompiles
-    _HOOK_KEY = "fa3-wgmma-descriptor-adds-" + hashlib.sha256(_f.read()).hexdigest()[:16]
+    _HOOK_KEY = "fa3-ptx-rewrites-" + hashlib.sha256(_f.read()).hexdigest()[:16]
 
 
-class _DescriptorAdds:
+def rewrite_ptx(name: str, ptx: str) -> tuple[str, int]:
+    """Kernel `name`'s PTX with its `PTX_REWRITES` applied -> (PTX, how many places changed); other kernels' PTX
+    unchanged."""
+    changed = 0
+    for rewrite in PTX_REWRITES.get(name, ()):
+        ptx, done = rewrite(ptx)
+        changed += done
+    return ptx, changed
+
+
+class _PtxRewrites:
     """A Triton `knobs.runtime.add_stages_inspection_hook`: called with no argument, the key it adds to the compile
-    cache's; called by a backend's `add_stages`, it wraps the "ptx" stage with `wgmma_descriptor_adds` (for the
-    kernels in `_DESCRIPTOR_ADDS_KERNELS`) after running the hook it replaced, if any."""
+    cache's; called by a backend's `add_stages`, it wraps the "ptx" stage with `rewrite_ptx` after running the
+    hook it replaced, if any."""
 
     def __init__(self, previous):
         self.previous = previous
@@ -152,7 +236,8 @@ class _DescriptorAdds:
     def __call__(self, *args):
         if not args:
             key, value = self.previous() if self.previous else ("", "")
-            ours = f"{_HOOK_KEY}-{'-'.join(_DESCRIPTOR_ADDS_KERNELS)}"
+            ours = "-".join([_HOOK_KEY, *(f"{name}:{'+'.join(f.__name__ for f in rewrites)}"
+                                           for name, rewrites in sorted(PTX_REWRITES.items()))])
             return key + ours, f"{value}{ours}"
         if self.previous:
             self.previous(*args)
@@ -161,21 +246,21 @@ class _DescriptorAdds:
 
         def ptx(src, metadata):
             ptx = make_ptx(src, metadata)  # names the kernel in metadata
-            return wgmma_descriptor_adds(ptx)[0] if metadata["name"] in _DESCRIPTOR_ADDS_KERNELS else ptx
+            return rewrite_ptx(metadata["name"], ptx)[0]
 
         stages["ptx"] = ptx
 
 
 @contextlib.contextmanager
 def compiling():
-    """Compile (or look up) the FA3 kernels inside this context: on Triton >= 3.9 it installs `_DescriptorAdds`
+    """Compile (or look up) the FA3 kernels inside this context: on Triton >= 3.9 it installs `_PtxRewrites`
     as Triton's stages hook for the context's duration, then puts back the hook that was there; on earlier
     releases it does nothing."""
     if not _TRITON_3_9_OR_LATER:
         yield
         return
     previous = knobs.runtime.add_stages_inspection_hook
-    knobs.runtime.add_stages_inspection_hook = _DescriptorAdds(previous)
+    knobs.runtime.add_stages_inspection_hook = _PtxRewrites(previous)
     try:
         yield
     finally:

@@ -124,13 +124,13 @@ def test_gluon_kernels_compile_for_sm90(kernel):
             f"    k = fa3.compile_for_sm90(t, d, c, 1 if c else 4, {kernel!r}, window=w); ptx = k.asm['ptx']\n"
             "    print(d, c, w, t, k.metadata.shared, k.metadata.enable_fp_fusion,"
             " all(s in ptx for s in ('wgmma.mma_async', 'setmaxnreg', 'cp.async.bulk.tensor')),"
-            " gluon_compat.wgmma_descriptor_adds(ptx)[1])")
+            " gluon_compat.rewrite_ptx(k.metadata.name, ptx)[1] if gluon_compat._TRITON_3_9_OR_LATER else 0)")
     lines = compile_in_fresh_process(code)
     assert len(lines) == 2 * 2 * len(fa3.HEAD_DIMS) * 2
     for *combination, shared, fp_fusion, has_hopper_instructions, descriptors_left in lines:
         assert has_hopper_instructions == "True", f"{combination}: wgmma, setmaxnreg and TMA copies expected"
-        if kernel == "fwd":  # compile_for_sm90 compiles as a launch does, with gluon_compat.compiling()
-            assert descriptors_left == "0", f"{combination}: descriptors left for wgmma_descriptor_adds"
+        # compile_for_sm90 compiles as a launch does, with gluon_compat.compiling(): nothing left to rewrite
+        assert descriptors_left == "0", f"{combination}: descriptors left for gluon_compat.PTX_REWRITES"
         assert fp_fusion == "True", f"{combination}: compiled without LAUNCH_OPTIONS"
         assert int(shared) <= SM90_SHARED_MEMORY, f"{combination}: more shared memory than an sm_90 block may have"
 

@@ -1,6 +1,7 @@
-"""`kernels.gluon_compat`'s rewrite of Triton 3.9's wgmma descriptors (`wgmma_descriptor_adds`) and the compile
-context that applies it (`compiling`). CPU only: the rewrite is text in, text out, checked by evaluating both
-versions of the PTX's integer arithmetic; the compiled forward is checked as `test_fa3`'s sm_90 compile is."""
+"""`kernels.gluon_compat`'s rewrites of Triton 3.9's wgmma descriptors (`wgmma_descriptor_adds`,
+`wgmma_descriptor_sink`) and the compile context that applies them (`compiling`). CPU only: a rewrite is text in,
+text out, checked by evaluating both versions of the PTX's integer arithmetic; the compiled kernels are checked as
+`test_fa3`'s sm_90 compile is."""
 
 import random
 import re
@@ -128,6 +129,86 @@ def test_compiled_forward_descriptors_keep_their_values(tmp_path):
     seen = evaluate(ptx, 0)
     assert len(seen) >= 2 * 12  # the QK and PV chains' descriptors at least
     assert evaluate(rewritten, 0) == seen
+    assert evaluate(gluon_compat.rewrite_ptx("fa3_fwd_kernel", ptx)[0], 0) == seen  # sunk, then the adds
+
+
+def hoisted_descriptors(rng: random.Random, count: int) -> str:
+    """PTX in the shape Triton 3.9 writes a backward's wgmma chain: every descriptor built (`add.s32`, `cvt.u64.u32`,
+    `or.b64`) before the chain's first wgmma, with other work between."""
+    lines = ["\tbfe.u32 \t%r1, %r0, 4, 14;"]
+    for i in range(count):
+        lines += [f"\tadd.s32 \t%r{100 + i}, %r1, {rng.randrange(1 << 12) * 2};",
+                  f"\tcvt.u64.u32 \t%rd{200 + i}, %r{100 + i};",
+                  f"\tor.b64 \t%rd{300 + i}, %rd{200 + i}, {rng.getrandbits(31) << 32};"]
+    lines += ["\twgmma.fence.sync.aligned;", "\tadd.s32 \t%r3, %r2, 1;"]
+    for i in range(count):
+        lines += ["\t// begin inline asm",
+                  f"\twgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {{%r5,%r6}}, %rd{400 + i}, %rd{300 + i}, "
+                  "%p45, 1, 1, 0, 0;", "\t// end inline asm"]
+    return "\n".join(lines)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_descriptor_sink_keeps_every_value_and_moves_each_chain_to_its_wgmma(seed):
+    rng = random.Random(seed)
+    count = rng.randint(1, 8)
+    ptx = hoisted_descriptors(rng, count)
+    sunk, done = gluon_compat.wgmma_descriptor_sink(ptx)
+    assert done == count and sorted(sunk.split("\n")) == sorted(ptx.split("\n"))  # the same lines, reordered
+    lines = sunk.split("\n")
+    for i in range(count):
+        at = next(n for n, line in enumerate(lines) if f"%rd{300 + i}, %p45" in line)
+        assert [line.split()[0] for line in lines[at - 3:at]] == ["add.s32", "cvt.u64.u32", "or.b64"]
+        assert f"%r{100 + i}," in lines[at - 3] and f"%rd{300 + i}," in lines[at - 1]
+    for inputs in range(4):
+        assert evaluate(sunk, inputs) == evaluate(ptx, inputs)
+    assert gluon_compat.wgmma_descriptor_sink(sunk) == (sunk, 0)  # nothing left to move
+
+
+SINK_SNIPPET = ("\tbfe.u32 \t%r1, %r0, 4, 14;\n\tadd.s32 \t%r2, %r1, 128;\n\tcvt.u64.u32 \t%rd1, %r2;\n"
+                "\tor.b64 \t%rd2, %rd1, 4611686293305294848;\n\twgmma.fence.sync.aligned;\n"
+                "\twgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%r5}, %rd9, %rd2, %p1, 1, 1, 0, 0;")
+
+
+@pytest.mark.parametrize("change,moved", [
+    (("\twgmma.fence", "\tst.shared.u64 \t[%r9], %rd2;\n\twgmma.fence"), []),  # the descriptor read again
+    (("\twgmma.fence", "$L__BB0_1:\n\twgmma.fence"), []),  # the wgmma in another basic block
+    (("\tor.b64", "\t@%p2 or.b64"), []),  # a predicated op
+    (("\tor.b64 \t%rd2, %rd1,", "\tld.shared.u64 \t%rd2, [%rd1],"), []),  # not an op descriptors are built with
+    (("\tbfe.u32", "\tmov.b32 \t%r1, 0;\n\tbfe.u32"), ["cvt.u64.u32", "or.b64"]),  # the add reads %r1, written twice
+    ((";\n\tcvt.u64.u32", ";\n\tadd.s32 \t%r8, %r2, 1;\n\tcvt.u64.u32"), ["cvt.u64.u32", "or.b64"]),  # %r2 read twice
+])
+def test_descriptor_sink_leaves_what_it_cannot_prove(change, moved):
+    """Each change keeps an op (and the ops it feeds from) where it is; the rest of the chain still moves."""
+    ptx = SINK_SNIPPET.replace(*change)
+    assert ptx != SINK_SNIPPET
+    sunk, done = gluon_compat.wgmma_descriptor_sink(ptx)
+    assert done == bool(moved)
+    lines = sunk.split("\n")
+    if moved:
+        assert [line.split()[0] for line in lines[-1 - len(moved):-1]] == moved
+    else:
+        assert sunk == ptx
+    assert evaluate(sunk, 0) == evaluate(ptx, 0)
+    assert gluon_compat.wgmma_descriptor_sink(SINK_SNIPPET)[1] == 1  # the unchanged snippet is rewritten
+
+
+def test_compiled_backward_descriptors_keep_their_values(tmp_path):
+    """The backward's PTX as the installed Triton writes it (the rewrites off), sunk here: every wgmma reads the
+    same descriptor values. On 3.9 and later there must be chains to move (if a release stops hoisting them, the
+    workaround is obsolete)."""
+    path = tmp_path / "bwd.ptx"
+    compile_in_fresh_process("import torch; from kernels import fa3, gluon_compat\n"
+                             "gluon_compat._TRITON_3_9_OR_LATER = False\n"
+                             f"open({str(path)!r}, 'w').write("
+                             "fa3.compile_for_sm90(torch.bfloat16, 128, False, 1, 'bwd').asm['ptx'])")
+    ptx = path.read_text()
+    sunk, done = gluon_compat.wgmma_descriptor_sink(ptx)
+    if gluon_compat._TRITON_3_9_OR_LATER:
+        assert done >= 2 * 16  # the S^T, dP^T, dV, dK and dQ chains' descriptors, in both consumers
+    seen = evaluate(ptx, 0)
+    assert len(seen) >= 2 * 2 * 16
+    assert evaluate(sunk, 0) == seen
 
 
 class RecordingHook:
@@ -142,7 +223,7 @@ class RecordingHook:
         self.calls.append(args)
 
 
-def test_compiling_wraps_the_forward_ptx_and_restores_the_previous_hook(monkeypatch):
+def test_compiling_wraps_each_kernels_ptx_and_restores_the_previous_hook(monkeypatch):
     monkeypatch.setattr(gluon_compat, "_TRITON_3_9_OR_LATER", True)
     user = RecordingHook()
     monkeypatch.setattr(knobs.runtime, "add_stages_inspection_hook", user)
@@ -154,13 +235,17 @@ def test_compiling_wraps_the_forward_ptx_and_restores_the_previous_hook(monkeypa
 
         def make_ptx(src, metadata):
             metadata["name"] = src
-            return SNIPPET
+            return SINK_SNIPPET if src == "fa3_bwd_kernel" else SNIPPET
 
         stages = {"ptx": make_ptx}
         hook(None, stages, None, None, 90)
         assert len(user.calls) == 1  # the user's hook still runs
-        assert stages["ptx"]("fa3_fwd_kernel", {}) == gluon_compat.wgmma_descriptor_adds(SNIPPET)[0] != SNIPPET
-        assert stages["ptx"]("fa3_bwd_kernel", {}) == SNIPPET  # only the forward
+        forward = stages["ptx"]("fa3_fwd_kernel", {})
+        assert forward == gluon_compat.wgmma_descriptor_adds(gluon_compat.wgmma_descriptor_sink(SNIPPET)[0])[0]
+        assert forward != SNIPPET
+        sunk = stages["ptx"]("fa3_bwd_kernel", {})
+        assert sunk == gluon_compat.wgmma_descriptor_sink(SINK_SNIPPET)[0] != SINK_SNIPPET
+        assert stages["ptx"]("another_kernel", {}) == SNIPPET  # only the FA3 kernels
     assert knobs.runtime.add_stages_inspection_hook is user
     with pytest.raises(KeyError), gluon_compat.compiling():
         raise KeyError("a failed compile")
