@@ -21,10 +21,12 @@ class StopRequest:
     Second Ctrl-C: raise KeyboardInterrupt at once. Handlers are installed in the main thread only.
 
     Python runs a signal handler only between bytecodes, so inside one long operation (a CPU attention over a very
-    long context) the second Ctrl-C would wait for the operation to end. A watcher thread reads the signals as they
-    arrive (``signal.set_wakeup_fd``); when the main thread has not taken a second Ctrl-C within ``ABORT_GRACE_S``,
-    it ends the process with 130 and the same words as the abort, the step in flight not saved (checkpoints are
-    written atomically: the last complete one stays). Not installed where another wakeup fd is set."""
+    long context) the first signal's message and the second Ctrl-C would wait for the operation to end. A watcher
+    thread reads the signals as they arrive (``signal.set_wakeup_fd``): it logs the first one's message at once
+    (once: whichever of it and the handler comes first), and when the main thread has not taken a second Ctrl-C
+    within ``ABORT_GRACE_S``, it ends the process with 130 and the same words as the abort, the step in flight not
+    saved (checkpoints are written atomically: the last complete one stays). Not installed where another wakeup fd
+    is set."""
 
     ABORT_GRACE_S = 2.0
 
@@ -32,6 +34,7 @@ class StopRequest:
         self.signum: Optional[int] = None
         self._previous: dict = {}
         self._aborting = threading.Event()
+        self._announced = threading.Lock()  # taken by whoever logs the first signal's message
         self._wakeup: Optional[tuple[int, int]] = None  # the pipe the interpreter writes signal numbers into
 
     def __enter__(self) -> "StopRequest":
@@ -55,8 +58,13 @@ class StopRequest:
             self._aborting.set()
             raise KeyboardInterrupt
         self.signum = signum
-        log.warning("received %s: stopping after this step and saving a checkpoint (Ctrl-C %sto abort)",
-                    signal.Signals(signum).name, "again " if signum == signal.SIGINT else "")
+        self._announce(signum)
+
+    def _announce(self, signum: int) -> None:
+        """Log the first signal's message, once, from the handler or the watcher."""
+        if self._announced.acquire(blocking=False):
+            log.warning("received %s: stopping after this step and saving a checkpoint (Ctrl-C %sto abort)",
+                        signal.Signals(signum).name, "again " if signum == signal.SIGINT else "")
 
     def _start_watcher(self) -> None:
         read, write = os.pipe()
@@ -78,6 +86,9 @@ class StopRequest:
                         log.error("aborted by a second Ctrl-C during a long operation; this step was not saved "
                                   "(a resume continues from the last checkpoint)")
                         os._exit(128 + signal.SIGINT)  # the log handlers flush every record
-                    seen += signum in (signal.SIGINT, signal.SIGTERM)
+                    if signum in (signal.SIGINT, signal.SIGTERM):
+                        if not seen:
+                            self._announce(signum)
+                        seen += 1
         finally:
             os.close(read)

@@ -1,8 +1,10 @@
-"""trainer.stop.StopRequest: a second Ctrl-C aborts even while the main thread is inside one long operation.
+"""trainer.stop.StopRequest: the first Ctrl-C is acknowledged and a second one aborts even while the main thread is
+inside one long operation.
 
 Each case runs in a fresh process (signals, handlers and the wakeup fd are per process)."""
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -37,6 +39,24 @@ def test_second_ctrl_c_inside_a_long_operation_ends_the_process():
     assert code_ == 130, out[-3000:]
     assert "aborted by a second Ctrl-C during a long operation; this step was not saved" in out
     assert "the call ended" not in out and seconds < 20, (seconds, out[-3000:])
+
+
+def test_first_ctrl_c_is_acknowledged_inside_a_long_operation_and_only_once():
+    """The first Ctrl-C arrives while the main thread is in a 4-second call it cannot leave: its message is logged
+    during the call (before the call's own line), and once, though the handler runs when the call returns."""
+    code = ("with StopRequest() as stop:\n"
+            "    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})\n"
+            "    os.kill(os.getpid(), signal.SIGINT)\n"
+            "    time.sleep(4)\n"
+            "    logging.info('the call ended')\n"
+            "    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})\n"
+            "    while stop.signum is None: time.sleep(0.01)\n"
+            "print('signum', stop.signum)\n")
+    code_, out, _ = run(code)
+    assert code_ == 0 and f"signum {int(signal.SIGINT)}" in out, out[-3000:]
+    message = "received SIGINT: stopping after this step and saving a checkpoint (Ctrl-C again to abort)"
+    assert out.count(message) == 1, out[-3000:]
+    assert out.index(message) < out.index("the call ended"), out[-3000:]
 
 
 def test_second_ctrl_c_between_operations_is_the_main_threads():
