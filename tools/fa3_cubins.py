@@ -3,7 +3,7 @@ in one process against the cubins the installed release compiles itself.
 
     # once per Triton release, in that release's environment (no GPU needed):
     python -m tools.fa3_cubins build cubins --tag 3.9 --head-dims 64 --causal 1 --seqlens 2048,8192
-    python -m tools.fa3_cubins build cubins --tag 3.9-late --head-dims 64 --causal 1 --variant 2:128:4:1:1:1
+    python -m tools.fa3_cubins build cubins --tag 3.9-early-k --head-dims 64 --causal 1 --variant 2:128:4:1:1:0
     python -m tools.fa3_cubins build cubins --tag 3.9 --kernel bwd --head-dims 128 --causal 0
     # on the GPU machine, with the installed release (its runtime launches every cubin):
     python -m tools.fa3_cubins time cubins --rounds 4
@@ -50,11 +50,17 @@ from tools.fa3_variants import backward_config, forward_config
 # dQ's float32 reduce-adds land in any order: the same kernel's dQ differs between runs by 1.2-2.6e-5 relative at
 # head_dim 128, N = 2k-8k (H200); a wrong kernel's by far more.
 DQ_TOLERANCE = 1e-4
+SM90_SHARED_MEMORY = 227 * 1024  # the most dynamic shared memory an sm_90 block may have
+
+
+def _batch(seqlen: int) -> int:
+    """The benchmark grid's batch at `seqlen` (as bench.attention: TOKENS tokens, at least one sequence)."""
+    return max(1, TOKENS // seqlen)
 
 
 def _grid_inputs(head_dim: int, seqlen: int, device: str = "cpu", fill=torch.zeros):
     """q, k, v and dO of the benchmark grid's shape for (head_dim, seqlen), bf16."""
-    return tuple(fill(TOKENS // seqlen, WIDTH // head_dim, seqlen, head_dim, device=device, dtype=torch.bfloat16)
+    return tuple(fill(_batch(seqlen), WIDTH // head_dim, seqlen, head_dim, device=device, dtype=torch.bfloat16)
                  for _ in range(4))
 
 
@@ -99,11 +105,21 @@ def _ptxas_version() -> str:
 
 
 def _config(kernel: str, head_dim: int, causal: bool, variant: str | None):
-    """The config to build or to time: `variant` parsed as tools.fa3_variants does, else the measured one."""
+    """The config to build or to time: `variant` parsed as tools.fa3_variants does, else the measured one;
+    SystemExit naming what is wrong with a variant the kernel cannot take."""
     if kernel == "fwd":
-        return forward_config(variant) if variant else fa3.FORWARD_CONFIGS[head_dim, causal]
+        config = forward_config(variant) if variant else fa3.FORWARD_CONFIGS[head_dim, causal]
+        if config.num_consumers not in (2, 3) or config.block_n not in (64, 128) or config.num_stages < 1:
+            raise SystemExit(f"forward variant {variant}: NUM_CONSUMERS 2 or 3, BLOCK_N 64 or 128, NUM_STAGES 1 or "
+                             "more")
+        return config
     measured = fa3.BACKWARD_CONFIGS[head_dim]
-    return backward_config(variant, measured) if variant else measured
+    config = backward_config(variant, measured) if variant else measured
+    try:
+        config.dq_box(head_dim)
+    except ValueError as error:
+        raise SystemExit(f"backward variant {variant} at head_dim {head_dim}: {error}") from None
+    return config
 
 
 def build(out: Path, tag: str, kernel: str, head_dims, causals, seqlens, variant: str | None) -> list[Path]:
@@ -112,23 +128,30 @@ def build(out: Path, tag: str, kernel: str, head_dims, causals, seqlens, variant
     reason = fa3.gluon_kernels()
     if isinstance(reason, str):
         raise SystemExit(reason)
+    configs = {(head_dim, causal): _config(kernel, head_dim, causal, variant)
+               for head_dim in head_dims for causal in causals}
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for head_dim in head_dims:
-        for causal in causals:
-            config = _config(kernel, head_dim, causal, variant)
-            for seqlen in seqlens:
-                divisible, ones = specialized_arguments(kernel, head_dim, causal, seqlen, config)
+    for (head_dim, causal), config in configs.items():
+        for seqlen in seqlens:
+            divisible, ones = specialized_arguments(kernel, head_dim, causal, seqlen, config)
+            try:
                 compiled = fa3.compile_for_sm90(torch.bfloat16, head_dim, causal, 1, kernel, config,
                                                 divisible=divisible, ones=ones)
-                path = out / f"{kernel}_d{head_dim}{'c' if causal else 'n'}_{tag}_n{seqlen}.cubin"
-                path.write_bytes(compiled.asm["cubin"])
-                path.with_suffix(".json").write_text(json.dumps(dict(
-                    kernel=kernel, tag=tag, head_dim=head_dim, causal=causal, seqlen=seqlen, config=config._asdict(),
-                    shared=compiled.metadata.shared, divisible=divisible, ones=ones, triton=triton.__version__,
-                    ptxas=_ptxas_version()), indent=1) + "\n")
-                print(f"wrote {path} (triton {triton.__version__}, {compiled.metadata.shared} B shared)")
-                written.append(path)
+            except Exception as error:  # a config the kernel cannot be written for (a Triton compile error)
+                raise SystemExit(f"{kernel} {config} at head_dim {head_dim}: does not compile: "
+                                 f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[-1]}") from error
+            if compiled.metadata.shared > SM90_SHARED_MEMORY:
+                raise SystemExit(f"{kernel} {config} at head_dim {head_dim}: needs {compiled.metadata.shared} B "
+                                 f"of shared memory; an sm_90 block may have {SM90_SHARED_MEMORY}")
+            path = out / f"{kernel}_d{head_dim}{'c' if causal else 'n'}_{tag}_n{seqlen}.cubin"
+            path.write_bytes(compiled.asm["cubin"])
+            path.with_suffix(".json").write_text(json.dumps(dict(
+                kernel=kernel, tag=tag, head_dim=head_dim, causal=causal, seqlen=seqlen, config=config._asdict(),
+                shared=compiled.metadata.shared, divisible=divisible, ones=ones, triton=triton.__version__,
+                ptxas=_ptxas_version()), indent=1) + "\n")
+            print(f"wrote {path} (triton {triton.__version__}, {compiled.metadata.shared} B shared)")
+            written.append(path)
     return written
 
 
@@ -181,14 +204,22 @@ def time_cubins(folder: Path, rounds: int) -> None:
     """Time every cubin of `folder` against the native kernel (see the module docstring)."""
     import triton
 
-    reason = fa3.gluon_device_reason(torch.device("cuda"))
-    if reason:
-        raise SystemExit(f"time runs the Gluon kernels, and they cannot run here: {reason}")
+    if not folder.is_dir():
+        raise SystemExit(f"{folder}: not a folder (give the one `build` wrote)")
     groups = {}
     for path in sorted(folder.glob("*.cubin")):
-        meta = json.loads(path.with_suffix(".json").read_text())
-        groups.setdefault((meta["kernel"], meta["head_dim"], meta["causal"], meta["seqlen"]), []).append(
-            (path, meta))
+        try:
+            meta = json.loads(path.with_suffix(".json").read_text())
+            key = meta["kernel"], meta["head_dim"], meta["causal"], meta["seqlen"]
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise SystemExit(f"{path}: no readable {path.with_suffix('.json').name} beside it ({error}); "
+                             "`build` writes both") from None
+        groups.setdefault(key, []).append((path, meta))
+    if not groups:
+        raise SystemExit(f"{folder}: no .cubin files (`build` writes them)")
+    reason = "no CUDA GPU" if not torch.cuda.is_available() else fa3.gluon_device_reason(torch.device("cuda"))
+    if reason:
+        raise SystemExit(f"time runs the Gluon kernels, and they cannot run here: {reason}")
     print(f"triton {triton.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}")
     for (kernel, head_dim, causal, seqlen), cubins in sorted(groups.items()):
         run, cudnn = _runner(kernel, head_dim, causal, seqlen)
@@ -235,7 +266,7 @@ def time_cubins(folder: Path, rounds: int) -> None:
                 fa3._COMPILED[key] = compiled
         median = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
         base = median[f"native {triton.__version__}"]
-        print(f"{kernel} D={head_dim} causal={causal} N={seqlen} (B={TOKENS // seqlen}, H={WIDTH // head_dim}), "
+        print(f"{kernel} D={head_dim} causal={causal} N={seqlen} (B={_batch(seqlen)}, H={WIDTH // head_dim}), "
               f"ms (native / variant):")
         for name, ms in median.items():
             print(f"  {name:40s} {ms:8.4f}  ({base / ms:.3f})")
@@ -244,29 +275,48 @@ def time_cubins(folder: Path, rounds: int) -> None:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    make = commands.add_parser("build", help="compile cubins with the installed Triton (no GPU needed)")
-    make.add_argument("out", type=Path, help="folder to write into")
+    make = commands.add_parser("build", help="compile cubins with the installed Triton (no GPU needed)",
+                               formatter_class=HelpFormatter)
+    make.add_argument("out", type=Path, help="folder to write into (made if missing)")
     make.add_argument("--tag", required=True, help="names this build in the file names (e.g. the release)")
     make.add_argument("--kernel", choices=["fwd", "bwd"], default="fwd", help="the Gluon forward or backward")
     make.add_argument("--head-dims", default="64", help="comma-separated head dims")
     make.add_argument("--causal", default="1", help="comma-separated 1 (causal) / 0")
     make.add_argument("--seqlens", default="2048,4096,8192,16384", help="comma-separated N")
-    make.add_argument("--variant", default=None, help="a tools.fa3_variants variant of --kernel's format; default "
-                                                      "the installed release's measured config")
-    run = commands.add_parser("time", help="time a folder's cubins on the GPU against the native ones")
-    run.add_argument("folder", type=Path)
+    make.add_argument("--variant", default=None,
+                      help="the config, default the installed release's measured one: fwd "
+                           "NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT[:LATE_K_RELEASE] (e.g. 2:128:4:1:1), "
+                           "bwd NUM_STAGES[:SPLIT_DQ[:BLOCK_M[:SECTION_HEADS]]] (e.g. 2:cols:64), as tools.fa3_variants")
+    run = commands.add_parser("time", help="time a folder's cubins on the GPU against the native ones",
+                              formatter_class=HelpFormatter)
+    run.add_argument("folder", type=Path, help="a folder `build` wrote (cubins and their .json)")
     run.add_argument("--rounds", type=int, default=4, help="interleaved rounds (the median is reported)")
     args = parser.parse_args(argv)
     if args.command == "build":
-        ints = lambda text, name: [int(x) for x in text.split(",") if x.strip()] or parser.error(f"--{name}: none")
-        head_dims = ints(args.head_dims, "head-dims")
-        if set(head_dims) - set(fa3.HEAD_DIMS):
-            parser.error(f"--head-dims {args.head_dims}: accepted {', '.join(map(str, fa3.HEAD_DIMS))}")
-        build(args.out, args.tag, args.kernel, head_dims, [bool(c) for c in ints(args.causal, "causal")],
-              ints(args.seqlens, "seqlens"), args.variant)
+        def ints(text: str, name: str, accepted=None) -> list[int]:
+            try:
+                values = list(dict.fromkeys(int(x) for x in text.split(",") if x.strip()))  # in order, once each
+            except ValueError:
+                make.error(f"--{name} {text}: give comma-separated integers")
+            if not values:
+                make.error(f"--{name}: none")
+            if accepted is not None and set(values) - set(accepted):
+                make.error(f"--{name} {text}: accepted {', '.join(map(str, accepted))}")
+            return values
+
+        head_dims = ints(args.head_dims, "head-dims", fa3.HEAD_DIMS)
+        causals = ints(args.causal, "causal", (1, 0))
+        seqlens = ints(args.seqlens, "seqlens")
+        if min(seqlens) < 1:
+            make.error(f"--seqlens {args.seqlens}: give lengths of 1 or more")
+        if not args.tag or set(args.tag) & set("/\\"):
+            make.error(f"--tag {args.tag!r}: give a name without path separators")
+        if args.out.exists() and not args.out.is_dir():
+            make.error(f"{args.out}: exists and is not a folder")
+        build(args.out, args.tag, args.kernel, head_dims, [bool(c) for c in causals], seqlens, args.variant)
     else:
         if args.rounds < 1:
-            parser.error(f"--rounds {args.rounds}: accepted 1 or more")
+            run.error(f"--rounds {args.rounds}: accepted 1 or more")
         time_cubins(args.folder, args.rounds)
 
 

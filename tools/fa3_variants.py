@@ -1,7 +1,7 @@
 """Check and time variants of the Gluon FA3 forward (or backward) side by side in one process (an H100/H200).
 
     python -m tools.fa3_variants --variants 2:128:2:1:1,2:128:2:1:0 --head-dims 128 --seqlens 4096,16384
-    python -m tools.fa3_variants --backward --variants 2:0:cols,3:0:cols --head-dims 128 --seqlens 2048,8192
+    python -m tools.fa3_variants --backward --variants 2:cols,1:cols --head-dims 128 --seqlens 2048,8192
 
 Backward: a variant is NUM_STAGES[:SPLIT_DQ[:BLOCK_M[:SECTION_HEADS]]] (a `kernels.fa3.BackwardConfig`, the fields
 left out as in `BACKWARD_CONFIGS[head_dim]`; SPLIT_DQ is cols or rows; SECTION_HEADS the launch order, 0 for a
@@ -213,7 +213,7 @@ def main(argv=None):
     parser.add_argument("--variants", default=None,
                         help="comma-separated NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT[:LATE_K_RELEASE] "
                              f"(default {FORWARD_DEFAULT}); with --backward "
-                             f"NUM_STAGES[:SPLIT_DQ[:BLOCK_M]] (default {BACKWARD_DEFAULT})")
+                             f"NUM_STAGES[:SPLIT_DQ[:BLOCK_M[:SECTION_HEADS]]] (default {BACKWARD_DEFAULT})")
     parser.add_argument("--head-dims", default="64,128", help="comma-separated head dimensions D")
     parser.add_argument("--seqlens", default="2048,8192", help="comma-separated sequence lengths N")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"], help="input dtype")

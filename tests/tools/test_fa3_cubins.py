@@ -100,7 +100,12 @@ def test_compile_for_sm90_names_a_wrong_divisible_argument():
 
 @pytest.mark.parametrize("argv,message", [
     (["build", "out", "--tag", "t", "--head-dims", "96"], "--head-dims 96: accepted 64, 128"),
+    (["build", "out", "--tag", "t", "--head-dims", "64,abc"], "--head-dims 64,abc: give comma-separated integers"),
     (["build", "out", "--tag", "t", "--seqlens", ","], "--seqlens: none"),
+    (["build", "out", "--tag", "t", "--seqlens", "0"], "--seqlens 0: give lengths of 1 or more"),
+    (["build", "out", "--tag", "t", "--causal", "2"], "--causal 2: accepted 1, 0"),
+    (["build", "out", "--tag", "t", "--causal", "yes"], "--causal yes: give comma-separated integers"),
+    (["build", "out", "--tag", "a/b"], "--tag 'a/b': give a name without path separators"),
     (["time", "out", "--rounds", "0"], "--rounds 0: accepted 1 or more"),
 ])
 def test_bad_arguments_are_named(argv, message, capsys):
@@ -111,9 +116,62 @@ def test_bad_arguments_are_named(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_build_refuses_an_output_path_that_is_a_file(tmp_path, capsys):
+    from tools.fa3_cubins import main
+
+    (tmp_path / "f").write_text("")
+    with pytest.raises(SystemExit):
+        main(["build", str(tmp_path / "f"), "--tag", "t"])
+    assert "exists and is not a folder" in capsys.readouterr().err
+
+
+@needs_gluon
+@pytest.mark.parametrize("kernel,variant,message", [
+    ("fwd", "2:100:4:1:1", "NUM_CONSUMERS 2 or 3, BLOCK_N 64 or 128"),
+    ("bwd", "2:rows:64", "accepted 64 or 128, and 128 for 'rows'"),
+])
+def test_build_names_a_variant_the_kernel_cannot_take(tmp_path, kernel, variant, message):
+    """Refused before anything is compiled or written."""
+    from tools.fa3_cubins import main
+
+    with pytest.raises(SystemExit, match=message):
+        main(["build", str(tmp_path / "out"), "--tag", "t", "--kernel", kernel, "--variant", variant])
+    assert not (tmp_path / "out").exists()
+
+
+@needs_gluon
+def test_build_refuses_a_cubin_an_sm90_block_cannot_launch(tmp_path):
+    """Head_dim 128 with a 4-deep ring of 128-key blocks needs more shared memory than an sm_90 block may have: no
+    cubin is written (in a fresh process, as the build test above)."""
+    done = subprocess.run([sys.executable, "-m", "tools.fa3_cubins", "build", str(tmp_path), "--tag", "t",
+                           "--head-dims", "128", "--seqlens", "2048", "--variant", "2:128:4:1:1"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode != 0 and "B of shared memory; an sm_90 block may have 232448" in done.stderr, \
+        done.stderr[-3000:]
+    assert not list(tmp_path.iterdir())
+
+
+def test_time_checks_the_folder_before_the_gpu(tmp_path):
+    from tools.fa3_cubins import main
+
+    with pytest.raises(SystemExit, match="not a folder"):
+        main(["time", str(tmp_path / "missing")])
+    with pytest.raises(SystemExit, match="no .cubin files"):
+        main(["time", str(tmp_path)])
+    (tmp_path / "fwd_d64c_t_n2048.cubin").write_bytes(b"\x7fELF")
+    with pytest.raises(SystemExit, match="no readable fwd_d64c_t_n2048.json beside it"):
+        main(["time", str(tmp_path)])
+    (tmp_path / "fwd_d64c_t_n2048.json").write_text("{not json")
+    with pytest.raises(SystemExit, match="no readable fwd_d64c_t_n2048.json beside it"):
+        main(["time", str(tmp_path)])
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")
 def test_time_says_why_it_cannot_run_here(tmp_path):
     from tools.fa3_cubins import main
 
+    (tmp_path / "fwd_d64c_t_n2048.cubin").write_bytes(b"\x7fELF")
+    (tmp_path / "fwd_d64c_t_n2048.json").write_text(json.dumps(dict(kernel="fwd", head_dim=64, causal=True,
+                                                                    seqlen=2048)))
     with pytest.raises(SystemExit, match="cannot run here: no CUDA GPU"):
         main(["time", str(tmp_path)])
