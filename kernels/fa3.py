@@ -35,6 +35,7 @@ HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
 BLOCK_M = 64  # the forward's query rows per consumer warpgroup (a wgmma's M)
 BWD_CONSUMERS = 2  # the backward's consumer warpgroups, 64 keys each
+SM90_SHARED_MEMORY = 227 * 1024  # bytes of shared memory an sm_90 block may have (a larger kernel fails at launch)
 
 
 class ForwardConfig(NamedTuple):

@@ -50,7 +50,6 @@ from tools.fa3_variants import backward_config, forward_config
 # dQ's float32 reduce-adds land in any order: the same kernel's dQ differs between runs by 1.2-2.6e-5 relative at
 # head_dim 128, N = 2k-8k (H200); a wrong kernel's by far more.
 DQ_TOLERANCE = 1e-4
-SM90_SHARED_MEMORY = 227 * 1024  # the most dynamic shared memory an sm_90 block may have
 
 
 def _batch(seqlen: int) -> int:
@@ -141,9 +140,9 @@ def build(out: Path, tag: str, kernel: str, head_dims, causals, seqlens, variant
             except Exception as error:  # a config the kernel cannot be written for (a Triton compile error)
                 raise SystemExit(f"{kernel} {config} at head_dim {head_dim}: does not compile: "
                                  f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[-1]}") from error
-            if compiled.metadata.shared > SM90_SHARED_MEMORY:
+            if compiled.metadata.shared > fa3.SM90_SHARED_MEMORY:
                 raise SystemExit(f"{kernel} {config} at head_dim {head_dim}: needs {compiled.metadata.shared} B "
-                                 f"of shared memory; an sm_90 block may have {SM90_SHARED_MEMORY}")
+                                 f"of shared memory; an sm_90 block may have {fa3.SM90_SHARED_MEMORY}")
             path = out / f"{kernel}_d{head_dim}{'c' if causal else 'n'}_{tag}_n{seqlen}.cubin"
             path.write_bytes(compiled.asm["cubin"])
             path.with_suffix(".json").write_text(json.dumps(dict(
@@ -286,7 +285,8 @@ def main(argv=None):
     make.add_argument("--variant", default=None,
                       help="the config, default the installed release's measured one: fwd "
                            "NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT[:LATE_K_RELEASE] (e.g. 2:128:4:1:1), "
-                           "bwd NUM_STAGES[:SPLIT_DQ[:BLOCK_M[:SECTION_HEADS]]] (e.g. 2:cols:64), as tools.fa3_variants")
+                           "bwd NUM_STAGES[:SPLIT_DQ[:BLOCK_M[:SECTION_HEADS]]] (e.g. 2:cols:64), "
+                           "as tools.fa3_variants")
     run = commands.add_parser("time", help="time a folder's cubins on the GPU against the native ones",
                               formatter_class=HelpFormatter)
     run.add_argument("folder", type=Path, help="a folder `build` wrote (cubins and their .json)")

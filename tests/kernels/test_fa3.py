@@ -28,9 +28,6 @@ SUPPORTED = not isinstance(fa3.gluon_kernels(), str)  # the installed Triton is 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-SM90_SHARED_MEMORY = 232448  # bytes an sm_90 block may have
-
-
 def compile_in_fresh_process(code: str, timeout: int = 900) -> list[list[str]]:
     """Run `code` (it compiles Gluon kernels for sm_90 and prints a line each) in a fresh process without
     TRITON_INTERPRET: under the interpreter Triton's own jitted helpers (the reductions' combine functions) are
@@ -132,7 +129,7 @@ def test_gluon_kernels_compile_for_sm90(kernel):
         # compile_for_sm90 compiles as a launch does, with gluon_compat.compiling(): nothing left to rewrite
         assert descriptors_left == "0", f"{combination}: descriptors left for gluon_compat.PTX_REWRITES"
         assert fp_fusion == "True", f"{combination}: compiled without LAUNCH_OPTIONS"
-        assert int(shared) <= SM90_SHARED_MEMORY, f"{combination}: more shared memory than an sm_90 block may have"
+        assert int(shared) <= fa3.SM90_SHARED_MEMORY, f"{combination}: more shared memory than an sm_90 block may have"
 
 
 def test_forward_configs_per_triton_release():
@@ -702,7 +699,7 @@ def test_narrow_window_config_compiles_for_sm90():
             "k = fa3.compile_for_sm90(torch.bfloat16, 64, True, 2, 'fwd', fa3.NARROW_WINDOW_FORWARD_CONFIGS[64],"
             " window=True)\nprint(k.metadata.shared, 'wgmma.mma_async' in k.asm['ptx'])")
     [(shared, wgmma)] = compile_in_fresh_process(code, timeout=600)
-    assert wgmma == "True" and int(shared) <= SM90_SHARED_MEMORY
+    assert wgmma == "True" and int(shared) <= fa3.SM90_SHARED_MEMORY
 
 
 # ------------------------------------------------------------------------------------------ packed sequences
@@ -755,7 +752,7 @@ def test_packed_sequence_kernels_compile_for_sm90():
             "        print(k.metadata.shared, 'wgmma.mma_async' in k.asm['ptx'] and 'ld.global' in k.asm['ptx'])")
     lines = compile_in_fresh_process(code)
     assert len(lines) == 2 * len(fa3.HEAD_DIMS)
-    assert all(ok == "True" and int(shared) <= SM90_SHARED_MEMORY for shared, ok in lines), lines
+    assert all(ok == "True" and int(shared) <= fa3.SM90_SHARED_MEMORY for shared, ok in lines), lines
 
 
 def _varlen_reference(q, k, v, do, cu, causal, window_size, softcap):
