@@ -344,7 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/bench_attention", help="folder for CSV, JSON and PNG files")
     p.add_argument("--repeats", type=int, default=1,
                    help="measure each cell this many times, the backends' order alternating, and report the "
-                        "median of the repeats (the machine's clock state drifts between measurements)")
+                        "median of the repeats (the machine's clock state drifts between measurements, and a "
+                        "single reading can come out 10-15%% slow: use an odd count of 3 or more to compare "
+                        "kernels, since the median of an even count averages the middle two)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="time calls replayed from a CUDA graph (GPU time alone) instead of eager calls")
     return p
