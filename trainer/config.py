@@ -55,7 +55,7 @@ class ModelConfig:
     block_size: int = MISSING          # context length (tokens)
     vocab_size: Optional[int] = None   # null = the data's vocabulary, rounded up to vocab_multiple
     vocab_multiple: int = 64           # vocab_size=null pads the tokenizer's vocabulary to a multiple of this
-    dropout: float = 0.0               # > 0 only with the SDPA backends (sdpa; sdpa_flash, sdpa_cudnn on CUDA)
+    dropout: float = 0.0               # > 0 only with the SDPA backends (sdpa; with dropout, sdpa_flash and sdpa_cudnn on CUDA only)
     bias: bool = False                 # biases in linear layers and layer norms (rmsnorm has none)
     attn_window: Any = 0               # tokens a query sees (itself included), 0 = all; or one per layer (a list)
     attn_softcap: float = 0.0          # > 0: scores s -> attn_softcap * tanh(s / attn_softcap) (Gemma 2); 0 = off
@@ -370,7 +370,8 @@ def _check_trainer(check, t, world_size: int, local_rank: int) -> None:
               "CUDA GPU(s); use at most that many processes per node (--nproc_per_node), one per GPU")
     check(t.peak_flops is None or 0 < t.peak_flops < math.inf, "trainer.peak_flops", "must be a finite number > 0 or null")
     check(t.compile_mode in COMPILE_MODES, "trainer.compile_mode", f"accepted: {', '.join(COMPILE_MODES)}")
-    check(t.compile_mode == "default" or t.compile, "trainer.compile_mode",
+    known_mode = t.compile_mode in COMPILE_MODES  # an unknown one gets the one error above
+    check(not known_mode or t.compile_mode == "default" or t.compile, "trainer.compile_mode",
           "is torch.compile's mode: set trainer.compile=true with it")
     check(t.compile_mode not in ("max-autotune", "reduce-overhead") or on_cuda, "trainer.compile_mode",
           "CUDA graphs need a CUDA GPU; on the CPU use default or max-autotune-no-cudagraphs")

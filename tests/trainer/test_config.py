@@ -451,6 +451,14 @@ def test_compile_mode_and_fp8_are_checked(make_cfg):
             validate_config(make_cfg(*overrides))
 
 
+def test_an_unknown_compile_mode_gets_one_error(make_cfg):
+    """An unknown trainer.compile_mode is named once, with the accepted modes, not also told to set compile=true."""
+    with pytest.raises(ConfigError) as info:
+        validate_config(make_cfg("trainer.compile_mode=fast"))
+    assert "accepted: default, max-autotune-no-cudagraphs" in str(info.value)
+    assert "set trainer.compile=true" not in str(info.value)
+
+
 def test_fp8_converts_the_linear_layers_it_can():
     """Every Linear with both sizes multiples of 16 (torchao's FP8 matmul rule), the tied head's weight kept."""
     pytest.importorskip("torchao")
