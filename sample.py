@@ -22,7 +22,7 @@ from data.tokenizers import tokenizer_from_meta
 from model.backends import REGISTRY, backends_with
 from model.gpt import GPT, GPTConfig
 from trainer.checkpoint import CheckpointError, checkpoint_dir, clean_state_dict, latest_checkpoint, load_checkpoint
-from trainer.runtime import NO_CUDA
+from trainer.runtime import NO_CUDA, device_memory
 
 
 def find_checkpoint(run: str, runs_root: str = "runs") -> Path:
@@ -65,6 +65,20 @@ def sample(model: GPT, tokenizer, prompt: str, num_tokens: int, temperature: flo
     y = model.generate(x, num_tokens, temperature=temperature, top_k=top_k, generator=gen,
                        num_tokens=tokenizer.vocab_size, kv_cache=kv_cache, compile=compile, cuda_graph=cuda_graph)
     return [tokenizer.decode(row[len(ids):].tolist()) for row in y]
+
+
+def memory_needed(model: GPT, num_samples: int, context: int, kv_cache: bool) -> dict[str, int]:
+    """Bytes generation needs at least, by part: the weights; with kv_cache the cache, preallocated for every
+    sample's whole block_size (``KVCache.for_model``); each step's float32 logits of the last position; one
+    block's input for `context` tokens of every sample. Lower bounds (no other activations)."""
+    c = model.config
+    p = next(model.parameters())
+    parts = {"weights": sum(t.numel() * t.element_size() for t in model.parameters()),
+             "logits": num_samples * c.vocab_size * 4,
+             "activations": num_samples * min(context, c.block_size) * c.n_embd * p.element_size()}
+    if kv_cache:
+        parts["KV cache"] = 2 * c.n_layer * num_samples * c.block_size * c.kv_heads * c.head_dim * p.element_size()
+    return parts
 
 
 def show_warning(message, category, filename, lineno, file=None, line=None) -> None:
@@ -118,6 +132,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"# {ckpt_path} (step {ckpt['step']})", file=sys.stderr)
+    parts = memory_needed(model, args.num_samples, 1 + args.num_tokens, args.kv_cache)  # a prompt has >= 1 token
+    memory = device_memory(torch.device(device))
+    if memory and sum(parts.values()) > memory:
+        gib = lambda n: f"{n / 2**30:,.1f} GiB"
+        print(f"error: --num-samples={args.num_samples}: generating needs at least {gib(sum(parts.values()))} on "
+              f"{device} ({', '.join(f'{name} {gib(n)}' for name, n in parts.items())}) and it has {gib(memory)}; "
+              "choose a smaller --num-samples" + (" (or --no-kv-cache)" if args.kv_cache else ""), file=sys.stderr)
+        return 1
     try:
         texts = sample(model, tokenizer, args.prompt, args.num_tokens, args.temperature, args.top_k or None,
                        args.num_samples, args.seed, args.kv_cache, args.compile, args.cuda_graph)

@@ -306,7 +306,7 @@ def test_a_val_fraction_that_starves_the_train_split_is_blamed(make_cfg):
         train(make_cfg("data.val_fraction=0.99999"))
 
 
-def test_sample_generates_text(make_cfg, capsys):
+def test_sample_generates_text(make_cfg, capsys, monkeypatch):
     import sample
 
     s = train(make_cfg("run.name=sampled", "trainer.max_steps=3"))
@@ -316,6 +316,18 @@ def test_sample_generates_text(make_cfg, capsys):
     assert rc == 0 and out.startswith("The king") and len(out.rstrip("\n")) == len("The king") + 40
     assert sample.main(["--run", str(s.run_dir / "missing"), "--device", "cpu"]) == 1
     assert "neither a checkpoint file" in capsys.readouterr().err
+    # A batch of samples that cannot fit is refused before anything is allocated, naming --num-samples.
+    model, _, _ = sample.load_model(sample.find_checkpoint("sampled", str(s.run_dir.parent)), "cpu", "sdpa")
+    c = model.config
+    cache = 2 * c.n_layer * 1000 * c.block_size * c.kv_heads * c.head_dim * 4  # float32 weights on the CPU
+    assert sample.memory_needed(model, 1000, 41, kv_cache=True)["KV cache"] == cache
+    assert "KV cache" not in sample.memory_needed(model, 1000, 41, kv_cache=False)
+    monkeypatch.setattr(sample, "device_memory", lambda device: cache)
+    args = ["--run", "sampled", "--runs-root", str(s.run_dir.parent), "--num-tokens", "40", "--device", "cpu"]
+    assert sample.main([*args, "--num-samples", "1000"]) == 1
+    err = capsys.readouterr().err
+    assert "error: --num-samples=1000: generating needs at least" in err and "choose a smaller --num-samples" in err
+    assert sample.main([*args, "--num-samples", "1000", "--no-kv-cache"]) == 0  # no cache: it fits
 
 
 def test_cli_entry_point(tiny_overrides, tmp_path):
