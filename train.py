@@ -45,7 +45,7 @@ try:  # torch, hydra and the rest take seconds to load
     from trainer import ConfigError, NonFiniteLossError, train
     from trainer.checkpoint import CheckpointError, latest_checkpoint
     from trainer.config import (CONF_DIR, RUN_NAME_RULE, Config, compose_config, continue_command, override_error,
-                                resolved, valid_run_name, validate_config)
+                                override_key, resolved, valid_run_name, validate_config)
     from trainer.config_help import help_text
     from trainer.distributed import destroy_process_group, torchrun_overrides
     from trainer.resume import refusal
@@ -62,6 +62,8 @@ log = logging.getLogger("train")
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's
 EXPECTED = (ConfigError, DataError, CheckpointError, BackendUnavailableError, NonFiniteLossError)
 MULTIRUN, HELP = ("-m", "--multirun"), ("-h", "--help")
+SWEEP_RECORD = "multirun.yaml"  # a sweep's command line, in the sweep's folder
+RESWEEP_FREE = ("trainer.max_steps", "resume")  # what running a sweep again to continue it may change
 
 
 @record  # under torchrun: an uncaught error goes to torchrun's failure report (root cause, traceback)
@@ -91,6 +93,9 @@ def main(argv: list[str]) -> int:
             validate_config(resolved(cfg), dist.world_size, dist.local_rank)
         except ConfigError as e:
             return error(f"job {num} of {len(jobs)} ({' '.join(job)}): {e}")
+    conflict = sweep_conflict(jobs, overrides) if multirun else None
+    if conflict:
+        return error(conflict)
     set_up_logging(dist)
     for num, ((job, cfg), run_dir) in enumerate(zip(jobs, run_dirs(jobs, multirun))):
         if multirun:
@@ -109,6 +114,28 @@ def run_dirs(jobs: list[tuple[list[str], DictConfig]], multirun: bool) -> list[P
     if not multirun:
         return folders
     return [folder / str(folders[:num].count(folder)) for num, folder in enumerate(folders)]
+
+
+def sweep_conflict(jobs: list[tuple[list[str], DictConfig]], overrides: list[str]) -> str | None:
+    """Why the sweep of ``overrides`` may not start (None when it may): a folder of it holds another sweep's record
+    (``SWEEP_RECORD``), whose job folders this one would resume by number with other settings. The two sweeps'
+    jobs are compared in order, each as its set of overrides without ``RESWEEP_FREE``."""
+    settings = lambda job_list: [sorted(o for o in job if override_key(o) not in RESWEEP_FREE) for job in job_list]
+    for folder in dict.fromkeys(Path(cfg.run.root) / cfg.run.name for _, cfg in jobs):
+        record = folder / SWEEP_RECORD
+        if not record.is_file():
+            continue
+        try:
+            stored = [str(o) for o in OmegaConf.to_container(OmegaConf.load(record))]
+            theirs = settings(sweep(stored))
+        except Exception as e:  # noqa: BLE001 (a damaged record: YAML, not a list, an override that does not parse)
+            return (f"run.name={folder.name}: {record} does not read as a sweep's command line ({type(e).__name__}); "
+                    "use another run.name, or delete that file if the folder's runs are not a sweep")
+        if theirs != settings([job for job, _ in jobs]):
+            return (f"run.name={folder.name}: {folder} holds another sweep ({' '.join(stored)}; {record.name}), "
+                    "whose jobs this one would resume by number with other settings; use another run.name, or run "
+                    "that sweep again (with trainer.max_steps=... to train longer)")
+    return None
 
 
 def error(message: str) -> int:
@@ -279,7 +306,7 @@ def write_record(run_dir: Path, cfg: DictConfig, overrides: list[str], sweep_arg
     atomic_write_text(folder / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     atomic_write_text(folder / "overrides.yaml", OmegaConf.to_yaml(OmegaConf.create(overrides)))
     if sweep_args is not None:
-        atomic_write_text(run_dir.parent / "multirun.yaml", OmegaConf.to_yaml(OmegaConf.create(sweep_args)))
+        atomic_write_text(run_dir.parent / SWEEP_RECORD, OmegaConf.to_yaml(OmegaConf.create(sweep_args)))
 
 
 if __name__ == "__main__":

@@ -222,8 +222,8 @@ def test_hydra_options_are_refused_naming_run_root_and_run_name(args, tmp_path):
 
 
 def test_a_refused_sweep_leaves_the_sweep_record_alone(args, tmp_path):
-    """While a sweep's job 0 trains, the same sweep with another optim.lr is refused (the folder is in use) and
-    leaves the running sweep's multirun.yaml (and its job's .hydra/) as they were."""
+    """While a sweep's job 0 trains, the same sweep run again (to train longer) is refused (the folder is in use)
+    and leaves the running sweep's multirun.yaml (and its job's .hydra/) as they were."""
     sweep = ["-m", *args, "run.name=cmp", "attn=sdpa,flex", "ckpt.interval=0"]
     first = start(sweep, "trainer.max_steps=100000")
     job = tmp_path / "runs" / "cmp" / "0"
@@ -231,10 +231,33 @@ def test_a_refused_sweep_leaves_the_sweep_record_alone(args, tmp_path):
         wait_for(job / "metrics.jsonl", first)
         record = {p: p.read_bytes() for p in (tmp_path / "runs" / "cmp").rglob("*.yaml")}
         assert job.parent / "multirun.yaml" in record and job / ".hydra" / "config.yaml" in record
-        second = cli(sweep, "trainer.max_steps=3", "optim.lr=1e-3")
+        second = cli(sweep, "trainer.max_steps=3")
         out = second.stdout + second.stderr
         assert second.returncode == 1 and f"run folder {job} is in use by PID {first.pid}" in out, out[-3000:]
         assert {p: p.read_bytes() for p in (tmp_path / "runs" / "cmp").rglob("*.yaml")} == record
     finally:
         first.send_signal(signal.SIGTERM)
         first.communicate(timeout=120)
+
+
+def test_another_sweep_in_a_sweeps_folder_is_refused(args, tmp_path):
+    """A sweep resumes its job folders by number: another sweep under the same run.name (other values, or the same
+    values in another order) is refused before any job, naming the folder's sweep, and changes nothing there;
+    the same sweep again with a larger trainer.max_steps continues its jobs; a damaged record is named."""
+    folder = tmp_path / "runs" / "cmp"
+    first = ["-m", *args, "run.name=cmp", "optim.lr=1e-3,2e-3", "ckpt.interval=1"]
+    assert cli(first, "trainer.max_steps=1").returncode == 0
+    before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file() and p.name != "train.log"}
+    for other in (["optim.lr=3e-3"], ["optim.lr=2e-3,1e-3"], ["model.n_layer=1"]):
+        out = cli(["-m", *args, "run.name=cmp", "ckpt.interval=1", "trainer.max_steps=2",
+                   *(other if other[0].startswith("optim") else ["optim.lr=1e-3,2e-3", *other])])
+        text = out.stdout + out.stderr
+        assert out.returncode == 1 and text.startswith(f"error: run.name=cmp: {folder} holds another sweep ("), text
+        assert "optim.lr=1e-3,2e-3" in text and "Traceback" not in text
+        assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file() and p.name != "train.log"} == before
+    again = cli(first, "trainer.max_steps=2")
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    assert list_checkpoints(folder / "1")[-1].name == "step_00000002.pt"
+    (folder / "multirun.yaml").write_text("a: [1\n")
+    out = cli(first, "trainer.max_steps=3")
+    assert out.returncode == 1 and "multirun.yaml does not read as a sweep's command line" in out.stderr, out.stderr
