@@ -433,14 +433,18 @@ def check_memory(args: GPTConfig, device: torch.device, tokens: int = 0,
     per_value = max(torch.finfo(dtype).bits // 8, 2)
     activations = args.n_layer * tokens * (args.n_embd + hidden) * per_value
     if memory and weights + logits + activations > memory:
+        gib = lambda n: f"{n / 2**30:,.1f}" if n < 10 * 2**30 else f"{n / 2**30:,.0f}"
+        # the larger part leads: a mistyped model size and a batch far too large read differently
+        culprit = ("the model is too large" if weights >= logits + activations else
+                   f"a micro-batch of {tokens:,} tokens (trainer.batch_size x model.block_size) is too large")
         raise ConfigError(
-            f"the model is too large for {device}: {params:,} parameters (model.vocab_size={args.vocab_size}, "
+            f"{culprit} for {device}: {params:,} parameters (model.vocab_size={args.vocab_size}, "
             f"model.n_embd={args.n_embd}, model.n_layer={args.n_layer}, model.block_size={args.block_size}) need at "
-            f"least {weights / 2**30:,.0f} GiB for weights, gradients and AdamW state ({TRAINING_BYTES_PER_PARAM} "
+            f"least {gib(weights)} GiB for weights, gradients and AdamW state ({TRAINING_BYTES_PER_PARAM} "
             f"bytes each), the float32 logits of {logit_rows:,} tokens (model.loss={args.loss}; a micro-batch is "
-            f"trainer.batch_size x block_size = {tokens:,}) {logits / 2**30:,.0f} GiB more, and each layer's input "
-            f"and MLP hidden layer ({hidden} wide) for the backward {activations / 2**30:,.0f} GiB more "
-            f"({per_value} bytes a value), and it has {memory / 2**30:,.0f} GiB; choose smaller values")
+            f"trainer.batch_size x block_size = {tokens:,}) {gib(logits)} GiB more, and each layer's input "
+            f"and MLP hidden layer ({hidden} wide) for the backward {gib(activations)} GiB more "
+            f"({per_value} bytes a value), and it has {gib(memory)} GiB; choose smaller values")
 
 
 def _folder_id(folder: Path) -> Optional[tuple[int, int]]:

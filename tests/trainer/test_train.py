@@ -703,7 +703,9 @@ def test_a_model_larger_than_the_memory_is_one_error_naming_its_size(make_cfg, m
     kept = args.n_layer * (args.n_embd + 4 * args.n_embd) * 2  # bytes a token: each layer's input and MLP hidden
     memory = kept * 2**30 * 3 // 2  # 1.5 x what the layers keep of 2**30 tokens in bf16
     monkeypatch.setattr("trainer.loop.device_memory", lambda device: memory)
-    with pytest.raises(ConfigError, match=r", the float32 logits of 1,073,741,824 tokens \(model.loss=full"):
+    with pytest.raises(ConfigError, match=r"^a micro-batch of 1,073,741,824 tokens \(trainer.batch_size x "
+                                          r"model.block_size\) is too large for cpu: .* need at least 0.0 GiB for "
+                                          r"weights.*, the float32 logits of 1,073,741,824 tokens \(model.loss=full"):
         check_memory(args, torch.device("cpu"), 2**30)  # weights and activations fit; one micro-batch's logits do not
     chunked = model_config(make_cfg("model.bias=true", "model.loss=chunked"), 65, "sdpa")
     check_memory(chunked, torch.device("cpu"), 2**30)  # one chunk's logits at a time: it fits
