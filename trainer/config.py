@@ -526,6 +526,8 @@ def override_error(e: HydraException) -> str:
     cause = e.__cause__
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and cause.full_key:
         return f"{cause.full_key}: {NOT_A_KEY}"
+    if isinstance(cause, ConfigTypeError) and "does not support deletion" in str(cause.msg):  # ~key
+        return f"~{cause.full_key}: keys cannot be deleted (every key has a default); set a value instead"
     if isinstance(cause, (ValidationError, ConfigTypeError)) and cause.full_key:  # e.g. a float for an int key
         return f"{cause.full_key}: {str(cause.msg).splitlines()[0]}"
     return f"{e}" + (f"\n{cause}" if cause else "")

@@ -332,7 +332,7 @@ def test_help_lists_every_key_with_its_meaning():
     ("trainer.max_steps=many", "trainer.max_steps: Value 'many' of type 'str' could not be converted to Integer"),
     ("trainer.max_steps=1e3", "trainer.max_steps: Value '1000.0' of type 'float' could not be converted to Integer"),
     ("trainer.compile=maybe", "trainer.compile: Value 'maybe' is not a valid bool (type str)"),
-    ("~model.n_layer", "model.n_layer: ModelConfig (DictConfig) does not support deletion"),
+    ("~model.n_layer", "~model.n_layer: keys cannot be deleted (every key has a default); set a value instead"),
 ])
 def test_refused_overrides_get_one_message(override, message):
     """An unknown group option or key is one line naming it (and the accepted options), not Hydra's advice to
