@@ -55,7 +55,7 @@ class ModelConfig:
     block_size: int = MISSING          # context length (tokens)
     vocab_size: Optional[int] = None   # null = the data's vocabulary, rounded up to vocab_multiple
     vocab_multiple: int = 64           # vocab_size=null pads the tokenizer's vocabulary to a multiple of this
-    dropout: float = 0.0               # > 0 only with the SDPA backends (sdpa; with dropout, sdpa_flash and sdpa_cudnn on CUDA only)
+    dropout: float = 0.0               # > 0 only with SDPA: sdpa, or sdpa_flash / sdpa_cudnn on CUDA
     bias: bool = False                 # biases in linear layers and layer norms (rmsnorm has none)
     attn_window: Any = 0               # tokens a query sees (itself included), 0 = all; or one per layer (a list)
     attn_softcap: float = 0.0          # > 0: scores s -> attn_softcap * tanh(s / attn_softcap) (Gemma 2); 0 = off
