@@ -21,6 +21,7 @@ from bench import HelpFormatter
 from data.tokenizers import tokenizer_from_meta
 from model.backends import REGISTRY, backends_with
 from model.gpt import GPT, GPTConfig
+from model.kv_cache import KVCache
 from trainer.checkpoint import CheckpointError, checkpoint_dir, clean_state_dict, latest_checkpoint, load_checkpoint
 from trainer.runtime import NO_CUDA, device_memory
 
@@ -69,7 +70,7 @@ def sample(model: GPT, tokenizer, prompt: str, num_tokens: int, temperature: flo
 
 def memory_needed(model: GPT, num_samples: int, context: int, kv_cache: bool) -> dict[str, int]:
     """Bytes generation needs at least, by part: the weights; with kv_cache the cache, preallocated for every
-    sample's whole block_size (``KVCache.for_model``); each step's float32 logits of the last position; one
+    sample's whole block_size (``KVCache.nbytes_for``); each step's float32 logits of the last position; one
     block's input for `context` tokens of every sample. Lower bounds (no other activations)."""
     c = model.config
     p = next(model.parameters())
@@ -77,7 +78,7 @@ def memory_needed(model: GPT, num_samples: int, context: int, kv_cache: bool) ->
              "logits": num_samples * c.vocab_size * 4,
              "activations": num_samples * min(context, c.block_size) * c.n_embd * p.element_size()}
     if kv_cache:
-        parts["KV cache"] = 2 * c.n_layer * num_samples * c.block_size * c.kv_heads * c.head_dim * p.element_size()
+        parts["KV cache"] = KVCache.nbytes_for(model, num_samples)
     return parts
 
 

@@ -68,3 +68,9 @@ class KVCache:
     def for_model(cls, model: torch.nn.Module, batch: int) -> "KVCache":
         c, p = model.config, next(model.parameters())
         return cls(c.n_layer, batch, c.kv_heads, c.block_size, c.head_dim, dtype=p.dtype, device=p.device)
+
+    @staticmethod
+    def nbytes_for(model: torch.nn.Module, batch: int) -> int:
+        """Bytes ``for_model(model, batch)`` allocates (k and v of every layer), without allocating them."""
+        c, p = model.config, next(model.parameters())
+        return 2 * c.n_layer * batch * c.kv_heads * c.block_size * c.head_dim * p.element_size()

@@ -265,3 +265,12 @@ def test_cuda_graph_decode_on_gpu(attn, compile):
     logits = graph(tokens[:, 16:17], 16, None)  # a replay (the step is only needed for a capture)
     expected, _ = model(tokens[:, 16:17], kv_cache=reference, start_pos=torch.tensor(16, device="cuda"))
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_nbytes_for_is_what_for_model_allocates():
+    """KVCache.nbytes_for (sample.py's memory check) equals the bytes of the cache for_model builds, GQA and bf16."""
+    for model in (tiny_gpt(), tiny_gpt().to(torch.bfloat16)):
+        for batch in (1, 3):
+            cache = KVCache.for_model(model, batch)
+            allocated = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.k, layer.v))
+            assert KVCache.nbytes_for(model, batch) == allocated
