@@ -222,10 +222,11 @@ def doc_bounds(cu_seqlens: torch.Tensor, total: int, before: int, after: int) ->
     return start, limit
 
 
-@functools.lru_cache(maxsize=None)
 def _no_bounds(device) -> torch.Tensor:
-    """The bounds pointers' stand-in when there are no packed sequences (never read)."""
-    return torch.zeros(1, device=device, dtype=torch.int32)
+    """The bounds pointers' stand-in when there are no packed sequences (never read). A new one per call, not a
+    cached one: made during the warm-up of torch.compile's CUDA graphs (`mode="reduce-overhead"`), a cached
+    tensor would stay alive in their memory pool without being an output, which the graphs refuse."""
+    return torch.empty(1, device=device, dtype=torch.int32)
 
 
 def triton_version() -> str:
@@ -335,7 +336,8 @@ def run_forward(q, k, v, causal: bool, softmax_scale: float, config: ForwardConf
     docs = key_bounds is not None
     if docs:  # both edges, per row
         left, right = 0, 0
-    key_start, key_limit = key_bounds if docs else (_no_bounds(q.device),) * 2
+    unused = _no_bounds(q.device)
+    key_start, key_limit = key_bounds if docs else (unused, unused)
     o = empty_like_layout(q)
     lse = torch.empty((batch, n_heads, seqlen_q), device=q.device, dtype=torch.float32)
     q_layout, kv_layout = shared_layouts(q.dtype, head_dim, block_n)
@@ -344,7 +346,7 @@ def run_forward(q, k, v, causal: bool, softmax_scale: float, config: ForwardConf
     desc = lambda t, rows, layout: TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, head_dim], layout)
     n_tiles_m = triton.cdiv(seqlen_q, num_consumers * BLOCK_M)
     n_tiles = n_tiles_m * batch * n_heads
-    order = _no_bounds(q.device)
+    order = unused
     if docs:
         rows = num_consumers * BLOCK_M
         order = _made_once(key_start, (rows, block_n, batch * n_heads),
@@ -533,7 +535,8 @@ def run_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, config
         query_start, query_limit = bounds[2:]
         order = _made_once(query_start, block_n, lambda: block_order(query_start, query_limit, block_n))
     else:
-        bounds, order = (_no_bounds(q.device),) * 4, _no_bounds(q.device)
+        unused = _no_bounds(q.device)
+        bounds, order = (unused,) * 4, unused
     seqlen_q_pad = triton.cdiv(seqlen_q, block_m) * block_m  # whole blocks for the dQ reduce-adds
     # In q's memory order, as dq: the last pass below is then a plain contiguous one (a (B, H, T, D) accumulator
     # for the model's (B, T, H, D) q made it a transposing copy: 110 us of GPT-2's 1k backward, cuDNN's 46).
