@@ -15,7 +15,8 @@ ratios between backends change from run to run. Each backend is its own W&B run 
 (`wandb.group`), so the loss and step time curves overlay in the W&B UI. Files go to <run.root>/<name>/ (run.root:
 runs unless an override sets it): throughput.csv, throughput.json, throughput.png, rewritten after every run (a
 backend that crashes the process leaves the rows measured before it), and one run folder per backend (metrics, W&B
-files; its checkpoints are deleted after the run).
+files; its checkpoints are deleted after the run). Ctrl-C or SIGTERM ends the comparison once the run in flight has
+stopped (exit 128 + the signal): that run gets no row, as it timed fewer steps than asked, and no later run starts.
 
 `--baseline` also runs, per backend and in the same process, the bare training loop of `bench.baseline` (same
 model, data, dtype, compile and optimizer; forward, backward, clip, step, zero_grad and nothing else), timed the
@@ -37,7 +38,9 @@ from __future__ import annotations
 import argparse
 import logging
 import shutil
+import signal
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -120,9 +123,18 @@ def run_bare(overrides, backend, out_dir, label, warmup, steps, run=1):
     )
 
 
+class Interrupted(Exception):
+    """Ctrl-C or SIGTERM stopped a backend's run before its last step: its row would time fewer steps than asked."""
+
+    def __init__(self, label: str, step: int, steps: int, signum: int):
+        super().__init__(f"{label} was interrupted at step {step} of {steps}")
+        self.signum = signum
+
+
 def run_backend(overrides, backend, out_dir, label, warmup, steps, run=1):
     """Train one backend into out_dir/label and summarise its timed steps (those after the warm-up). The run's
-    checkpoints are deleted (the comparison never resumes, and a GPT-2 checkpoint is 1.4 GB)."""
+    checkpoints are deleted (the comparison never resumes, and a GPT-2 checkpoint is 1.4 GB). Raises Interrupted
+    when Ctrl-C or SIGTERM stopped the run early."""
     from trainer import train
     from trainer.checkpoint import checkpoint_dir
 
@@ -132,6 +144,8 @@ def run_backend(overrides, backend, out_dir, label, warmup, steps, run=1):
         summary = train(cfg)
     finally:
         shutil.rmtree(checkpoint_dir(out_dir / label), ignore_errors=True)
+    if summary.stop_reason == "interrupted":
+        raise Interrupted(label, summary.step, warmup + steps, summary.stop_signal)
     timed = summary.records[warmup:]
     step_ms = [r["perf/step_time_ms"] for r in timed]
     mfus = [r["perf/mfu"] for r in timed if r["perf/mfu"] is not None]
@@ -318,13 +332,19 @@ def main(argv=None):
     out_dir.mkdir(parents=True, exist_ok=True)
     env = environment("cuda" if torch.cuda.is_available() else "cpu")
     meta = dict(**env, overrides=args.overrides, warmup=args.warmup, steps=args.steps)
-    rows = compare(jobs, args, out_dir, "throughput", meta, args.baseline)
-    print_table(rows, env["device"])
-    if sweep_jobs:
-        sweep_rows = compare(sweep_jobs, args, out_dir, "throughput_sweep", {**meta, "sweep_tokens": args.sweep_tokens},
-                             baseline=False)
-        print(f"\nsweep at {args.sweep_tokens} tokens per step")
-        print_table(sweep_rows, env["device"])
+    try:
+        rows = compare(jobs, args, out_dir, "throughput", meta, args.baseline)
+        print_table(rows, env["device"])
+        if sweep_jobs:
+            sweep_rows = compare(sweep_jobs, args, out_dir, "throughput_sweep",
+                                 {**meta, "sweep_tokens": args.sweep_tokens}, baseline=False)
+            print(f"\nsweep at {args.sweep_tokens} tokens per step")
+            print_table(sweep_rows, env["device"])
+    except (Interrupted, KeyboardInterrupt) as e:  # a second Ctrl-C, or one in the bare loop, is a KeyboardInterrupt
+        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+        print(f"bench.throughput: {str(e) or 'interrupted'}; stopped there, with no row for that run and none after it "
+              f"(the rows measured before it are in {out_dir})", file=sys.stderr)
+        raise SystemExit(128 + signum)
     print(f"wrote {out_dir}/throughput.{{csv,json,png}}" + (" and throughput_sweep.*" if sweep_jobs else ""))
     return rows
 

@@ -3,6 +3,7 @@
 import csv
 import json
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -280,3 +281,32 @@ def test_trainer_peak_memory_is_within_5_percent_of_the_bare_loop(make_cfg, comp
     records = train(cfg).records
     peak = max(r["perf/peak_mem_gib"] for r in records)
     assert peak <= 1.05 * bare["peak_mem_gib"], (peak, bare["peak_mem_gib"])
+
+
+def test_ctrl_c_ends_the_comparison_without_a_row_for_the_cut_run(tmp_path, tiny_overrides, monkeypatch, capsys):
+    """Ctrl-C stops the run in flight (the trainer saves and returns); the bench must then stop too, with no row
+    for that shortened run and no later backend run, and exit 130, not report a short run beside full ones."""
+    import os
+    import signal
+
+    import trainer
+
+    overrides = [o for o in tiny_overrides if not o.startswith(("run.", "attn=", "trainer.max_steps"))]
+    overrides += [f"run.root={tmp_path}", "model.n_layer=1", "model.n_embd=32", "model.n_head=2",
+                  "model.block_size=16", "trainer.batch_size=2"]
+    real_train, started = trainer.train, []
+
+    def ctrl_c_at_step_2(cfg):
+        started.append(cfg.attn.backend)
+        interrupt = cfg.attn.backend == "flex"
+        return real_train(cfg, on_step=lambda r: interrupt and r["step"] == 2 and os.kill(os.getpid(), signal.SIGINT))
+
+    monkeypatch.setattr(trainer, "train", ctrl_c_at_step_2)
+    with pytest.raises(SystemExit) as exit_info:
+        throughput.main(["--backends", "sdpa,flex,fa2", "--steps", "5", "--warmup", "1", "--name", "cut", *overrides])
+    assert exit_info.value.code == 128 + signal.SIGINT
+    assert started == ["sdpa", "flex"]  # fa2 never started
+    rows = json.loads((tmp_path / "cut" / "throughput.json").read_text())["rows"]
+    assert [r["backend"] for r in rows] == ["sdpa"]
+    # the trainer stops after the step in flight when the signal came (one step later: steps are read one late)
+    assert re.search(r"flex was interrupted at step [23] of 6; stopped there", capsys.readouterr().err)
