@@ -54,13 +54,22 @@ def load_model(ckpt_path: Path, device: str = "cpu", attn: str = "sdpa"):
     return model.to(device).eval(), tokenizer_from_meta(ckpt["data_meta"]), ckpt
 
 
+def start_ids(tokenizer) -> list[int]:
+    """What an empty prompt starts from: the document separator (BPE), else a newline (char), else, for a character
+    vocabulary without one, its first character."""
+    if tokenizer.eot_token is not None:
+        return [tokenizer.eot_token]
+    try:
+        return tokenizer.encode("\n")
+    except ValueError:  # a corpus without newlines
+        return [0]
+
+
 def sample(model: GPT, tokenizer, prompt: str, num_tokens: int, temperature: float, top_k: int | None,
            num_samples: int = 1, seed: int = 1337, kv_cache: bool = True, compile: bool | str = False,
            cuda_graph: bool = False) -> list[str]:
     device = next(model.parameters()).device
-    ids = tokenizer.encode(prompt) if prompt else []
-    if not ids:  # an empty prompt starts from a newline (char) or the document separator (BPE)
-        ids = [tokenizer.eot_token] if tokenizer.eot_token is not None else tokenizer.encode("\n")
+    ids = tokenizer.encode(prompt) if prompt else start_ids(tokenizer)
     x = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     y = model.generate(x, num_tokens, temperature=temperature, top_k=top_k, generator=gen,
@@ -97,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-samples", type=int, default=1, help=">= 1; samples, generated as one batch")
     ap.add_argument("--temperature", type=float, default=0.8, help="> 0 and finite; lower is more conservative")
     ap.add_argument("--top-k", type=int, default=200, help="keep the k most likely tokens; 0 = all, 1 = greedy")
-    ap.add_argument("--seed", type=int, default=1337, help="seed of the sampling")
+    ap.add_argument("--seed", type=int, default=1337, help="seed of the sampling, in [0, 2**32) as train.py's")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: cuda when available")
     ap.add_argument("--attn", default="sdpa", choices=list(REGISTRY), help="attention backend")
     ap.add_argument("--kv-cache", action=argparse.BooleanOptionalAction, default=True,
@@ -112,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     for name, ok, accepted in (("--num-tokens", args.num_tokens >= 1, ">= 1"),
                                ("--num-samples", args.num_samples >= 1, ">= 1"),
-                               ("--temperature", 0 < args.temperature < float("inf"), "> 0 and finite"), ("--top-k", args.top_k >= 0, ">= 0")):
+                               ("--temperature", 0 < args.temperature < float("inf"), "> 0 and finite"), ("--top-k", args.top_k >= 0, ">= 0"),
+                               ("--seed", 0 <= args.seed < 2**32, "in [0, 2**32)")):
         if not ok:
             ap.error(f"{name}={getattr(args, name[2:].replace('-', '_'))} is out of range: must be {accepted}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -147,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # e.g. a prompt character outside the char vocabulary
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # nothing is written but the samples, which are printed only once all are done
+        print("interrupted: no sample printed", file=sys.stderr)
+        return 130
     for i, text in enumerate(texts):
         if i:
             print("\n" + "-" * 40)
@@ -156,4 +169,8 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     warnings.showwarning = show_warning  # the command line, not an imported library
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # while torch imports or the checkpoint loads
+        print("interrupted: no sample printed", file=sys.stderr)
+        sys.exit(130)

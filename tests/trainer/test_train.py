@@ -328,6 +328,34 @@ def test_sample_generates_text(make_cfg, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert "error: --num-samples=1000: generating needs at least" in err and "choose a smaller --num-samples" in err
     assert sample.main([*args, "--num-samples", "1000", "--no-kv-cache"]) == 0  # no cache: it fits
+    capsys.readouterr()
+
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sample, "sample", ctrl_c)  # Ctrl-C while generating: one line and 130, no traceback
+    assert sample.main(args) == 130
+    assert capsys.readouterr().err.endswith("interrupted: no sample printed\n")
+
+
+def test_an_empty_prompt_starts_from_a_token_of_the_vocabulary():
+    """The document separator (BPE), else a newline, else (a corpus without newlines) the first character."""
+    import sample
+    from data.tokenizers import CharTokenizer
+
+    assert sample.start_ids(CharTokenizer("\n ab")) == [0]
+    assert sample.start_ids(CharTokenizer(" ab\n")) == [3]
+    assert sample.start_ids(CharTokenizer("ba")) == [0]
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**32)])
+def test_sample_refuses_a_seed_train_py_would_refuse(seed, capsys):
+    import sample
+
+    with pytest.raises(SystemExit) as exit_info:
+        sample.main(["--run", "any", "--seed", seed])
+    assert exit_info.value.code == 2
+    assert f"--seed={seed} is out of range: must be in [0, 2**32)" in capsys.readouterr().err
 
 
 def test_cli_entry_point(tiny_overrides, tmp_path):
