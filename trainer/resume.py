@@ -10,6 +10,7 @@ from typing import Optional
 from omegaconf import DictConfig, OmegaConf
 
 from model.gpt import GPTConfig
+from model.layers import mlp_width
 from trainer.checkpoint import (Checkpoint, CheckpointError, UnreadableCheckpoint, latest_checkpoint, list_checkpoints,
                                 load_checkpoint, step_of)
 from trainer.config import ConfigError
@@ -84,13 +85,26 @@ def _load(path: Path) -> Checkpoint:
 NOT_SHAPE = ("attn", "dropout", "loss", "attn_softcap")
 
 
+def model_identity(model_args: dict) -> dict:
+    """The GPTConfig fields (``dataclasses.asdict``) that make the model what it is: those of NOT_SHAPE left out,
+    the MLP's hidden width in place of the settings it derives from (``mlp_hidden``, ``multiple_of``), and
+    ``rope_theta`` only with RoPE. A change of any of these changes the weights' shapes or the function."""
+    args = {**dataclasses.asdict(GPTConfig()), **model_args}  # a checkpoint from before a field existed: its default
+    identity = {k: v for k, v in args.items() if k not in NOT_SHAPE + ("mlp_hidden", "multiple_of")}
+    identity["mlp_width"] = mlp_width(args["n_embd"], args["mlp"], args["mlp_hidden"], args["multiple_of"])
+    if args["pos_emb"] != "rope":
+        del identity["rope_theta"]
+    return identity
+
+
 def check_compatible(ckpt: Checkpoint, model_args: GPTConfig, data_meta: dict, cfg: DictConfig) -> None:
     """Refuse (ConfigError) a checkpoint of another model shape, attention window or tokenizer; warn, listing the
     keys, when other settings changed (e.g. the attention backend or model.dropout), as a resumed run then mixes
     two setups; warn when the token cache holds other tokens than the checkpoint's (``changed_data``)."""
-    old = {k: v for k, v in ckpt["model_args"].items() if k not in NOT_SHAPE}
-    new = {k: v for k, v in dataclasses.asdict(model_args).items() if k not in NOT_SHAPE}
-    diffs = [f"model.{k}: checkpoint {old.get(k)!r}, config {new[k]!r}" for k in new if old.get(k) != new[k]]
+    old, new = model_identity(ckpt["model_args"]), model_identity(dataclasses.asdict(model_args))
+    mlp = "the MLP's hidden width (model.mlp_hidden, or model.mlp's rule)"
+    name = lambda k: mlp if k == "mlp_width" else f"model.{k}"
+    diffs = [f"{name(k)}: checkpoint {old.get(k)!r}, config {new[k]!r}" for k in new if old.get(k) != new[k]]
     old_meta = ckpt["data_meta"]
     for k in ("tokenizer", "encoding", "chars", "vocab_size"):
         if old_meta.get(k) != data_meta.get(k):

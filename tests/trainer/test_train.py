@@ -680,6 +680,21 @@ def test_a_checkpoint_from_before_the_attention_window_resumes(make_cfg, caplog)
     assert second.start_step == 2 and "changed settings" not in caplog.text
 
 
+def test_resume_compares_the_model_a_setting_makes_not_the_setting(make_cfg, caplog):
+    """A setting the model does not use (rope_theta with learned positions, multiple_of with a GELU MLP) or an
+    mlp_hidden equal to the rule's width resumes, with the usual warning; another MLP width is refused."""
+    first = train(make_cfg("run.name=same", "trainer.max_steps=1", "ckpt.interval=0"))
+    width = 4 * load_checkpoint(first.checkpoint)["model_args"]["n_embd"]
+    for step, extra in enumerate(("model.rope_theta=500", "model.multiple_of=128", f"model.mlp_hidden={width}"), 2):
+        caplog.clear()
+        again = train(make_cfg("run.name=same", f"trainer.max_steps={step}", "ckpt.interval=0", extra))
+        assert again.start_step == step - 1 and again.step == step
+        assert f"{extra.split('=')[0]}: " in caplog.text and "with changed settings" in caplog.text
+    with pytest.raises(ConfigError, match=rf"the MLP's hidden width \(model.mlp_hidden, or model.mlp's rule\): "
+                                          rf"checkpoint {width}, config {width + 64}"):
+        train(make_cfg("run.name=same", "trainer.max_steps=9", f"model.mlp_hidden={width + 64}"))
+
+
 def test_resuming_with_another_dropout_is_a_warning(make_cfg, caplog):
     """model.dropout shapes no weight: resuming with another value warns, listing it, as other settings do."""
     train(make_cfg("run.name=drop", "trainer.max_steps=2", "ckpt.interval=0"))
