@@ -97,6 +97,16 @@ def show_warning(message, category, filename, lineno, file=None, line=None) -> N
 
 
 def main(argv: list[str] | None = None) -> int:
+    """sample.py's command line; returns the exit status (130 after Ctrl-C: the samples are printed only once all are
+    done, so nothing is left half-printed)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("interrupted: no sample printed", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--run", required=True,
                     help="run name (under --runs-root), run folder or its checkpoints folder, or checkpoint file")
@@ -121,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     for name, ok, accepted in (("--num-tokens", args.num_tokens >= 1, ">= 1"),
                                ("--num-samples", args.num_samples >= 1, ">= 1"),
-                               ("--temperature", 0 < args.temperature < float("inf"), "> 0 and finite"), ("--top-k", args.top_k >= 0, ">= 0"),
+                               ("--temperature", 0 < args.temperature < float("inf"), "> 0 and finite"),
+                               ("--top-k", args.top_k >= 0, ">= 0"),
                                ("--seed", 0 <= args.seed < 2**32, "in [0, 2**32)")):
         if not ok:
             ap.error(f"{name}={getattr(args, name[2:].replace('-', '_'))} is out of range: must be {accepted}")
@@ -157,9 +168,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # e.g. a prompt character outside the char vocabulary
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # nothing is written but the samples, which are printed only once all are done
-        print("interrupted: no sample printed", file=sys.stderr)
-        return 130
     for i, text in enumerate(texts):
         if i:
             print("\n" + "-" * 40)
@@ -169,8 +177,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     warnings.showwarning = show_warning  # the command line, not an imported library
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:  # while torch imports or the checkpoint loads
-        print("interrupted: no sample printed", file=sys.stderr)
-        sys.exit(130)
+    sys.exit(main())
