@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
-from hydra.errors import HydraException, MissingConfigException
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ConfigTypeError, ValidationError
 
@@ -518,8 +518,11 @@ def compose_config(overrides: Optional[List[str]] = None) -> DictConfig:
 
 def override_error(e: HydraException) -> str:
     """The message for an override ``compose_config`` refused, in one line that names the key: an unknown group
-    option or key with what is accepted, a wrong type in OmegaConf's words (their first line); anything else (an
-    override that does not parse) as Hydra words it."""
+    option or key with what is accepted, a wrong type in OmegaConf's words (their first line), an override that does
+    not parse with how to quote it; anything else as Hydra words it."""
+    if isinstance(e, OverrideParseException):  # Hydra's grammar: e.g. a non-ASCII letter in an unquoted value
+        return (f"{e.override}: not an override Hydra can parse; quote the value (non-ASCII letters and some "
+                "symbols need it), e.g. \"run.name='héllo'\" in the shell")
     if isinstance(e, MissingConfigException) and e.missing_cfg_file and e.options:
         group, _, option = e.missing_cfg_file.rpartition("/")
         return f"{group}={option}: not an option of {group}; accepted: {', '.join(e.options)}"
