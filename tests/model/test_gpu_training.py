@@ -59,8 +59,18 @@ def test_reading_a_step_waits_for_that_step_only(make_cfg):
         trainer.logger.close()
 
 
+def random_docs(batch: int, seqlen: int, cuts: int) -> torch.Tensor:
+    """cu_seqlens over batch * seqlen tokens: every row's edges and `cuts` more random document ends (a fixed count,
+    so the shape stays the same from step to step)."""
+    inside = torch.arange(1, batch * seqlen)
+    inside = inside[inside % seqlen != 0]
+    edges = torch.arange(0, batch * seqlen + 1, seqlen)
+    return torch.cat([edges, inside[torch.randperm(len(inside))[:cuts]]]).sort().values.to(torch.int32)
+
+
+@pytest.mark.parametrize("docs", [False, True])
 @pytest.mark.parametrize("attn", ["fa3", "fa2"])
-def test_cuda_graph_compile_trains_like_eager(attn):
+def test_cuda_graph_compile_trains_like_eager(attn, docs):
     """torch.compile(mode="reduce-overhead") (trainer.compile_mode=reduce-overhead: CUDA graphs of the forward and
     the backward) runs our kernels: its warm-up refuses any tensor a kernel wrapper keeps alive in the graphs' memory
     pool, and each replay must give eager's loss and gradients for fresh inputs."""
@@ -71,15 +81,16 @@ def test_cuda_graph_compile_trains_like_eager(attn):
     compiled = torch.compile(model, mode="reduce-overhead")
     for step in range(4):  # warm-up, recording, then replays
         x, y = (torch.randint(0, 512, (8, 256), device="cuda") for _ in range(2))
+        cu_seqlens = random_docs(8, 256, 6).cuda() if docs else None
         model.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            _, loss_eager = model(x, y)
+            _, loss_eager = model(x, y, docs=cu_seqlens)
         loss_eager.backward()
         grads_eager = [p.grad.clone() for p in model.parameters()]
         model.zero_grad(set_to_none=True)
         torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            _, loss = compiled(x, y, return_logits=False)
+            _, loss = compiled(x, y, return_logits=False, docs=cu_seqlens)
         loss.backward()
         torch.testing.assert_close(loss, loss_eager, rtol=2e-2, atol=2e-2, msg=f"step {step}")
         for p, g in zip(model.parameters(), grads_eager):
