@@ -62,7 +62,7 @@ class GPTConfig:
     multiple_of: int = 256       # swiglu's hidden width (mlp_hidden None) is rounded up to a multiple of this
     qk_norm: bool = False        # RMSNorm over head_dim on q and k before RoPE and attention
     tie_embeddings: bool = True  # the output head is the token embedding matrix
-    loss: str = "full"           # how the head and cross-entropy run: full | chunked (model/loss.py)
+    loss: str = "full"           # how the head and cross-entropy run: full | chunked | fused (model/loss.py)
 
     def layer_window(self, layer: int) -> int:
         return self.attn_window if isinstance(self.attn_window, int) else self.attn_window[layer]

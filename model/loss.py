@@ -8,6 +8,10 @@
   chunk's logits exist at a time; the matmuls are the same three as ``full``'s. Measured on the H200 for GPT-2
   124M compiled (docs/benchmarks.md, "Whole-step options"): 3.4% slower than ``full`` and no lower peak memory, so
   ``full`` is the default.
+- ``fused``: the head for every token, then one Triton kernel (``kernels/cross_entropy.py``) that computes each
+  row's loss and writes its gradient over the logits (in the matmul dtype), and the head's two gradient matmuls, all
+  in the forward; the backward scales the two gradients. The logits pass through memory once forward and once as
+  their gradient, and are freed before the backward.
 
 Both compute the mean over the targets that are not ``IGNORE_INDEX``, in float32, with the matmuls in the
 autocast dtype (else x's dtype), as ``F.cross_entropy(logits.float(), targets, ignore_index=-1)`` does.
@@ -17,8 +21,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
-LOSSES = ("full", "chunked")  # the values of GPTConfig.loss (model.loss)
+from kernels.cross_entropy import cross_entropy_rows
+
+LOSSES = ("full", "chunked", "fused")  # the values of GPTConfig.loss (model.loss)
 CHUNK_TOKENS = 8192  # chunked: tokens per chunk; GPT-2's 50304-wide logits of a chunk are 1.6 GB in float32
 IGNORE_INDEX = -1
 
@@ -36,7 +43,54 @@ def head_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, loss
         raise ValueError(f"loss={loss!r}; accepted: {', '.join(LOSSES)}")
     dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
     x, weight = x.to(dtype), weight.to(dtype)  # the casts autocast would make (their backward casts back)
-    return ChunkedLinearCrossEntropy.apply(x, weight, targets, CHUNK_TOKENS)
+    if loss == "chunked":
+        return ChunkedLinearCrossEntropy.apply(x, weight, targets, CHUNK_TOKENS)
+    with_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    total, count, _, _ = linear_cross_entropy(x, weight, targets, with_grad)
+    return total / count
+
+
+@torch.library.custom_op("flashgpt::linear_cross_entropy", mutates_args=())
+def linear_cross_entropy(x: Tensor, weight: Tensor, targets: Tensor, with_grad: bool
+                         ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``fused``: sum of CE(x @ weight.T, targets) over counted rows, their count, and (with_grad) the gradients
+    of that sum with respect to x and weight, from the gradient the kernel writes over the logits.
+
+    x: (N, C), weight: (V, C), one float dtype; targets: (N,) int64. Returns (total float32 (), count float32 (),
+    grad_x (N, C), grad_weight (V, C)) in x's dtype; the gradients are empty (0 rows) without with_grad.
+    """
+    with torch.autocast(x.device.type, enabled=False):
+        logits = x @ weight.t()
+        total = cross_entropy_rows(logits, targets, IGNORE_INDEX, grad=with_grad).sum()
+        count = (targets != IGNORE_INDEX).sum().float()
+        if not with_grad:
+            return total, count, x.new_empty(0, x.shape[1]), weight.new_empty(0, weight.shape[1])
+        return total, count, logits @ weight, logits.t() @ x
+
+
+@linear_cross_entropy.register_fake
+def _(x, weight, targets, with_grad):
+    scalar = x.new_empty((), dtype=torch.float32)
+    if not with_grad:
+        return scalar, scalar.clone(), x.new_empty(0, x.shape[1]), weight.new_empty(0, weight.shape[1])
+    return scalar, scalar.clone(), torch.empty_like(x), torch.empty_like(weight)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.save_for_backward(output[2], output[3])
+
+
+def _backward(ctx, grad_total, grad_count, grad_x_grad, grad_weight_grad):
+    # The gradients were computed for a total with weight 1; scale them by the one that arrived, in float32 (with
+    # fp16 and a grad scaler that weight is large and the unscaled gradients are small).
+    grad_x, grad_weight = ctx.saved_tensors
+    dx = (grad_x.float() * grad_total).to(grad_x.dtype) if ctx.needs_input_grad[0] else None
+    dw = (grad_weight.float() * grad_total).to(grad_weight.dtype) if ctx.needs_input_grad[1] else None
+    return dx, dw, None, None
+
+
+linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):

@@ -5,7 +5,7 @@ for the bare loop it is measured against (``bench.baseline``).
   e4m3 weights and activations, e5m2 gradients, float32 master weights) on every ``nn.Linear`` whose two sizes are
   multiples of 16: the attention projections, the MLP and the output head. Needs a GPU of compute capability 8.9
   or newer (``torch._scaled_mm``) and torchao; without torch.compile its casts are slow. With ``model.loss``
-  chunked the head stays in the autocast dtype (that loss uses its weight directly).
+  chunked or fused the head stays in the autocast dtype (that loss uses its weight directly).
 - ``trainer.compile_mode``: torch.compile's ``mode`` (``default`` = none given).
 """
 

@@ -419,18 +419,21 @@ def min_params(args: GPTConfig) -> int:
 
 def check_memory(args: GPTConfig, device: torch.device, tokens: int = 0,
                  dtype: torch.dtype = torch.bfloat16) -> None:
-    """Refuse (ConfigError) a run whose parameters, with their gradients and AdamW state, plus the float32 logits of
-    one micro-batch of `tokens` tokens (the loss's log-softmax; one chunk with model.loss=chunked), plus what each
+    """Refuse (ConfigError) a run whose parameters, with their gradients and AdamW state, plus the logits of one
+    micro-batch of `tokens` tokens (float32 for the loss's log-softmax; one chunk with model.loss=chunked; in the
+    compute dtype with model.loss=fused), plus what each
     block keeps for the backward at least (its input, n_embd values a token, and its MLP's hidden layer, the input
     of the MLP's output projection, in the compute `dtype`, 2 bytes at least), need more than the device's memory
     (``trainer.runtime.device_memory``). All three are lower bounds (``min_params``; no other activations), so a run
     that fits is never refused. Catches e.g. a mistyped model.vocab_size or a batch far too large before an
     allocator error or the out-of-memory killer does."""
     params, memory = min_params(args), device_memory(device)
-    logit_rows = {"full": tokens, "chunked": min(tokens, CHUNK_TOKENS)}[args.loss]
-    weights, logits = params * TRAINING_BYTES_PER_PARAM, logit_rows * args.vocab_size * 4
-    hidden = mlp_width(args.n_embd, args.mlp, args.mlp_hidden, args.multiple_of)
     per_value = max(torch.finfo(dtype).bits // 8, 2)
+    # (rows, bytes a value) of the logits alive at once: float32 for full and chunked, the compute dtype for fused
+    logit_rows, logit_bytes = {"full": (tokens, 4), "chunked": (min(tokens, CHUNK_TOKENS), 4),
+                               "fused": (tokens, per_value)}[args.loss]
+    weights, logits = params * TRAINING_BYTES_PER_PARAM, logit_rows * args.vocab_size * logit_bytes
+    hidden = mlp_width(args.n_embd, args.mlp, args.mlp_hidden, args.multiple_of)
     activations = args.n_layer * tokens * (args.n_embd + hidden) * per_value
     if memory and weights + logits + activations > memory:
         gib = lambda n: f"{n / 2**30:,.1f}" if n < 10 * 2**30 else f"{n / 2**30:,.0f}"
@@ -441,7 +444,7 @@ def check_memory(args: GPTConfig, device: torch.device, tokens: int = 0,
             f"{culprit} for {device}: {params:,} parameters (model.vocab_size={args.vocab_size}, "
             f"model.n_embd={args.n_embd}, model.n_layer={args.n_layer}, model.block_size={args.block_size}) need at "
             f"least {gib(weights)} GiB for weights, gradients and AdamW state ({TRAINING_BYTES_PER_PARAM} "
-            f"bytes each), the float32 logits of {logit_rows:,} tokens (model.loss={args.loss}; a micro-batch is "
+            f"bytes each), the logits of {logit_rows:,} tokens ({logit_bytes} bytes a value; model.loss={args.loss}; a micro-batch is "
             f"trainer.batch_size x block_size = {tokens:,}) {gib(logits)} GiB more, and each layer's input "
             f"and MLP hidden layer ({hidden} wide) for the backward {gib(activations)} GiB more "
             f"({per_value} bytes a value), and it has {gib(memory)} GiB; choose smaller values")

@@ -1,9 +1,12 @@
-"""model.loss: the chunked head + cross-entropy against a float64 reference, and in the model."""
+"""model.loss: the chunked and fused head + cross-entropy against a float64 reference, and in the model; the
+cross-entropy kernel (kernels/cross_entropy.py) under the Triton interpreter."""
 
 import pytest
 import torch
 
+import kernels.cross_entropy as ce_module
 import model.loss as loss_module
+from kernels.cross_entropy import cross_entropy_rows
 from model.gpt import GPT, GPTConfig
 from model.loss import IGNORE_INDEX, head_loss
 
@@ -16,9 +19,11 @@ def reference(x, weight, targets):
     return (torch.logsumexp(rows, -1) - rows.gather(1, targets[counted].unsqueeze(1)).squeeze(1)).mean()
 
 
-@pytest.mark.parametrize("n, chunk", [(300, 64), (64, 64), (5, 64)])  # several chunks, exactly one, a short one
-def test_chunked_matches_float64_loss_and_gradients(monkeypatch, n, chunk):
+@pytest.mark.parametrize("loss, n, chunk", [("chunked", 300, 64), ("chunked", 64, 64), ("chunked", 5, 64),
+                                            ("fused", 300, 0), ("fused", 5, 0)])  # chunks: several, one, a short one
+def test_matches_float64_loss_and_gradients(monkeypatch, loss, n, chunk):
     monkeypatch.setattr(loss_module, "CHUNK_TOKENS", chunk)
+    monkeypatch.setattr(ce_module, "BLOCK_V", 32)  # the kernel walks a row of 97 in four blocks, the last partial
     x = torch.randn(n, 24, requires_grad=True)
     weight = torch.randn(97, 24, requires_grad=True)
     targets = torch.randint(0, 97, (n,))
@@ -27,7 +32,7 @@ def test_chunked_matches_float64_loss_and_gradients(monkeypatch, n, chunk):
     x64, w64 = x.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
     ref = reference(x64, w64, targets)
     (ref * 2.5).backward()  # a scale, as grad accumulation and the fp16 grad scaler give
-    out = head_loss(x, weight, targets, "chunked")
+    out = head_loss(x, weight, targets, loss)
     (out * 2.5).backward()
     assert out.dtype == torch.float32 and x.grad.dtype == x.dtype and weight.grad.dtype == weight.dtype
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
@@ -35,32 +40,77 @@ def test_chunked_matches_float64_loss_and_gradients(monkeypatch, n, chunk):
     torch.testing.assert_close(weight.grad.double(), w64.grad, rtol=1e-4, atol=1e-6)
 
 
-def test_chunked_without_gradients_and_all_ignored():
+@pytest.mark.parametrize("loss", ["chunked", "fused"])
+def test_without_gradients_and_all_ignored(loss):
     x, weight = torch.randn(10, 8), torch.randn(16, 8)
     targets = torch.randint(0, 16, (10,))
     with torch.no_grad():
-        torch.testing.assert_close(head_loss(x, weight, targets, "chunked").double(), reference(x, weight, targets))
+        torch.testing.assert_close(head_loss(x, weight, targets, loss).double(), reference(x, weight, targets))
     ignored = torch.full((10,), IGNORE_INDEX)
-    assert torch.isnan(head_loss(x, weight, ignored, "chunked"))  # as F.cross_entropy: 0 / 0
+    assert torch.isnan(head_loss(x, weight, ignored, loss))  # as F.cross_entropy: 0 / 0
     assert torch.isnan(head_loss(x, weight, ignored, "full"))
 
 
+@pytest.mark.parametrize("impl", ["triton", "torch"])  # the kernel (interpreted here), the CPU path without it
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab, block", [(97, 32), (50, 64), (1, 16)])  # several blocks; one, padded; one column
+def test_kernel_rows_and_gradient_in_place(monkeypatch, impl, dtype, vocab, block):
+    """Each row's loss and its gradient written over the logits, against float64; ignored rows give 0 and 0."""
+    monkeypatch.setattr(ce_module, "BLOCK_V", block)
+    monkeypatch.setattr(ce_module, "INTERPRET", impl == "triton" and ce_module.INTERPRET)
+    n = 7
+    logits = (torch.randn(n, vocab, dtype=torch.float64) * 6).to(dtype)  # large logits: the max matters
+    targets = torch.randint(0, vocab, (n,))
+    targets[2] = IGNORE_INDEX
+    x = logits.double()
+    ref_loss = torch.logsumexp(x, -1) - x.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1)
+    ref_grad = torch.softmax(x, -1) - torch.nn.functional.one_hot(targets.clamp(min=0), vocab)
+    ref_loss[2], ref_grad[2] = 0.0, 0.0
+    buffer = logits.clone()
+    losses = cross_entropy_rows(buffer, targets, IGNORE_INDEX, grad=True)
+    assert losses.dtype == torch.float32 and buffer.dtype == dtype
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2)
+    torch.testing.assert_close(losses.double(), ref_loss, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(buffer.double(), ref_grad, **tol)
+    untouched = logits.clone()
+    torch.testing.assert_close(cross_entropy_rows(untouched, targets, IGNORE_INDEX, grad=False), losses)
+    assert torch.equal(untouched, logits)  # without grad the logits are only read
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_kernel_bad_inputs(monkeypatch, impl):
+    """A target out of range (not ignore_index) gives that row nan, which the trainer stops on; bad shapes are
+    refused."""
+    monkeypatch.setattr(ce_module, "INTERPRET", impl == "triton" and ce_module.INTERPRET)
+    logits, targets = torch.randn(3, 10), torch.tensor([1, 10, -5])
+    losses = cross_entropy_rows(logits.clone(), targets, IGNORE_INDEX)
+    assert torch.isfinite(losses[0]) and torch.isnan(losses[1:]).all()
+    with pytest.raises(ValueError, match=r"logits must be \(N, V\)"):
+        cross_entropy_rows(torch.randn(2, 3, 4), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="targets"):
+        cross_entropy_rows(torch.randn(4, 3), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="contiguous"):
+        cross_entropy_rows(torch.randn(3, 4).t(), torch.zeros(4, dtype=torch.long))
+
+
 def test_unknown_loss_is_refused():
-    with pytest.raises(ValueError, match="loss='fused'; accepted: full, chunked"):
-        head_loss(torch.randn(2, 4), torch.randn(3, 4), torch.zeros(2, dtype=torch.long), "fused")
-    with pytest.raises(ValueError, match="loss='fused': accepted: full, chunked"):
-        GPT(GPTConfig(block_size=8, vocab_size=32, n_layer=1, n_head=2, n_embd=16, loss="fused"))
+    with pytest.raises(ValueError, match="loss='liger'; accepted: full, chunked, fused"):
+        head_loss(torch.randn(2, 4), torch.randn(3, 4), torch.zeros(2, dtype=torch.long), "liger")
+    with pytest.raises(ValueError, match="loss='liger': accepted: full, chunked, fused"):
+        GPT(GPTConfig(block_size=8, vocab_size=32, n_layer=1, n_head=2, n_embd=16, loss="liger"))
 
 
+@pytest.mark.parametrize("loss", ["chunked", "fused"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_model_loss_chunked_equals_full(monkeypatch, dtype):
-    """The same model, weights and batch: model.loss=chunked gives full's loss and gradients (bf16 autocast too)."""
+def test_model_loss_equals_full(monkeypatch, dtype, loss):
+    """The same model, weights and batch: model.loss=chunked / fused give full's loss and gradients (bf16 autocast
+    too)."""
     monkeypatch.setattr(loss_module, "CHUNK_TOKENS", 16)
     idx, targets = torch.randint(0, 64, (3, 12)), torch.randint(0, 64, (3, 12))
     results = []
-    for loss in ("full", "chunked"):
+    for name in ("full", loss):
         torch.manual_seed(0)
-        m = GPT(GPTConfig(block_size=12, vocab_size=64, n_layer=2, n_head=2, n_embd=32, loss=loss))
+        m = GPT(GPTConfig(block_size=12, vocab_size=64, n_layer=2, n_head=2, n_embd=32, loss=name))
         with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
             logits, value = m(idx, targets, return_logits=False)
         value.backward()
@@ -71,3 +121,60 @@ def test_model_loss_chunked_equals_full(monkeypatch, dtype):
     torch.testing.assert_close(b, a, **tol)
     for ga, gb in zip(grads_a, grads_b):
         torch.testing.assert_close(gb, ga, **tol)
+
+
+def test_fused_under_torch_compile():
+    """torch.compile(fullgraph=True) keeps the fused loss's op in the graph, with eager's loss and gradients."""
+    idx, targets = torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        m = GPT(GPTConfig(block_size=8, vocab_size=64, n_layer=1, n_head=2, n_embd=32, loss="fused"))
+        run = torch.compile(m, backend="aot_eager", fullgraph=True) if compiled else m
+        _, value = run(idx, targets, return_logits=False)
+        (value * 3.0).backward()
+        results.append((value, [p.grad for p in m.parameters()]))
+    (a, grads_a), (b, grads_b) = results
+    torch.testing.assert_close(b, a)
+    for ga, gb in zip(grads_a, grads_b):
+        torch.testing.assert_close(gb, ga)
+
+
+@pytest.mark.gpu
+def test_kernel_on_gpu_at_gpt2_vocab():
+    """The compiled kernel at GPT-2's padded vocabulary in bf16, against float64; the buffer's rows poisoned with
+    nan past what the kernel must write are left alone."""
+    n, vocab = 64, 50304
+    storage = torch.full((n, vocab + 8), float("nan"), dtype=torch.bfloat16, device="cuda")
+    logits = storage[:, :vocab]
+    logits.copy_(torch.randn(n, vocab, device="cuda") * 4)
+    targets = torch.randint(0, vocab, (n,), device="cuda")
+    targets[5] = IGNORE_INDEX
+    x = logits.double()
+    ref_loss = torch.logsumexp(x, -1) - x.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1)
+    ref_grad = torch.softmax(x, -1) - torch.nn.functional.one_hot(targets.clamp(min=0), vocab)
+    ref_loss[5], ref_grad[5] = 0.0, 0.0
+    losses = cross_entropy_rows(logits, targets, IGNORE_INDEX, grad=True)
+    torch.testing.assert_close(losses.double(), ref_loss, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(logits.double(), ref_grad, rtol=2e-2, atol=1e-4)
+    assert torch.isnan(storage[:, vocab:]).all()
+
+
+@pytest.mark.gpu
+def test_fused_equals_full_compiled_on_gpu():
+    """model.loss=fused against full, both compiled by inductor on the GPU under bf16 autocast."""
+    idx = torch.randint(0, 50304, (4, 256), device="cuda")
+    targets = torch.randint(0, 50304, (4, 256), device="cuda")
+    results = []
+    for name in ("full", "fused"):
+        torch.manual_seed(0)
+        m = GPT(GPTConfig(block_size=256, vocab_size=50304, n_layer=2, n_head=4, n_embd=256, loss=name)).cuda()
+        run = torch.compile(m, fullgraph=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, value = run(idx, targets, return_logits=False)
+        value.backward()
+        results.append((value, [p.grad for p in m.parameters()]))
+    (a, grads_a), (b, grads_b) = results
+    torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-3)
+    for ga, gb in zip(grads_a, grads_b):
+        torch.testing.assert_close(gb, ga, rtol=3e-2, atol=1e-4)

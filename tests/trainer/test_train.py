@@ -748,10 +748,15 @@ def test_a_model_larger_than_the_memory_is_one_error_naming_its_size(make_cfg, m
     monkeypatch.setattr("trainer.loop.device_memory", lambda device: memory)
     with pytest.raises(ConfigError, match=r"^a micro-batch of 1,073,741,824 tokens \(trainer.batch_size x "
                                           r"model.block_size\) is too large for cpu: .* need at least 0.0 GiB for "
-                                          r"weights.*, the float32 logits of 1,073,741,824 tokens \(model.loss=full"):
+                                          r"weights.*, the logits of 1,073,741,824 tokens \(4 bytes a value; "
+                                          r"model.loss=full"):
         check_memory(args, torch.device("cpu"), 2**30)  # weights and activations fit; one micro-batch's logits do not
     chunked = model_config(make_cfg("model.bias=true", "model.loss=chunked"), 65, "sdpa")
     check_memory(chunked, torch.device("cpu"), 2**30)  # one chunk's logits at a time: it fits
+    fused = model_config(make_cfg("model.bias=true", "model.loss=fused"), 65, "sdpa")
+    check_memory(fused, torch.device("cpu"), 2**30)  # every logit, in bf16: half of full's float32 ones, it fits
+    with pytest.raises(ConfigError, match=r"the logits of 1,073,741,824 tokens \(4 bytes a value; model.loss=fused"):
+        check_memory(fused, torch.device("cpu"), 2**30, torch.float32)
     with pytest.raises(ConfigError, match=rf"MLP hidden layer \(128 wide\) for the backward {2 * kept:,} GiB more "
                                           r"\(2 bytes a value\)"):
         check_memory(chunked, torch.device("cpu"), 2**31)  # a batch far too large: the activations alone do not fit
