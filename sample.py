@@ -19,7 +19,7 @@ import torch
 
 from bench import HelpFormatter
 from data.tokenizers import tokenizer_from_meta
-from model.backends import REGISTRY, backends_with
+from model.backends import REGISTRY, backends_with, resolve_backend
 from model.gpt import GPT, GPTConfig
 from model.kv_cache import KVCache
 from trainer.checkpoint import CheckpointError, checkpoint_dir, clean_state_dict, latest_checkpoint, load_checkpoint
@@ -46,10 +46,16 @@ def find_checkpoint(run: str, runs_root: str = "runs") -> Path:
     raise CheckpointError(f"--run {run!r} is neither a checkpoint file, a run folder{where}")
 
 
-def load_model(ckpt_path: Path, device: str = "cpu", attn: str = "sdpa"):
-    """(model in eval mode on ``device``, tokenizer, checkpoint dict) from a trainer checkpoint."""
+def load_model(ckpt_path: Path, device: str = "cpu", attn: str = "auto"):
+    """(model in eval mode on ``device``, tokenizer, checkpoint dict) from a trainer checkpoint. attn: a backend
+    name, or "auto": sdpa, or for a model with attention logit soft-capping (which sdpa lacks) the backend
+    ``attn=auto`` trains it with (``resolve_backend``)."""
     ckpt = load_checkpoint(ckpt_path)
-    model = GPT(GPTConfig(**{**ckpt["model_args"], "attn": attn, "dropout": 0.0}))
+    args = ckpt["model_args"]
+    if attn == "auto":
+        softcap = bool(args.get("attn_softcap"))
+        attn = resolve_backend("auto", args["n_embd"] // args["n_head"], softcap=True).name if softcap else "sdpa"
+    model = GPT(GPTConfig(**{**args, "attn": attn, "dropout": 0.0}))
     model.load_state_dict(clean_state_dict(ckpt["model"]))
     return model.to(device).eval(), tokenizer_from_meta(ckpt["data_meta"]), ckpt
 
@@ -118,7 +124,9 @@ def _main(argv: list[str] | None) -> int:
     ap.add_argument("--top-k", type=int, default=200, help="keep the k most likely tokens; 0 = all, 1 = greedy")
     ap.add_argument("--seed", type=int, default=1337, help="seed of the sampling, in [0, 2**32) as train.py's")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: cuda when available")
-    ap.add_argument("--attn", default="sdpa", choices=list(REGISTRY), help="attention backend")
+    ap.add_argument("--attn", default="auto", choices=("auto", *REGISTRY),
+                    help="attention backend; auto: sdpa, or for a model with model.attn_softcap the one attn=auto "
+                         "trains it with")
     ap.add_argument("--kv-cache", action=argparse.BooleanOptionalAction, default=True,
                     help="cache keys/values: prefill the prompt once, then one decode step per token")
     ap.add_argument("--compile", nargs="?", const=True, default=False, choices=(True, "cudagraphs"),
@@ -139,7 +147,7 @@ def _main(argv: list[str] | None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error(f"--device cuda: {NO_CUDA}")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    if device == "cpu" and REGISTRY[args.attn].needs_cuda:
+    if device == "cpu" and args.attn != "auto" and REGISTRY[args.attn].needs_cuda:
         ap.error(f"--attn {args.attn} needs a CUDA GPU; use --attn sdpa (or fa2/fa3 under Triton's interpreter)")
     graphs = args.compile == "cudagraphs" or args.cuda_graph
     flag = "--compile cudagraphs" if args.compile == "cudagraphs" else "--cuda-graph"

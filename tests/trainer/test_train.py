@@ -495,6 +495,11 @@ def test_softcap_trains_alike_on_fa2_and_flex(make_cfg, caplog):
         assert b["train/loss"] == pytest.approx(a["train/loss"], abs=1e-4)
     assert [r["train/loss"] for r in plain.records] != pytest.approx([r["train/loss"] for r in fa2.records], abs=1e-4)
     assert load_checkpoint(fa2.checkpoint)["model_args"]["attn_softcap"] == 0.3
+    import sample
+
+    # sample.py's default --attn picks a backend with soft-capping (sdpa has none, and refuses the model)
+    assert sample.main(["--run", str(fa2.run_dir), "--device", "cpu", "--num-tokens", "4", "--prompt", "a"]) == 0
+    assert sample.main(["--run", str(fa2.run_dir), "--device", "cpu", "--num-tokens", "4", "--attn", "sdpa"]) == 1
     caplog.clear()
     train(make_cfg(*micro, "attn=fa2", "model.attn_softcap=0.5", "run.name=softcap_fa2", "trainer.max_steps=4"))
     warnings = "\n".join(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
