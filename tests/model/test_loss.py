@@ -1,6 +1,11 @@
 """model.loss: the chunked and fused head + cross-entropy against a float64 reference, and in the model; the
 cross-entropy kernel (kernels/cross_entropy.py) under the Triton interpreter."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -9,6 +14,8 @@ import model.loss as loss_module
 from kernels.cross_entropy import cross_entropy_rows
 from model.gpt import GPT, GPTConfig
 from model.loss import IGNORE_INDEX, head_loss
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def reference(x, weight, targets):
@@ -91,6 +98,21 @@ def test_kernel_bad_inputs(monkeypatch, impl):
         cross_entropy_rows(torch.randn(4, 3), torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match="contiguous"):
         cross_entropy_rows(torch.randn(3, 4).t(), torch.zeros(4, dtype=torch.long))
+
+
+def test_kernel_compiles_for_sm90():
+    """The kernel as the GPU compiler sees it (the interpreter accepts more), in a fresh process without
+    TRITON_INTERPRET, for each dtype and with and without the gradient pass."""
+    code = ("import torch; from kernels import cross_entropy as ce\n"
+            "for t in (torch.bfloat16, torch.float16, torch.float32):\n"
+            "    for g in (True, False):\n"
+            "        k = ce.compile_for_sm90(t, g); print(t, g, 'ld.global' in k.asm['ptx'], ('st.global' in k.asm['ptx']))")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line.split() for line in done.stdout.splitlines()]
+    assert len(lines) == 6 and all(line[2:] == ["True", "True"] for line in lines), lines
 
 
 def test_unknown_loss_is_refused():
