@@ -20,6 +20,8 @@ from .common import INTERPRET, LAUNCH_OPTIONS
 
 BLOCK_V = 4096  # logits per step of a row: 16 a thread at 8 warps
 NUM_WARPS = 8
+# CPU tensors take the torch path: the interpreter is ~100x slower. Tests switch this on to run the kernel there.
+INTERPRET_ON_CPU = False
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -66,13 +68,14 @@ def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, ignore_index
     int32) in [0, V) or `ignore_index`. Returns float32 (N,) losses, 0 for ignored rows and nan for a target out
     of range. With grad=True, logits[r] becomes softmax(logits[r]) - onehot(targets[r]) in logits' dtype (zeros
     for ignored rows): the gradient of sum(losses), not of their mean. Runs the Triton kernel on a GPU (or under
-    TRITON_INTERPRET=1), the same math in torch ops on a CPU otherwise. Raises ValueError for other shapes.
+    TRITON_INTERPRET=1 with INTERPRET_ON_CPU, as the tests do), the same math in torch ops on a CPU otherwise.
+    Raises ValueError for other shapes.
     """
     if logits.dim() != 2 or targets.shape != logits.shape[:1] or logits.stride(-1) != 1:
         raise ValueError(f"logits must be (N, V) with a contiguous last dimension and targets (N,); got logits "
                          f"{tuple(logits.shape)} (strides {logits.stride()}) and targets {tuple(targets.shape)}")
     n, vocab = logits.shape
-    if logits.is_cuda or INTERPRET:
+    if logits.is_cuda or (INTERPRET and INTERPRET_ON_CPU):
         losses = torch.empty(n, dtype=torch.float32, device=logits.device)
         if n:
             cross_entropy_kernel[(n,)](logits, logits.stride(0), targets, losses, vocab, ignore_index,

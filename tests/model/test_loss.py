@@ -31,6 +31,7 @@ def reference(x, weight, targets):
 def test_matches_float64_loss_and_gradients(monkeypatch, loss, n, chunk):
     monkeypatch.setattr(loss_module, "CHUNK_TOKENS", chunk)
     monkeypatch.setattr(ce_module, "BLOCK_V", 32)  # the kernel walks a row of 97 in four blocks, the last partial
+    monkeypatch.setattr(ce_module, "INTERPRET_ON_CPU", True)
     x = torch.randn(n, 24, requires_grad=True)
     weight = torch.randn(97, 24, requires_grad=True)
     targets = torch.randint(0, 97, (n,))
@@ -64,7 +65,7 @@ def test_without_gradients_and_all_ignored(loss):
 def test_kernel_rows_and_gradient_in_place(monkeypatch, impl, dtype, vocab, block):
     """Each row's loss and its gradient written over the logits, against float64; ignored rows give 0 and 0."""
     monkeypatch.setattr(ce_module, "BLOCK_V", block)
-    monkeypatch.setattr(ce_module, "INTERPRET", impl == "triton" and ce_module.INTERPRET)
+    monkeypatch.setattr(ce_module, "INTERPRET_ON_CPU", impl == "triton")
     n = 7
     logits = (torch.randn(n, vocab, dtype=torch.float64) * 6).to(dtype)  # large logits: the max matters
     targets = torch.randint(0, vocab, (n,))
@@ -88,7 +89,7 @@ def test_kernel_rows_and_gradient_in_place(monkeypatch, impl, dtype, vocab, bloc
 def test_kernel_bad_inputs(monkeypatch, impl):
     """A target out of range (not ignore_index) gives that row nan, which the trainer stops on; bad shapes are
     refused."""
-    monkeypatch.setattr(ce_module, "INTERPRET", impl == "triton" and ce_module.INTERPRET)
+    monkeypatch.setattr(ce_module, "INTERPRET_ON_CPU", impl == "triton")
     logits, targets = torch.randn(3, 10), torch.tensor([1, 10, -5])
     losses = cross_entropy_rows(logits.clone(), targets, IGNORE_INDEX)
     assert torch.isfinite(losses[0]) and torch.isnan(losses[1:]).all()
