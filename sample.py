@@ -127,8 +127,9 @@ def _main(argv: list[str] | None) -> int:
     ap.add_argument("--attn", default="auto", choices=("auto", *REGISTRY),
                     help="attention backend; auto: sdpa, or for a model with model.attn_softcap the one attn=auto "
                          "trains it with")
-    ap.add_argument("--kv-cache", action=argparse.BooleanOptionalAction, default=True,
-                    help="cache keys/values: prefill the prompt once, then one decode step per token")
+    ap.add_argument("--kv-cache", action=argparse.BooleanOptionalAction, default=None,
+                    help="cache keys/values: prefill the prompt once, then one decode step per token (default: on, "
+                         "off for a model with model.attn_window, which the cache does not take)")
     ap.add_argument("--compile", nargs="?", const=True, default=False, choices=(True, "cudagraphs"),
                     metavar="cudagraphs",
                     help="torch.compile the transformer blocks of the per-token step (the fixed-shape decode step "
@@ -151,7 +152,7 @@ def _main(argv: list[str] | None) -> int:
         ap.error(f"--attn {args.attn} needs a CUDA GPU; use --attn sdpa (or fa2/fa3 under Triton's interpreter)")
     graphs = args.compile == "cudagraphs" or args.cuda_graph
     flag = "--compile cudagraphs" if args.compile == "cudagraphs" else "--cuda-graph"
-    if graphs and not args.kv_cache:
+    if graphs and args.kv_cache is False:
         ap.error(f"{flag} needs --kv-cache (it captures the fixed-shape decode step)")
     if device == "cpu" and graphs:
         ap.error(f"{flag} needs a CUDA GPU (CUDA graphs); use --compile, or no --compile, on the CPU")
@@ -162,6 +163,12 @@ def _main(argv: list[str] | None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"# {ckpt_path} (step {ckpt['step']})", file=sys.stderr)
+    windowed = any(model.config.layer_window(layer) for layer in range(model.config.n_layer))
+    if args.kv_cache is None:
+        args.kv_cache = not windowed
+        if windowed:
+            print(f"# model.attn_window={model.config.attn_window}: generating without the KV cache, which has no "
+                  "sliding window", file=sys.stderr)
     parts = memory_needed(model, args.num_samples, 1 + args.num_tokens, args.kv_cache)  # a prompt has >= 1 token
     memory = device_memory(torch.device(device))
     if memory and sum(parts.values()) > memory:

@@ -465,7 +465,7 @@ def test_wandb_online_without_login_is_a_clear_error(make_cfg, monkeypatch, tmp_
 
 
 @pytest.mark.parametrize("attn", ["fa2", "flex"])
-def test_attn_window_trains_like_sdpa_and_belongs_to_the_model(make_cfg, attn):
+def test_attn_window_trains_like_sdpa_and_belongs_to_the_model(make_cfg, attn, capsys):
     """model.attn_window (here local then global layer) through fa2's kernel (flex: its block mask) and SDPA's dense
     mask gives the same losses; it is saved with the model, and resuming with another window is refused."""
     micro = ("model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.n_kv_head=1", "model.block_size=16",
@@ -478,6 +478,16 @@ def test_attn_window_trains_like_sdpa_and_belongs_to_the_model(make_cfg, attn):
     assert load_checkpoint(masked.checkpoint)["model_args"]["attn_window"] == [4, 0]
     with pytest.raises(ConfigError, match=r"model.attn_window: checkpoint \[4, 0\], config 4"):
         train(make_cfg(*micro, "attn=sdpa", "run.name=window_ref", "model.attn_window=4", "trainer.max_steps=4"))
+    if attn == "flex":
+        return
+    import sample
+
+    # sample.py generates from a windowed model without the KV cache (which has no window) unless told to use it
+    run = ["--run", str(ref.run_dir), "--device", "cpu", "--num-tokens", "3", "--prompt", "a"]
+    assert sample.main(run) == 0
+    assert "generating without the KV cache" in capsys.readouterr().err
+    assert sample.main([*run, "--kv-cache"]) == 1
+    assert "the KV cache has no sliding window" in capsys.readouterr().err
 
 
 def test_softcap_trains_alike_on_fa2_and_flex(make_cfg, caplog):
