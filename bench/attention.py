@@ -355,6 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     """The options with the shape's values filled in; SystemExit naming a bad value (checked before any GPU)."""
     args = build_parser().parse_args(argv)
+    args.sizes_given = any(getattr(args, name) is not None for name in ("batch", "heads", "head_dims", "seqlens"))
     for name, value in SHAPES[args.shape].items():
         if getattr(args, name) is None:
             setattr(args, name, list(value) if isinstance(value, list) else value)
@@ -377,6 +378,10 @@ def main(argv=None):
     if device == "cpu" and (args.shape != "decode" or args.cuda_graph):
         raise SystemExit(f"bench.attention --shape {args.shape}{' --cuda-graph' * args.cuda_graph} needs a CUDA GPU "
                          "(--shape decode runs on the CPU too, as a smoke test)")
+    if device == "cpu" and not args.sizes_given:
+        raise SystemExit("bench.attention --shape decode on the CPU runs the kernels under Triton's interpreter, where "
+                         "the GPU sizes take hours: give small ones, e.g. --dtype float32 --heads 2 --head-dims 16 "
+                         "--seqlens 16,70 --batch 1 (--help's smoke test)")
     dtype = getattr(torch, {"cuda": "bfloat16", "cpu": "float32"}[device] if args.dtype == "auto" else args.dtype)
     # Compiled backends (flex) build one static-shape kernel per shape (model/backends/flex_masks.py): room for every case.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(cases(args)) + 8)

@@ -1,6 +1,7 @@
 """bench.attention: its CPU-checkable parts (the dense shapes' timing needs a GPU; the decode shape runs on the CPU)."""
 
 import pytest
+import torch
 
 from bench import attention
 
@@ -91,6 +92,14 @@ def test_repeats_skip_a_backend_that_refuses_the_shape():
 def test_repeats_must_be_positive():
     with pytest.raises(SystemExit, match="--repeats 0"):
         attention.main(["--repeats", "0"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")
+def test_decode_shape_on_the_cpu_needs_small_sizes(tmp_path):
+    """The decode shape's GPU sizes under the interpreter would take hours: refused, naming the smoke test's."""
+    with pytest.raises(SystemExit, match="--heads 2 --head-dims 16 --seqlens 16,70 --batch 1"):
+        attention.main(["--shape", "decode", "--out", str(tmp_path)])
+    assert not any(tmp_path.iterdir())
 
 
 def test_decode_shape_smoke(tmp_path):
