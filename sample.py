@@ -60,6 +60,13 @@ def load_model(ckpt_path: Path, device: str = "cpu", attn: str = "auto"):
     return model.to(device).eval(), tokenizer_from_meta(ckpt["data_meta"]), ckpt
 
 
+def _compile_value(value: str) -> str:
+    """--compile's optional value: only 'cudagraphs' (bare --compile is True)."""
+    if value != "cudagraphs":
+        raise argparse.ArgumentTypeError(f"{value!r}: give --compile alone or --compile cudagraphs")
+    return value
+
+
 def start_ids(tokenizer) -> list[int]:
     """What an empty prompt starts from: the document separator (BPE), else a newline (char), else, for a character
     vocabulary without one, its first character."""
@@ -130,8 +137,7 @@ def _main(argv: list[str] | None) -> int:
     ap.add_argument("--kv-cache", action=argparse.BooleanOptionalAction, default=None,
                     help="cache keys/values: prefill the prompt once, then one decode step per token (default: on, "
                          "off for a model with model.attn_window, which the cache does not take)")
-    ap.add_argument("--compile", nargs="?", const=True, default=False, choices=(True, "cudagraphs"),
-                    metavar="cudagraphs",
+    ap.add_argument("--compile", nargs="?", const=True, default=False, type=_compile_value, metavar="cudagraphs",
                     help="torch.compile the transformer blocks of the per-token step (the fixed-shape decode step "
                          "with --kv-cache); '--compile cudagraphs' = --compile --cuda-graph")
     ap.add_argument("--cuda-graph", action="store_true",

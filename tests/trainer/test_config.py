@@ -138,6 +138,10 @@ def test_cuda_device_without_gpu_is_rejected(monkeypatch, capsys):
         sample.main(["--run", "any", "--compile", "cudagraphs"])
     assert e.value.code == 2 and "--compile cudagraphs needs a CUDA GPU" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
+        sample.main(["--run", "any", "--compile", "cudagraph"])  # a typo: named, without argparse's internals
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "'cudagraph': give --compile alone or --compile cudagraphs" in err and "True" not in err
+    with pytest.raises(SystemExit) as e:
         sample.main(["--run", "any", "--compile", "--cuda-graph"])
     assert e.value.code == 2 and "--cuda-graph needs a CUDA GPU" in capsys.readouterr().err
 
