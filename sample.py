@@ -169,10 +169,9 @@ def _main(argv: list[str] | None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"# {ckpt_path} (step {ckpt['step']})", file=sys.stderr)
-    windowed = any(model.config.layer_window(layer) for layer in range(model.config.n_layer))
     if args.kv_cache is None:
-        args.kv_cache = not windowed
-        if windowed:
+        args.kv_cache = not model.config.windowed
+        if model.config.windowed:
             print(f"# model.attn_window={model.config.attn_window}: generating without the KV cache, which has no "
                   "sliding window", file=sys.stderr)
     parts = memory_needed(model, args.num_samples, 1 + args.num_tokens, args.kv_cache)  # a prompt has >= 1 token

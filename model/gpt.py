@@ -68,6 +68,11 @@ class GPTConfig:
         return self.attn_window if isinstance(self.attn_window, int) else self.attn_window[layer]
 
     @property
+    def windowed(self) -> bool:
+        """Some layer has a sliding window."""
+        return any(self.layer_window(layer) for layer in range(self.n_layer))
+
+    @property
     def kv_heads(self) -> int:
         return self.n_kv_head if self.n_kv_head is not None else self.n_head
 
@@ -346,7 +351,7 @@ class GPT(nn.Module):
         not checked. ``run_block(block, x, layer_cache, start_pos, rope)``, if given, runs each block (a compiled
         one; rope: ``GPT.rope`` of the positions).
         """
-        if any(self.config.layer_window(layer) for layer in range(self.config.n_layer)):
+        if self.config.windowed:
             raise ValueError(f"the KV cache has no sliding window (model.attn_window={self.config.attn_window}); "
                              "generate with kv_cache=False (sample.py --no-kv-cache)")
         B, T = idx.shape
