@@ -58,36 +58,48 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, targets: Tensor, with_grad: 
     of that sum with respect to x and weight, from the gradient the kernel writes over the logits.
 
     x: (N, C), weight: (V, C), one float dtype; targets: (N,) int64. Returns (total float32 (), count float32 (),
-    grad_x (N, C), grad_weight (V, C)) in x's dtype; the gradients are empty (0 rows) without with_grad.
+    grad_x (N, C), grad_weight (V, C)) in `_grad_dtype(x.dtype)`; the gradients are empty (0 rows) without
+    with_grad.
     """
     with torch.autocast(x.device.type, enabled=False):
         logits = x @ weight.t()
         total = cross_entropy_rows(logits, targets, IGNORE_INDEX, grad=with_grad).sum()
         count = (targets != IGNORE_INDEX).sum().float()
+        dtype = _grad_dtype(x.dtype)
         if not with_grad:
-            return total, count, x.new_empty(0, x.shape[1]), weight.new_empty(0, weight.shape[1])
-        return total, count, logits @ weight, logits.t() @ x
+            return total, count, x.new_empty(0, x.shape[1], dtype=dtype), weight.new_empty(0, weight.shape[1],
+                                                                                           dtype=dtype)
+        return total, count, (logits @ weight).to(dtype), logits.to(dtype).t() @ x.to(dtype)
+
+
+def _grad_dtype(dtype: torch.dtype) -> torch.dtype:
+    # float16's range cannot hold dW unscaled (a frequent token's column sums thousands of x rows); the grad
+    # scaler's factor only arrives in the backward.
+    return torch.float32 if dtype == torch.float16 else dtype
 
 
 @linear_cross_entropy.register_fake
 def _(x, weight, targets, with_grad):
     scalar = x.new_empty((), dtype=torch.float32)
-    if not with_grad:
-        return scalar, scalar.clone(), x.new_empty(0, x.shape[1]), weight.new_empty(0, weight.shape[1])
-    return scalar, scalar.clone(), torch.empty_like(x), torch.empty_like(weight)
+    rows = (x.shape[0], weight.shape[0]) if with_grad else (0, 0)
+    dtype = _grad_dtype(x.dtype)
+    return (scalar, scalar.clone(), x.new_empty(rows[0], x.shape[1], dtype=dtype),
+            weight.new_empty(rows[1], weight.shape[1], dtype=dtype))
 
 
 def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(*output[1:])
     ctx.save_for_backward(output[2], output[3])
+    ctx.dtypes = inputs[0].dtype, inputs[1].dtype
 
 
 def _backward(ctx, grad_total, grad_count, grad_x_grad, grad_weight_grad):
     # The gradients were computed for a total with weight 1; scale them by the one that arrived, in float32 (with
     # fp16 and a grad scaler that weight is large and the unscaled gradients are small).
     grad_x, grad_weight = ctx.saved_tensors
-    dx = (grad_x.float() * grad_total).to(grad_x.dtype) if ctx.needs_input_grad[0] else None
-    dw = (grad_weight.float() * grad_total).to(grad_weight.dtype) if ctx.needs_input_grad[1] else None
+    x_dtype, w_dtype = ctx.dtypes
+    dx = (grad_x.float() * grad_total).to(x_dtype) if ctx.needs_input_grad[0] else None
+    dw = (grad_weight.float() * grad_total).to(w_dtype) if ctx.needs_input_grad[1] else None
     return dx, dw, None, None
 
 
