@@ -47,8 +47,9 @@ def csv_list(kind: Callable, choices=None) -> Callable[[str], list]:
 
 def fallback(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> Optional[str]:
     """The kernels ``backend`` runs instead of its own on ``device`` for attention inputs of ``dtype`` and
-    ``head_dim`` (a phrase with the reason, e.g. "FA2's Triton kernels (no CUDA GPU)"), or None when it runs its
-    own. Today only fa3 has a fallback: FA2's kernels where its Gluon kernels do not apply (``kernels.fa3``)."""
+    ``head_dim`` (a phrase with the reason, e.g. "FA2's Triton kernels (no CUDA GPU)", or for the backward alone
+    "FA2's Triton kernels in the backward (...)"), or None when it runs its own. Today only fa3 has a fallback:
+    FA2's kernels where its Gluon kernels do not apply (``kernels.fa3``)."""
     if backend != "fa3":
         return None
     if device.type != "cuda":  # named first: on a CPU no Triton version would help
@@ -58,4 +59,7 @@ def fallback(backend: str, device: torch.device, dtype: torch.dtype, head_dim: i
 
         q = torch.empty(1, 1, 128, head_dim, device=device, dtype=dtype)  # the kernels' own rules decide
         reason = fa3.gluon_unsupported_reason(q, q, q)
+        backward = fa3.plan("backward", q, q, q, False, q)
+        if reason is None and backward.warn:  # head_dim 256: the Gluon forward, FA2's backward
+            return f"FA2's Triton kernels in the backward ({backward.reason})"
     return None if reason is None else f"FA2's Triton kernels ({reason})"

@@ -62,8 +62,9 @@ fa3_attention.__doc__ = PUBLIC_DOC.format(
     source="Shah et al. 2024, FlashAttention-3, Section 3.1 and Algorithm 2 (forward), Appendix B.1 (backward: dQ "
            "through TMA reduce-add; FA2's Algorithm 2 where it measured faster: kernels.fa3.BACKWARD_MIN_SEQLEN_K); "
            "see kernels/fa3.py. Sliding windows in the Gluon kernels (key blocks outside the band never visited). Where "
-           "the Gluon kernels do not apply (not an sm_90 GPU, head_dim other than 64/128, float32, inputs TMA cannot "
-           "address, a Triton outside 3.6-3.9) FA2's kernels run, with a one-time RuntimeWarning naming the reason.",
+           "the Gluon kernels do not apply (not an sm_90 GPU, head_dim other than 64/96/128/256, the backward at 256, "
+           "float32, inputs TMA cannot address, a Triton outside 3.6-3.9) FA2's kernels run, with a one-time "
+           "RuntimeWarning naming the reason.",
     gradients=FA3_GRADIENTS,
 )
 fa3_qkvpacked_attention.__doc__ = QKVPACKED_DOC.format(

@@ -3,12 +3,17 @@
 
 Every call asks `plan(direction, q, k, v, causal, ...)`, which reads one ordered table of rules (`RULES`) over the
 call's facts (`Facts`): first eligibility (an sm_90 GPU, a Triton whose Gluon API the kernels are written for,
-float16/bfloat16, head_dim 64 or 128, packed variable-length sequences only with one set of offsets (packed
-self-attention: cu_seqlens_k equal to cu_seqlens_q), inputs TMA can address), whose misses fall back to FA2 with a one-time
-RuntimeWarning naming the reason; then performance (the backward below `BACKWARD_MIN_SEQLEN_K` keys, where FA2's
-measured faster); then determinism (the Gluon backward adds dQ up in float32 through TMA reduce-adds, as FA3 does,
-so it is not bit-reproducible: under `torch.use_deterministic_algorithms(True)` FA2's backward runs). The last two
-are choices, not fallbacks: no warning. The forward and the backward decide the same way.
+float16/bfloat16, head_dim 64, 96, 128 or 256 (the backward 64, 96 or 128), packed variable-length sequences only with
+one set of offsets (packed self-attention: cu_seqlens_k equal to cu_seqlens_q), inputs TMA can address), whose misses
+fall back to FA2 with a one-time RuntimeWarning naming the reason; then performance (the backward below
+`BACKWARD_MIN_SEQLEN_K` keys, where FA2's measured faster); then determinism (the Gluon backward adds dQ up in
+float32 through TMA reduce-adds, as FA3 does, so it is not bit-reproducible: under
+`torch.use_deterministic_algorithms(True)` FA2's backward runs). The last two are choices, not fallbacks: no warning.
+The forward and the backward decide the same way but at head_dim 256, where the Gluon forward runs and FA2's backward
+(with the warning: the Gluon backward's dK and dV do not fit the registers at 256).
+
+head_dim 96 runs the 128-wide kernels (`KERNEL_HEAD_DIMS`) on the 96-wide tensors, at 128's cost: TMA zero-fills
+the columns past 96 on loads and clips them on stores.
 
 The tile configs are data: `ForwardConfig` per (head_dim, causal) and `BackwardConfig` per head_dim, measured on
 the H200 with `python -m tools.fa3_variants` (docs/hopper-notes.md). `run_forward` / `run_backward` launch the Gluon
@@ -31,7 +36,12 @@ from .common import INTERPRET, LAUNCH_OPTIONS, bwd_preprocess, empty_like_layout
 # Triton releases (major.minor) whose Gluon Hopper API the kernels are written for: `kernels/gluon_compat.py` maps
 # their differences; `tools/check_triton_versions.sh` compiles both kernels on each.
 GLUON_TRITON_VERSIONS = ("3.6", "3.7", "3.8", "3.9")
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 96, 128, 256)  # the Gluon forward's
+BACKWARD_HEAD_DIMS = (64, 96, 128)  # the Gluon backward's: at 256 its dK and dV accumulators overflow the registers
+# The tile width (the kernels' HEAD_DIM) each head_dim runs at: 96 runs the 128-wide kernels, at 128's cost. The
+# descriptors keep the tensors' own 96-wide shape, so TMA zero-fills columns 96-127 on loads (q k^T and dO v^T add
+# 0, o and the gradients get zero columns there) and clips them on stores and dQ's reduce-adds.
+KERNEL_HEAD_DIMS = {64: 64, 96: 128, 128: 128, 256: 256}
 DTYPES = (torch.float16, torch.bfloat16)
 BLOCK_M = 64  # the forward's query rows per consumer warpgroup (a wgmma's M)
 BWD_CONSUMERS = 2  # the backward's consumer warpgroups, 64 keys each
@@ -75,11 +85,16 @@ class BackwardConfig(NamedTuple):
 
 
 # Measured on the H200 (docs/hopper-notes.md): at 64, two consumers for causal and three for non-causal, a 4-deep
-# ring for causal; ping-pong everywhere but causal 128. NUM_CONSUMERS x 64 x D Q tiles plus the K and V rings must
-# fit the 227 KiB of shared memory (an overflow is only caught at launch).
+# ring for causal; ping-pong everywhere but causal 128. NUM_CONSUMERS x 64 x D Q and O tiles plus the K and V rings
+# must fit the 227 KiB of shared memory (an overflow is only caught at launch). 96 takes 128's (`forward_configs`).
+# At 256 (not measured; what fits): the Q and O tiles take 128 KB, so 32-key blocks in a 3-deep ring (96 KB):
+# 229,832 B in all (64-key blocks fit only a 1-deep ring); the 64 x 256 float32 O accumulator is 128 of a consumer's
+# 240 registers, no spills (sm_90 compile, Triton 3.8).
+_FORWARD_256 = ForwardConfig(2, 32, 3, True, True)
 _FORWARD_CONFIGS = {
     (64, True): ForwardConfig(2, 128, 4, True, True), (64, False): ForwardConfig(3, 128, 3, True, True),
     (128, True): ForwardConfig(2, 128, 2, False, True), (128, False): ForwardConfig(2, 128, 2, True, True),
+    (256, True): _FORWARD_256, (256, False): _FORWARD_256,
 }
 # Per Triton release (major, minor), from that release on. Triton 3.9's code for the head_dim-64 causal forward
 # runs 5-7 % behind 3.6's with the same config; releasing each K slot after the softmax (its arrive is a warpgroup
@@ -90,12 +105,14 @@ _FORWARD_CONFIGS_FROM = {(3, 9): {(64, True): ForwardConfig(2, 128, 4, True, Tru
 
 
 def forward_configs(version: str) -> dict[tuple[int, bool], ForwardConfig]:
-    """The forward's measured config per (head_dim, causal) for Triton `version` ("3.9.0")."""
+    """The forward's config per (head_dim, causal) for Triton `version` ("3.9.0"); head_dim 96 runs the 128-wide
+    kernel (`KERNEL_HEAD_DIMS`) with 128's config."""
     release = tuple(int(part) for part in version.split(".")[:2])
     configs = dict(_FORWARD_CONFIGS)
     for since, changes in sorted(_FORWARD_CONFIGS_FROM.items()):
         if release >= since:
             configs.update(changes)
+    configs.update({(96, causal): configs[128, causal] for causal in (True, False)})
     return configs
 
 
@@ -106,11 +123,16 @@ FORWARD_CONFIGS = forward_configs(triton.__version__)
 NARROW_WINDOW = 128
 NARROW_WINDOW_FORWARD_CONFIGS = {64: ForwardConfig(2, 64, 4, True, True)}
 # At 64, 128 query rows with dQ split by rows measured 3-9 % faster than 64 rows; at 128, BLOCK_M 128 fits neither
-# the registers nor the shared memory. Shared memory: 199 KB at 64, 198 KB at 128.
-BACKWARD_CONFIGS = {64: BackwardConfig(2, "rows", 128), 128: BackwardConfig(2, "cols", 64)}
-# The Gluon backward from this many keys (seqlen_k) on, FA2's below: at 128 faster everywhere measured; at 64 from
-# 1k keys (GPT-2's context, the shortest measured: 0.98-0.99x cuDNN causal against FA2's 0.955x).
-BACKWARD_MIN_SEQLEN_K = {64: 1024, 128: 1}
+# the registers nor the shared memory. Shared memory: 199 KB at 64, 198 KB at 128 (and 96, the same kernel). At 256
+# none fits (`BACKWARD_HEAD_DIMS`): 64 x 256 float32 dK and dV are 256 registers a thread (1040 B of stack spilled)
+# and the K, V, Q and dO tiles 361,872 B of shared memory with a 2-deep ring, 295,824 B with a 1-deep one (sm_90
+# compile, Triton 3.8).
+BACKWARD_CONFIGS = {64: BackwardConfig(2, "rows", 128), 96: BackwardConfig(2, "cols", 64),
+                    128: BackwardConfig(2, "cols", 64)}
+# The Gluon backward from this many keys (seqlen_k) on, FA2's below: at 128 faster everywhere measured (96 runs the
+# same kernel, as FA2's pads 96 to 128 too); at 64 from 1k keys (GPT-2's context, the shortest measured: 0.98-0.99x
+# cuDNN causal against FA2's 0.955x).
+BACKWARD_MIN_SEQLEN_K = {64: 1024, 96: 1, 128: 1}
 
 
 class Facts(NamedTuple):
@@ -146,7 +168,11 @@ RULES: tuple[tuple[bool, Callable[[Facts], Optional[str]]], ...] = (
     (True, lambda f: f.environment),
     (True, lambda f: None if f.dtype in DTYPES else f"dtype {f.dtype} (the Gluon kernel takes float16 and bfloat16)"),
     (True, lambda f: None if f.head_dim in HEAD_DIMS else
-        f"head_dim {f.head_dim} (the Gluon kernel takes {' and '.join(map(str, HEAD_DIMS))})"),
+        f"head_dim {f.head_dim} (the Gluon kernels take {', '.join(map(str, HEAD_DIMS))})"),
+    (True, _backward_only(lambda f: None if f.head_dim in BACKWARD_HEAD_DIMS else
+        f"head_dim {f.head_dim} in the backward (the Gluon backward takes {', '.join(map(str, BACKWARD_HEAD_DIMS))}: "
+        f"at {f.head_dim} its float32 dK and dV accumulators do not fit a warpgroup's registers, nor its tiles the "
+        "shared memory)")),
     (True, lambda f: "packed sequences whose cu_seqlens_k differs from cu_seqlens_q (the Gluon kernels take one "
         "set of offsets: packed self-attention)" if f.varlen and not f.shared_offsets else None),
     (True, lambda f: None if f.tma_ok else
@@ -189,6 +215,14 @@ def plan(direction: str, q, k, v, causal: bool, *more, varlen: bool = False, sha
         seqlen_k=tensors[1].shape[2], causal=causal, window_left=window_left, varlen=varlen,
         shared_offsets=shared_offsets, tma_ok=use_tma(*tensors),
         deterministic=torch.are_deterministic_algorithms_enabled()))
+
+
+def kernel_head_dim(head_dim: int) -> int:
+    """The tile width (the kernels' HEAD_DIM constexpr) the Gluon kernels run `head_dim` at: 128 for 96, else
+    head_dim itself. ValueError for a head_dim outside HEAD_DIMS."""
+    if head_dim not in KERNEL_HEAD_DIMS:
+        raise ValueError(f"head_dim {head_dim}: the Gluon kernels take {', '.join(map(str, HEAD_DIMS))}")
+    return KERNEL_HEAD_DIMS[head_dim]
 
 
 def packed_view(t: torch.Tensor) -> torch.Tensor:
@@ -330,6 +364,7 @@ def run_forward(q, k, v, causal: bool, softmax_scale: float, config: ForwardConf
 
     kernel = gluon_kernels().forward
     batch, n_heads, seqlen_q, head_dim = q.shape
+    tile_dim = kernel_head_dim(head_dim)
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     num_consumers, block_n, num_stages, pingpong, persistent, late_k_release = config
     left, right = fa2.window_edges(causal, window_size, seqlen_q, seqlen_k)
@@ -340,10 +375,11 @@ def run_forward(q, k, v, causal: bool, softmax_scale: float, config: ForwardConf
     key_start, key_limit = key_bounds if docs else (unused, unused)
     o = empty_like_layout(q)
     lse = torch.empty((batch, n_heads, seqlen_q), device=q.device, dtype=torch.float32)
-    q_layout, kv_layout = shared_layouts(q.dtype, head_dim, block_n)
-    # 4-D descriptors over the tensors as they are (any strides TMA takes), one (1, 1, rows, head_dim) box each
-    q_box, kv_box = shared_layouts(q.dtype, head_dim, block_n, rank=4)
-    desc = lambda t, rows, layout: TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, head_dim], layout)
+    q_layout, kv_layout = shared_layouts(q.dtype, tile_dim, block_n)
+    # 4-D descriptors over the tensors as they are (any strides TMA takes), one (1, 1, rows, tile_dim) box each:
+    # columns past head_dim (at 96) read as 0 and are not written
+    q_box, kv_box = shared_layouts(q.dtype, tile_dim, block_n, rank=4)
+    desc = lambda t, rows, layout: TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, tile_dim], layout)
     n_tiles_m = triton.cdiv(seqlen_q, num_consumers * BLOCK_M)
     n_tiles = n_tiles_m * batch * n_heads
     order = unused
@@ -366,7 +402,7 @@ def run_forward(q, k, v, causal: bool, softmax_scale: float, config: ForwardConf
          **_logits(softmax_scale, softcap), n_tiles_m=n_tiles_m, n_tiles=n_tiles, GROUP=n_heads // n_kv_heads,
          LEFT=left >= 0, RIGHT=right >= 0, DOCS=docs,
          PINGPONG=pingpong, LATE_K_RELEASE=late_k_release, NUM_CONSUMERS=num_consumers,
-         HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=num_stages, Q_LAYOUT=q_layout,
+         HEAD_DIM=tile_dim, BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=num_stages, Q_LAYOUT=q_layout,
          KV_LAYOUT=kv_layout)
     return o, lse
 
@@ -522,9 +558,10 @@ def run_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, config
     config the kernel cannot run."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    dq_rows, dq_cols = config.dq_box(q.shape[-1])  # checks the config
-    kernel = gluon_kernels().backward
     batch, n_heads, seqlen_q, head_dim = q.shape
+    tile_dim = kernel_head_dim(head_dim)
+    dq_rows, dq_cols = config.dq_box(tile_dim)  # checks the config
+    kernel = gluon_kernels().backward
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     num_stages, split_dq, block_m, section_heads = config
     left, right = fa2.window_edges(causal, window_size, seqlen_q, seqlen_k)
@@ -540,12 +577,13 @@ def run_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, config
     seqlen_q_pad = triton.cdiv(seqlen_q, block_m) * block_m  # whole blocks for the dQ reduce-adds
     # In q's memory order, as dq: the last pass below is then a plain contiguous one (a (B, H, T, D) accumulator
     # for the model's (B, T, H, D) q made it a transposing copy: 110 us of GPT-2's 1k backward, cuDNN's 46).
+    # head_dim wide: at 96 the reduce-adds clip the 128-wide tiles' zero columns.
     dq_acc = empty_like_layout(q, (batch, n_heads, seqlen_q_pad, head_dim), torch.float32)
     delta = bwd_preprocess(o, do, dq_acc)  # also zeroes dq_acc
     dq, dk, dv = grad_buffers(q, k, v, out)
-    q_layout, kv_layout, _, ds_layout, dq_layout = _bwd_layouts(q.dtype, head_dim, block_m, (dq_rows, dq_cols))
-    q_box, k_box, v_box, _, dq_box = _bwd_layouts(q.dtype, head_dim, block_m, (dq_rows, dq_cols), rank=4)
-    desc = lambda t, rows, layout, cols=head_dim: TensorDescriptor(
+    q_layout, kv_layout, _, ds_layout, dq_layout = _bwd_layouts(q.dtype, tile_dim, block_m, (dq_rows, dq_cols))
+    q_box, k_box, v_box, _, dq_box = _bwd_layouts(q.dtype, tile_dim, block_m, (dq_rows, dq_cols), rank=4)
+    desc = lambda t, rows, layout, cols=tile_dim: TensorDescriptor(
         t, list(t.shape), list(t.stride()), [1, 1, rows, cols], layout)
     n_blocks = triton.cdiv(seqlen_k, block_n)
     grid = (n_blocks * batch * n_kv_heads,)
@@ -562,7 +600,7 @@ def run_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, config
          SECTION_HEADS=section_heads,
          **_logits(softmax_scale, softcap), softmax_scale=softmax_scale, GROUP=n_heads // n_kv_heads,
          LEFT=left >= 0, RIGHT=right >= 0, DOCS=docs,
-         NUM_CONSUMERS=BWD_CONSUMERS, HEAD_DIM=head_dim,
+         NUM_CONSUMERS=BWD_CONSUMERS, HEAD_DIM=tile_dim,
          BLOCK_M=block_m, NUM_STAGES=num_stages, SPLIT_DQ=split_dq,
          Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, DQ_LAYOUT=dq_layout)
     convert_dq(dq_acc, softmax_scale, dq)
@@ -571,13 +609,15 @@ def run_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, config
 
 @triton.jit
 def _convert_dq(DQ_ACC, DQ, softmax_scale, stride_ab, stride_ah, stride_am, stride_b, stride_h, stride_m, n_heads,
-                seqlen_q, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+                seqlen_q, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     # FA3's last backward step (Shah et al. 2024, Appendix B.1): dQ = softmax_scale * the float32 accumulator, cast.
     off_bh = tl.program_id(1)
     off_b, off_h = (off_bh // n_heads).to(tl.int64), (off_bh % n_heads).to(tl.int64)
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None]
-    cols = tl.arange(0, HEAD_DIM)[None, :]
+    cols = tl.arange(0, BLOCK_D)[None, :]
     mask = rows < seqlen_q
+    if BLOCK_D != HEAD_DIM:  # 96: a power-of-two block
+        mask = mask & (cols < HEAD_DIM)
     acc = tl.load(DQ_ACC + off_b * stride_ab + off_h * stride_ah + rows * stride_am + cols, mask=mask)
     tl.store(DQ + off_b * stride_b + off_h * stride_h + rows * stride_m + cols,
              (acc * softmax_scale).to(DQ.dtype.element_ty), mask=mask)
@@ -591,18 +631,18 @@ def convert_dq(dq_acc, softmax_scale: float, dq) -> None:
     seqlen_q_pad >= seqlen_q, head_dim), dq (batch, n_heads, seqlen_q, head_dim) float16/bfloat16, both with a unit
     last stride and any other strides (e.g. dq a view into a packed qkv gradient, where torch.mul's strided path
     measured 89 us a GPT-2 1k call against 54 into contiguous memory on the H200).
-    head_dim must be a power of two (64 or 128 here). ValueError for anything else."""
+    Any head_dim (96: a 128-wide block, masked). ValueError for anything else."""
     batch, n_heads, seqlen_q, head_dim = dq.shape
     if (dq_acc.dtype != torch.float32 or dq_acc.dim() != 4 or dq_acc.shape[:2] != dq.shape[:2]
             or dq_acc.shape[2] < seqlen_q or dq_acc.shape[3] != head_dim or dq_acc.stride(3) != 1
-            or dq.stride(3) != 1 or head_dim & (head_dim - 1)):
-        raise ValueError(f"convert_dq: dq_acc must be float32 ({batch}, {n_heads}, >= {seqlen_q}, {head_dim}) and dq "
-                         f"have a power-of-two head_dim, both with a unit last stride; got dq_acc {dq_acc.dtype} "
-                         f"{tuple(dq_acc.shape)} strides {tuple(dq_acc.stride())}, dq {tuple(dq.shape)} strides "
-                         f"{tuple(dq.stride())}")
+            or dq.stride(3) != 1):
+        raise ValueError(f"convert_dq: dq_acc must be float32 ({batch}, {n_heads}, >= {seqlen_q}, {head_dim}) like dq, "
+                         f"both with a unit last stride; got dq_acc {dq_acc.dtype} {tuple(dq_acc.shape)} strides "
+                         f"{tuple(dq_acc.stride())}, dq {tuple(dq.shape)} strides {tuple(dq.stride())}")
     grid = (triton.cdiv(seqlen_q, CONVERT_DQ_BLOCK_M), batch * n_heads)
     _convert_dq[grid](dq_acc, dq, softmax_scale, *dq_acc.stride()[:3], *dq.stride()[:3], n_heads, seqlen_q,
-                      HEAD_DIM=head_dim, BLOCK_M=CONVERT_DQ_BLOCK_M, **LAUNCH_OPTIONS)
+                      HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=CONVERT_DQ_BLOCK_M,
+                      **LAUNCH_OPTIONS)
 
 
 @functools.lru_cache(maxsize=None)  # pure, and made on every backward call
@@ -650,13 +690,19 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
     docs: packed sequences (DOCS, per-row bounds: both edges). divisible: names of integer and pointer arguments
     to compile as multiples of 16 (`tt.divisibility`), as a launch specializes the ones whose values are; ones:
     names of integer arguments to compile as the constant 1, as a launch specializes an integer passed as 1; by
-    default neither, so the kernel is valid for any values.
+    default neither, so the kernel is valid for any values. head_dim 96 compiles the 128-wide kernels, as a launch
+    at 96 does (`KERNEL_HEAD_DIMS`).
 
     Returns Triton's compiled kernel (`.asm` holds ttgir, ptx and cubin). Raises RuntimeError naming the
-    reason when this Triton is not one the kernels support, ValueError for another `kernel`.
+    reason when this Triton is not one the kernels support, ValueError for another `kernel`, a head_dim outside
+    HEAD_DIMS, or the backward at one outside BACKWARD_HEAD_DIMS without a `config`.
     """
     if kernel not in ("fwd", "bwd"):
         raise ValueError(f"kernel={kernel!r}: accepted 'fwd' and 'bwd'")
+    tile_dim = kernel_head_dim(head_dim)
+    if kernel == "bwd" and config is None and head_dim not in BACKWARD_CONFIGS:
+        raise ValueError(f"head_dim {head_dim}: the Gluon backward takes {', '.join(map(str, BACKWARD_HEAD_DIMS))} "
+                         "(a config compiles it anyway)")
     kernels = gluon_kernels()
     if isinstance(kernels, str):
         raise RuntimeError(kernels)
@@ -664,28 +710,28 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
     from triton.experimental.gluon._runtime import GluonASTSource
 
     name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
-    tensordesc = lambda rows, layout: f"tensordesc<{name}[1, 1, {rows}, {head_dim}],{layout!r}>"
+    tensordesc = lambda rows, layout: f"tensordesc<{name}[1, 1, {rows}, {tile_dim}],{layout!r}>"
     if kernel == "fwd":
         if docs:
             causal = window = True
         num_consumers, block_n, num_stages, pingpong, _, late_k_release = (config or
                                                                            FORWARD_CONFIGS[head_dim, causal or window])
-        q_layout, kv_layout = shared_layouts(dtype, head_dim, block_n)
-        q_box, kv_box = shared_layouts(dtype, head_dim, block_n, rank=4)
+        q_layout, kv_layout = shared_layouts(dtype, tile_dim, block_n)
+        q_box, kv_box = shared_layouts(dtype, tile_dim, block_n, rank=4)
         fn = kernels.forward
         descs = dict(q_desc=tensordesc(BLOCK_M, q_box), o_desc=tensordesc(BLOCK_M, q_box),
                      k_desc=tensordesc(block_n, kv_box), v_desc=tensordesc(block_n, kv_box), LSE="*fp32",
                      KEY_START="*i32", KEY_LIMIT="*i32", TILE_ORDER="*i32", qk_scale="fp32", softcap_in="fp32")
         constexprs = dict(GROUP=group, LEFT=window, RIGHT=causal, DOCS=docs, SOFTCAP=softcap, PINGPONG=pingpong,
                           LATE_K_RELEASE=late_k_release, NUM_CONSUMERS=num_consumers,
-                          HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=num_stages,
+                          HEAD_DIM=tile_dim, BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=num_stages,
                           Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout)
     else:
         config = config or BACKWARD_CONFIGS[head_dim]
         num_stages, split_dq, block_m, _ = config
-        dq_rows, dq_cols = config.dq_box(head_dim)
-        q_layout, kv_layout, _, ds_layout, dq_layout = _bwd_layouts(dtype, head_dim, block_m, (dq_rows, dq_cols))
-        q_box, k_box, v_box, _, dq_box = _bwd_layouts(dtype, head_dim, block_m, (dq_rows, dq_cols), rank=4)
+        dq_rows, dq_cols = config.dq_box(tile_dim)
+        q_layout, kv_layout, _, ds_layout, dq_layout = _bwd_layouts(dtype, tile_dim, block_m, (dq_rows, dq_cols))
+        q_box, k_box, v_box, _, dq_box = _bwd_layouts(dtype, tile_dim, block_m, (dq_rows, dq_cols), rank=4)
         dq_box = f"tensordesc<fp32[1, 1, {dq_rows}, {dq_cols}],{dq_box!r}>"
         q_box, k_box, v_box = (tensordesc(block_m, q_box), tensordesc(BWD_CONSUMERS * 64, k_box),
                                tensordesc(64, v_box))
@@ -696,7 +742,8 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
                      qk_scale="fp32", softcap_in="fp32", softmax_scale="fp32")
         if docs:
             causal = window = True
-        constexprs = dict(GROUP=group, LEFT=window, RIGHT=causal, DOCS=docs, SOFTCAP=softcap, NUM_CONSUMERS=BWD_CONSUMERS, HEAD_DIM=head_dim,
+        constexprs = dict(GROUP=group, LEFT=window, RIGHT=causal, DOCS=docs, SOFTCAP=softcap,
+                          NUM_CONSUMERS=BWD_CONSUMERS, HEAD_DIM=tile_dim,
                           BLOCK_M=block_m, NUM_STAGES=num_stages, SPLIT_DQ=split_dq,
                           Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, DQ_LAYOUT=dq_layout)
     signature = {arg: "i32" for arg in fn.arg_names}

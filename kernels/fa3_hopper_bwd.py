@@ -23,7 +23,9 @@ head in its GQA group) that can see them. Partitions (`gl.warp_specialize`):
 Rows past seqlen_q read as 0 through TMA (Q, dO) and cp.async's zero-fill (LSE, delta), so their P is 1 but
 their dS is 0 and their dO rows are 0: they add nothing to dK or dV, and their dQ rows land in the accumulator's
 padding. Keys past seqlen_k read as 0, so their dS adds nothing to dQ and their dK/dV rows are clipped by the TMA
-store. Only the band's edges need a mask (flash-attn's masks, as in the forward: RIGHT, the causal diagonal or a
+store. Columns past head_dim (head_dim 96 runs with HEAD_DIM 128) read as 0 the same way: they add 0 to S and
+dP, give dK, dV and dQ zero columns there, and are clipped by the stores and the reduce-adds. Only the band's edges
+need a mask (flash-attn's masks, as in the forward: RIGHT, the causal diagonal or a
 right window, query blocks [lo, m_free); LEFT, a sliding window's left edge, query blocks [m_free_hi, hi)); query
 blocks none of whose rows see a key of the CTA's are never visited, so a window's cost follows its band. Packed
 sequences (DOCS) take per-key and per-row bounds from the host (`kernels.fa3.doc_bounds`): key n is seen by rows
@@ -382,7 +384,7 @@ def fa3_bwd_kernel(
 ):
     """Grid (cdiv(seqlen_k, NUM_CONSUMERS * 64) * batch * n_kv_heads,), in sections of SECTION_HEADS (batch, kv
     head) pairs (`_cta_block`): see the module docstring. LSE, DELTA:
-    float32 (batch, n_heads, seqlen_q); dq_desc: over the zeroed float32 (batch, n_heads, seqlen_q, HEAD_DIM) dQ
+    float32 (batch, n_heads, seqlen_q); dq_desc: over the zeroed float32 (batch, n_heads, seqlen_q, head_dim) dQ
     accumulator padded to whole BLOCK_M-row blocks (any strides TMA takes: the host keeps it in q's memory order),
     with the (1, 1, rows, columns) boxes of one warpgroup's share of dQ_i (SPLIT_DQ)."""
     dtype: gl.constexpr = q_desc.dtype

@@ -30,15 +30,18 @@ variants = [dict(head_dim=d, causal=c, dtype=t) for d, c, t in
 variants += [dict(head_dim=d, causal=True, dtype=torch.bfloat16, **extra) for d in fa3.HEAD_DIMS for extra in
              (dict(window=True), dict(docs=True), dict(softcap=True), dict(group=4))]
 for kernel in ("fwd", "bwd"):
-    ok, shared = 0, 0
-    for v in variants:
+    ok, failed, shared = 0, 0, 0
+    head_dims = fa3.HEAD_DIMS if kernel == "fwd" else fa3.BACKWARD_HEAD_DIMS
+    for v in [v for v in variants if v["head_dim"] in head_dims]:
         try:
             compiled = fa3.compile_for_sm90(kernel=kernel, **v)
         except Exception as e:
             print(f"triton {version} {kernel} {v}: FAILED {type(e).__name__}: {str(e)[:200]}")
+            failed += 1
             continue
         ok, shared = ok + 1, max(shared, compiled.metadata.shared)
-    print(f"triton {version} {kernel}: {ok} of {len(variants)} compiled for sm_90 (head_dim 64/128, causal or not, "
+    print(f"triton {version} {kernel}: {ok} of {ok + failed} compiled for sm_90 (head_dim "
+          f"{'/'.join(map(str, head_dims))}, causal or not, "
           f"bf16/fp16; window, documents, softcap, GQA 4; max shared memory {shared} B)")
 PY
 done

@@ -108,9 +108,9 @@ def _config(kernel: str, head_dim: int, causal: bool, variant: str | None):
     SystemExit naming what is wrong with a variant the kernel cannot take."""
     if kernel == "fwd":
         config = forward_config(variant) if variant else fa3.FORWARD_CONFIGS[head_dim, causal]
-        if config.num_consumers not in (2, 3) or config.block_n not in (64, 128) or config.num_stages < 1:
-            raise SystemExit(f"forward variant {variant}: NUM_CONSUMERS 2 or 3, BLOCK_N 64 or 128, NUM_STAGES 1 or "
-                             "more")
+        if config.num_consumers not in (2, 3) or config.block_n not in (32, 64, 128) or config.num_stages < 1:
+            raise SystemExit(f"forward variant {variant}: NUM_CONSUMERS 2 or 3, BLOCK_N 32, 64 or 128, NUM_STAGES 1 "
+                             "or more")
         return config
     measured = fa3.BACKWARD_CONFIGS[head_dim]
     config = backward_config(variant, measured) if variant else measured
@@ -304,7 +304,8 @@ def main(argv=None):
                 make.error(f"--{name} {text}: accepted {', '.join(map(str, accepted))}")
             return values
 
-        head_dims = ints(args.head_dims, "head-dims", fa3.HEAD_DIMS)
+        head_dims = ints(args.head_dims, "head-dims",
+                         fa3.HEAD_DIMS if args.kernel == "fwd" else fa3.BACKWARD_HEAD_DIMS)
         causals = ints(args.causal, "causal", (1, 0))
         seqlens = ints(args.seqlens, "seqlens")
         if min(seqlens) < 1:

@@ -191,7 +191,8 @@ def check_backward_configs(variants, head_dims):
     (`BackwardConfig.dq_box`'s rules), before any GPU is looked for."""
     for head_dim in head_dims:
         if head_dim not in fa3.BACKWARD_CONFIGS:
-            raise SystemExit(f"--head-dims {head_dim}: the Gluon backward takes {', '.join(map(str, fa3.HEAD_DIMS))}")
+            raise SystemExit(f"--head-dims {head_dim}: the Gluon backward takes "
+                             f"{', '.join(map(str, fa3.BACKWARD_HEAD_DIMS))}")
         for variant in variants:
             try:
                 backward_config(variant, fa3.BACKWARD_CONFIGS[head_dim]).dq_box(head_dim)

@@ -51,8 +51,12 @@ def main(argv=None):
     args = parser.parse_args(argv)
     config = None
     if args.config:
+        # the backward at a head_dim it does not take (256) from 128's fields: its registers and shared memory
         config = (forward_config(args.config) if args.kernel == "fwd"
-                  else backward_config(args.config, fa3.BACKWARD_CONFIGS[args.head_dim]))
+                  else backward_config(args.config, fa3.BACKWARD_CONFIGS.get(args.head_dim, fa3.BACKWARD_CONFIGS[128])))
+    elif args.kernel == "bwd" and args.head_dim not in fa3.BACKWARD_CONFIGS:
+        raise SystemExit(f"--head-dim {args.head_dim}: the Gluon backward takes "
+                         f"{', '.join(map(str, fa3.BACKWARD_HEAD_DIMS))}; give a --config to compile it anyway")
     reason = fa3.gluon_kernels()
     if isinstance(reason, str):
         raise SystemExit(reason)

@@ -56,13 +56,16 @@ def fa3_kernels() -> Kernels:
 
 
 def fa3_runs(head_dim: Optional[int]) -> bool:
-    """Whether fa3's Gluon kernels run on this machine's GPU (``kernels.fa3.gluon_device_reason``: an sm_90 GPU and
-    a Triton they support) for ``head_dim`` (None: not known). False without triton."""
+    """Whether fa3's Gluon kernels, forward and backward, run on this machine's GPU
+    (``kernels.fa3.gluon_device_reason``: an sm_90 GPU and a Triton they support) for ``head_dim`` (None: not known):
+    not at 256, where only the forward does (``kernels.fa3.BACKWARD_HEAD_DIMS``). False without triton."""
     try:
         from kernels import fa3
     except ImportError:  # no triton: attn=fa2 then says so
         return False
-    return (head_dim is None or head_dim in fa3.HEAD_DIMS) and fa3.gluon_device_reason(torch.device("cuda")) is None
+    if head_dim is not None and head_dim not in fa3.BACKWARD_HEAD_DIMS:
+        return False
+    return fa3.gluon_device_reason(torch.device("cuda")) is None
 
 
 def _window_size(window: int) -> tuple[int, int]:

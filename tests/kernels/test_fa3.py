@@ -87,7 +87,7 @@ def test_a_fallback_warns_once_from_the_callers_line(fresh_dispatch):
 @pytest.mark.parametrize("changes,reason", [
     (dict(dtype=torch.float32), "dtype torch.float32"),
     (dict(head_dim=80), "head_dim 80"),
-    (dict(head_dim=256, dtype=torch.float16), "head_dim 256"),
+    (dict(head_dim=512, dtype=torch.float16), "head_dim 512"),
     (dict(tma_ok=False), "inputs TMA cannot address"),
     (dict(varlen=True, shared_offsets=False), "cu_seqlens_k differs from cu_seqlens_q"),
     (dict(environment="no CUDA GPU (x)", head_dim=80), "no CUDA GPU"),  # the machine is named first
@@ -97,6 +97,39 @@ def test_inputs_the_kernel_does_not_cover_fall_back_with_a_warning(direction, ch
     """The forward and the backward decide eligibility alike: FA2 with a warning naming the first reason."""
     choice = fa3.decide(_facts(direction=direction, **changes))
     assert choice.kernel == "fa2" and choice.warn and reason in choice.reason
+
+
+@pytest.mark.parametrize("seqlen_k", [8, 4096])
+def test_head_dim_256_runs_the_gluon_forward_and_fa2s_backward_with_a_warning(seqlen_k):
+    """At 256 the Gluon backward does not fit (its dK and dV accumulators take the registers): the forward runs
+    Gluon with the 256 config, the backward FA2's with a warning naming why, at any length."""
+    assert fa3.decide(_facts(head_dim=256, seqlen_k=seqlen_k)) == fa3.Plan(
+        "gluon", config=fa3.FORWARD_CONFIGS[256, True])
+    choice = fa3.decide(_facts(direction="backward", head_dim=256, seqlen_k=seqlen_k))
+    assert choice.kernel == "fa2" and choice.warn
+    assert "head_dim 256 in the backward" in choice.reason and "dK and dV" in choice.reason
+    assert 256 in fa3.HEAD_DIMS and 256 not in fa3.BACKWARD_HEAD_DIMS and 256 not in fa3.BACKWARD_CONFIGS
+
+
+@pytest.mark.parametrize("head_dim", [96, 256])
+def test_plan_on_a_faked_hopper_runs_gluon_at_96_and_256(monkeypatch, head_dim):
+    """`plan` from the tensors on a machine faked as an sm_90 one with a supported Triton: the 96 forward and
+    backward take 128's configs (the 128-wide kernels, `KERNEL_HEAD_DIMS`); the 256 forward its own, its backward
+    FA2's."""
+    monkeypatch.setattr(fa3, "gluon_device_reason", lambda device: None)
+    monkeypatch.setattr(fa3, "use_tma", lambda *tensors: True)
+    q, k, v = (torch.randn(1, 2, 2048, head_dim, dtype=torch.bfloat16) for _ in range(3))
+    width = fa3.kernel_head_dim(head_dim)
+    assert width == (128 if head_dim == 96 else head_dim)
+    for causal in (True, False):
+        assert fa3.plan("forward", q, k, v, causal) == fa3.Plan("gluon", config=fa3.FORWARD_CONFIGS[width, causal])
+    backward = fa3.plan("backward", q, k, v, True, q)
+    if head_dim == 96:
+        assert backward == fa3.Plan("gluon", config=fa3.BACKWARD_CONFIGS[128])
+    else:
+        assert backward.kernel == "fa2" and backward.warn and "head_dim 256 in the backward" in backward.reason
+    with pytest.raises(ValueError, match="head_dim 80: the Gluon kernels take 64, 96, 128, 256"):
+        fa3.kernel_head_dim(80)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")
@@ -110,20 +143,22 @@ def test_no_gpu_is_named_before_the_inputs():
 @pytest.mark.parametrize("kernel", ["fwd", "bwd"])
 def test_gluon_kernels_compile_for_sm90(kernel):
     """No GPU needed: Triton compiles for a named target, on whatever release is installed (CI's is the one
-    `pip install -r requirements.txt` gives). Every head_dim, causal or not, with a sliding window's left edge
-    or not, bfloat16 and float16, with GQA in some: the compile must succeed, not fall back. Catches Gluon API
-    breaks before a user's GPU does (in a fresh process: `compile_in_fresh_process`).
+    `pip install -r requirements.txt` gives). Every head_dim the kernel takes (96: the 128-wide kernels), causal or
+    not, with a sliding window's left edge or not, bfloat16 and float16, with GQA in some: the compile must succeed,
+    not fall back. Catches Gluon API breaks before a user's GPU does (in a fresh process: `compile_in_fresh_process`).
     """
+    head_dims = "HEAD_DIMS" if kernel == "fwd" else "BACKWARD_HEAD_DIMS"
     code = (f"import itertools, torch, warnings; from kernels import fa3, gluon_compat\n"
             "warnings.filterwarnings('error', category=UserWarning, module='triton')\n"  # e.g. an unset default
-            f"for d, c, w, t in itertools.product(fa3.HEAD_DIMS, (True, False), (True, False),"
+            f"for d, c, w, t in itertools.product(fa3.{head_dims}, (True, False), (True, False),"
             f" (torch.bfloat16, torch.float16)):\n"
             f"    k = fa3.compile_for_sm90(t, d, c, 1 if c else 4, {kernel!r}, window=w); ptx = k.asm['ptx']\n"
             "    print(d, c, w, t, k.metadata.shared, k.metadata.enable_fp_fusion,"
             " all(s in ptx for s in ('wgmma.mma_async', 'setmaxnreg', 'cp.async.bulk.tensor')),"
             " gluon_compat.rewrite_ptx(k.metadata.name, ptx)[1] if gluon_compat._TRITON_3_9_OR_LATER else 0)")
     lines = compile_in_fresh_process(code)
-    assert len(lines) == 2 * 2 * len(fa3.HEAD_DIMS) * 2
+    assert len(lines) == 2 * 2 * len(getattr(fa3, head_dims)) * 2
+    assert {int(line[0]) for line in lines} == set(getattr(fa3, head_dims))
     for *combination, shared, fp_fusion, has_hopper_instructions, descriptors_left in lines:
         assert has_hopper_instructions == "True", f"{combination}: wgmma, setmaxnreg and TMA copies expected"
         # compile_for_sm90 compiles as a launch does, with gluon_compat.compiling(): nothing left to rewrite
@@ -179,19 +214,30 @@ def test_gluon_kernel_runs_on_hopper(fresh_dispatch):
     assert ((o.float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
+def _poisoned_outputs(monkeypatch):
+    """The kernels' outputs (o, the dQ accumulator) allocated NaN, so an element left unwritten shows."""
+    empty_like_layout = fa3.empty_like_layout
+    monkeypatch.setattr(fa3, "empty_like_layout", lambda *a, **kw: empty_like_layout(*a, **kw).fill_(float("nan")))
+
+
 @gluon_on_hopper
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_gluon_forward_matches_float64(fresh_dispatch, head_dim, causal):
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+def test_gluon_forward_matches_float64(fresh_dispatch, monkeypatch, head_dim, causal):
     """The Gluon forward with seqlen_q != seqlen_k (the bottom-right causal diagonal mid-block), lengths off the
-    block sizes and GQA."""
+    block sizes and GQA, o allocated NaN: at 96 the 128-wide kernel writes every one of the 96 columns, and the
+    default softmax_scale is 1/sqrt(96)."""
+    _poisoned_outputs(monkeypatch)
     q = torch.randn(2, 4, 333, head_dim, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(2, 2, 717, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback warning: the Gluon kernel ran
         o, lse = fa3.forward(q, k, v, causal, head_dim ** -0.5)
+        o_default = fa3_attention(q, k, v, causal=causal)
     o_ref, _ = _reference_grads(q, k, v, torch.randn_like(q), causal)
+    assert o.shape == q.shape and torch.isfinite(o).all() and torch.isfinite(lse).all()
     assert ((o.double() - o_ref).norm() / o_ref.norm()).item() < 1e-2
+    assert torch.equal(o_default, o)
 
 
 @gluon_on_hopper
@@ -357,13 +403,16 @@ def _reference_grads(q, k, v, do, causal):
 @pytest.mark.parametrize("head_dim,causal,n_heads,n_kv_heads,seqlen_q,seqlen_k", [
     (128, True, 4, 4, 333, 333), (64, True, 8, 2, 200, 455), (128, False, 2, 1, 517, 130), (64, False, 4, 4, 64, 64),
     (64, True, 4, 4, 455, 200), (64, False, 2, 1, 129, 300),  # 128-row query blocks at 64: partial last blocks
+    (96, True, 4, 4, 333, 333), (96, True, 8, 2, 200, 455), (96, False, 2, 1, 517, 130),  # the 128-wide kernel
 ])
-def test_gluon_backward_matches_float64(fresh_dispatch, head_dim, causal, n_heads, n_kv_heads, seqlen_q,
+def test_gluon_backward_matches_float64(fresh_dispatch, monkeypatch, head_dim, causal, n_heads, n_kv_heads, seqlen_q,
                                         seqlen_k):
     """The Gluon backward (dQ through float32 TMA reduce-adds, run directly: the shapes are shorter than
     BACKWARD_MIN_SEQLEN_K) against float64, in the model's (B, T, H, D) memory order, at every head dim it covers,
-    its outputs poisoned first; under torch.use_deterministic_algorithms fa3_attention's backward (FA2's) repeats
-    bit for bit."""
+    its outputs and the dQ accumulator poisoned first; under torch.use_deterministic_algorithms fa3_attention's
+    backward (FA2's) repeats bit for bit."""
+    _poisoned_outputs(monkeypatch)
+
     def bthd(heads, seqlen):  # (B, H, T, D) views of (B, T, H, D) memory, as the model passes them
         return torch.randn(2, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
 
@@ -391,6 +440,51 @@ def test_gluon_backward_matches_float64(fresh_dispatch, head_dim, causal, n_head
 
 
 @gluon_on_hopper
+@pytest.mark.parametrize("causal", [True, False])
+def test_head_dim_256_trains_with_the_gluon_forward_and_fa2s_backward(fresh_dispatch, monkeypatch, causal):
+    """fa3_attention at head_dim 256: the Gluon forward (o allocated NaN), FA2's backward with one warning naming
+    why, against float64 with GQA and seqlen_q != seqlen_k, in the model's (B, T, H, D) memory order."""
+    _poisoned_outputs(monkeypatch)
+    q = torch.randn(2, 333, 4, 256, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    k, v = (torch.randn(2, 717, 2, 256, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
+    do = torch.randn_like(q)
+    o_ref, grads_ref = _reference_grads(q, k, v, do, causal)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        o = fa3_attention(*leaves, causal=causal)
+        assert not [w for w in caught if "fa3: running FA2's" in str(w.message)]  # the forward ran Gluon
+        o.backward(do)
+    fallback = [str(w.message) for w in caught if "fa3: running FA2's" in str(w.message)]
+    assert len(fallback) == 1 and "head_dim 256 in the backward" in fallback[0]
+    assert torch.isfinite(o).all() and ((o.double() - o_ref).norm() / o_ref.norm()).item() < 1e-2
+    for leaf, ref in zip(leaves, grads_ref):
+        err = ((leaf.grad.double() - ref).norm() / ref.norm()).item()
+        assert torch.isfinite(leaf.grad).all() and err < 1e-2, err
+
+
+@gluon_on_hopper
+@pytest.mark.parametrize("head_dim,causal,window_size,softcap", [
+    (256, True, (300, -1), 0.0), (256, False, (33, 70), 0.0), (256, True, (-1, -1), 30.0),
+])
+def test_gluon_forward_256_window_and_softcap_match_float64(fresh_dispatch, head_dim, causal, window_size, softcap):
+    """The head_dim-256 forward (32-key blocks) with sliding windows and softcap, GQA, seqlen_q != seqlen_k,
+    against float64: o and lse."""
+    q = torch.randn(2, 517, 8, head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    q = q * (4.0 if softcap else 1.0)
+    k, v = (torch.randn(2, 300, 2, head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
+    scale = head_dim ** -0.5
+    o_ref, lse_ref = reference(*(t.double() for t in (q, k, v)), causal, scale, window_size, softcap)
+    banded = causal or window_size != (-1, -1)
+    o, lse = fa3.run_forward(q, k, v, causal, scale, fa3.FORWARD_CONFIGS[head_dim, banded], window_size, softcap)
+    seen = torch.isfinite(lse_ref)
+    assert torch.equal(torch.isfinite(lse), seen)
+    assert (lse[seen].double() / fa2.LOG2E - lse_ref[seen]).abs().max() < 1e-2
+    assert torch.isfinite(o).all()
+    assert ((o.double() - o_ref).norm() / o_ref.norm().clamp_min(o_ref.numel() ** 0.5)).item() < 1e-2
+
+
+@gluon_on_hopper
 @pytest.mark.parametrize("section_heads", [1, 2, 4, 0, 9, 20])
 def test_gluon_backward_launch_orders_cover_every_key_block(fresh_dispatch, section_heads):
     """Every launch order of the backward's CTAs (sections of `section_heads` (batch, kv head) pairs, key-major
@@ -411,6 +505,7 @@ def test_gluon_backward_launch_orders_cover_every_key_block(fresh_dispatch, sect
 @gluon_on_hopper
 @pytest.mark.parametrize("head_dim,causal,n_heads,n_kv_heads,seqlen", [
     (64, True, 4, 4, 1100), (64, False, 4, 2, 1030), (128, True, 4, 2, 300), (128, False, 2, 2, 517),
+    (96, True, 4, 2, 300), (96, False, 2, 2, 517),
 ])
 def test_gluon_qkvpacked_matches_float64(fresh_dispatch, monkeypatch, head_dim, causal, n_heads, n_kv_heads, seqlen):
     """fa3_qkvpacked_attention with the Gluon forward and backward (dk, dv stored by TMA and dq by the cast pass
@@ -439,17 +534,21 @@ def test_gluon_qkvpacked_matches_float64(fresh_dispatch, monkeypatch, head_dim, 
         assert torch.isfinite(grad).all() and err < 1e-2, err
 
 
-@pytest.mark.parametrize("head_dim,causal", [(64, True), (64, False), (128, True), (128, False)])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("causal", [True, False])
 def test_forward_plan_runs_gluon_with_the_measured_config(head_dim, causal):
-    """An eligible forward runs the Gluon kernel at every length, with FORWARD_CONFIGS' entry, and no warning."""
+    """An eligible forward runs the Gluon kernel at every length, with FORWARD_CONFIGS' entry (at 96 128's), and no
+    warning."""
     for seqlen_k in (1, 1024, 32768):
         choice = fa3.decide(_facts(head_dim=head_dim, causal=causal, seqlen_k=seqlen_k))
         assert choice == fa3.Plan("gluon", config=fa3.FORWARD_CONFIGS[head_dim, causal])
+    assert fa3.FORWARD_CONFIGS[96, causal] == fa3.FORWARD_CONFIGS[128, causal]
 
 
 @pytest.mark.parametrize("head_dim,seqlen_k,deterministic,expected", [
     (128, 8, False, "gluon"), (64, 8, False, "fa2"), (64, 1023, False, "fa2"), (64, 1024, False, "gluon"),
-    (128, 8, True, "fa2"), (64, 1024, True, "fa2"), (96, 4096, False, "fa2"),
+    (128, 8, True, "fa2"), (64, 1024, True, "fa2"), (96, 8, False, "gluon"), (96, 4096, False, "gluon"),
+    (96, 4096, True, "fa2"), (80, 4096, False, "fa2"), (256, 4096, False, "fa2"),
 ])
 def test_backward_plan(head_dim, seqlen_k, deterministic, expected):
     """The Gluon backward from BACKWARD_MIN_SEQLEN_K keys on (FA2's measured faster below) and never under
@@ -460,7 +559,7 @@ def test_backward_plan(head_dim, seqlen_k, deterministic, expected):
     if expected == "gluon":
         assert choice.config == fa3.BACKWARD_CONFIGS[head_dim] and choice.reason is None
     else:
-        assert choice.reason and choice.warn == (head_dim not in fa3.HEAD_DIMS)
+        assert choice.reason and choice.warn == (head_dim not in fa3.BACKWARD_HEAD_DIMS)
     assert fa3.decide(_facts(seqlen_k=seqlen_k, deterministic=deterministic, head_dim=head_dim)).kernel == (
         "gluon" if head_dim in fa3.HEAD_DIMS else "fa2")  # the forward: neither length nor determinism matter
 
@@ -487,7 +586,8 @@ def test_fallback_backward_gets_the_gradient_buffers(fresh_dispatch, determinist
     torch.testing.assert_close(grads[0], fa2.backward(do, q, k, v, o, lse, True, 0.125)[0], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("head_dim,seqlen_q,block_m", [(64, 40, 64), (80, 64, 64), (128, 7, 64), (64, 130, 128)])
+@pytest.mark.parametrize("head_dim,seqlen_q,block_m", [(64, 40, 64), (80, 64, 64), (128, 7, 64), (64, 130, 128),
+                                                     (96, 70, 64)])
 def test_bwd_preprocess_zeroes_the_dq_accumulator(head_dim, seqlen_q, block_m):
     """The Gluon backward's preprocess: delta = rowsum(dO * O) against float64, and the float32 dQ accumulator
     (padded to whole block_m-row query blocks) zeroed in the same kernel, padding rows included."""
@@ -504,12 +604,13 @@ def test_bwd_preprocess_zeroes_the_dq_accumulator(head_dim, seqlen_q, block_m):
         assert (dq_acc == 0).all()
 
 
-@pytest.mark.parametrize("dtype,head_dim,seqlen_q,pad", [(torch.bfloat16, 64, 130, 126), (torch.float16, 128, 64, 0)])
+@pytest.mark.parametrize("dtype,head_dim,seqlen_q,pad", [(torch.bfloat16, 64, 130, 126), (torch.float16, 128, 64, 0),
+                                                       (torch.bfloat16, 96, 70, 58), (torch.float16, 96, 64, 0)])
 def test_convert_dq_scales_and_casts_into_any_layout(dtype, head_dim, seqlen_q, pad):
     """fa3.convert_dq (the Gluon backward's last pass): a float32 accumulator in (B, T, H, D) memory with padded rows,
     into dq views of a NaN-filled packed qkv gradient and into a (B, H, T, D) tensor, bit for bit what torch.mul in
     float32 then the cast gives (on the GPU; Triton's interpreter rounds bfloat16 toward zero, one ulp); the padding
-    rows are not read into dq. Wrong shapes, dtypes and head dims raise."""
+    rows are not read into dq; head_dim 96 through a masked 128-wide block. Wrong shapes, dtypes and head dims raise."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     n_heads = 3
     acc = torch.randn(2, seqlen_q + pad, n_heads, head_dim, device=device).transpose(1, 2)
@@ -523,7 +624,7 @@ def test_convert_dq_scales_and_casts_into_any_layout(dtype, head_dim, seqlen_q, 
             assert torch.equal(dq, expected)
     assert packed[:, :, n_heads:].isnan().all()  # k and v's parts untouched
     dq = torch.empty_like(expected)
-    bad = ((acc.half(), dq), (acc[:, :, :seqlen_q - 1], dq), (acc[:, :2], dq), (acc[..., :48], dq[..., :48]))
+    bad = ((acc.half(), dq), (acc[:, :, :seqlen_q - 1], dq), (acc[:, :2], dq), (acc[..., :48], dq))
     for bad_acc, bad_dq in bad:
         with pytest.raises(ValueError, match="convert_dq: dq_acc must be float32"):
             fa3.convert_dq(bad_acc, 0.125, bad_dq)
@@ -576,6 +677,8 @@ WINDOW_CASES = [
     (64, True, (5000, -1), 2, 2, 700, 700),  # wider than the sequence: plain causal
     (64, True, (40, -1), 2, 1, 455, 200),  # the first rows see no key
     (128, False, (3, 2), 2, 2, 129, 1100),  # a band narrower than a block, far right of the keys
+    (96, True, (127, -1), 4, 4, 1000, 1000),  # the 128-wide kernels on 96 columns
+    (96, False, (33, 70), 8, 2, 517, 300),
 ]
 
 
@@ -674,6 +777,7 @@ def test_windows_and_packed_sequences_run_fa2_where_gluon_does_not(fresh_dispatc
 @gluon_on_hopper
 @pytest.mark.parametrize("head_dim,causal,window_size,softcap", [
     (64, True, (-1, -1), 30.0), (128, False, (-1, -1), 50.0), (64, True, (127, -1), 20.0), (128, True, (300, -1), 5.0),
+    (96, True, (-1, -1), 30.0),
 ])
 def test_gluon_softcap_matches_float64(fresh_dispatch, head_dim, causal, window_size, softcap):
     """Gemma 2's logit cap in the Gluon forward and backward (flash-attn's softcap) with logits far past the cap
@@ -744,14 +848,14 @@ def test_packed_sequences_run_gluon_with_one_set_of_offsets():
 @pytest.mark.skipif(not SUPPORTED, reason=f"triton {fa3.triton_version()} is not a release the Gluon kernels support")
 def test_packed_sequence_kernels_compile_for_sm90():
     """The DOCS forward and backward (per-row bounds), compiled for sm_90 as `test_gluon_kernels_compile_for_sm90`
-    does: head_dim 64 and 128, with GQA."""
+    does: every head_dim each kernel takes, with GQA."""
     code = ("import torch; from kernels import fa3\n"
             "for kernel in ('fwd', 'bwd'):\n"
-            "    for d in fa3.HEAD_DIMS:\n"
+            "    for d in (fa3.HEAD_DIMS if kernel == 'fwd' else fa3.BACKWARD_HEAD_DIMS):\n"
             "        k = fa3.compile_for_sm90(torch.bfloat16, d, True, 2, kernel, docs=True)\n"
             "        print(k.metadata.shared, 'wgmma.mma_async' in k.asm['ptx'] and 'ld.global' in k.asm['ptx'])")
     lines = compile_in_fresh_process(code)
-    assert len(lines) == 2 * len(fa3.HEAD_DIMS)
+    assert len(lines) == len(fa3.HEAD_DIMS) + len(fa3.BACKWARD_HEAD_DIMS)
     assert all(ok == "True" and int(shared) <= fa3.SM90_SHARED_MEMORY for shared, ok in lines), lines
 
 
@@ -782,6 +886,7 @@ VARLEN_CASES = [
     (128, False, (-1, -1), 0.0, 2, 2, [1, 1, 1, 400, 1, 1200]),
     (64, True, (100, -1), 0.0, 4, 2, [900, 40, 1300]),  # a window narrower than the documents
     (128, True, (300, -1), 20.0, 2, 2, [700, 1400, 33]),  # window and softcap
+    (96, True, (-1, -1), 0.0, 4, 2, [1000, 3, 900, 192, 64]),  # the 128-wide kernels on 96 columns
 ]
 
 

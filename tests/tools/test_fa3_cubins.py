@@ -99,7 +99,8 @@ def test_compile_for_sm90_names_a_wrong_divisible_argument():
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["build", "out", "--tag", "t", "--head-dims", "96"], "--head-dims 96: accepted 64, 128"),
+    (["build", "out", "--tag", "t", "--head-dims", "80"], "--head-dims 80: accepted 64, 96, 128, 256"),
+    (["build", "out", "--tag", "t", "--kernel", "bwd", "--head-dims", "256"], "--head-dims 256: accepted 64, 96, 128"),
     (["build", "out", "--tag", "t", "--head-dims", "64,abc"], "--head-dims 64,abc: give comma-separated integers"),
     (["build", "out", "--tag", "t", "--seqlens", ","], "--seqlens: none"),
     (["build", "out", "--tag", "t", "--seqlens", "0"], "--seqlens 0: give lengths of 1 or more"),
@@ -127,7 +128,7 @@ def test_build_refuses_an_output_path_that_is_a_file(tmp_path, capsys):
 
 @needs_gluon
 @pytest.mark.parametrize("kernel,variant,message", [
-    ("fwd", "2:100:4:1:1", "NUM_CONSUMERS 2 or 3, BLOCK_N 64 or 128"),
+    ("fwd", "2:100:4:1:1", "NUM_CONSUMERS 2 or 3, BLOCK_N 32, 64 or 128"),
     ("bwd", "2:rows:64", "accepted 64 or 128, and 128 for 'rows'"),
 ])
 def test_build_names_a_variant_the_kernel_cannot_take(tmp_path, kernel, variant, message):

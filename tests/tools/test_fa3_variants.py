@@ -41,7 +41,7 @@ def test_fa3_backward_variant_fields_default_to_the_head_dims_config():
     (["--backward", "--variants", "2:rows:64"], "2:rows:64 at head_dim 64: .*block_m=64 with split_dq='rows'"),
     (["--backward", "--variants", "2:rows", "--head-dims", "128"],
      "2:rows at head_dim 128: .*block_m=64 with split_dq='rows'"),
-    (["--backward", "--head-dims", "96"], "--head-dims 96: the Gluon backward takes 64, 128"),
+    (["--backward", "--head-dims", "256"], "--head-dims 256: the Gluon backward takes 64, 96, 128"),
 ])
 def test_fa3_variants_checks_its_variants_on_any_machine(monkeypatch, argv, message):
     """tools.fa3_variants parses --variants (in the --backward format with --backward) before it looks for a GPU,
