@@ -404,7 +404,9 @@ def test_auto_backend_follows_the_model(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(fa3, "gluon_device_reason", lambda device: None)
     assert config_backend(compose_config(["model=gpt2"])) == "fa3"  # head_dim 64
-    assert config_backend(compose_config(["model=gpt2", "model.n_head=8"])) == "fa2"  # head_dim 96
+    assert config_backend(compose_config(["model=gpt2", "model.n_head=8"])) == "fa3"  # head_dim 96: 128's kernels
+    assert config_backend(compose_config(["model=gpt2", "model.n_head=3"])) == "fa2"  # 256: no Gluon backward
+    assert config_backend(compose_config(["model=gpt2", "model.n_head=16"])) == "fa2"  # 48
     windowed = compose_config(["model=gpt2", "model.attn_window=128"])
     assert config_backend(windowed) == "fa3"
     validate_config(windowed)
