@@ -18,8 +18,10 @@ import triton.language as tl
 
 from .common import INTERPRET, LAUNCH_OPTIONS
 
-BLOCK_V = 4096  # logits per step of a row: 16 a thread at 8 warps
-NUM_WARPS = 8
+# logits per step of a row, 16 a thread. H100, 32768 x 50304 bf16 (2026-12-06): 8192/16 warps 2.87 ms,
+# 4096/8 warps 3.08 ms, 2048/8 warps 3.18 ms; inductor's forward + backward 4.56 ms (docs/benchmarks.md)
+BLOCK_V = 8192
+NUM_WARPS = 16
 # CPU tensors take the torch path: the interpreter is ~100x slower. Tests switch this on to run the kernel there.
 INTERPRET_ON_CPU = False
 LOG2E = tl.constexpr(1.4426950408889634)

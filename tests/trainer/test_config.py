@@ -405,7 +405,7 @@ def test_auto_backend_follows_the_model(monkeypatch):
     monkeypatch.setattr(fa3, "gluon_device_reason", lambda device: None)
     assert config_backend(compose_config(["model=gpt2"])) == "fa3"  # head_dim 64
     assert config_backend(compose_config(["model=gpt2", "model.n_head=8"])) == "fa3"  # head_dim 96: 128's kernels
-    assert config_backend(compose_config(["model=gpt2", "model.n_head=3"])) == "fa2"  # 256: no Gluon backward
+    assert config_backend(compose_config(["model=gpt2", "model.n_head=3"])) == "fa3"  # 256: Gluon forward
     assert config_backend(compose_config(["model=gpt2", "model.n_head=16"])) == "fa2"  # 48
     windowed = compose_config(["model=gpt2", "model.attn_window=128"])
     assert config_backend(windowed) == "fa3"
