@@ -61,12 +61,16 @@ BACKENDS = ("auto", *REGISTRY)  # the values of attn.backend
 
 def resolve_backend(name: str, head_dim: int | None = None, docs: bool = False, softcap: bool = False) -> Backend:
     """The backend object of ``name``. 'auto': without CUDA sdpa, or flex for logit soft-capping (``softcap``: sdpa
-    has none, and flex runs on the CPU without Triton's interpreter); with CUDA fa3 where its Gluon kernels run
-    (``triton.fa3_runs``: an sm_90 GPU and a Triton they support), the model's head_dim (None: not known) is one
-    they take and no document masks are needed, else fa2. On the H200 fa3 measured faster than fa2 in every dense
-    and windowed cell; over packed documents (``docs``) its Gluon kernels are level with fa2 at head_dim 64 and
-    1.1-1.24× faster at 128, kernels alone, and are not yet measured in training, so documents keep fa2
-    (docs/benchmarks.md). Nothing is loaded (``Backend.load``).
+    has none, and flex runs on the CPU without Triton's interpreter). With CUDA:
+    - fa3 where its Gluon kernels run forward and backward (``triton.fa3_runs``: an sm_90 GPU, a Triton they
+      support, the model's head_dim one they take; None: not known) and no document masks are needed;
+    - at a head_dim where only the Gluon forward runs (256) and no document masks are needed: sdpa, whose cuDNN
+      backward there is 2.2-2.5x FA2's that fa3 runs (H100, 2026-12-06); fa3 for soft-capping (sdpa has none;
+      its Gluon forward is 1.1-1.4x fa2's);
+    - else fa2.
+    On the H200 fa3 measured faster than fa2 in every dense and windowed cell; over packed documents (``docs``) its
+    Gluon kernels are level with fa2 at head_dim 64 and 1.1-1.24x faster at 128, kernels alone, and are not yet
+    measured in training, so documents keep fa2 (docs/benchmarks.md). Nothing is loaded (``Backend.load``).
 
     Raises ValueError for a name outside ``BACKENDS``.
     """
@@ -75,7 +79,11 @@ def resolve_backend(name: str, head_dim: int | None = None, docs: bool = False, 
     if name == "auto":
         if not torch.cuda.is_available():
             return REGISTRY["flex" if softcap else "sdpa"]
-        return REGISTRY["fa3" if not docs and fa3_runs(head_dim) else "fa2"]
+        if not docs and fa3_runs(head_dim):
+            return REGISTRY["fa3"]
+        if not docs and fa3_runs(head_dim, backward=False):
+            return REGISTRY["fa3" if softcap else "sdpa"]
+        return REGISTRY["fa2"]
     return REGISTRY[name]
 
 

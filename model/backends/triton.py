@@ -55,16 +55,15 @@ def fa3_kernels() -> Kernels:
     return Kernels(fa3_attention, fa3_qkvpacked_attention, varlen=fa3_varlen_attention, decode=fa2_decode)
 
 
-def fa3_runs(head_dim: Optional[int]) -> bool:
+def fa3_runs(head_dim: Optional[int], backward: bool = True) -> bool:
     """Whether fa3's Gluon kernels run on this machine's GPU (``kernels.fa3.gluon_device_reason``: an sm_90 GPU and
-    a Triton they support) for ``head_dim`` (None: not known). At 256 only the forward is Gluon's and the backward
-    runs FA2's kernels (``kernels.fa3.BACKWARD_HEAD_DIMS``); fa3 is still the faster of the two there (H100,
-    2026-12-06: forward 1.09-1.38x fa2, backward level; docs/benchmarks.md). False without triton."""
+    a Triton they support) for ``head_dim`` (None: not known), in both directions (``backward``) or in the forward
+    alone: at 256 only the forward is Gluon's (``kernels.fa3.BACKWARD_HEAD_DIMS``). False without triton."""
     try:
         from kernels import fa3
     except ImportError:  # no triton: attn=fa2 then says so
         return False
-    if head_dim is not None and head_dim not in fa3.HEAD_DIMS:
+    if head_dim is not None and head_dim not in (fa3.BACKWARD_HEAD_DIMS if backward else fa3.HEAD_DIMS):
         return False
     return fa3.gluon_device_reason(torch.device("cuda")) is None
 

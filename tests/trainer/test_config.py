@@ -397,15 +397,17 @@ def test_printed_overrides_survive_the_shell_and_hydra(name):
 
 def test_auto_backend_follows_the_model(monkeypatch):
     """attn=auto on a (pretended) Hopper GPU where the Gluon kernels run: fa3, windows included (the Gluon kernels
-    take them), but fa2 for a head_dim they do not take or for document masks (where fa3's Gluon kernels measured
-    level with fa2's at GPT-2's head_dim)."""
+    take them); sdpa at 256, where only the Gluon forward runs (fa3 with soft-capping, which sdpa lacks); fa2 for a
+    head_dim they do not take or for document masks (where fa3's Gluon kernels measured level with fa2's at GPT-2's
+    head_dim)."""
     from kernels import fa3
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(fa3, "gluon_device_reason", lambda device: None)
     assert config_backend(compose_config(["model=gpt2"])) == "fa3"  # head_dim 64
     assert config_backend(compose_config(["model=gpt2", "model.n_head=8"])) == "fa3"  # head_dim 96: 128's kernels
-    assert config_backend(compose_config(["model=gpt2", "model.n_head=3"])) == "fa3"  # 256: Gluon forward
+    assert config_backend(compose_config(["model=gpt2", "model.n_head=3"])) == "sdpa"  # 256: cuDNN's backward
+    assert config_backend(compose_config(["model=gpt2", "model.n_head=3", "model.attn_softcap=30"])) == "fa3"
     assert config_backend(compose_config(["model=gpt2", "model.n_head=16"])) == "fa2"  # 48
     windowed = compose_config(["model=gpt2", "model.attn_window=128"])
     assert config_backend(windowed) == "fa3"
