@@ -152,8 +152,9 @@ def test_resolve_backend(monkeypatch):
     # Where they do (a Hopper GPU, a supported Triton): fa3, unless head_dim or document masks rule it out.
     monkeypatch.setattr(fa3, "gluon_device_reason", lambda device: None)
     assert resolved("auto") == resolved("auto", 64) == resolved("auto", 96) == resolved("auto", 128) == "fa3"
-    # 256: the Gluon forward only (FA2's backward, warned), and 80: neither
-    assert resolved("auto", 256) == resolved("auto", 80) == resolved("auto", 64, docs=True) == "fa2"
+    # 256: the Gluon forward only, so cuDNN through sdpa (fa3 for soft-capping, fa2 for documents); 80: neither
+    assert resolved("auto", 256) == "sdpa" and resolved("auto", 256, softcap=True) == "fa3"
+    assert resolved("auto", 256, docs=True) == resolved("auto", 80) == resolved("auto", 64, docs=True) == "fa2"
     assert resolved("fa1") == "fa1" and resolved("sdpa") == "sdpa"
     with pytest.raises(ValueError, match="attn=.flash.*auto, sdpa, sdpa_flash, sdpa_cudnn, fa1, fa2"):
         resolve_backend("flash")
