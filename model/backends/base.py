@@ -79,7 +79,7 @@ class Backend:
     supports_docs: bool = False  # docs (data.document_mask)
     supports_softcap: bool = False  # softcap > 0 (model.attn_softcap), in every call form the backend has
     compiles_on_cpu: bool = True  # torch.compile (trainer.compile) can train the model on the CPU
-    limits_head_dim: bool = False  # head_dim_limits() is a range (it loads the kernels to read it)
+    limits_head_dim: bool = False  # head_dim_limits() is a range (it imports the kernels' front end to read it)
     qkvpacked: bool = False  # has qkvpacked_attention
     split_kv: bool = False  # has split_kv_attention
     static_decode: bool = False  # has static_kv_attention (CUDA-graph decode)

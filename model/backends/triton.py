@@ -88,18 +88,24 @@ class TritonBackend(Backend):
         try:
             return self.load_kernels()
         except ImportError as e:
-            raise BackendUnavailableError(
-                f"attn={self.name} is not available: could not load kernels.{self.name}_attention "
-                f"({type(e).__name__}: {e}). The Triton kernels need the `triton` package (Linux); "
-                "use attn=sdpa without it.") from e
+            raise self._unavailable(e) from e
+
+    def _unavailable(self, e: ImportError) -> BackendUnavailableError:
+        return BackendUnavailableError(
+            f"attn={self.name} is not available: could not load kernels.{self.name}_attention "
+            f"({type(e).__name__}: {e}). The Triton kernels need the `triton` package (Linux); use attn=sdpa without it.")
 
     def load(self) -> "TritonBackend":
         self.kernels  # noqa: B018 (imports them once; the call forms then read the cached functions)
         return self
 
     def head_dim_limits(self) -> tuple[int, int]:
-        self.load()
-        from kernels.frontend import MAX_HEAD_DIM, MIN_HEAD_DIM
+        # not self.load(): config validation asks this first, and a refused config should not warn about the
+        # interpreter that it will never start
+        try:
+            from kernels.frontend import MAX_HEAD_DIM, MIN_HEAD_DIM
+        except ImportError as e:
+            raise self._unavailable(e) from e
 
         return MIN_HEAD_DIM, MAX_HEAD_DIM
 

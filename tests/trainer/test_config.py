@@ -165,6 +165,17 @@ def test_dropout_with_triton_backend_is_rejected(monkeypatch):
         validate_config(compose_config(["attn=fa1", "model.n_embd=32", "model.n_head=4"]))
 
 
+def test_a_refused_triton_config_does_not_warn_about_the_interpreter(monkeypatch, recwarn):
+    """Validation reads fa1's head_dim range without loading its kernels: the config is refused with its reason,
+    not preceded by the 'very slow' interpreter warning of a run that never starts."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delitem(REGISTRY["fa1"].__dict__, "kernels", raising=False)  # not loaded by an earlier test
+    with pytest.raises(ConfigError, match="model.attn_softcap=30.0: attn=fa1 has no attention logit soft-capping"):
+        validate_config(compose_config(["attn=fa1", "model.attn_softcap=30"]))
+    assert not [w for w in recwarn if "interpreter" in str(w.message)]
+    assert "kernels" not in REGISTRY["fa1"].__dict__
+
+
 def test_dropout_with_sdpa_flash_is_rejected_on_the_cpu_only(monkeypatch):
     """PyTorch's CPU flash kernel has no dropout: refused at start-up there instead of failing in the first step."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
