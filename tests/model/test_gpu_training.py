@@ -68,15 +68,16 @@ def random_docs(batch: int, seqlen: int, cuts: int) -> torch.Tensor:
     return torch.cat([edges, inside[torch.randperm(len(inside))[:cuts]]]).sort().values.to(torch.int32)
 
 
-@pytest.mark.parametrize("docs", [False, True])
-@pytest.mark.parametrize("attn", ["fa3", "fa2"])
-def test_cuda_graph_compile_trains_like_eager(attn, docs):
+@pytest.mark.parametrize("attn, docs, loss", [("fa3", False, "full"), ("fa3", True, "full"), ("fa2", False, "full"),
+                                             ("fa2", True, "full"), ("fa3", False, "fused")])
+def test_cuda_graph_compile_trains_like_eager(attn, docs, loss):
     """torch.compile(mode="reduce-overhead") (trainer.compile_mode=reduce-overhead: CUDA graphs of the forward and
     the backward) runs our kernels: its warm-up refuses any tensor a kernel wrapper keeps alive in the graphs' memory
-    pool, and each replay must give eager's loss and gradients for fresh inputs."""
+    pool, and each replay must give eager's loss and gradients for fresh inputs (model.loss=fused: the loss kernel's
+    custom op too)."""
     torch.manual_seed(0)
     # head_dim 128: fa3's Gluon backward runs at this length too
-    config = GPTConfig(block_size=256, vocab_size=512, n_layer=2, n_head=4, n_embd=512, attn=attn)
+    config = GPTConfig(block_size=256, vocab_size=512, n_layer=2, n_head=4, n_embd=512, attn=attn, loss=loss)
     model = GPT(config).cuda()
     compiled = torch.compile(model, mode="reduce-overhead")
     for step in range(4):  # warm-up, recording, then replays
