@@ -12,16 +12,25 @@ One program per row: pass 1 keeps a running max and sum (online softmax, Milakov
 walks the row backwards, so that the blocks pass 1 read last are read again first, while they are still in L2.
 """
 
+from typing import NamedTuple, Optional
+
 import torch
 import triton
 import triton.language as tl
 
 from .common import INTERPRET, LAUNCH_OPTIONS
 
-# logits per step of a row, 16 a thread. H100, 32768 x 50304 bf16 (2026-12-06): 8192/16 warps 2.87 ms,
-# 4096/8 warps 3.08 ms, 2048/8 warps 3.18 ms; inductor's forward + backward 4.56 ms (docs/benchmarks.md)
-BLOCK_V = 8192
-NUM_WARPS = 16
+
+
+class Config(NamedTuple):
+    """The kernel's launch: logits per step of a row (a power of two) and warps per row."""
+    block_v: int
+    num_warps: int
+
+
+# 16 logits a thread. H100, 32768 x 50304 bf16 (2026-12-06; python -m tools.cross_entropy_configs): 8192/16 warps
+# 2.87 ms, 4096/8 warps 3.08 ms, 2048/8 warps 3.18 ms; inductor's forward + backward 4.56 ms (docs/benchmarks.md)
+CONFIG = Config(block_v=8192, num_warps=16)
 # CPU tensors take the torch path: the interpreter is ~100x slower. Tests switch this on to run the kernel there.
 INTERPRET_ON_CPU = False
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -63,15 +72,15 @@ def cross_entropy_kernel(logits_ptr, stride_row, targets_ptr, losses_ptr, V, ign
 
 
 def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -1,
-                       grad: bool = True) -> torch.Tensor:
+                       grad: bool = True, config: Optional[Config] = None) -> torch.Tensor:
     """Per-row cross-entropy of `logits` against `targets`; with `grad`, `logits` is overwritten by the gradient.
 
     logits: (N, V) float16/bfloat16/float32, rows contiguous in their last dimension; targets: (N,) int64 (or
     int32) in [0, V) or `ignore_index`. Returns float32 (N,) losses, 0 for ignored rows and nan for a target out
     of range. With grad=True, logits[r] becomes softmax(logits[r]) - onehot(targets[r]) in logits' dtype (zeros
     for ignored rows): the gradient of sum(losses), not of their mean. Runs the Triton kernel on a GPU (or under
-    TRITON_INTERPRET=1 with INTERPRET_ON_CPU, as the tests do), the same math in torch ops on a CPU otherwise.
-    Raises ValueError for other shapes.
+    TRITON_INTERPRET=1 with INTERPRET_ON_CPU, as the tests do), the same math in torch ops on a CPU otherwise;
+    `config` (None: CONFIG) is the kernel's launch. Raises ValueError for other shapes.
     """
     if logits.dim() != 2 or targets.shape != logits.shape[:1] or logits.stride(-1) != 1:
         raise ValueError(f"logits must be (N, V) with a contiguous last dimension and targets (N,); got logits "
@@ -79,10 +88,11 @@ def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, ignore_index
     n, vocab = logits.shape
     if logits.is_cuda or (INTERPRET and INTERPRET_ON_CPU):
         losses = torch.empty(n, dtype=torch.float32, device=logits.device)
+        config = config or CONFIG
         if n:
             cross_entropy_kernel[(n,)](logits, logits.stride(0), targets, losses, vocab, ignore_index,
-                                       BLOCK_V=min(BLOCK_V, triton.next_power_of_2(vocab)), GRAD=grad,
-                                       num_warps=NUM_WARPS, **LAUNCH_OPTIONS)
+                                       BLOCK_V=min(config.block_v, triton.next_power_of_2(vocab)), GRAD=grad,
+                                       num_warps=config.num_warps, **LAUNCH_OPTIONS)
         return losses
     return _cross_entropy_rows_torch(logits, targets, ignore_index, grad)
 
@@ -103,16 +113,18 @@ def _cross_entropy_rows_torch(logits, targets, ignore_index, grad):
     return losses
 
 
-def compile_for_sm90(dtype: torch.dtype = torch.bfloat16, grad: bool = True, block_v: int = BLOCK_V):
-    """Compile `cross_entropy_kernel` for sm_90 without a GPU (what only the GPU compiler rejects, the interpreter
-    runs); call it without TRITON_INTERPRET. Returns Triton's compiled kernel."""
+def compile_for_sm90(dtype: torch.dtype = torch.bfloat16, grad: bool = True, config: Optional[Config] = None):
+    """Compile `cross_entropy_kernel` for sm_90 at `config` (None: CONFIG) without a GPU (what only the GPU compiler
+    rejects, the interpreter runs); call it without TRITON_INTERPRET. Returns Triton's compiled kernel."""
+    config = config or CONFIG
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     fn = cross_entropy_kernel
     element = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
-    constexprs = dict(BLOCK_V=block_v, GRAD=grad)
+    constexprs = dict(BLOCK_V=config.block_v, GRAD=grad)
     types = dict(logits_ptr=f"*{element}", targets_ptr="*i64", losses_ptr="*fp32")
     signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in fn.arg_names}
     source = ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in constexprs.items()})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS, **LAUNCH_OPTIONS})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": config.num_warps, **LAUNCH_OPTIONS})

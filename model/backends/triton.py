@@ -93,7 +93,8 @@ class TritonBackend(Backend):
     def _unavailable(self, e: ImportError) -> BackendUnavailableError:
         return BackendUnavailableError(
             f"attn={self.name} is not available: could not load kernels.{self.name}_attention "
-            f"({type(e).__name__}: {e}). The Triton kernels need the `triton` package (Linux); use attn=sdpa without it.")
+            f"({type(e).__name__}: {e}). The Triton kernels need the `triton` package (Linux); "
+            "use attn=sdpa without it.")
 
     def load(self) -> "TritonBackend":
         self.kernels  # noqa: B018 (imports them once; the call forms then read the cached functions)

@@ -30,7 +30,7 @@ def reference(x, weight, targets):
                                             ("fused", 300, 0), ("fused", 5, 0)])  # chunks: several, one, a short one
 def test_matches_float64_loss_and_gradients(monkeypatch, loss, n, chunk):
     monkeypatch.setattr(loss_module, "CHUNK_TOKENS", chunk)
-    monkeypatch.setattr(ce_module, "BLOCK_V", 32)  # the kernel walks a row of 97 in four blocks, the last partial
+    monkeypatch.setattr(ce_module, "CONFIG", ce_module.Config(32, 4))  # a row of 97 in four blocks, the last partial
     monkeypatch.setattr(ce_module, "INTERPRET_ON_CPU", True)
     x = torch.randn(n, 24, requires_grad=True)
     weight = torch.randn(97, 24, requires_grad=True)
@@ -64,7 +64,6 @@ def test_without_gradients_and_all_ignored(loss):
 @pytest.mark.parametrize("vocab, block", [(97, 32), (50, 64), (1, 16)])  # several blocks; one, padded; one column
 def test_kernel_rows_and_gradient_in_place(monkeypatch, impl, dtype, vocab, block):
     """Each row's loss and its gradient written over the logits, against float64; ignored rows give 0 and 0."""
-    monkeypatch.setattr(ce_module, "BLOCK_V", block)
     monkeypatch.setattr(ce_module, "INTERPRET_ON_CPU", impl == "triton")
     n = 7
     logits = (torch.randn(n, vocab, dtype=torch.float64) * 6).to(dtype)  # large logits: the max matters
@@ -75,13 +74,14 @@ def test_kernel_rows_and_gradient_in_place(monkeypatch, impl, dtype, vocab, bloc
     ref_grad = torch.softmax(x, -1) - torch.nn.functional.one_hot(targets.clamp(min=0), vocab)
     ref_loss[2], ref_grad[2] = 0.0, 0.0
     buffer = logits.clone()
-    losses = cross_entropy_rows(buffer, targets, IGNORE_INDEX, grad=True)
+    config = ce_module.Config(block, 4)
+    losses = cross_entropy_rows(buffer, targets, IGNORE_INDEX, grad=True, config=config)
     assert losses.dtype == torch.float32 and buffer.dtype == dtype
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2)
     torch.testing.assert_close(losses.double(), ref_loss, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(buffer.double(), ref_grad, **tol)
     untouched = logits.clone()
-    torch.testing.assert_close(cross_entropy_rows(untouched, targets, IGNORE_INDEX, grad=False), losses)
+    torch.testing.assert_close(cross_entropy_rows(untouched, targets, IGNORE_INDEX, grad=False, config=config), losses)
     assert torch.equal(untouched, logits)  # without grad the logits are only read
 
 
