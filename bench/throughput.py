@@ -191,7 +191,7 @@ def add_speedups(rows):
 
 TABLE = Table([
     Column("backend", lambda r: r["backend"] + ("*" if r["fallback"] else ""), width=11, left=True),
-    Column("loop", lambda r: f"{r['loop']} {r['run']}", width=9, left=True), Column("context", "block_size"),
+    Column("loop, run", lambda r: f"{r['loop']} {r['run']}", width=9, left=True), Column("context", "block_size"),
     Column("batch", "batch_size"), Column("step ms", "step_time_ms", ".2f", 9),
     Column("mean ms", "step_time_mean_ms", ".2f", 9), Column("spread %", "step_time_spread_pct", ".1f"),
     Column("tokens/s", "tokens_per_s", ",.0f", 11), Column("MFU %", lambda r: r["mfu"] and 100 * r["mfu"], ".1f"),

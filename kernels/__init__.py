@@ -14,6 +14,7 @@ output) and write its gradient in place.
     fa3_hopper_bwd.py  the Gluon backward (dQ through TMA reduce-adds)
     gluon_compat.py    what differs between Triton 3.6 and 3.9 (Gluon names, a PTX fix), in one place
     decode.py          split-K/V decode kernel (softcap too)
+    cross_entropy.py   the loss of model.loss=fused: each row's cross-entropy, its gradient written over the logits
 
 To run them without a GPU, set TRITON_INTERPRET=1 before importing this package (slow; for tests).
 """

@@ -202,6 +202,9 @@ class Trainer:
             log.info("attention masks: causal, %s", ", ".join(masks))
         if self.model_args.attn_softcap:
             log.info("attention logit soft-capping: %g (model.attn_softcap)", self.model_args.attn_softcap)
+        if self.model_args.loss == "fused" and self.device.type != "cuda":
+            log.info("model.loss=fused without a CUDA GPU: the cross-entropy runs as torch ops (the same math); "
+                     "its Triton kernel needs a GPU")
         if dist.world_size > 1:
             log.info("DDP: %d processes (%s), %d micro-batch(es) of %d sequences per process per step",
                      dist.world_size, torch.distributed.get_backend(), self.micro_steps, cfg.trainer.batch_size)

@@ -106,8 +106,9 @@ def test_sample_py_greedy_same_with_and_without_cache(make_cfg, capsys):
     for bad, message in ((["--no-kv-cache", "--compile", "cudagraphs"], "--compile cudagraphs needs --kv-cache"),
                          (["--no-kv-cache", "--cuda-graph"], "--cuda-graph needs --kv-cache"),
                          (["--num-samples", "0"], "--num-samples=0 is out of range: must be >= 1"),
-                         (["--temperature", "0"], "--temperature=0.0 is out of range: must be > 0"),
-                         (["--temperature", "inf"], "--temperature=inf is out of range: must be > 0 and finite")):
+                         (["--temperature", "inf"], "--temperature=inf is out of range: must be > 0 and finite"),
+                         (["--temperature", "0"], "--temperature=0.0 is out of range: must be > 0 and finite "
+                                                  "(greedy: --top-k 1)")):
         with pytest.raises(SystemExit):
             sample.main(["--run", "kv", "--runs-root", str(s.run_dir.parent), "--device", "cpu", *bad])
         assert message in capsys.readouterr().err
