@@ -127,7 +127,8 @@ def _main(argv: list[str] | None) -> int:
     ap.add_argument("--prompt", default="", help="text to continue (default: start of a document)")
     ap.add_argument("--num-tokens", type=int, default=500, help=">= 1; tokens to generate per sample")
     ap.add_argument("--num-samples", type=int, default=1, help=">= 1; samples, generated as one batch")
-    ap.add_argument("--temperature", type=float, default=0.8, help="> 0 and finite; lower is more conservative (greedy decoding: --top-k 1)")
+    ap.add_argument("--temperature", type=float, default=0.8,
+                    help="> 0 and finite; lower is more conservative (greedy decoding: --top-k 1)")
     ap.add_argument("--top-k", type=int, default=200, help="keep the k most likely tokens; 0 = all, 1 = greedy")
     ap.add_argument("--seed", type=int, default=1337, help="seed of the sampling, in [0, 2**32) as train.py's")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: cuda when available")
@@ -146,7 +147,8 @@ def _main(argv: list[str] | None) -> int:
     args = ap.parse_args(argv)
     for name, ok, accepted in (("--num-tokens", args.num_tokens >= 1, ">= 1"),
                                ("--num-samples", args.num_samples >= 1, ">= 1"),
-                               ("--temperature", 0 < args.temperature < float("inf"), "> 0 and finite (greedy: --top-k 1)"),
+                               ("--temperature", 0 < args.temperature < float("inf"),
+                                "> 0 and finite (greedy: --top-k 1)"),
                                ("--top-k", args.top_k >= 0, ">= 0"),
                                ("--seed", 0 <= args.seed < 2**32, "in [0, 2**32)")):
         if not ok:

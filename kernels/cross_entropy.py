@@ -21,7 +21,6 @@ import triton.language as tl
 from .common import INTERPRET, LAUNCH_OPTIONS
 
 
-
 class Config(NamedTuple):
     """The kernel's launch: logits per step of a row (a power of two) and warps per row."""
     block_v: int
