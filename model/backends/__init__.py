@@ -65,7 +65,7 @@ def resolve_backend(name: str, head_dim: int | None = None, docs: bool = False, 
     - fa3 where its Gluon kernels run forward and backward (``triton.fa3_runs``: an sm_90 GPU, a Triton they
       support, the model's head_dim one they take; None: not known) and no document masks are needed;
     - at a head_dim where only the Gluon forward runs (256) and no document masks are needed: sdpa, whose cuDNN
-      backward there is 2.2-2.5x FA2's that fa3 runs (H100, 2026-12-06); fa3 for soft-capping (sdpa has none;
+      backward there is 2.0-2.6x FA2's that fa3 runs (H100, 2026-12-06); fa3 for soft-capping (sdpa has none;
       its Gluon forward is 1.1-1.4x fa2's);
     - else fa2.
     On the H200 fa3 measured faster than fa2 in every dense and windowed cell; over packed documents (``docs``) its
