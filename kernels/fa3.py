@@ -36,12 +36,12 @@ from .common import INTERPRET, LAUNCH_OPTIONS, bwd_preprocess, empty_like_layout
 # Triton releases (major.minor) whose Gluon Hopper API the kernels are written for: `kernels/gluon_compat.py` maps
 # their differences; `tools/check_triton_versions.sh` compiles both kernels on each.
 GLUON_TRITON_VERSIONS = ("3.6", "3.7", "3.8", "3.9")
-HEAD_DIMS = (64, 96, 128, 256)  # the Gluon forward's
-BACKWARD_HEAD_DIMS = (64, 96, 128)  # the Gluon backward's: at 256 its dK and dV accumulators overflow the registers
-# The tile width (the kernels' HEAD_DIM) each head_dim runs at: 96 runs the 128-wide kernels, at 128's cost. The
-# descriptors keep the tensors' own 96-wide shape, so TMA zero-fills columns 96-127 on loads (q k^T and dO v^T add
-# 0, o and the gradients get zero columns there) and clips them on stores and dQ's reduce-adds.
+# The head_dims the Gluon forward takes, each with the tile width (the kernels' HEAD_DIM) it runs at: 96 runs the
+# 128-wide kernels, at 128's cost. The descriptors keep the tensors' own 96-wide shape, so TMA zero-fills columns
+# 96-127 on loads (q k^T and dO v^T add 0, o and the gradients get zero columns there) and clips them on stores and
+# dQ's reduce-adds.
 KERNEL_HEAD_DIMS = {64: 64, 96: 128, 128: 128, 256: 256}
+HEAD_DIMS = tuple(KERNEL_HEAD_DIMS)  # the Gluon forward's
 DTYPES = (torch.float16, torch.bfloat16)
 BLOCK_M = 64  # the forward's query rows per consumer warpgroup (a wgmma's M)
 BWD_CONSUMERS = 2  # the backward's consumer warpgroups, 64 keys each
@@ -129,6 +129,7 @@ NARROW_WINDOW_FORWARD_CONFIGS = {64: ForwardConfig(2, 64, 4, True, True)}
 # compile, Triton 3.8).
 BACKWARD_CONFIGS = {64: BackwardConfig(2, "rows", 128), 96: BackwardConfig(2, "cols", 64),
                     128: BackwardConfig(2, "cols", 64)}
+BACKWARD_HEAD_DIMS = tuple(BACKWARD_CONFIGS)  # the Gluon backward's: at 256 its dK and dV overflow the registers
 # The Gluon backward from this many keys (seqlen_k) on, FA2's below: at 128 faster everywhere measured (96 runs the
 # same kernel, as FA2's pads 96 to 128 too); at 64 from 1k keys (GPT-2's context, the shortest measured: 0.98-0.99x
 # cuDNN causal against FA2's 0.955x).

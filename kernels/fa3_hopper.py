@@ -36,8 +36,8 @@ straddle sequence edges: TMA loads whole blocks, and the mask drops the other se
 q, k, v and o come through host-made 4-D TMA descriptors over (batch, heads, seqlen, head_dim) with the
 inputs' own strides, so any 16-byte-aligned layout with a unit last stride works (the model's (B, T, H, D)
 memory too); rows past seqlen read as 0 and are not written, and so do columns past head_dim (head_dim 96 runs
-with HEAD_DIM 128: the zero columns add 0 to Q K^T and give O zero columns, never stored). Shared tiles are 2-D for wgmma and seen as
-(1, 1, rows, HEAD_DIM) by TMA (`as_4d`: the same bytes and swizzle). This module is imported only on a
+with HEAD_DIM 128: the zero columns add 0 to Q K^T and give O zero columns, never stored). Shared tiles are 2-D
+for wgmma and seen as (1, 1, rows, HEAD_DIM) by TMA (`as_4d`: the same bytes and swizzle). This module is imported only on a
 Triton whose Gluon API it was written against (`kernels/fa3.py` decides).
 """
 

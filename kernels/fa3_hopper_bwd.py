@@ -25,9 +25,9 @@ their dS is 0 and their dO rows are 0: they add nothing to dK or dV, and their d
 padding. Keys past seqlen_k read as 0, so their dS adds nothing to dQ and their dK/dV rows are clipped by the TMA
 store. Columns past head_dim (head_dim 96 runs with HEAD_DIM 128) read as 0 the same way: they add 0 to S and
 dP, give dK, dV and dQ zero columns there, and are clipped by the stores and the reduce-adds. Only the band's edges
-need a mask (flash-attn's masks, as in the forward: RIGHT, the causal diagonal or a
-right window, query blocks [lo, m_free); LEFT, a sliding window's left edge, query blocks [m_free_hi, hi)); query
-blocks none of whose rows see a key of the CTA's are never visited, so a window's cost follows its band. Packed
+need a mask (flash-attn's masks, as in the forward: RIGHT, the causal diagonal or a right window, query blocks
+[lo, m_free); LEFT, a sliding window's left edge, query blocks [m_free_hi, hi)); query blocks none of whose rows see
+a key of the CTA's are never visited, so a window's cost follows its band. Packed
 sequences (DOCS) take per-key and per-row bounds from the host (`kernels.fa3.doc_bounds`): key n is seen by rows
 [QUERY_START[n], QUERY_LIMIT[n]), row i sees keys [KEY_START[i], KEY_LIMIT[i]).
 """
