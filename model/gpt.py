@@ -29,7 +29,7 @@ from model.backends import Backend, resolve_backend
 from model.generate import generate as generate_tokens
 from model.kv_cache import KVCache, LayerKVCache
 from model.layers import MLP, Rotary, apply_rope, document_positions, make_norm, mlp_width
-from model.loss import LOSSES, head_loss
+from model.loss import LOSS_CHOICES, head_loss, resolve_loss
 
 POS_EMBS = ("learned", "rope")        # the values of GPTConfig.pos_emb (model.pos_emb)
 NORMS = ("layernorm", "rmsnorm")      # GPTConfig.norm
@@ -62,7 +62,7 @@ class GPTConfig:
     multiple_of: int = 256       # swiglu's hidden width (mlp_hidden None) is rounded up to a multiple of this
     qk_norm: bool = False        # RMSNorm over head_dim on q and k before RoPE and attention
     tie_embeddings: bool = True  # the output head is the token embedding matrix
-    loss: str = "full"           # how the head and cross-entropy run: full | chunked | fused (model/loss.py)
+    loss: str = "auto"           # how the head and cross-entropy run: auto | full | chunked | fused (model/loss.py)
 
     def layer_window(self, layer: int) -> int:
         return self.attn_window if isinstance(self.attn_window, int) else self.attn_window[layer]
@@ -97,7 +97,7 @@ def block_option_errors(c) -> list[tuple[str, str]]:
     """(key, what is accepted) for each bad block option of ``c``: a GPTConfig or the ``model`` config section
     (the same field names), so the model and config validation (``trainer.config``) refuse the same values."""
     errors = [(key, f"accepted: {', '.join(values)}")
-              for key, values in (("pos_emb", POS_EMBS), ("norm", NORMS), ("mlp", MLPS), ("loss", LOSSES))
+              for key, values in (("pos_emb", POS_EMBS), ("norm", NORMS), ("mlp", MLPS), ("loss", LOSS_CHOICES))
               if getattr(c, key) not in values]
     for key in ("rope_theta", "norm_eps"):
         if not _is_positive(getattr(c, key)):
@@ -288,7 +288,8 @@ class GPT(nn.Module):
           evaluation pass False: returned logits stay alive until the caller drops them (through
           the backward), which costs B * T * vocab_size activations of memory (6 GiB for GPT-2 at
           B=32, T=1024 in bf16+fp32). With return_logits=False, ``config.loss`` (``model.loss``) says how
-          the head and the loss run: ``full`` materialises the logits, ``chunked`` one chunk of them at a time.
+          the head and the loss run: ``full`` materialises the logits, ``chunked`` one chunk of them at a time,
+          ``fused`` one kernel, ``auto`` fused on a CUDA GPU and full elsewhere (``model.loss``).
         - without targets: the logits of the last position only, (B, 1, vocab_size), and None.
 
         With ``kv_cache`` (inference only, see ``forward_cached``), idx holds the tokens at positions
@@ -309,12 +310,13 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None
-        if return_logits or self.config.loss == "full":
+        how = resolve_loss(self.config.loss, x.device.type)
+        if return_logits or how == "full":
             logits = self.lm_head(x)
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
             return (logits if return_logits else None), loss
         # the head's weight, not the module: with trainer.fp8 lm_head is a Float8Linear, which these do not call
-        return None, head_loss(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), self.config.loss)
+        return None, head_loss(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), how)
 
     def embed(self, idx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Token + position embeddings (then dropout) of idx (B, T) int64 at positions pos (T,) -> (B, T, n_embd);

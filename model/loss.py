@@ -6,14 +6,15 @@
   the same pass (the loss is the graph's last node, so its gradient is a scalar that the backward only scales), as
   Liger-Kernel's fused linear cross-entropy does (Hsu et al. 2024, "Liger Kernel", section 3.3). At most one
   chunk's logits exist at a time; the matmuls are the same three as ``full``'s. Measured on the H200 for GPT-2
-  124M compiled (docs/benchmarks.md, "Whole-step options"): 3.4% slower than ``full`` and no lower peak memory, so
-  ``full`` is the default.
+  124M compiled (docs/benchmarks.md, "Whole-step options"): 3.4% slower than ``full`` and no lower peak memory.
 - ``fused``: the head for every token, then one Triton kernel (``kernels/cross_entropy.py``) that computes each
   row's loss and writes its gradient over the logits (in the matmul dtype), and the head's two gradient matmuls, all
   in the forward; the backward scales the two gradients. The logits pass through memory once forward and once as
   their gradient, and are freed before the backward. On GPT-2 124M (H100, 2026-12-06) it trains at 1.02-1.03x
-  ``full``'s tokens/s; ``full`` stays the default until its loss curve is shown to match past 200 steps
-  (docs/benchmarks.md).
+  ``full``'s tokens/s with the same loss curve over 300 steps (five runs of each; docs/benchmarks.md). Without a
+  CUDA GPU the same math runs as torch ops.
+- ``auto`` (the default): ``fused`` on a CUDA GPU, ``full`` elsewhere (``resolve_loss``), decided per call from the
+  device of the activations.
 
 Both compute the mean over the targets that are not ``IGNORE_INDEX``, in float32, with the matmuls in the
 autocast dtype (else x's dtype), as ``F.cross_entropy(logits.float(), targets, ignore_index=-1)`` does.
@@ -27,9 +28,21 @@ from torch import Tensor
 
 from kernels.cross_entropy import cross_entropy_rows
 
-LOSSES = ("full", "chunked", "fused")  # the values of GPTConfig.loss (model.loss)
+LOSSES = ("full", "chunked", "fused")  # how the head and the loss can run
+LOSS_CHOICES = ("auto", *LOSSES)  # the values of GPTConfig.loss (model.loss): auto picks one of LOSSES per device
 CHUNK_TOKENS = 8192  # chunked: tokens per chunk; GPT-2's 50304-wide logits of a chunk are 1.6 GB in float32
 IGNORE_INDEX = -1
+
+
+def resolve_loss(loss: str, device_type: str) -> str:
+    """How GPTConfig.loss runs on a device of `device_type` ("cuda", "cpu", ...): "auto" is "fused" on CUDA (its
+    Triton kernel; the fastest measured, with full's loss curve) and "full" elsewhere; the others as given.
+    Raises ValueError for a value outside LOSS_CHOICES."""
+    if loss == "auto":
+        return "fused" if device_type == "cuda" else "full"
+    if loss not in LOSSES:
+        raise ValueError(f"loss={loss!r}; accepted: {', '.join(LOSS_CHOICES)}")
+    return loss
 
 
 def head_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, loss: str = "full") -> torch.Tensor:

@@ -68,7 +68,7 @@ class ModelConfig:
     multiple_of: int = 256             # swiglu with mlp_hidden=null: its hidden width is a multiple of this (Llama)
     qk_norm: bool = False              # RMSNorm over head_dim on q and k before attention (nanochat, modded-nanogpt)
     tie_embeddings: bool = True        # output head = token embedding matrix (GPT-2); false: a separate head
-    loss: str = "full"                 # head + cross-entropy: full | chunked (8192 tokens of logits at a time) | fused (one kernel)
+    loss: str = "auto"                 # head + cross-entropy: auto (fused on a GPU, else full) | full | chunked | fused
 
 
 @dataclass

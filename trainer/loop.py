@@ -28,7 +28,7 @@ from data.prepare import PreparedData, prepare_data
 from data.sampler import BatchSampler, ShardedBatchSampler, rank_seed
 from model.gpt import GPT, GPTConfig
 from model.layers import mlp_width
-from model.loss import CHUNK_TOKENS
+from model.loss import CHUNK_TOKENS, resolve_loss
 import trainer.checkpoint as checkpoint
 from trainer.compile import compile_model, convert_to_fp8
 from trainer.config import (ConfigError, config_backend, padded_vocab_size, resolved, resolved_grad_accum,
@@ -205,14 +205,17 @@ class Trainer:
         if self.model_args.loss == "fused" and self.device.type != "cuda":
             log.info("model.loss=fused without a CUDA GPU: the cross-entropy runs as torch ops (the same math); "
                      "its Triton kernel needs a GPU")
+        elif self.model_args.loss == "auto":
+            log.info("model.loss=auto: %s", resolve_loss("auto", self.device.type))
         if dist.world_size > 1:
             log.info("DDP: %d processes (%s), %d micro-batch(es) of %d sequences per process per step",
                      dist.world_size, torch.distributed.get_backend(), self.micro_steps, cfg.trainer.batch_size)
         log.info("run folder: %s", self.run_dir.resolve())
         wandb_config = {**self.config_dict, "resolved": {
-            "attn_backend": self.model_args.attn, "device": str(self.device),
-            "dtype": str(self.dtype).removeprefix("torch."), "vocab_size": self.model_args.vocab_size,
-            "num_params": model.num_params(), "tokens_per_step": self.throughput.tokens_per_step,
+            "attn_backend": self.model_args.attn, "loss": resolve_loss(self.model_args.loss, self.device.type),
+            "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
+            "vocab_size": self.model_args.vocab_size, "num_params": model.num_params(),
+            "tokens_per_step": self.throughput.tokens_per_step,
             "grad_accum": self.grad_accum, "world_size": dist.world_size, "data_dir": str(self.data.dir)}}
         self.run_dir.mkdir(parents=True, exist_ok=True)
         multirun_job = self.run_dir.resolve() != (Path(cfg.run.root) / cfg.run.name).resolve()  # runs/<name>/<job>
@@ -433,8 +436,9 @@ def check_memory(args: GPTConfig, device: torch.device, tokens: int = 0,
     params, memory = min_params(args), device_memory(device)
     per_value = max(torch.finfo(dtype).bits // 8, 2)
     # (rows, bytes a value) of the logits alive at once: float32 for full and chunked, the compute dtype for fused
+    loss = resolve_loss(args.loss, device.type)
     logit_rows, logit_bytes = {"full": (tokens, 4), "chunked": (min(tokens, CHUNK_TOKENS), 4),
-                               "fused": (tokens, per_value)}[args.loss]
+                               "fused": (tokens, per_value)}[loss]
     weights, logits = params * TRAINING_BYTES_PER_PARAM, logit_rows * args.vocab_size * logit_bytes
     hidden = mlp_width(args.n_embd, args.mlp, args.mlp_hidden, args.multiple_of)
     activations = args.n_layer * tokens * (args.n_embd + hidden) * per_value
@@ -447,9 +451,9 @@ def check_memory(args: GPTConfig, device: torch.device, tokens: int = 0,
             f"{culprit} for {device}: {params:,} parameters (model.vocab_size={args.vocab_size}, "
             f"model.n_embd={args.n_embd}, model.n_layer={args.n_layer}, model.block_size={args.block_size}) need at "
             f"least {gib(weights)} GiB for weights, gradients and AdamW state ({TRAINING_BYTES_PER_PARAM} "
-            f"bytes each), the logits of {logit_rows:,} tokens ({logit_bytes} bytes a value; model.loss={args.loss}; a micro-batch is "
-            f"trainer.batch_size x block_size = {tokens:,}) {gib(logits)} GiB more, and each layer's input "
-            f"and MLP hidden layer ({hidden} wide) for the backward {gib(activations)} GiB more "
+            f"bytes each), the logits of {logit_rows:,} tokens ({logit_bytes} bytes a value; model.loss={loss}; "
+            f"a micro-batch is trainer.batch_size x block_size = {tokens:,}) {gib(logits)} GiB more, and each "
+            f"layer's input and MLP hidden layer ({hidden} wide) for the backward {gib(activations)} GiB more "
             f"({per_value} bytes a value), and it has {gib(memory)} GiB; choose smaller values")
 
 

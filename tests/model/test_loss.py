@@ -13,7 +13,7 @@ import kernels.cross_entropy as ce_module
 import model.loss as loss_module
 from kernels.cross_entropy import cross_entropy_rows
 from model.gpt import GPT, GPTConfig
-from model.loss import IGNORE_INDEX, head_loss
+from model.loss import IGNORE_INDEX, head_loss, resolve_loss
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -129,8 +129,17 @@ def test_kernel_compiles_for_sm90():
 def test_unknown_loss_is_refused():
     with pytest.raises(ValueError, match="loss='liger'; accepted: full, chunked, fused"):
         head_loss(torch.randn(2, 4), torch.randn(3, 4), torch.zeros(2, dtype=torch.long), "liger")
-    with pytest.raises(ValueError, match="loss='liger': accepted: full, chunked, fused"):
+    with pytest.raises(ValueError, match="loss='liger': accepted: auto, full, chunked, fused"):
         GPT(GPTConfig(block_size=8, vocab_size=32, n_layer=1, n_head=2, n_embd=16, loss="liger"))
+    with pytest.raises(ValueError, match="loss='liger'; accepted: auto, full, chunked, fused"):
+        resolve_loss("liger", "cuda")
+
+
+def test_auto_loss_is_fused_on_cuda_and_full_elsewhere():
+    assert GPTConfig().loss == "auto"
+    assert resolve_loss("auto", "cuda") == "fused"
+    assert resolve_loss("auto", "cpu") == resolve_loss("auto", "mps") == "full"
+    assert [resolve_loss(loss, "cuda") for loss in ("full", "chunked", "fused")] == ["full", "chunked", "fused"]
 
 
 @pytest.mark.parametrize("loss", ["chunked", "fused"])

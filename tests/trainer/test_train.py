@@ -492,17 +492,21 @@ def test_attn_window_trains_like_sdpa_and_belongs_to_the_model(make_cfg, attn, c
 
 def test_fused_loss_trains_like_full_and_says_how_it_runs_on_the_cpu(make_cfg, caplog):
     """model.loss=fused through the trainer (its CPU path: torch ops) gives full's losses step by step, and the start
-    lines say that the Triton kernel needs a GPU; full's run says nothing of it."""
+    lines say that the Triton kernel needs a GPU; full's run says nothing of it; the default, auto, runs full here
+    (the same losses) and says so."""
     caplog.set_level("INFO", logger="trainer.loop")
     micro = ("model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=16", "trainer.batch_size=2",
              "trainer.max_steps=4", "eval.iters=1", "ckpt.interval=0")
     full = train(make_cfg(*micro, "model.loss=full", "run.name=loss_full"))
-    assert "model.loss=fused" not in caplog.text
+    assert "model.loss" not in caplog.text
     fused = train(make_cfg(*micro, "model.loss=fused", "run.name=loss_fused"))
     assert "model.loss=fused without a CUDA GPU: the cross-entropy runs as torch ops" in caplog.text
-    assert len(fused.records) == len(full.records) == 4
-    for a, b in zip(full.records, fused.records):
-        assert b["train/loss"] == pytest.approx(a["train/loss"], abs=1e-4)
+    caplog.clear()
+    auto = train(make_cfg(*micro, "run.name=loss_auto"))  # the default: full without a GPU, and it says so
+    assert "model.loss=auto: full" in caplog.text and "without a CUDA GPU" not in caplog.text
+    assert len(fused.records) == len(full.records) == len(auto.records) == 4
+    for a, b, c in zip(full.records, fused.records, auto.records):
+        assert b["train/loss"] == pytest.approx(a["train/loss"], abs=1e-4) and c["train/loss"] == a["train/loss"]
 
 
 def test_softcap_trains_alike_on_fa2_and_flex(make_cfg, caplog):
