@@ -11,8 +11,8 @@
   row's loss and writes its gradient over the logits (in the matmul dtype), and the head's two gradient matmuls, all
   in the forward; the backward scales the two gradients. The logits pass through memory once forward and once as
   their gradient, and are freed before the backward. On GPT-2 124M (H100, 2026-12-06) it trains at 1.02-1.03x
-  ``full``'s tokens/s with the same loss curve over 300 steps (five runs of each; docs/benchmarks.md). Without a
-  CUDA GPU the same math runs as torch ops.
+  ``full``'s tokens/s, its loss over 300 steps within full's run-to-run spread (five runs of each;
+  docs/benchmarks.md). Without a CUDA GPU the same math runs as torch ops.
 - ``auto`` (the default): ``fused`` on a CUDA GPU, ``full`` elsewhere (``resolve_loss``), decided per call from the
   device of the activations.
 
@@ -36,7 +36,8 @@ IGNORE_INDEX = -1
 
 def resolve_loss(loss: str, device_type: str) -> str:
     """How GPTConfig.loss runs on a device of `device_type` ("cuda", "cpu", ...): "auto" is "fused" on CUDA (its
-    Triton kernel; the fastest measured, with full's loss curve) and "full" elsewhere; the others as given.
+    Triton kernel; the fastest measured, its loss within full's run-to-run spread) and "full" elsewhere; the others
+    as given.
     Raises ValueError for a value outside LOSS_CHOICES."""
     if loss == "auto":
         return "fused" if device_type == "cuda" else "full"

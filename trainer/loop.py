@@ -127,7 +127,7 @@ class Trainer:
         self.model_args = model_config(cfg, self.data.vocab_size, backend)
         check_memory(self.model_args, device, cfg.trainer.batch_size * self.model_args.block_size, dtype)
         if ckpt is not None:
-            check_compatible(ckpt, self.model_args, self.data.meta, cfg)
+            check_compatible(ckpt, self.model_args, self.data.meta, cfg, self.device.type)
         if on_accept is not None:
             on_accept()
         self.grad_accum = resolved_grad_accum(cfg, dist.world_size)

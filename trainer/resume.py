@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from model.gpt import GPTConfig
 from model.layers import mlp_width
+from model.loss import resolve_loss
 from trainer.checkpoint import (Checkpoint, CheckpointError, UnreadableCheckpoint, latest_checkpoint, list_checkpoints,
                                 load_checkpoint, step_of)
 from trainer.config import ConfigError
@@ -97,10 +98,12 @@ def model_identity(model_args: dict) -> dict:
     return identity
 
 
-def check_compatible(ckpt: Checkpoint, model_args: GPTConfig, data_meta: dict, cfg: DictConfig) -> None:
+def check_compatible(ckpt: Checkpoint, model_args: GPTConfig, data_meta: dict, cfg: DictConfig,
+                     device_type: str = "cpu") -> None:
     """Refuse (ConfigError) a checkpoint of another model shape, attention window or tokenizer; warn, listing the
     keys, when other settings changed (e.g. the attention backend or model.dropout), as a resumed run then mixes
-    two setups; warn when the token cache holds other tokens than the checkpoint's (``changed_data``)."""
+    two setups; warn when the token cache holds other tokens than the checkpoint's (``changed_data``). model.loss
+    is compared as it runs on `device_type` (``resolve_loss``): full and auto are the same on a CPU."""
     old, new = model_identity(ckpt["model_args"]), model_identity(dataclasses.asdict(model_args))
     mlp = "the MLP's hidden width (model.mlp_hidden, or model.mlp's rule)"
     name = lambda k: mlp if k == "mlp_width" else f"model.{k}"
@@ -113,9 +116,13 @@ def check_compatible(ckpt: Checkpoint, model_args: GPTConfig, data_meta: dict, c
         raise ConfigError(f"cannot resume from {ckpt.path}: the model or tokenizer differs:\n  " + "\n  ".join(diffs))
     # attn.backend as typed ("auto") may name the backend that ran before: the backends that run are compared
     changed = changed_settings(ckpt["config"], OmegaConf.to_container(cfg, resolve=True),
-                               skip=MAY_CHANGE | {"attn.backend"})
+                               skip=MAY_CHANGE | {"attn.backend", "model.loss"})
     if ckpt["attn_backend"] != model_args.attn:
         changed.append(f"attention backend (resolved): {ckpt['attn_backend']} -> {model_args.attn}")
+    old_loss = resolve_loss(ckpt["model_args"].get("loss", "full"), device_type)  # full: before the key existed
+    new_loss = resolve_loss(model_args.loss, device_type)
+    if old_loss != new_loss:
+        changed.append(f"model.loss (as it runs here): {old_loss} -> {new_loss}")
     if changed:
         log.warning("resuming %s with changed settings (the run mixes both):\n  %s", ckpt.path, "\n  ".join(changed))
     data = changed_data(old_meta, data_meta)

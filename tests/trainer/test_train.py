@@ -739,6 +739,17 @@ def test_resuming_with_another_dropout_is_a_warning(make_cfg, caplog):
     assert "with changed settings" in warnings and "model.dropout: 0.0 -> 0.1" in warnings
 
 
+def test_resume_compares_model_loss_as_it_runs(make_cfg, caplog):
+    """model.loss full -> auto on a CPU runs the same way (auto is full here): no warning; -> chunked warns."""
+    train(make_cfg("run.name=lossres", "trainer.max_steps=1", "ckpt.interval=0", "model.loss=full"))
+    caplog.clear()
+    again = train(make_cfg("run.name=lossres", "trainer.max_steps=2", "ckpt.interval=0"))
+    assert again.start_step == 1 and "changed settings" not in caplog.text
+    again = train(make_cfg("run.name=lossres", "trainer.max_steps=3", "ckpt.interval=0", "model.loss=chunked"))
+    warnings = "\n".join(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    assert again.start_step == 2 and "model.loss (as it runs here): full -> chunked" in warnings
+
+
 def test_resuming_on_changed_data_warns_with_both_token_counts_and_checksums(make_cfg, tmp_path, corpus_dir, caplog):
     """A glob that matches one more file since the checkpoint: a new token cache, whose val split is other text.
     The warning names each split's token count and sha256, the checkpoint's and the cache's."""
