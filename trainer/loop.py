@@ -202,17 +202,18 @@ class Trainer:
             log.info("attention masks: causal, %s", ", ".join(masks))
         if self.model_args.attn_softcap:
             log.info("attention logit soft-capping: %g (model.attn_softcap)", self.model_args.attn_softcap)
+        loss = resolve_loss(self.model_args.loss, self.device.type)
         if self.model_args.loss == "fused" and self.device.type != "cuda":
             log.info("model.loss=fused without a CUDA GPU: the cross-entropy runs as torch ops (the same math); "
                      "its Triton kernel needs a GPU")
         elif self.model_args.loss == "auto":
-            log.info("model.loss=auto: %s", resolve_loss("auto", self.device.type))
+            log.info("model.loss=auto: %s", loss)
         if dist.world_size > 1:
             log.info("DDP: %d processes (%s), %d micro-batch(es) of %d sequences per process per step",
                      dist.world_size, torch.distributed.get_backend(), self.micro_steps, cfg.trainer.batch_size)
         log.info("run folder: %s", self.run_dir.resolve())
         wandb_config = {**self.config_dict, "resolved": {
-            "attn_backend": self.model_args.attn, "loss": resolve_loss(self.model_args.loss, self.device.type),
+            "attn_backend": self.model_args.attn, "loss": loss,
             "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
             "vocab_size": self.model_args.vocab_size, "num_params": model.num_params(),
             "tokens_per_step": self.throughput.tokens_per_step,
