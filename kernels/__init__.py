@@ -54,14 +54,17 @@ fa1_qkvpacked_attention.__doc__ = QKVPACKED_DOC.format(
     gradients=DETERMINISTIC_GRADIENTS)
 
 FA3_GRADIENTS = ("the Gluon backward adds dQ up through TMA reduce-adds, whose order varies, so dq is not "
-                 "bit-reproducible; under torch.use_deterministic_algorithms(True) FA2's atomic-free backward runs "
-                 "instead, deterministic.")
+                 "bit-reproducible, except at head_dim 64 with up to 1024 keys or a window of up to 128 keys, where "
+                 "FA2's dQ kernel follows the Gluon dK/dV kernel (kernels.fa3.SHORT_BACKWARD_CONFIGS); under "
+                 "torch.use_deterministic_algorithms(True) those run, and FA2's atomic-free backward everywhere else: "
+                 "deterministic.")
 fa3_attention, fa3_qkvpacked_attention = make_attention("fa3", fa3.forward, fa3.backward, lse_log_base=2.0,
                                                         masks=True, softcap=True)
 fa3_attention.__doc__ = PUBLIC_DOC.format(
     title="FlashAttention-3 (Gluon, Hopper): exact scaled dot-product attention, forward and backward.",
     source="Shah et al. 2024, FlashAttention-3, Section 3.1 and Algorithm 2 (forward), Appendix B.1 (backward: dQ "
-           "through TMA reduce-add; FA2's Algorithm 2 where it measured faster: kernels.fa3.BACKWARD_MIN_SEQLEN_K); "
+           "through TMA reduce-add; FA2's Algorithm 2 where it measured faster: kernels.fa3.BACKWARD_MIN_SEQLEN_K, "
+           "and FA2's dQ kernel after the Gluon dK/dV kernel: kernels.fa3.SHORT_BACKWARD_CONFIGS); "
            "see kernels/fa3.py. Sliding windows in the Gluon kernels (key blocks outside the band never visited). Where "
            "the Gluon kernels do not apply (not an sm_90 GPU, head_dim other than 64/96/128/256, the backward at 256, "
            "float32, inputs TMA cannot address, a Triton outside 3.6-3.9) FA2's kernels run, with a one-time "

@@ -625,12 +625,36 @@ def backward(do, q, k, v, o, lse, causal, softmax_scale, window_size=(-1, -1), c
     varlen = cu_seqlens_q is not None
     if varlen:
         do, q, k, v, o, lse = _rows(do), _rows(q), _rows(k), _rows(v), _rows(o), lse[None]
+    delta = bwd_preprocess(o, do)
+    dq, dk, dv = grad_buffers(q, k, v, out)
+    _launch_backward(do, q, k, v, lse, delta, dq, (dk, dv), causal, softmax_scale, window_size, cu_seqlens_q,
+                     cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, softcap)
+    if varlen:
+        return _packed(dq), _packed(dk), _packed(dv)
+    return dq, dk, dv
+
+
+def backward_dq(do, q, k, v, lse, delta, dq, causal, softmax_scale, window_size=(-1, -1), softcap=0.0,
+                cu_seqlens=None, max_seqlen=0):
+    """FA2's dQ kernel alone (FA2 paper, Algorithm 2's dQ_i update run query-block-major, as Triton's fused-attention
+    tutorial does), for a backward whose dK and dV come from another kernel: writes dq (like q, any strides) from
+    the forward's base-2 `lse` and delta = rowsum(dO * O) (`common.bwd_preprocess`), both float32 (batch, n_heads,
+    seqlen_q). q, k, v, do, dq: (batch, heads, seqlen, head_dim); with cu_seqlens (int32, packed self-attention:
+    the same offsets for queries and keys) the (1, heads, total, head_dim) view of packed sequences, lse and delta
+    (1, n_heads, total), max_seqlen the longest. Mask arguments as `backward`."""
+    _launch_backward(do, q, k, v, lse, delta, dq, None, causal, softmax_scale, window_size, cu_seqlens, cu_seqlens,
+                     max_seqlen, max_seqlen, DEFAULT_OPTIONS, softcap)
+
+
+def _launch_backward(do, q, k, v, lse, delta, dq, dkdv, causal, softmax_scale, window_size, cu_seqlens_q,
+                     cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, softcap):
+    """The dK/dV kernel (into dkdv = (dk, dv); skipped when None) and the dQ kernel, on (batch, heads, seqlen,
+    head_dim) views (packed sequences as `_rows` gives them)."""
+    varlen = cu_seqlens_q is not None
     n_heads, seqlen_q, head_dim = q.shape[1:]
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     batch, max_q, max_k, mask, constexprs = _mask_args(q, k, causal, window_size, cu_seqlens_q, cu_seqlens_k,
                                                        max_seqlen_q, max_seqlen_k)
-    delta = bwd_preprocess(o, do)
-    dq, dk, dv = grad_buffers(q, k, v, out)
     flat = varlen and options.varlen_bwd_grid != "padded" and batch <= _FLAT_MAX_SEQS
     common = dict(
         GROUP=n_heads // n_kv_heads, **constexprs, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
@@ -648,12 +672,11 @@ def backward(do, q, k, v, o, lse, causal, softmax_scale, window_size=(-1, -1), c
     else:
         grid_kv = lambda meta: (triton.cdiv(max_k, meta["BLOCK_N"]), batch * n_kv_heads)
         grid_q = lambda meta: (triton.cdiv(max_q, meta["BLOCK_M"]), batch * n_heads)
-    _bwd_dkdv[grid_kv](q, k, v, do, dk, dv, lse, delta, *mask[:2], *qkv_do_strides, *dk.stride()[:3],
-                       *dv.stride()[:3], *sizes, **common)
+    if dkdv is not None:
+        dk, dv = dkdv
+        _bwd_dkdv[grid_kv](q, k, v, do, dk, dv, lse, delta, *mask[:2], *qkv_do_strides, *dk.stride()[:3],
+                           *dv.stride()[:3], *sizes, **common)
     _bwd_dq[grid_q](q, k, v, do, dq, lse, delta, *mask[:2], *qkv_do_strides, *dq.stride()[:3], *sizes, **common)
-    if varlen:
-        return _packed(dq), _packed(dk), _packed(dv)
-    return dq, dk, dv
 
 
 def compile_for_sm90(kernel, left=True, right=True, varlen=True, tma=True, head_dim=64, group=2, grid="padded",

@@ -8,7 +8,9 @@ one set of offsets (packed self-attention: cu_seqlens_k equal to cu_seqlens_q), 
 fall back to FA2 with a one-time RuntimeWarning naming the reason; then performance (the backward below
 `BACKWARD_MIN_SEQLEN_K` keys, where FA2's measured faster); then determinism (the Gluon backward adds dQ up in
 float32 through TMA reduce-adds, as FA3 does, so it is not bit-reproducible: under
-`torch.use_deterministic_algorithms(True)` FA2's backward runs). The last two are choices, not fallbacks: no warning.
+`torch.use_deterministic_algorithms(True)` FA2's backward runs, except where the backward takes
+`SHORT_BACKWARD_CONFIGS`, whose dQ comes from FA2's kernel without atomics). The last two are choices, not
+fallbacks: no warning.
 The forward and the backward decide the same way but at head_dim 256, where the Gluon forward runs and FA2's backward
 (with the warning: the Gluon backward's dK and dV do not fit the registers at 256).
 
@@ -16,8 +18,9 @@ head_dim 96 runs the 128-wide kernels (`KERNEL_HEAD_DIMS`) on the 96-wide tensor
 the columns past 96 on loads and clips them on stores.
 
 The tile configs are data: `ForwardConfig` per (head_dim, causal) and `BackwardConfig` per head_dim, measured on
-the H200 with `python -m tools.fa3_variants` (docs/hopper-notes.md). `run_forward` / `run_backward` launch the Gluon
-kernels with any config (the tuning tools pass theirs).
+the H200 with `python -m tools.fa3_variants` (docs/hopper-notes.md), with their own entries for narrow windows,
+short keys and packed documents (`backward_config`). `run_forward` / `run_backward` launch the Gluon kernels with
+any config (the tuning tools pass theirs).
 """
 
 import functools
@@ -44,7 +47,6 @@ KERNEL_HEAD_DIMS = {64: 64, 96: 128, 128: 128, 256: 256}
 HEAD_DIMS = tuple(KERNEL_HEAD_DIMS)  # the Gluon forward's
 DTYPES = (torch.float16, torch.bfloat16)
 BLOCK_M = 64  # the forward's query rows per consumer warpgroup (a wgmma's M)
-BWD_CONSUMERS = 2  # the backward's consumer warpgroups, 64 keys each
 SM90_SHARED_MEMORY = 227 * 1024  # bytes of shared memory an sm_90 block may have (a larger kernel fails at launch)
 
 
@@ -59,29 +61,50 @@ class ForwardConfig(NamedTuple):
 
 
 class BackwardConfig(NamedTuple):
-    """The Gluon backward's tiles (`kernels/fa3_hopper_bwd.py`): BWD_CONSUMERS x 64 keys per CTA."""
+    """The Gluon backward's tiles (`kernels/fa3_hopper_bwd.py`): num_consumers x 64 keys per CTA."""
     num_stages: int  # depth of the (Q_i, dO_i) ring
     split_dq: str  # "cols" / "rows": each warpgroup computes a share of dQ_i's columns / rows over all the keys
-    block_m: int  # query rows per step (64, or 128 with "rows")
+    block_m: int  # query rows per step (64 or 128; with "rows", 64 per consumer)
     # (batch, kv head) pairs launched together, key block by key block (`_cta_block`): every pair's first (under
     # a causal mask the longest) key block starts before any second one, and the CTAs in flight share these pairs'
     # Q, dO and dQ in L2. 0: a wave's worth (SMs // key blocks); 1: one pair's key blocks after another's.
     section_heads: int = 0
+    num_consumers: int = 2  # consumer warpgroups, 64 keys each (1 or 2)
+    # registers a thread at launch (Triton's `maxnreg`), 0 for Triton's choice (all of an SM's for one CTA). One
+    # consumer with 128: 8 warps x 128 fit two CTAs an SM, the consumer taking the producer's unused share.
+    maxnreg: int = 0
+    # dQ from FA2's query-major kernel (`fa2.backward_dq`) after the Gluon dK/dV kernel, instead of float32
+    # reduce-adds into an accumulator that is zeroed before and cast after (FA2's recompute of S and dP for dQ
+    # against 2 of the accumulator's 4 bytes an element in each of three passes): faster where the key blocks
+    # are few per query block (short keys, narrow windows, short documents).
+    separate_dq: bool = False
+
+    @property
+    def block_n(self) -> int:
+        """Keys per CTA."""
+        return self.num_consumers * 64
 
     def dq_box(self, head_dim: int) -> tuple[int, int]:
         """(rows, columns) of one warpgroup's share of a query block's dQ; ValueError for a config the kernel
         cannot run."""
         if self.split_dq not in ("cols", "rows"):
             raise ValueError(f"BackwardConfig.split_dq={self.split_dq!r}; accepted 'cols', 'rows'")
-        if self.block_m not in (64, 128) or (self.split_dq == "rows" and self.block_m != 128):
-            raise ValueError(f"BackwardConfig.block_m={self.block_m!r} with split_dq={self.split_dq!r}; accepted 64 "
-                             "or 128, and 128 for 'rows' (64 rows a warpgroup: a wgmma's M)")
+        if self.num_consumers not in (1, 2):
+            raise ValueError(f"BackwardConfig.num_consumers={self.num_consumers!r}; accepted 1, 2")
+        rows_block = 64 * self.num_consumers
+        if self.block_m not in (64, 128) or (self.split_dq == "rows" and self.block_m != rows_block):
+            raise ValueError(f"BackwardConfig.block_m={self.block_m!r} with split_dq={self.split_dq!r} and "
+                             f"num_consumers={self.num_consumers}; accepted 64 or 128, and {rows_block} for 'rows' "
+                             "(64 rows a warpgroup: a wgmma's M)")
         if self.section_heads < 0:
             raise ValueError(f"BackwardConfig.section_heads={self.section_heads!r}; accepted 0 (a wave's worth) "
                              "or more")
+        if self.maxnreg and not (self.maxnreg % 8 == 0 and 64 <= self.maxnreg <= 256):
+            raise ValueError(f"BackwardConfig.maxnreg={self.maxnreg!r}; accepted 0 (Triton's choice) or a "
+                             "multiple of 8 from 64 to 256")
         if self.split_dq == "rows":
-            return self.block_m // BWD_CONSUMERS, head_dim
-        return self.block_m, head_dim // BWD_CONSUMERS
+            return self.block_m // self.num_consumers, head_dim
+        return self.block_m, head_dim // self.num_consumers
 
 
 # Measured on the H200 (docs/hopper-notes.md): at 64, two consumers for causal and three for non-causal, a 4-deep
@@ -130,6 +153,16 @@ NARROW_WINDOW_FORWARD_CONFIGS = {64: ForwardConfig(2, 64, 4, True, True)}
 BACKWARD_CONFIGS = {64: BackwardConfig(2, "rows", 128), 96: BackwardConfig(2, "cols", 64),
                     128: BackwardConfig(2, "cols", 64)}
 BACKWARD_HEAD_DIMS = tuple(BACKWARD_CONFIGS)  # the Gluon backward's: at 256 its dK and dV overflow the registers
+# Where few key blocks meet each query block (keys up to SHORT_BACKWARD_SEQLEN_K, a window up to NARROW_WINDOW), at
+# 64: one consumer warpgroup (64-key CTAs, 50 KB of shared memory and 128 registers a thread at launch, so two CTAs
+# an SM), dQ from FA2's query-major kernel (no float32 accumulator passes). Measured on an
+# H100 (docs/hopper-notes.md, "FA3 backward variant 15"): gpt-oss's window 128 2.03 -> 1.54 ms, the causal 1k
+# backward 1.07x -> 1.18x cuDNN; slower than BACKWARD_CONFIGS from 2k keys non-causal and at 8k causal.
+SHORT_BACKWARD_CONFIGS = {64: BackwardConfig(2, "rows", 64, 0, 1, 128, True)}
+SHORT_BACKWARD_SEQLEN_K = 1024
+# Packed documents at 64 take the one-consumer kernel with the float32 dQ accumulator: FA2's varlen dQ kernel
+# measured slower there (documents of median 600: 0.675 ms against 0.550, H100).
+PACKED_BACKWARD_CONFIGS = {64: BackwardConfig(2, "rows", 64, 0, 1, 128)}
 # The Gluon backward from this many keys (seqlen_k) on, FA2's below: at 128 faster everywhere measured (96 runs the
 # same kernel, as FA2's pads 96 to 128 too); at 64 from 1k keys (GPT-2's context, the shortest measured: 0.98-0.99x
 # cuDNN causal against FA2's 0.955x).
@@ -159,6 +192,17 @@ class Plan(NamedTuple):
     config: Optional[ForwardConfig | BackwardConfig] = None
 
 
+def backward_config(f: Facts) -> BackwardConfig:
+    """The Gluon backward's config for `f`: PACKED_BACKWARD_CONFIGS for packed sequences, SHORT_BACKWARD_CONFIGS
+    where few key blocks meet each query block, else BACKWARD_CONFIGS (at f.head_dim, where each applies)."""
+    if f.varlen and f.head_dim in PACKED_BACKWARD_CONFIGS:
+        return PACKED_BACKWARD_CONFIGS[f.head_dim]
+    if f.head_dim in SHORT_BACKWARD_CONFIGS and (0 <= f.window_left <= NARROW_WINDOW
+                                                 or f.seqlen_k <= SHORT_BACKWARD_SEQLEN_K):
+        return SHORT_BACKWARD_CONFIGS[f.head_dim]
+    return BACKWARD_CONFIGS[f.head_dim]
+
+
 def _backward_only(rule: Callable[[Facts], Optional[str]]) -> Callable[[Facts], Optional[str]]:
     return lambda f: rule(f) if f.direction == "backward" else None
 
@@ -182,9 +226,9 @@ RULES: tuple[tuple[bool, Callable[[Facts], Optional[str]]], ...] = (
     (False, _backward_only(lambda f: None if f.seqlen_k >= BACKWARD_MIN_SEQLEN_K[f.head_dim] else
         f"seqlen_k {f.seqlen_k} < {BACKWARD_MIN_SEQLEN_K[f.head_dim]} at head_dim {f.head_dim}: FA2's backward "
         "measured faster")),
-    # determinism: the Gluon backward's dQ reduce-adds are not bit-reproducible
-    (False, _backward_only(lambda f: "deterministic algorithms: FA2's atomic-free backward" if f.deterministic
-        else None)),
+    # determinism: the Gluon backward's dQ reduce-adds are not bit-reproducible (a separate_dq config has none)
+    (False, _backward_only(lambda f: "deterministic algorithms: FA2's atomic-free backward"
+        if f.deterministic and not backward_config(f).separate_dq else None)),
 )
 
 
@@ -200,7 +244,7 @@ def decide(facts: Facts) -> Plan:
         if 0 <= facts.window_left <= NARROW_WINDOW and facts.head_dim in NARROW_WINDOW_FORWARD_CONFIGS:
             return Plan("gluon", config=NARROW_WINDOW_FORWARD_CONFIGS[facts.head_dim])
         return Plan("gluon", config=FORWARD_CONFIGS[facts.head_dim, facts.causal])
-    return Plan("gluon", config=BACKWARD_CONFIGS[facts.head_dim])
+    return Plan("gluon", config=backward_config(facts))
 
 
 def plan(direction: str, q, k, v, causal: bool, *more, varlen: bool = False, shared_offsets: bool = True,
@@ -322,15 +366,21 @@ _COMPILED: dict = {}
 _COMPILED_MAX = 512  # distinct shapes kept (a decode loop meets one per length); later ones take Triton's path
 
 
-def _run(kernel, key, grid, **args):
+def launch_options(maxnreg: int = 0) -> dict:
+    """Triton's launch and compile options for the Gluon kernels, with `maxnreg` registers a thread if nonzero."""
+    return {**LAUNCH_OPTIONS, "maxnreg": maxnreg} if maxnreg else dict(LAUNCH_OPTIONS)
+
+
+def _run(kernel, key, grid, maxnreg: int = 0, **args):
     """Launch the Gluon `kernel` (a gluon.jit function) on `grid` with `args` (every parameter, by name, with
-    4 warps), through `_COMPILED[key]` when this key has run before."""
+    4 warps and `maxnreg` registers a thread, 0 for Triton's choice), through `_COMPILED[key]` when this key has
+    run before (the key must then hold maxnreg)."""
     compiled = _COMPILED.get(key)
     if compiled is not None:  # its launcher takes a 3-D grid (Triton's binder pads it)
         compiled[(*grid, 1, 1)[:3]](*[args[name] for name in kernel.arg_names])
         return
     with gluon_kernels().compiling():
-        compiled = kernel[grid](**args, num_warps=4, **LAUNCH_OPTIONS)
+        compiled = kernel[grid](**args, num_warps=4, **launch_options(maxnreg))
     if len(_COMPILED) < _COMPILED_MAX and set(kernel.arg_names) == set(args):
         _COMPILED[key] = compiled
 
@@ -552,10 +602,11 @@ def forward(q, k, v, causal, softmax_scale, window_size=(-1, -1), cu_seqlens_q=N
 
 
 def run_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, config: BackwardConfig, out=None,
-                 window_size=(-1, -1), softcap: float = 0.0, bounds=None):
+                 window_size=(-1, -1), softcap: float = 0.0, bounds=None, cu_seqlens=None, max_seqlen: int = 0):
     """The Gluon backward with `config` (no checks: `plan` decides where it applies) -> (dq, dk, dv), into `out`
     when given (`common.grad_buffers`). window_size and softcap as in `run_forward`; bounds: packed sequences, each
-    row's keys [start, limit) and each key's rows [start, limit) (`doc_bounds`, four tensors). ValueError for a
+    row's keys [start, limit) and each key's rows [start, limit) (`doc_bounds`, four tensors), with the offsets
+    and longest length they came from (cu_seqlens, max_seqlen) for a config with separate_dq. ValueError for a
     config the kernel cannot run."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -564,10 +615,12 @@ def run_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, config
     dq_rows, dq_cols = config.dq_box(tile_dim)  # checks the config
     kernel = gluon_kernels().backward
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    num_stages, split_dq, block_m, section_heads = config
+    num_stages, split_dq, block_m, section_heads, num_consumers, maxnreg, separate_dq = config
     left, right = fa2.window_edges(causal, window_size, seqlen_q, seqlen_k)
-    block_n = BWD_CONSUMERS * 64
+    block_n = config.block_n
     docs = bounds is not None
+    if docs and separate_dq and cu_seqlens is None:
+        raise ValueError("BackwardConfig.separate_dq with packed sequences needs their cu_seqlens")
     if docs:  # both edges, per row and per key; the key blocks longest first
         left, right = 0, 0
         query_start, query_limit = bounds[2:]
@@ -579,11 +632,16 @@ def run_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, config
     # In q's memory order, as dq: the last pass below is then a plain contiguous one (a (B, H, T, D) accumulator
     # for the model's (B, T, H, D) q made it a transposing copy: 110 us of GPT-2's 1k backward, cuDNN's 46).
     # head_dim wide: at 96 the reduce-adds clip the 128-wide tiles' zero columns.
-    dq_acc = empty_like_layout(q, (batch, n_heads, seqlen_q_pad, head_dim), torch.float32)
-    delta = bwd_preprocess(o, do, dq_acc)  # also zeroes dq_acc
+    if separate_dq:  # the descriptor's stand-in, never written
+        dq_acc = torch.empty((1, 1, dq_rows, dq_cols), device=q.device, dtype=torch.float32)
+        delta = bwd_preprocess(o, do)
+    else:
+        dq_acc = empty_like_layout(q, (batch, n_heads, seqlen_q_pad, head_dim), torch.float32)
+        delta = bwd_preprocess(o, do, dq_acc)  # also zeroes dq_acc
     dq, dk, dv = grad_buffers(q, k, v, out)
-    q_layout, kv_layout, _, ds_layout, dq_layout = _bwd_layouts(q.dtype, tile_dim, block_m, (dq_rows, dq_cols))
-    q_box, k_box, v_box, _, dq_box = _bwd_layouts(q.dtype, tile_dim, block_m, (dq_rows, dq_cols), rank=4)
+    q_layout, kv_layout, _, ds_layout, dq_layout = _bwd_layouts(q.dtype, tile_dim, block_m, block_n,
+                                                                 (dq_rows, dq_cols))
+    q_box, k_box, v_box, _, dq_box = _bwd_layouts(q.dtype, tile_dim, block_m, block_n, (dq_rows, dq_cols), rank=4)
     desc = lambda t, rows, layout, cols=tile_dim: TensorDescriptor(
         t, list(t.shape), list(t.stride()), [1, 1, rows, cols], layout)
     n_blocks = triton.cdiv(seqlen_k, block_n)
@@ -592,7 +650,7 @@ def run_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, config
     lse = lse.contiguous()
     key = (kernel, config, q.dtype, q.device, q.shape, k.shape, left, right, docs, softcap > 0,
            lse.data_ptr() % 16 == 0)
-    _run(kernel, key, grid,
+    _run(kernel, key, grid, maxnreg=maxnreg,
          q_desc=desc(q, block_m, q_box), k_desc=desc(k, block_n, k_box), v_desc=desc(v, 64, v_box),
          do_desc=desc(do, block_m, q_box), dk_desc=desc(dk, 64, v_box), dv_desc=desc(dv, 64, v_box),
          dq_desc=desc(dq_acc, dq_rows, dq_box, dq_cols), LSE=lse, DELTA=delta, n_heads=n_heads, seqlen_q=seqlen_q,
@@ -601,10 +659,14 @@ def run_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, config
          SECTION_HEADS=section_heads,
          **_logits(softmax_scale, softcap), softmax_scale=softmax_scale, GROUP=n_heads // n_kv_heads,
          LEFT=left >= 0, RIGHT=right >= 0, DOCS=docs,
-         NUM_CONSUMERS=BWD_CONSUMERS, HEAD_DIM=tile_dim,
-         BLOCK_M=block_m, NUM_STAGES=num_stages, SPLIT_DQ=split_dq,
+         NUM_CONSUMERS=num_consumers, HEAD_DIM=tile_dim,
+         BLOCK_M=block_m, NUM_STAGES=num_stages, SPLIT_DQ=split_dq, SEPARATE_DQ=separate_dq,
          Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, DQ_LAYOUT=dq_layout)
-    convert_dq(dq_acc, softmax_scale, dq)
+    if separate_dq:
+        fa2.backward_dq(do, q, k, v, lse, delta, dq, causal, softmax_scale, window_size, softcap,
+                        cu_seqlens if docs else None, max_seqlen)
+    else:
+        convert_dq(dq_acc, softmax_scale, dq)
     return dq, dk, dv
 
 
@@ -647,8 +709,8 @@ def convert_dq(dq_acc, softmax_scale: float, dq) -> None:
 
 
 @functools.lru_cache(maxsize=None)  # pure, and made on every backward call
-def _bwd_layouts(dtype, head_dim: int, block_m: int, dq_box: tuple[int, int], rank: int = 2):
-    """NVMMA shared layouts of the backward's tiles: (block_m, head_dim) Q/dO, (128, head_dim) K, (64, head_dim)
+def _bwd_layouts(dtype, head_dim: int, block_m: int, block_n: int, dq_box: tuple[int, int], rank: int = 2):
+    """NVMMA shared layouts of the backward's tiles: (block_m, head_dim) Q/dO, (block_n, head_dim) K, (64, head_dim)
     V/dK/dV, (64, block_m) dS^T and float32 dQ (`dq_box`, from `_dq_box`); rank 4: those of the descriptors'
     (1, 1, ...) boxes."""
     from triton.experimental.gluon import language as gl
@@ -656,7 +718,7 @@ def _bwd_layouts(dtype, head_dim: int, block_m: int, dq_box: tuple[int, int], ra
     gl_dtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[dtype]
     lead = [1] * (rank - 2)
     nvmma = lambda shape, dt=gl_dtype: gl.NVMMASharedLayout.get_default_for(lead + list(shape), dt)
-    return (nvmma([block_m, head_dim]), nvmma([BWD_CONSUMERS * 64, head_dim]), nvmma([64, head_dim]),
+    return (nvmma([block_m, head_dim]), nvmma([block_n, head_dim]), nvmma([64, head_dim]),
             nvmma([64, block_m]), nvmma(dq_box, gl.float32))
 
 
@@ -673,7 +735,7 @@ def backward(do, q, k, v, o, lse, causal, softmax_scale, window_size=(-1, -1), c
                   *_packed_bounds(causal, window_size, cu_seqlens_q, total, longest, keys=True))
         packed_out = None if out is None else tuple(map(packed_view, out))
         grads = run_backward(*map(packed_view, (do, q, k, v, o)), lse.unsqueeze(0), causal, softmax_scale,
-                             choice.config, packed_out, softcap=softcap, bounds=bounds)
+                             choice.config, packed_out, window_size, softcap, bounds, cu_seqlens_q, longest)
         return tuple(g[0].transpose(0, 1) for g in grads)
     if choice.kernel == "gluon":
         return run_backward(do, q, k, v, o, lse, causal, softmax_scale, choice.config, out, window_size, softcap)
@@ -717,6 +779,7 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
             causal = window = True
         num_consumers, block_n, num_stages, pingpong, _, late_k_release = (config or
                                                                            FORWARD_CONFIGS[head_dim, causal or window])
+        maxnreg = 0
         q_layout, kv_layout = shared_layouts(dtype, tile_dim, block_n)
         q_box, kv_box = shared_layouts(dtype, tile_dim, block_n, rank=4)
         fn = kernels.forward
@@ -729,12 +792,14 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
                           Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout)
     else:
         config = config or BACKWARD_CONFIGS[head_dim]
-        num_stages, split_dq, block_m, _ = config
+        num_stages, split_dq, block_m, _, num_consumers, maxnreg, separate_dq = config
         dq_rows, dq_cols = config.dq_box(tile_dim)
-        q_layout, kv_layout, _, ds_layout, dq_layout = _bwd_layouts(dtype, tile_dim, block_m, (dq_rows, dq_cols))
-        q_box, k_box, v_box, _, dq_box = _bwd_layouts(dtype, tile_dim, block_m, (dq_rows, dq_cols), rank=4)
+        block_n = config.block_n
+        q_layout, kv_layout, _, ds_layout, dq_layout = _bwd_layouts(dtype, tile_dim, block_m, block_n,
+                                                                    (dq_rows, dq_cols))
+        q_box, k_box, v_box, _, dq_box = _bwd_layouts(dtype, tile_dim, block_m, block_n, (dq_rows, dq_cols), rank=4)
         dq_box = f"tensordesc<fp32[1, 1, {dq_rows}, {dq_cols}],{dq_box!r}>"
-        q_box, k_box, v_box = (tensordesc(block_m, q_box), tensordesc(BWD_CONSUMERS * 64, k_box),
+        q_box, k_box, v_box = (tensordesc(block_m, q_box), tensordesc(block_n, k_box),
                                tensordesc(64, v_box))
         fn = kernels.backward
         descs = dict(q_desc=q_box, k_desc=k_box, v_desc=v_box, do_desc=q_box, dk_desc=v_box, dv_desc=v_box,
@@ -744,8 +809,8 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
         if docs:
             causal = window = True
         constexprs = dict(GROUP=group, LEFT=window, RIGHT=causal, DOCS=docs, SOFTCAP=softcap,
-                          NUM_CONSUMERS=BWD_CONSUMERS, HEAD_DIM=tile_dim,
-                          BLOCK_M=block_m, NUM_STAGES=num_stages, SPLIT_DQ=split_dq,
+                          NUM_CONSUMERS=num_consumers, HEAD_DIM=tile_dim,
+                          BLOCK_M=block_m, NUM_STAGES=num_stages, SPLIT_DQ=split_dq, SEPARATE_DQ=separate_dq,
                           Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, DQ_LAYOUT=dq_layout)
     signature = {arg: "i32" for arg in fn.arg_names}
     signature.update(descs)
@@ -761,4 +826,5 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
     constexprs.update({arg: 1 for arg in ones})
     source = GluonASTSource(fn, signature, constexprs, attrs)
     with kernels.compiling():
-        return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **LAUNCH_OPTIONS})
+        return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4, **launch_options(maxnreg)})

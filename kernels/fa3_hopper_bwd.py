@@ -6,8 +6,8 @@ through TMA reduce-add); the arithmetic is FA2's Algorithm 2 with the base-2 LSE
 - lse), dS = P * (dP - delta), delta = rowsum(dO * O)); with SOFTCAP the forward's logit cap, S -> tanh(S *
 softcap_in), and dS scaled by the cap's derivative 1 - tanh^2.
 
-One CTA owns NUM_CONSUMERS * 64 keys of one (batch, kv head) and loops over every query block (of every query
-head in its GQA group) that can see them. Partitions (`gl.warp_specialize`):
+One CTA owns NUM_CONSUMERS (1 or 2) * 64 keys of one (batch, kv head) and loops over every query block (of every
+query head in its GQA group) that can see them. Partitions (`gl.warp_specialize`):
 - producer (1 warp): TMA-loads the CTA's K and V tiles once, then Q_i and dO_i of each query block into a
   NUM_STAGES-deep ring, and with them (cp.async, as the rows of odd seqlen_q break TMA's 16-byte strides) the
   block's LSE and delta, which the consumers would otherwise wait on from global memory (`ready` says a slot is
@@ -19,7 +19,9 @@ head in its GQA group) that can see them. Partitions (`gl.warp_specialize`):
   stores dS^T to shared memory and computes its part of dQ_i = dS K (SPLIT_DQ: "cols", a share of the columns
   over all the CTA's keys; "rows", a share of the rows over all the CTA's keys), which goes through its own float32 shared tile and one TMA reduce-add
   (`cp.reduce.async.bulk.tensor`) into the float32 dQ accumulator, completing under the next block. dQ's order
-  of additions varies, so it is not bit-reproducible (FA3's trade).
+  of additions varies, so it is not bit-reproducible (FA3's trade). With SEPARATE_DQ the consumers stop after
+  dK's GEMM and the host runs FA2's query-major dQ kernel next (`kernels.fa2.backward_dq`): no dS exchange and
+  no accumulator, the shared memory for them left out.
 Rows past seqlen_q read as 0 through TMA (Q, dO) and cp.async's zero-fill (LSE, delta), so their P is 1 but
 their dS is 0 and their dO rows are 0: they add nothing to dK or dV, and their dQ rows land in the accumulator's
 padding. Keys past seqlen_k read as 0, so their dS adds nothing to dQ and their dK/dV rows are clipped by the TMA
@@ -220,7 +222,7 @@ def _consumer(keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q
               softmax_scale, CID: gl.constexpr,
               NUM_CONSUMERS: gl.constexpr, GROUP: gl.constexpr, LEFT: gl.constexpr, RIGHT: gl.constexpr,
               DOCS: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-              SPLIT_DQ: gl.constexpr):
+              SPLIT_DQ: gl.constexpr, SEPARATE_DQ: gl.constexpr):
     """Consumer warpgroup CID: keys [start_n + 64 * CID, + 64) of the CTA's key block.
 
     SPLIT_DQ "cols" or "rows" (`kernels.fa3.BackwardConfig`): the warpgroups share dS through shared memory and
@@ -311,21 +313,25 @@ def _consumer(keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q
         ds_op = gl.convert_layout(ds_t, op_layout)
         dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)  # dK += dS^T Q (scaled at the end)
 
-        # dS^T to shared memory (double-buffered: the other warpgroup may still read the previous block's).
-        buf = dsb.slot(it)
-        ds_all = dsb.ds.index(buf)
-        mbarrier.wait(dsb.free.index(buf), dsb.phase(it) ^ 1)  # a fresh barrier passes phase 1
-        ds_all.slice(CID * BLOCK_KEYS, BLOCK_KEYS, dim=0).store(ds_t)
-        fence_async_shared()
-        mbarrier.arrive(dsb.ready.index(buf))
-        mbarrier.wait(dsb.ready.index(buf), dsb.phase(it))  # every warpgroup's dS^T is in
-        dq_a = ds_all.slice(DQ_ROW, DQ_M, dim=1).permute((1, 0))
-        dq = warpgroup_mma(dq_a, dq_b, gl.zeros([DQ_M, DQ_N], gl.float32, layout=dq_layout), use_acc=False,
-                           is_async=True)
-        dv, dk, dq, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, ds_op))
-        mbarrier.arrive(dsb.free.index(buf))
-        mbarrier.arrive(ring.empty.index(slot))  # every GEMM that reads Q_i and dO_i is done
-        _dq_reduce(dq, dq_tile, dq_desc, off_b, off_h, start_m + DQ_ROW, dq_col)
+        if SEPARATE_DQ:  # dQ comes from FA2's query-major kernel after this one
+            dv, dk, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, ds_op))
+            mbarrier.arrive(ring.empty.index(slot))
+        else:
+            # dS^T to shared memory (double-buffered: the other warpgroup may still read the previous block's).
+            buf = dsb.slot(it)
+            ds_all = dsb.ds.index(buf)
+            mbarrier.wait(dsb.free.index(buf), dsb.phase(it) ^ 1)  # a fresh barrier passes phase 1
+            ds_all.slice(CID * BLOCK_KEYS, BLOCK_KEYS, dim=0).store(ds_t)
+            fence_async_shared()
+            mbarrier.arrive(dsb.ready.index(buf))
+            mbarrier.wait(dsb.ready.index(buf), dsb.phase(it))  # every warpgroup's dS^T is in
+            dq_a = ds_all.slice(DQ_ROW, DQ_M, dim=1).permute((1, 0))
+            dq = warpgroup_mma(dq_a, dq_b, gl.zeros([DQ_M, DQ_N], gl.float32, layout=dq_layout), use_acc=False,
+                               is_async=True)
+            dv, dk, dq, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, ds_op))
+            mbarrier.arrive(dsb.free.index(buf))
+            mbarrier.arrive(ring.empty.index(slot))  # every GEMM that reads Q_i and dO_i is done
+            _dq_reduce(dq, dq_tile, dq_desc, off_b, off_h, start_m + DQ_ROW, dq_col)
     # This warpgroup's V tile is no longer read (K is: the other warpgroup's dQ GEMM may still run under
     # a split dQ): it stages dV, then dK, for the TMA stores.
     row_k = start_n + CID * BLOCK_KEYS
@@ -379,7 +385,7 @@ def fa3_bwd_kernel(
     BLOCK_ORDER, SECTION_HEADS, qk_scale, softcap_in, softmax_scale, GROUP: gl.constexpr, LEFT: gl.constexpr,
     RIGHT: gl.constexpr,
     DOCS: gl.constexpr, SOFTCAP: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr,
-    BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT_DQ: gl.constexpr,
+    BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT_DQ: gl.constexpr, SEPARATE_DQ: gl.constexpr,
     Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr, DS_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr,
 ):
     """Grid (cdiv(seqlen_k, NUM_CONSUMERS * 64) * batch * n_kv_heads,), in sections of SECTION_HEADS (batch, kv
@@ -418,21 +424,35 @@ def fa3_bwd_kernel(
     dsb = DsBuffers(ds_smem, dq_smem, ds_ready, ds_free)
 
     # Written out per partition: tuple concatenation inside a Gluon kernel turns constexprs into tensors.
-    gl.warp_specialize(
-        [
-        (_consumer, (keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, window_left,
-                     window_right, KEY_START, KEY_LIMIT, QUERY_START, QUERY_LIMIT, BLOCK_ORDER, SECTION_HEADS, qk_scale,
-                     softcap_in, softmax_scale, 0, NUM_CONSUMERS, GROUP, LEFT, RIGHT, DOCS, SOFTCAP, BLOCK_M, HEAD_DIM,
-                     SPLIT_DQ)),
-        (_consumer, (keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, window_left,
-                     window_right, KEY_START, KEY_LIMIT, QUERY_START, QUERY_LIMIT, BLOCK_ORDER, SECTION_HEADS, qk_scale,
-                     softcap_in, softmax_scale, 1, NUM_CONSUMERS, GROUP, LEFT, RIGHT, DOCS, SOFTCAP, BLOCK_M, HEAD_DIM,
-                     SPLIT_DQ)),
-        (_producer, (q_desc, k_desc, v_desc, do_desc, keys_smem, ring, LSE, DELTA, n_heads, seqlen_q, seqlen_k,
-                     window_left, window_right, QUERY_START, QUERY_LIMIT, BLOCK_ORDER, SECTION_HEADS, NUM_CONSUMERS,
-                     GROUP, LEFT, RIGHT, DOCS,
-                     BLOCK_M)),
-        ],
-        [4, 1],
-        [240, 24],
-    )
+    if NUM_CONSUMERS == 1:  # the consumer is the default partition; the kernel's maxnreg sets its registers
+        gl.warp_specialize(
+            [
+            (_consumer, (keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, window_left,
+                         window_right, KEY_START, KEY_LIMIT, QUERY_START, QUERY_LIMIT, BLOCK_ORDER, SECTION_HEADS,
+                         qk_scale, softcap_in, softmax_scale, 0, NUM_CONSUMERS, GROUP, LEFT, RIGHT, DOCS, SOFTCAP,
+                         BLOCK_M, HEAD_DIM, SPLIT_DQ, SEPARATE_DQ)),
+            (_producer, (q_desc, k_desc, v_desc, do_desc, keys_smem, ring, LSE, DELTA, n_heads, seqlen_q, seqlen_k,
+                         window_left, window_right, QUERY_START, QUERY_LIMIT, BLOCK_ORDER, SECTION_HEADS,
+                         NUM_CONSUMERS, GROUP, LEFT, RIGHT, DOCS, BLOCK_M)),
+            ],
+            [1],
+            [24],
+        )
+    else:
+        gl.warp_specialize(
+            [
+            (_consumer, (keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, window_left,
+                         window_right, KEY_START, KEY_LIMIT, QUERY_START, QUERY_LIMIT, BLOCK_ORDER, SECTION_HEADS,
+                         qk_scale, softcap_in, softmax_scale, 0, NUM_CONSUMERS, GROUP, LEFT, RIGHT, DOCS, SOFTCAP,
+                         BLOCK_M, HEAD_DIM, SPLIT_DQ, SEPARATE_DQ)),
+            (_consumer, (keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, window_left,
+                         window_right, KEY_START, KEY_LIMIT, QUERY_START, QUERY_LIMIT, BLOCK_ORDER, SECTION_HEADS,
+                         qk_scale, softcap_in, softmax_scale, 1, NUM_CONSUMERS, GROUP, LEFT, RIGHT, DOCS, SOFTCAP,
+                         BLOCK_M, HEAD_DIM, SPLIT_DQ, SEPARATE_DQ)),
+            (_producer, (q_desc, k_desc, v_desc, do_desc, keys_smem, ring, LSE, DELTA, n_heads, seqlen_q, seqlen_k,
+                         window_left, window_right, QUERY_START, QUERY_LIMIT, BLOCK_ORDER, SECTION_HEADS,
+                         NUM_CONSUMERS, GROUP, LEFT, RIGHT, DOCS, BLOCK_M)),
+            ],
+            [4, 1],
+            [240, 24],
+        )

@@ -285,7 +285,7 @@ def main(argv=None):
     make.add_argument("--variant", default=None,
                       help="the config, default the installed release's measured one: fwd "
                            "NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT[:LATE_K_RELEASE] (e.g. 2:128:4:1:1), "
-                           "bwd NUM_STAGES[:SPLIT_DQ[:BLOCK_M[:SECTION_HEADS]]] (e.g. 2:cols:64), "
+                           "bwd NUM_STAGES[:SPLIT_DQ[:BLOCK_M[:SECTION_HEADS[:NUM_CONSUMERS[:MAXNREG[:SEPARATE_DQ]]]]]] (e.g. 2:cols:64), "
                            "as tools.fa3_variants")
     run = commands.add_parser("time", help="time a folder's cubins on the GPU against the native ones",
                               formatter_class=HelpFormatter)

@@ -10,7 +10,8 @@ before it (`window_size=(window, 0)`); with --median-doc, causal attention withi
 packed into the B contexts (`bench.masks`' varlen mode: one (B * N, H, D) packed sequence), FA2's being
 `fa2_varlen_attention`'s kernels, and the Gluon kernels' per-row bounds and tile orders made once beforehand (as
 a model's layers share them; their cost is printed apart). A forward variant is NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT,
-a backward one NUM_STAGES[:SPLIT_DQ[:BLOCK_M]] (as `tools.fa3_variants`). Every variant's output is checked against
+a backward one NUM_STAGES[:SPLIT_DQ[:BLOCK_M[:SECTION_HEADS[:NUM_CONSUMERS[:MAXNREG[:SEPARATE_DQ]]]]]] (as
+`tools.fa3_variants`). Every variant's output is checked against
 FA2's window (relative error of o, and of dq, dk, dv), then `triton.testing.do_bench` medians are printed (ms).
 The kernels run with each variant passed in (`fa3.run_forward` / `fa3.run_backward`); nothing in `kernels` changes.
 Also prints the backward's two passes around the Gluon kernel (delta with the dQ accumulator's zeroing; dQ's cast).
@@ -27,7 +28,7 @@ from tools.fa3_variants import backward_config, check_backward_configs, forward_
 
 FORWARD_VARIANTS = {64: "2:128:4:1:1,2:64:4:1:1,2:64:6:1:1,3:64:4:1:1,3:128:3:1:1,2:64:4:0:1",
                     128: "2:128:2:0:1,2:64:4:0:1,2:64:3:1:1,2:128:2:1:1"}
-BACKWARD_VARIANTS = {64: "2:rows:128,2:cols:64,3:cols:64", 128: "2:cols:64"}
+BACKWARD_VARIANTS = {64: "2:rows:128,2:rows:64:0:1:128,2:rows:64:0:1:128:1", 128: "2:cols:64"}
 
 
 def main(argv=None):
@@ -83,7 +84,7 @@ def main(argv=None):
     print(f"{name} fa2 fwd {bench(lambda: fa2.forward(q, k, v, True, scale, *fa2_args)):.3f} ms")
     print(f"{name} fa2 bwd {bench(lambda: fa2.backward(do, q, k, v, o_ref, lse_ref, True, scale, *fa2_args)):.3f} ms")
     if args.median_doc:  # the Gluon kernels on (1, H, B * N, D) views
-        _packed(args, name, bench, q, k, v, do, scale, forward, backward, o_ref, grads_ref, *bounds)
+        _packed(args, name, bench, q, k, v, do, scale, forward, backward, o_ref, grads_ref, *bounds, cu, longest)
         return
     full = fa3.FORWARD_CONFIGS[d, True]
     print(f"{name} fa3 full causal fwd {bench(lambda: fa3.run_forward(q, k, v, True, scale, full)):.3f} ms")
@@ -106,10 +107,12 @@ def main(argv=None):
           f"ms, dQ cast {bench(lambda: fa3.convert_dq(acc, scale, dq)):.3f} ms")
 
 
-def _packed(args, name, bench, q, k, v, do, scale, forward, backward, o_ref, grads_ref, key_bounds, query_bounds):
+def _packed(args, name, bench, q, k, v, do, scale, forward, backward, o_ref, grads_ref, key_bounds, query_bounds, cu,
+            longest):
     """--median-doc: the Gluon kernels on the packed sequence with each config, checked against FA2's varlen."""
     q, k, v, do = (fa3.packed_view(t) for t in (q, k, v, do))
-    fa3_args, bwd_args = dict(key_bounds=key_bounds), dict(bounds=(*key_bounds, *query_bounds))
+    fa3_args = dict(key_bounds=key_bounds)
+    bwd_args = dict(bounds=(*key_bounds, *query_bounds), cu_seqlens=cu, max_seqlen=longest)
     unpack = lambda t: t[0].transpose(0, 1)
     for config in forward:
         o, _ = fa3.run_forward(q, k, v, True, scale, config, **fa3_args)

@@ -546,22 +546,42 @@ def test_forward_plan_runs_gluon_with_the_measured_config(head_dim, causal):
 
 
 @pytest.mark.parametrize("head_dim,seqlen_k,deterministic,expected", [
-    (128, 8, False, "gluon"), (64, 8, False, "fa2"), (64, 1023, False, "fa2"), (64, 1024, False, "gluon"),
-    (128, 8, True, "fa2"), (64, 1024, True, "fa2"), (96, 8, False, "gluon"), (96, 4096, False, "gluon"),
+    (128, 8, False, "gluon"), (64, 8, False, "fa2"), (64, 1023, False, "fa2"), (64, 1024, False, "gluon short"),
+    (64, 1025, False, "gluon"), (64, 4096, False, "gluon"), (128, 1024, False, "gluon"),
+    (128, 8, True, "fa2"), (64, 1024, True, "gluon short"), (64, 4096, True, "fa2"), (96, 8, False, "gluon"),
+    (96, 4096, False, "gluon"),
     (96, 4096, True, "fa2"), (80, 4096, False, "fa2"), (256, 4096, False, "fa2"),
 ])
 def test_backward_plan(head_dim, seqlen_k, deterministic, expected):
-    """The Gluon backward from BACKWARD_MIN_SEQLEN_K keys on (FA2's measured faster below) and never under
-    deterministic algorithms (its dQ reduce-adds are not bit-reproducible); only an ineligible input warns."""
+    """The Gluon backward from BACKWARD_MIN_SEQLEN_K keys on (FA2's measured faster below), at 64 with the short
+    config up to SHORT_BACKWARD_SEQLEN_K keys, and under deterministic algorithms only with that config (the other
+    configs' dQ reduce-adds are not bit-reproducible); only an ineligible input warns."""
     choice = fa3.decide(_facts(direction="backward", head_dim=head_dim, seqlen_k=seqlen_k,
                                deterministic=deterministic))
-    assert choice.kernel == expected
-    if expected == "gluon":
+    assert choice.kernel == expected.split()[0]
+    if expected == "gluon short":
+        assert choice.config == fa3.SHORT_BACKWARD_CONFIGS[64] and choice.reason is None
+    elif expected == "gluon":
         assert choice.config == fa3.BACKWARD_CONFIGS[head_dim] and choice.reason is None
     else:
         assert choice.reason and choice.warn == (head_dim not in fa3.BACKWARD_HEAD_DIMS)
     assert fa3.decide(_facts(seqlen_k=seqlen_k, deterministic=deterministic, head_dim=head_dim)).kernel == (
         "gluon" if head_dim in fa3.HEAD_DIMS else "fa2")  # the forward: neither length nor determinism matter
+
+
+@pytest.mark.parametrize("head_dim,deterministic,expected", [
+    (64, False, "packed"), (128, False, "default"), (96, False, "default"), (64, True, "fa2")])
+def test_packed_sequences_take_their_measured_backward_config(head_dim, deterministic, expected):
+    """Packed sequences at 64 run PACKED_BACKWARD_CONFIGS (one consumer, dQ reduce-adds: not bit-reproducible, so
+    FA2's under deterministic algorithms), whatever their length; other head dims BACKWARD_CONFIGS."""
+    facts = _facts(direction="backward", head_dim=head_dim, varlen=True, seqlen_k=16384, deterministic=deterministic)
+    choice = fa3.decide(facts)
+    if expected == "fa2":
+        assert choice.kernel == "fa2" and not choice.warn
+    else:
+        config = fa3.PACKED_BACKWARD_CONFIGS[64] if expected == "packed" else fa3.BACKWARD_CONFIGS[head_dim]
+        assert choice == fa3.Plan("gluon", config=config)
+    assert fa3.PACKED_BACKWARD_CONFIGS[64].num_consumers == 1 and not fa3.PACKED_BACKWARD_CONFIGS[64].separate_dq
 
 
 def test_plan_refuses_an_unknown_direction():
@@ -648,6 +668,9 @@ def test_empty_like_layout_keeps_the_memory_order_with_another_shape_and_dtype()
     (fa3.BackwardConfig(2, "rows", 64), "block_m=64 with split_dq='rows'"),
     (fa3.BackwardConfig(2, "cols", 96), "block_m=96 with split_dq='cols'"),
     (fa3.BackwardConfig(2, "cols", 64, -1), "section_heads=-1; accepted 0"),
+    (fa3.BackwardConfig(2, "rows", 128, 0, 1), "block_m=128 with split_dq='rows' and num_consumers=1"),
+    (fa3.BackwardConfig(2, "rows", 64, 0, 3), "num_consumers=3; accepted 1, 2"),
+    (fa3.BackwardConfig(2, "rows", 64, 0, 1, 100), "maxnreg=100; accepted 0 (Triton's choice) or a multiple of 8"),
 ])
 def test_backward_configs_are_checked(config, message):
     """A BackwardConfig the Gluon backward cannot run (e.g. one typed into tools.fa3_variants) is named before
@@ -683,7 +706,7 @@ WINDOW_CASES = [
 
 
 def _window_run(head_dim, causal, window_size, n_heads, n_kv_heads, seqlen_q, seqlen_k, k_poison=None, softcap=0.0,
-                q_scale=1.0):
+                q_scale=1.0, backward_config=None):
     """The Gluon forward and backward (run directly: `plan`'s length rule aside) on (B, T, H, D)-ordered views,
     outputs poisoned, against the float64 reference; k_poison: key rows set to NaN first (never to be read);
     q_scale: q's size (large logits for softcap)."""
@@ -701,8 +724,8 @@ def _window_run(head_dim, causal, window_size, n_heads, n_kv_heads, seqlen_q, se
     banded = causal or window_size != (-1, -1)
     o, lse = fa3.run_forward(q, k, v, causal, scale, fa3.FORWARD_CONFIGS[head_dim, banded], window_size, softcap)
     out = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
-    grads = fa3.run_backward(do, q, k, v, o, lse, causal, scale, fa3.BACKWARD_CONFIGS[head_dim], out, window_size,
-                             softcap)
+    grads = fa3.run_backward(do, q, k, v, o, lse, causal, scale, backward_config or fa3.BACKWARD_CONFIGS[head_dim],
+                             out, window_size, softcap)
     seen = torch.isfinite(lse_ref)
     assert torch.equal(torch.isfinite(lse), seen)  # rows that see no key: +inf inside, 0 output
     assert (lse[seen].double() / fa2.LOG2E - lse_ref[seen]).abs().max() < 1e-2
@@ -721,6 +744,24 @@ def test_gluon_window_matches_float64(fresh_dispatch, head_dim, causal, window_s
     """Sliding windows in the Gluon forward and backward, flash-attn's convention (bottom-right, -1 unlimited,
     causal sets right to 0, rows that see no key give 0), against float64: o, lse, dq, dk, dv."""
     _window_run(head_dim, causal, window_size, n_heads, n_kv_heads, seqlen_q, seqlen_k)
+
+
+# head_dim 64 cases for SHORT_BACKWARD_CONFIGS: WINDOW_CASES' and unwindowed ones (GQA, seqlen_q != seqlen_k)
+SHORT_CASES = [case for case in WINDOW_CASES if case[0] == 64] + [
+    (64, True, (-1, -1), 4, 2, 1000, 1000), (64, False, (-1, -1), 2, 2, 455, 700), (64, True, (-1, -1), 2, 1, 700, 455)]
+
+
+@gluon_on_hopper
+@pytest.mark.parametrize("head_dim,causal,window_size,n_heads,n_kv_heads,seqlen_q,seqlen_k", SHORT_CASES)
+def test_short_backward_config_matches_float64(fresh_dispatch, head_dim, causal, window_size, n_heads, n_kv_heads,
+                                               seqlen_q, seqlen_k):
+    """The one-consumer dK/dV kernel with dQ from FA2's kernel, against float64, outputs poisoned; with softcap
+    (large logits) once."""
+    config = fa3.SHORT_BACKWARD_CONFIGS[64]
+    _window_run(head_dim, causal, window_size, n_heads, n_kv_heads, seqlen_q, seqlen_k, backward_config=config)
+    if window_size == (127, -1):
+        _window_run(head_dim, causal, window_size, n_heads, n_kv_heads, seqlen_q, seqlen_k, softcap=30.0,
+                    q_scale=8.0, backward_config=config)
 
 
 @gluon_on_hopper
@@ -787,13 +828,14 @@ def test_gluon_softcap_matches_float64(fresh_dispatch, head_dim, causal, window_
 
 @pytest.mark.parametrize("head_dim,window_left,narrow", [(64, 0, True), (64, 127, True), (64, 128, True),
                                                           (64, 129, False), (64, 1023, False), (128, 127, False)])
-def test_narrow_windows_take_their_measured_forward_config(head_dim, window_left, narrow):
-    """A window up to NARROW_WINDOW keys at head_dim 64 runs 64-key blocks; wider ones and head_dim 128 the causal
-    config; the backward's config does not depend on the window."""
-    facts = _facts(head_dim=head_dim, window_left=window_left)
+def test_narrow_windows_take_their_measured_configs(head_dim, window_left, narrow):
+    """A window up to NARROW_WINDOW keys at head_dim 64 runs 64-key blocks forward and the short backward config;
+    wider ones and head_dim 128 the causal configs."""
+    facts = _facts(head_dim=head_dim, window_left=window_left, seqlen_k=8192)
     expected = fa3.NARROW_WINDOW_FORWARD_CONFIGS[64] if narrow else fa3.FORWARD_CONFIGS[head_dim, True]
     assert fa3.decide(facts) == fa3.Plan("gluon", config=expected)
-    assert fa3.decide(facts._replace(direction="backward")).config == fa3.BACKWARD_CONFIGS[head_dim]
+    expected = fa3.SHORT_BACKWARD_CONFIGS[64] if narrow else fa3.BACKWARD_CONFIGS[head_dim]
+    assert fa3.decide(facts._replace(direction="backward")).config == expected
 
 
 @pytest.mark.skipif(not SUPPORTED, reason=f"triton {fa3.triton_version()} is not a release the Gluon kernels support")
@@ -804,6 +846,24 @@ def test_narrow_window_config_compiles_for_sm90():
             " window=True)\nprint(k.metadata.shared, 'wgmma.mma_async' in k.asm['ptx'])")
     [(shared, wgmma)] = compile_in_fresh_process(code, timeout=600)
     assert wgmma == "True" and int(shared) <= fa3.SM90_SHARED_MEMORY
+
+
+@pytest.mark.skipif(not SUPPORTED, reason=f"triton {fa3.triton_version()} is not a release the Gluon kernels support")
+def test_short_and_packed_backward_configs_compile_for_sm90_at_two_ctas_an_sm():
+    """The one-consumer dK/dV kernels that short keys and narrow windows (dQ left to FA2's kernel) and packed
+    documents (dQ reduce-adds) take, compiled for sm_90 as they run: wgmma, 128 registers a thread at launch and at
+    most half of an SM's shared memory, so two CTAs fit an SM; TMA reduce-adds only with the accumulator."""
+    code = ("import torch; from kernels import fa3\n"
+            "for c, kw in ((fa3.SHORT_BACKWARD_CONFIGS[64], {}), (fa3.SHORT_BACKWARD_CONFIGS[64], {'window': True}),"
+            " (fa3.PACKED_BACKWARD_CONFIGS[64], {'docs': True})):\n"
+            "    k = fa3.compile_for_sm90(torch.bfloat16, 64, True, 1, 'bwd', c, **kw); ptx = k.asm['ptx']\n"
+            "    print(k.metadata.shared, 'wgmma.mma_async' in ptx, 'cp.reduce.async.bulk' in ptx, "
+            "'.maxnreg 128' in ptx, c.separate_dq)")
+    rows = compile_in_fresh_process(code, timeout=600)
+    assert len(rows) == 3
+    for shared, wgmma, reduce, maxnreg, separate_dq in rows:
+        assert (wgmma, maxnreg) == ("True", "True") and reduce != separate_dq
+        assert 2 * int(shared) <= fa3.SM90_SHARED_MEMORY
 
 
 # ------------------------------------------------------------------------------------------ packed sequences
@@ -953,9 +1013,12 @@ def test_packed_bounds_are_made_once_per_offsets_and_remade_after_a_write():
 
 @gluon_on_hopper
 @pytest.mark.parametrize("packed", [False, True])
-def test_window_and_packed_backwards_are_bit_reproducible_when_deterministic(fresh_dispatch, monkeypatch, packed):
-    """Under torch.use_deterministic_algorithms(True) the windowed and the packed-sequence backwards run FA2's
-    atomic-free kernels: two runs give the same bits."""
+@pytest.mark.parametrize("window_left", [255, 127])
+def test_window_and_packed_backwards_are_bit_reproducible_when_deterministic(fresh_dispatch, monkeypatch, packed,
+                                                                             window_left):
+    """Under torch.use_deterministic_algorithms(True) the windowed and the packed-sequence backwards run atomic-free
+    kernels (the Gluon dK/dV kernel with FA2's dQ for windows up to NARROW_WINDOW at head_dim 64, where
+    SHORT_BACKWARD_CONFIGS apply; FA2's elsewhere): two runs give the same bits."""
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     lengths = [900, 1, 0, 1200, 300]
     total = sum(lengths)
@@ -964,10 +1027,15 @@ def test_window_and_packed_backwards_are_bit_reproducible_when_deterministic(fre
     mask = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1200, max_seqlen_k=1200) if packed else {}
     if not packed:
         q, k, v, do = (fa3.packed_view(t) for t in (q, k, v, do))
+    window = (window_left, -1)
     torch.use_deterministic_algorithms(True)
     try:
-        o, lse = fa3.forward(q, k, v, True, 0.125, (255, -1), **mask)
-        runs = [fa3.backward(do, q, k, v, o, lse, True, 0.125, (255, -1), **mask) for _ in range(2)]
+        banded, band = fa3._band(q, k, True, window, mask.get("cu_seqlens_q"), mask.get("cu_seqlens_k"),
+                                 mask.get("max_seqlen_q", 0), mask.get("max_seqlen_k", 0))
+        expected = "fa2" if packed or window_left > fa3.NARROW_WINDOW else "gluon"
+        assert fa3.plan("backward", q, k, v, banded, do, **band).kernel == expected
+        o, lse = fa3.forward(q, k, v, True, 0.125, window, **mask)
+        runs = [fa3.backward(do, q, k, v, o, lse, True, 0.125, window, **mask) for _ in range(2)]
     finally:
         torch.use_deterministic_algorithms(False)
     for first, second in zip(*runs):

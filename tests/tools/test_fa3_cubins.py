@@ -46,7 +46,7 @@ def test_backward_specialized_arguments_follow_the_launch_values(head_dim, seqle
     from tools.fa3_cubins import specialized_arguments
 
     names, ones = specialized_arguments("bwd", head_dim, True, seqlen, fa3.BACKWARD_CONFIGS[head_dim])
-    section_heads = 132 // (seqlen // (fa3.BWD_CONSUMERS * 64))
+    section_heads = 132 // (seqlen // fa3.BACKWARD_CONFIGS[head_dim].block_n)
     values = dict(n_heads=2048 // head_dim, seqlen_q=seqlen, seqlen_k=seqlen, SECTION_HEADS=section_heads)
     for name, value in values.items():
         assert (name in names) == (value % 16 == 0), (name, value)
