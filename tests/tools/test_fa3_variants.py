@@ -25,6 +25,10 @@ def test_fa3_backward_variant_fields_default_to_the_head_dims_config():
     assert backward_config("2:rows:128", BackwardConfig(4, "cols", 64)) == BackwardConfig(2, "rows", 128)
     assert backward_config("2:rows:128:1", BackwardConfig(4, "cols", 64)) == BackwardConfig(2, "rows", 128, 1)
     assert backward_config("2:cols:64:0", BackwardConfig(4, "cols", 64, 8)) == BackwardConfig(2, "cols", 64, 0)
+    assert backward_config("2:rows:64:0:1:128:1", BackwardConfig(4, "cols", 64)) == BackwardConfig(
+        2, "rows", 64, 0, 1, 128, True)
+    assert backward_config("2:rows:64:0:1", BackwardConfig(4, "cols", 64, 0, 2, 0, True)) == BackwardConfig(
+        2, "rows", 64, 0, 1, 0, True)
 
 
 @pytest.mark.parametrize("argv,message", [
