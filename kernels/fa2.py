@@ -637,11 +637,25 @@ def backward(do, q, k, v, o, lse, causal, softmax_scale, window_size=(-1, -1), c
 def backward_dq(do, q, k, v, lse, delta, dq, causal, softmax_scale, window_size=(-1, -1), softcap=0.0,
                 cu_seqlens=None, max_seqlen=0):
     """FA2's dQ kernel alone (FA2 paper, Algorithm 2's dQ_i update run query-block-major, as Triton's fused-attention
-    tutorial does), for a backward whose dK and dV come from another kernel: writes dq (like q, any strides) from
-    the forward's base-2 `lse` and delta = rowsum(dO * O) (`common.bwd_preprocess`), both float32 (batch, n_heads,
-    seqlen_q). q, k, v, do, dq: (batch, heads, seqlen, head_dim); with cu_seqlens (int32, packed self-attention:
-    the same offsets for queries and keys) the (1, heads, total, head_dim) view of packed sequences, lse and delta
-    (1, n_heads, total), max_seqlen the longest. Mask arguments as `backward`."""
+    tutorial does), for a backward whose dK and dV come from another kernel: writes dq (q's shape and dtype, a unit
+    last stride, any other strides) from the forward's base-2 `lse` and delta = rowsum(dO * O)
+    (`common.bwd_preprocess`), both contiguous float32 (batch, n_heads, seqlen_q). q, k, v, do: (batch, heads,
+    seqlen, head_dim); with cu_seqlens (int32 (sequences + 1,), packed self-attention: the same offsets for queries
+    and keys) the (1, heads, total, head_dim) view of packed sequences, lse and delta (1, n_heads, total), and
+    max_seqlen >= 1 the longest sequence. Mask arguments as `backward`. ValueError for anything else."""
+    batch, n_heads, seqlen_q = q.shape[:3]
+    if dq.shape != q.shape or dq.dtype != q.dtype or dq.stride(-1) != 1:
+        raise ValueError(f"backward_dq: dq must have q's shape {tuple(q.shape)} and dtype {q.dtype} and a unit last "
+                         f"stride; got {tuple(dq.shape)} {dq.dtype} strides {tuple(dq.stride())}")
+    for name, t in (("lse", lse), ("delta", delta)):
+        if t.shape != (batch, n_heads, seqlen_q) or t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"backward_dq: {name} must be a contiguous float32 ({batch}, {n_heads}, {seqlen_q}) "
+                             f"tensor; got {t.dtype} {tuple(t.shape)} strides {tuple(t.stride())}")
+    if cu_seqlens is not None and (batch != 1 or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1
+                                   or max_seqlen < 1):
+        raise ValueError(f"backward_dq: packed sequences need q as (1, heads, total, head_dim), int32 1-D "
+                         f"cu_seqlens and max_seqlen >= 1; got batch {batch}, cu_seqlens {cu_seqlens.dtype} "
+                         f"{tuple(cu_seqlens.shape)}, max_seqlen {max_seqlen}")
     _launch_backward(do, q, k, v, lse, delta, dq, None, causal, softmax_scale, window_size, cu_seqlens, cu_seqlens,
                      max_seqlen, max_seqlen, DEFAULT_OPTIONS, softcap)
 

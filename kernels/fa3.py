@@ -17,10 +17,10 @@ The forward and the backward decide the same way but at head_dim 256, where the 
 head_dim 96 runs the 128-wide kernels (`KERNEL_HEAD_DIMS`) on the 96-wide tensors, at 128's cost: TMA zero-fills
 the columns past 96 on loads and clips them on stores.
 
-The tile configs are data: `ForwardConfig` per (head_dim, causal) and `BackwardConfig` per head_dim, measured on
-the H200 with `python -m tools.fa3_variants` (docs/hopper-notes.md), with their own entries for narrow windows,
-short keys and packed documents (`backward_config`). `run_forward` / `run_backward` launch the Gluon kernels with
-any config (the tuning tools pass theirs).
+The tile configs are data: `ForwardConfig` per (head_dim, causal) and `BackwardConfig` per head_dim, measured with
+`python -m tools.fa3_variants` and `tools.fa3_window_configs` (docs/hopper-notes.md; on the H200, the backward's
+entries for short keys, narrow windows and packed documents on an H100), picked by `decide`. `run_forward` /
+`run_backward` launch the Gluon kernels with any config (the tuning tools pass theirs).
 """
 
 import functools
@@ -140,7 +140,8 @@ def forward_configs(version: str) -> dict[tuple[int, bool], ForwardConfig]:
 
 
 FORWARD_CONFIGS = forward_configs(triton.__version__)
-# Narrow sliding windows (window_left <= NARROW_WINDOW) at 64: 64-key blocks waste less of the band than 128-key ones.
+# Narrow sliding windows (both edges within NARROW_WINDOW, `narrow_band`) at 64: 64-key blocks waste less of the band
+# than 128-key ones.
 # Measured at window 128 (gpt-oss's layers, B 2, H 128, N 8192): 0.535 ms against 0.686 (benchmarks.md); wider
 # windows and head_dim 128 keep the causal config (window 1024 measured with it).
 NARROW_WINDOW = 128
@@ -153,11 +154,12 @@ NARROW_WINDOW_FORWARD_CONFIGS = {64: ForwardConfig(2, 64, 4, True, True)}
 BACKWARD_CONFIGS = {64: BackwardConfig(2, "rows", 128), 96: BackwardConfig(2, "cols", 64),
                     128: BackwardConfig(2, "cols", 64)}
 BACKWARD_HEAD_DIMS = tuple(BACKWARD_CONFIGS)  # the Gluon backward's: at 256 its dK and dV overflow the registers
-# Where few key blocks meet each query block (keys up to SHORT_BACKWARD_SEQLEN_K, a window up to NARROW_WINDOW), at
-# 64: one consumer warpgroup (64-key CTAs, 50 KB of shared memory and 128 registers a thread at launch, so two CTAs
-# an SM), dQ from FA2's query-major kernel (no float32 accumulator passes). Measured on an
-# H100 (docs/hopper-notes.md, "FA3 backward variant 15"): gpt-oss's window 128 2.03 -> 1.54 ms, the causal 1k
-# backward 1.07x -> 1.18x cuDNN; slower than BACKWARD_CONFIGS from 2k keys non-causal and at 8k causal.
+# Where few key blocks meet each query block (keys up to SHORT_BACKWARD_SEQLEN_K, FA2's backward running below
+# BACKWARD_MIN_SEQLEN_K; a window within NARROW_WINDOW on each side), at 64: one consumer warpgroup (64-key CTAs,
+# 50 KB of shared memory and 128 registers a thread at launch, so two CTAs an SM), dQ from FA2's query-major kernel
+# (no float32 accumulator passes). Measured on an H100 (docs/hopper-notes.md, "FA3 backward variant 15"): gpt-oss's
+# window 128 2.03 -> 1.54 ms, the causal 1k backward 1.07x -> 1.18x cuDNN; slower than BACKWARD_CONFIGS from 2k keys
+# non-causal and at 8k causal.
 SHORT_BACKWARD_CONFIGS = {64: BackwardConfig(2, "rows", 64, 0, 1, 128, True)}
 SHORT_BACKWARD_SEQLEN_K = 1024
 # Packed documents at 64 take the one-consumer kernel with the float32 dQ accumulator: FA2's varlen dQ kernel
@@ -178,6 +180,7 @@ class Facts(NamedTuple):
     seqlen_k: int
     causal: bool  # a causal mask, a sliding window or packed sequences: the tile configs measured for causal
     window_left: int  # the sliding window's left edge (`fa2.window_edges`), -1 for none
+    window_right: int  # its right edge (0 under a causal mask), -1 for none
     varlen: bool  # packed variable-length sequences (cu_seqlens)
     shared_offsets: bool  # cu_seqlens_k equals cu_seqlens_q (packed self-attention); True without varlen
     tma_ok: bool  # every tensor the kernel reads or writes through TMA meets `common.use_tma`
@@ -192,13 +195,19 @@ class Plan(NamedTuple):
     config: Optional[ForwardConfig | BackwardConfig] = None
 
 
-def backward_config(f: Facts) -> BackwardConfig:
+def narrow_band(f: Facts) -> bool:
+    """Whether each query sees at most NARROW_WINDOW keys on either side: a sliding window with both edges."""
+    return 0 <= f.window_left <= NARROW_WINDOW and 0 <= f.window_right <= NARROW_WINDOW
+
+
+def pick_backward_config(f: Facts) -> BackwardConfig:
     """The Gluon backward's config for `f`: PACKED_BACKWARD_CONFIGS for packed sequences, SHORT_BACKWARD_CONFIGS
-    where few key blocks meet each query block, else BACKWARD_CONFIGS (at f.head_dim, where each applies)."""
+    where few key blocks meet each query block (a narrow band, or up to SHORT_BACKWARD_SEQLEN_K keys), else
+    BACKWARD_CONFIGS (each at f.head_dim where it has an entry). KeyError for a head_dim outside
+    BACKWARD_HEAD_DIMS (`RULES` sends those to FA2 first)."""
     if f.varlen and f.head_dim in PACKED_BACKWARD_CONFIGS:
         return PACKED_BACKWARD_CONFIGS[f.head_dim]
-    if f.head_dim in SHORT_BACKWARD_CONFIGS and (0 <= f.window_left <= NARROW_WINDOW
-                                                 or f.seqlen_k <= SHORT_BACKWARD_SEQLEN_K):
+    if f.head_dim in SHORT_BACKWARD_CONFIGS and (narrow_band(f) or f.seqlen_k <= SHORT_BACKWARD_SEQLEN_K):
         return SHORT_BACKWARD_CONFIGS[f.head_dim]
     return BACKWARD_CONFIGS[f.head_dim]
 
@@ -228,12 +237,13 @@ RULES: tuple[tuple[bool, Callable[[Facts], Optional[str]]], ...] = (
         "measured faster")),
     # determinism: the Gluon backward's dQ reduce-adds are not bit-reproducible (a separate_dq config has none)
     (False, _backward_only(lambda f: "deterministic algorithms: FA2's atomic-free backward"
-        if f.deterministic and not backward_config(f).separate_dq else None)),
+        if f.deterministic and not pick_backward_config(f).separate_dq else None)),
 )
 
 
 def decide(facts: Facts) -> Plan:
-    """The kernel `RULES` pick for `facts`; the Gluon kernel's config from FORWARD_CONFIGS / BACKWARD_CONFIGS."""
+    """The kernel `RULES` pick for `facts`; the Gluon kernel's config: FORWARD_CONFIGS, or
+    NARROW_WINDOW_FORWARD_CONFIGS for a narrow band, forward; `pick_backward_config` backward."""
     if facts.direction not in ("forward", "backward"):
         raise ValueError(f"direction={facts.direction!r}; accepted 'forward', 'backward'")
     for warn, rule in RULES:
@@ -241,23 +251,24 @@ def decide(facts: Facts) -> Plan:
         if reason is not None:
             return Plan("fa2", reason, warn)
     if facts.direction == "forward":
-        if 0 <= facts.window_left <= NARROW_WINDOW and facts.head_dim in NARROW_WINDOW_FORWARD_CONFIGS:
+        if narrow_band(facts) and facts.head_dim in NARROW_WINDOW_FORWARD_CONFIGS:
             return Plan("gluon", config=NARROW_WINDOW_FORWARD_CONFIGS[facts.head_dim])
         return Plan("gluon", config=FORWARD_CONFIGS[facts.head_dim, facts.causal])
-    return Plan("gluon", config=backward_config(facts))
+    return Plan("gluon", config=pick_backward_config(facts))
 
 
 def plan(direction: str, q, k, v, causal: bool, *more, varlen: bool = False, shared_offsets: bool = True,
-         window_left: int = -1) -> Plan:
+         window_left: int = -1, window_right: int = -1) -> Plan:
     """Which kernel runs this call, from the tensors (q, k, v (batch, heads, seqlen, head_dim) and `more`, other
     tensors the kernel moves through TMA: the backward's dO and gradient buffers) and the machine (`decide`).
     causal: a causal mask, a sliding window or packed sequences; varlen: packed sequences (q, k, v and `more` are
-    then (total, heads, head_dim)), shared_offsets: with one set of offsets (`same_offsets`); window_left: the
-    window's left edge as the kernels apply it (`fa2.window_edges`), -1 for none."""
+    then (total, heads, head_dim)), shared_offsets: with one set of offsets (`same_offsets`); window_left,
+    window_right: the window's edges as the kernels apply them (`fa2.window_edges`), -1 for none."""
     tensors = [packed_view(t) for t in (q, k, v, *more)] if varlen else [q, k, v, *more]
     return decide(Facts(
         direction=direction, environment=gluon_device_reason(q.device), dtype=q.dtype, head_dim=q.shape[-1],
-        seqlen_k=tensors[1].shape[2], causal=causal, window_left=window_left, varlen=varlen,
+        seqlen_k=tensors[1].shape[2], causal=causal, window_left=window_left, window_right=window_right,
+        varlen=varlen,
         shared_offsets=shared_offsets, tma_ok=use_tma(*tensors),
         deterministic=torch.are_deterministic_algorithms_enabled()))
 
@@ -517,15 +528,15 @@ def shared_layouts(dtype, head_dim: int, block_n: int, rank: int = 2):
 
 def _band(q, k, causal: bool, window_size, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> tuple:
     """`plan`'s band arguments: whether there is a causal mask, a window or packed sequences, and as keywords the
-    window's left edge and for packed sequences whether both sides share their offsets."""
+    window's edges and for packed sequences whether both sides share their offsets."""
     varlen = cu_seqlens_q is not None
     seqlens = (max_seqlen_q, max_seqlen_k) if varlen else (q.shape[2], k.shape[2])
-    left = fa2.window_edges(causal, window_size, *seqlens)[0]
+    left, right = fa2.window_edges(causal, window_size, *seqlens)
     # compared only where the Gluon kernels could run: distinct tensors cost a host sync
     shared = (not varlen or gluon_device_reason(q.device) is not None
               or same_offsets(cu_seqlens_q, cu_seqlens_k))
     return causal or varlen or tuple(window_size) != (-1, -1), dict(
-        window_left=left, varlen=varlen, shared_offsets=shared)
+        window_left=left, window_right=right, varlen=varlen, shared_offsets=shared)
 
 
 def _block_edges(bounds: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:

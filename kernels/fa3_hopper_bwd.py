@@ -392,7 +392,8 @@ def fa3_bwd_kernel(
     head) pairs (`_cta_block`): see the module docstring. LSE, DELTA:
     float32 (batch, n_heads, seqlen_q); dq_desc: over the zeroed float32 (batch, n_heads, seqlen_q, head_dim) dQ
     accumulator padded to whole BLOCK_M-row blocks (any strides TMA takes: the host keeps it in q's memory order),
-    with the (1, 1, rows, columns) boxes of one warpgroup's share of dQ_i (SPLIT_DQ)."""
+    with the (1, 1, rows, columns) boxes of one warpgroup's share of dQ_i (SPLIT_DQ); with SEPARATE_DQ never
+    written (the host passes a one-box stand-in). The launch sets `maxnreg` (`BackwardConfig.maxnreg`)."""
     dtype: gl.constexpr = q_desc.dtype
     k_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS * BLOCK_KEYS, HEAD_DIM], KV_LAYOUT)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BLOCK_KEYS, HEAD_DIM], KV_LAYOUT)

@@ -3,11 +3,12 @@
     python -m tools.fa3_variants --variants 2:128:2:1:1,2:128:2:1:0 --head-dims 128 --seqlens 4096,16384
     python -m tools.fa3_variants --backward --variants 2:cols,1:cols --head-dims 128 --seqlens 2048,8192
 
-Backward: a variant is NUM_STAGES[:SPLIT_DQ[:BLOCK_M[:SECTION_HEADS[:NUM_CONSUMERS[:MAXNREG[:SEPARATE_DQ]]]]]] (a
-`kernels.fa3.BackwardConfig`, the fields left out as in `BACKWARD_CONFIGS[head_dim]`; SPLIT_DQ is cols or rows;
-SECTION_HEADS the launch order, 0 for a wave's worth; MAXNREG registers a thread, 0 for Triton's choice); each is checked against float32 gradients (dq, dk, dv by
-relative error) on the shapes below, then backward medians of the Gluon kernel are printed next to FA2's backward
-and cuDNN's on the same inputs (forward excluded).
+Backward: a variant is the first fields of NUM_STAGES:SPLIT_DQ:BLOCK_M:SECTION_HEADS:NUM_CONSUMERS:MAXNREG:SEPARATE_DQ
+(a `kernels.fa3.BackwardConfig`, the fields left out as in `BACKWARD_CONFIGS[head_dim]`; SPLIT_DQ is cols or rows;
+SECTION_HEADS the launch order, 0 for a wave's worth; NUM_CONSUMERS 1 or 2; MAXNREG registers a thread, 0 for
+Triton's choice; SEPARATE_DQ 1 for FA2's dQ kernel after the Gluon one); each is checked against float32 gradients
+(dq, dk, dv by relative error) on the shapes below, then backward medians of the Gluon kernel are printed next to
+FA2's backward and cuDNN's on the same inputs (forward excluded).
 Forward: a variant is NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT[:LATE_K_RELEASE] (a
 `kernels.fa3.ForwardConfig`), run
 for both values of causal. The kernels run with each variant's config passed in (`fa3.run_forward` /
@@ -165,9 +166,10 @@ def _ints(variant, fields):
 
 
 def backward_config(variant, default=fa3.BackwardConfig(2, "cols", 64)):
-    """'NUM_STAGES[:SPLIT_DQ[:BLOCK_M[:SECTION_HEADS[:NUM_CONSUMERS[:MAXNREG[:SEPARATE_DQ]]]]]]' -> a `kernels.fa3.BackwardConfig`,
-    the fields left out taken from `default`; SPLIT_DQ is cols or rows, BLOCK_M 64 or 128, SECTION_HEADS 0 or more,
-    NUM_CONSUMERS 1 or 2, MAXNREG 0 (Triton's choice) or registers a thread, SEPARATE_DQ 0 or 1."""
+    """The first fields of 'NUM_STAGES:SPLIT_DQ:BLOCK_M:SECTION_HEADS:NUM_CONSUMERS:MAXNREG:SEPARATE_DQ' -> a
+    `kernels.fa3.BackwardConfig`, the fields left out taken from `default`; SPLIT_DQ is cols or rows, BLOCK_M 64
+    or 128, SECTION_HEADS 0 or more, NUM_CONSUMERS 1 or 2, MAXNREG 0 (Triton's choice) or registers a thread,
+    SEPARATE_DQ 0 or 1."""
     fields = variant.split(":")
     if not 1 <= len(fields) <= 7:
         raise SystemExit(f"backward variant {variant}: give 1 to 7 fields (see --help)")
@@ -222,7 +224,7 @@ def main(argv=None):
     parser.add_argument("--variants", default=None,
                         help="comma-separated NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT[:LATE_K_RELEASE] "
                              f"(default {FORWARD_DEFAULT}); with --backward "
-                             f"NUM_STAGES[:SPLIT_DQ[:BLOCK_M[:SECTION_HEADS[:NUM_CONSUMERS[:MAXNREG[:SEPARATE_DQ]]]]]] (default {BACKWARD_DEFAULT})")
+                             f"NUM_STAGES[:SPLIT_DQ:...:SEPARATE_DQ] (default {BACKWARD_DEFAULT}; see above)")
     parser.add_argument("--head-dims", default="64,128", help="comma-separated head dimensions D")
     parser.add_argument("--seqlens", default="2048,8192", help="comma-separated sequence lengths N")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"], help="input dtype")

@@ -9,10 +9,10 @@ Causal attention over (B, N, H, D)-ordered memory (the model's), each query seei
 before it (`window_size=(window, 0)`); with --median-doc, causal attention within documents of log-normal lengths
 packed into the B contexts (`bench.masks`' varlen mode: one (B * N, H, D) packed sequence), FA2's being
 `fa2_varlen_attention`'s kernels, and the Gluon kernels' per-row bounds and tile orders made once beforehand (as
-a model's layers share them; their cost is printed apart). A forward variant is NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT,
-a backward one NUM_STAGES[:SPLIT_DQ[:BLOCK_M[:SECTION_HEADS[:NUM_CONSUMERS[:MAXNREG[:SEPARATE_DQ]]]]]] (as
-`tools.fa3_variants`). Every variant's output is checked against
-FA2's window (relative error of o, and of dq, dk, dv), then `triton.testing.do_bench` medians are printed (ms).
+a model's layers share them; their cost is printed apart). A forward variant is
+NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT, a backward one NUM_STAGES[:SPLIT_DQ:...:SEPARATE_DQ] (as
+`tools.fa3_variants`). Every variant's output is checked against FA2's window (relative error of o, and of dq, dk,
+dv), then `triton.testing.do_bench` medians are printed (ms).
 The kernels run with each variant passed in (`fa3.run_forward` / `fa3.run_backward`); nothing in `kernels` changes.
 Also prints the backward's two passes around the Gluon kernel (delta with the dQ accumulator's zeroing; dQ's cast).
 """

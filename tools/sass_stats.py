@@ -45,7 +45,7 @@ def main(argv=None):
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16", help="q, k, v dtype")
     parser.add_argument("--config", default=None,
                         help="a tools.fa3_variants variant (forward NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:"
-                             "PERSISTENT[:LATE_K_RELEASE], backward NUM_STAGES[:SPLIT_DQ[:BLOCK_M[:SECTION_HEADS[:NUM_CONSUMERS[:MAXNREG[:SEPARATE_DQ]]]]]]); "
+                             "PERSISTENT[:LATE_K_RELEASE], backward NUM_STAGES[:SPLIT_DQ:...:SEPARATE_DQ]); "
                              "default the measured one")
     parser.add_argument("--top", type=int, default=12, help="how many opcodes to list, most frequent first")
     args = parser.parse_args(argv)

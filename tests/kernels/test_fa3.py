@@ -59,7 +59,7 @@ def _qkv(dtype=torch.bfloat16, head_dim=64, device="cuda" if torch.cuda.is_avail
 def _facts(**changes) -> fa3.Facts:
     """The facts of a call the Gluon forward takes on an H200, with `changes`."""
     facts = fa3.Facts(direction="forward", environment=None, dtype=torch.bfloat16, head_dim=64, seqlen_k=4096,
-                      causal=True, window_left=-1, varlen=False, shared_offsets=True, tma_ok=True,
+                      causal=True, window_left=-1, window_right=-1, varlen=False, shared_offsets=True, tma_ok=True,
                       deterministic=False)
     return facts._replace(**changes)
 
@@ -573,7 +573,7 @@ def test_backward_plan(head_dim, seqlen_k, deterministic, expected):
     (64, False, "packed"), (128, False, "default"), (96, False, "default"), (64, True, "fa2")])
 def test_packed_sequences_take_their_measured_backward_config(head_dim, deterministic, expected):
     """Packed sequences at 64 run PACKED_BACKWARD_CONFIGS (one consumer, dQ reduce-adds: not bit-reproducible, so
-    FA2's under deterministic algorithms), whatever their length; other head dims BACKWARD_CONFIGS."""
+    FA2's under deterministic algorithms), here 16k packed keys; other head dims BACKWARD_CONFIGS."""
     facts = _facts(direction="backward", head_dim=head_dim, varlen=True, seqlen_k=16384, deterministic=deterministic)
     choice = fa3.decide(facts)
     if expected == "fa2":
@@ -826,12 +826,14 @@ def test_gluon_softcap_matches_float64(fresh_dispatch, head_dim, causal, window_
     _window_run(head_dim, causal, window_size, 4, 2, 1100, 1100, softcap=softcap, q_scale=8.0)
 
 
-@pytest.mark.parametrize("head_dim,window_left,narrow", [(64, 0, True), (64, 127, True), (64, 128, True),
-                                                          (64, 129, False), (64, 1023, False), (128, 127, False)])
-def test_narrow_windows_take_their_measured_configs(head_dim, window_left, narrow):
-    """A window up to NARROW_WINDOW keys at head_dim 64 runs 64-key blocks forward and the short backward config;
-    wider ones and head_dim 128 the causal configs."""
-    facts = _facts(head_dim=head_dim, window_left=window_left, seqlen_k=8192)
+@pytest.mark.parametrize("head_dim,window_left,window_right,narrow", [
+    (64, 0, 0, True), (64, 127, 0, True), (64, 128, 0, True), (64, 100, 128, True), (64, 129, 0, False),
+    (64, 1023, 0, False), (64, 100, -1, False), (64, 100, 129, False), (128, 127, 0, False)])
+def test_narrow_windows_take_their_measured_configs(head_dim, window_left, window_right, narrow):
+    """A window whose edges are both within NARROW_WINDOW keys at head_dim 64 runs 64-key blocks forward and the
+    short backward config; wider ones (an unlimited right side too: each query then meets most key blocks) and
+    head_dim 128 the causal configs."""
+    facts = _facts(head_dim=head_dim, window_left=window_left, window_right=window_right, seqlen_k=8192)
     expected = fa3.NARROW_WINDOW_FORWARD_CONFIGS[64] if narrow else fa3.FORWARD_CONFIGS[head_dim, True]
     assert fa3.decide(facts) == fa3.Plan("gluon", config=expected)
     expected = fa3.SHORT_BACKWARD_CONFIGS[64] if narrow else fa3.BACKWARD_CONFIGS[head_dim]
@@ -858,11 +860,11 @@ def test_short_and_packed_backward_configs_compile_for_sm90_at_two_ctas_an_sm():
             " (fa3.PACKED_BACKWARD_CONFIGS[64], {'docs': True})):\n"
             "    k = fa3.compile_for_sm90(torch.bfloat16, 64, True, 1, 'bwd', c, **kw); ptx = k.asm['ptx']\n"
             "    print(k.metadata.shared, 'wgmma.mma_async' in ptx, 'cp.reduce.async.bulk' in ptx, "
-            "'.maxnreg 128' in ptx, c.separate_dq)")
+            "'.maxnreg 128' in ptx, '.reqntid 256' in ptx, c.separate_dq)")
     rows = compile_in_fresh_process(code, timeout=600)
     assert len(rows) == 3
-    for shared, wgmma, reduce, maxnreg, separate_dq in rows:
-        assert (wgmma, maxnreg) == ("True", "True") and reduce != separate_dq
+    for shared, wgmma, reduce, maxnreg, threads, separate_dq in rows:  # 256 threads x 128 registers: half an SM's
+        assert (wgmma, maxnreg, threads) == ("True", "True", "True") and reduce != separate_dq
         assert 2 * int(shared) <= fa3.SM90_SHARED_MEMORY
 
 

@@ -9,6 +9,7 @@ block edges in every way.
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -211,15 +212,16 @@ def test_varlen_one_sequence_equals_dense():
     assert torch.equal(varlen, packed(dense))
 
 
-@pytest.mark.parametrize("packed,n_heads,n_kv_heads,seqlen_q,seqlen_k,causal,window_size,dtype", [
-    (False, 2, 2, 70, 70, True, (20, -1), torch.bfloat16),  # a narrow causal window
-    (False, 4, 2, 50, 90, True, (-1, -1), torch.float16),  # GQA, seqlen_q < seqlen_k
-    (False, 2, 1, 60, 33, False, (7, 5), torch.float32),  # both edges, rows that see no key
-    (True, 4, 2, None, None, True, (-1, -1), torch.bfloat16),  # packed documents, GQA
-    (True, 2, 2, None, None, True, (6, -1), torch.float16),  # packed documents with a window
+@pytest.mark.parametrize("packed,batch,n_heads,n_kv_heads,seqlen_q,seqlen_k,causal,window_size,softcap,dtype", [
+    (False, 2, 2, 2, 70, 70, True, (20, -1), 0.0, torch.bfloat16),  # a narrow causal window, two sequences
+    (False, 1, 4, 2, 50, 90, True, (-1, -1), 0.0, torch.float16),  # GQA, seqlen_q < seqlen_k
+    (False, 2, 2, 1, 60, 33, False, (7, 5), 0.0, torch.float32),  # both edges, rows that see no key
+    (False, 2, 2, 2, 40, 40, True, (-1, -1), 2.0, torch.float32),  # softcap, large logits
+    (True, 1, 4, 2, None, None, True, (-1, -1), 0.0, torch.bfloat16),  # packed documents, GQA
+    (True, 1, 2, 2, None, None, True, (6, -1), 0.0, torch.float16),  # packed documents with a window
 ])
-def test_backward_dq_alone_matches_reference(packed, n_heads, n_kv_heads, seqlen_q, seqlen_k, causal, window_size,
-                                             dtype):
+def test_backward_dq_alone_matches_reference(packed, batch, n_heads, n_kv_heads, seqlen_q, seqlen_k, causal,
+                                             window_size, softcap, dtype):
     """`fa2.backward_dq` (the dQ kernel on its own, as the Gluon backward's separate_dq configs run it) writes every
     element of a NaN-filled dq, equal to the float64 reference's dq."""
     from kernels.common import bwd_preprocess
@@ -228,26 +230,45 @@ def test_backward_dq_alone_matches_reference(packed, n_heads, n_kv_heads, seqlen
     head_dim = 32
     lengths = [5, 40, 17, 1, 30] if packed else None
     seqlen_q, seqlen_k = (sum(lengths),) * 2 if packed else (seqlen_q, seqlen_k)
-    q = randn(1, n_heads, seqlen_q, head_dim, dtype=dtype)
-    k, v = (randn(1, n_kv_heads, seqlen_k, head_dim, dtype=dtype) for _ in range(2))
-    do = randn(1, n_heads, seqlen_q, head_dim, dtype=dtype)
+    q = randn(batch, n_heads, seqlen_q, head_dim, dtype=dtype) * (4.0 if softcap else 1.0)
+    k, v = (randn(batch, n_kv_heads, seqlen_k, head_dim, dtype=dtype) for _ in range(2))
+    do = randn(batch, n_heads, seqlen_q, head_dim, dtype=dtype)
     scale = head_dim ** -0.5
     var = dict(cu_seqlens=cu_seqlens(lengths), max_seqlen=max(lengths)) if packed else {}
     mask = ((var["cu_seqlens"],) * 2 + (var["max_seqlen"],) * 2) if packed else ()
     rows = lambda t: t[0].transpose(0, 1)  # the (1, heads, total, head_dim) view as (total, heads, head_dim)
-    o, lse = fa2.forward(*((rows(t) for t in (q, k, v)) if packed else (q, k, v)), causal, scale, window_size, *mask)
+    o, lse = fa2.forward(*((rows(t) for t in (q, k, v)) if packed else (q, k, v)), causal, scale, window_size, *mask,
+                         softcap=softcap)
     if packed:
         o, lse = o.transpose(0, 1)[None], lse[None]
     dq = torch.full_like(q, float("nan"))
-    fa2.backward_dq(do, q, k, v, lse, bwd_preprocess(o, do), dq, causal, scale, window_size, **var)
+    fa2.backward_dq(do, q, k, v, lse, bwd_preprocess(o, do), dq, causal, scale, window_size, softcap, **var)
 
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
     bounds = torch.tensor([0] + lengths).cumsum(0).tolist() if packed else [0, seqlen_q]
     for start, end in zip(bounds, bounds[1:]):  # each document on its own (dense: the one sequence)
         part = lambda t: t[:, :, start:end] if packed else t
-        o_ref, _ = reference(part(q64), part(k64), part(v64), causal, scale, window_size)
+        o_ref, _ = reference(part(q64), part(k64), part(v64), causal, scale, window_size, softcap)
         o_ref.backward(part(do).double())
     assert rel_err(dq, q64.grad) < TOLERANCE[dtype]
+
+
+def test_backward_dq_alone_refuses_bad_input():
+    q = randn(1, 2, 20, 32, dtype=torch.float16)
+    lse = torch.zeros(1, 2, 20, device=DEVICE)
+    cases = [
+        (dict(dq=torch.empty(1, 2, 20, 16, device=DEVICE, dtype=torch.float16)), "dq must have q's shape"),
+        (dict(dq=torch.empty(1, 2, 32, 20, device=DEVICE, dtype=torch.float16).transpose(2, 3)), "unit last stride"),
+        (dict(lse=lse[..., :10]), "lse must be a contiguous float32 (1, 2, 20)"),
+        (dict(delta=lse.double()), "delta must be a contiguous float32"),
+        (dict(cu_seqlens=cu_seqlens([20]), max_seqlen=0), "max_seqlen >= 1"),
+        (dict(cu_seqlens=cu_seqlens([20]).long(), max_seqlen=20), "int32 1-D cu_seqlens"),
+    ]
+    for change, message in cases:
+        args = dict(do=q, q=q, k=q, v=q, lse=lse, delta=lse, dq=torch.empty_like(q), causal=True,
+                    softmax_scale=0.125) | change
+        with pytest.raises(ValueError, match=re.escape(message)):
+            fa2.backward_dq(**args)
 
 
 @pytest.mark.parametrize("grid,tiles", [("flat", False), ("lpt", False), ("lpt", True), ("padded", True),

@@ -38,15 +38,17 @@ def test_divisible_arguments_follow_the_launch_values(head_dim, causal, seqlen):
 
 
 @needs_gluon
-@pytest.mark.parametrize("head_dim,seqlen", [(64, 2048), (128, 1024), (128, 16384)])
-def test_backward_specialized_arguments_follow_the_launch_values(head_dim, seqlen):
+@pytest.mark.parametrize("head_dim,seqlen,short", [(64, 2048, False), (128, 1024, False), (128, 16384, False),
+                                                   (64, 1024, True)])
+def test_backward_specialized_arguments_follow_the_launch_values(head_dim, seqlen, short):
     """The backward's launch: SECTION_HEADS is a wave's worth of (batch, kv head) pairs on 132 SMs, 132 // key
-    blocks (8 at 2k keys: not marked; 16 at 1k: marked; 1 at 16k, which Triton compiles as the constant 1), the
-    lengths and heads as passed."""
+    blocks (8 at 2k keys: not marked; 16 at 1k: marked; 1 at 16k, which Triton compiles as the constant 1; with
+    the short config's 64-key blocks 8 at 1k), the lengths and heads as passed."""
     from tools.fa3_cubins import specialized_arguments
 
-    names, ones = specialized_arguments("bwd", head_dim, True, seqlen, fa3.BACKWARD_CONFIGS[head_dim])
-    section_heads = 132 // (seqlen // fa3.BACKWARD_CONFIGS[head_dim].block_n)
+    config = fa3.SHORT_BACKWARD_CONFIGS[64] if short else fa3.BACKWARD_CONFIGS[head_dim]
+    names, ones = specialized_arguments("bwd", head_dim, True, seqlen, config)
+    section_heads = 132 // (seqlen // config.block_n)
     values = dict(n_heads=2048 // head_dim, seqlen_q=seqlen, seqlen_k=seqlen, SECTION_HEADS=section_heads)
     for name, value in values.items():
         assert (name in names) == (value % 16 == 0), (name, value)

@@ -37,6 +37,7 @@ def test_fa3_backward_variant_fields_default_to_the_head_dims_config():
     (["--variants", "2:128:2:1:1:0:1"], "variant 2:128:2:1:1:0:1: give 5 or 6 fields"),
     (["--backward", "--variants", "2:rows:128:1:2:0:1:0"], "backward variant 2:rows:128:1:2:0:1:0: give 1 to 7 fields"),
     (["--backward", "--variants", "2:rows:128:1:3"], "NUM_CONSUMERS 3; accepted 1, 2"),
+    (["--backward", "--variants", "2:rows:64:0:1:128:2"], "SEPARATE_DQ 2; accepted 0, 1"),
     (["--backward", "--variants", "2:rows:128:1:2:-8"], "MAXNREG -8; give 0 or more"),
     (["--backward", "--variants", "2:rows:128:yes"], "SECTION_HEADS yes; give 0 or more"),
     (["--backward", "--group", "3", "--head-dims", "128"], "--group 3: give a divisor of the 16 heads"),
