@@ -54,9 +54,9 @@ fa1_qkvpacked_attention.__doc__ = QKVPACKED_DOC.format(
     gradients=DETERMINISTIC_GRADIENTS)
 
 FA3_GRADIENTS = ("the Gluon backward adds dQ up through TMA reduce-adds, whose order varies, so dq is not "
-                 "bit-reproducible, except on unpacked sequences at head_dim 64 with 1024 keys or a window of at most "
-                 "128 keys on each side, where FA2's dQ kernel follows the Gluon dK/dV kernel "
-                 "(kernels.fa3.SHORT_BACKWARD_CONFIGS); under torch.use_deterministic_algorithms(True) those run, and "
+                 "bit-reproducible, except on unpacked sequences with a window of at most 128 keys on each side, or at "
+                 "head_dim 64 with 1024 keys, where FA2's dQ kernel follows the Gluon dK/dV kernel "
+                 "(kernels.fa3.NARROW_WINDOW_BACKWARD_CONFIGS, SHORT_BACKWARD_CONFIGS); under torch.use_deterministic_algorithms(True) those run, and "
                  "FA2's atomic-free backward everywhere else: deterministic.")
 fa3_attention, fa3_qkvpacked_attention = make_attention("fa3", fa3.forward, fa3.backward, lse_log_base=2.0,
                                                         masks=True, softcap=True)
@@ -64,7 +64,8 @@ fa3_attention.__doc__ = PUBLIC_DOC.format(
     title="FlashAttention-3 (Gluon, Hopper): exact scaled dot-product attention, forward and backward.",
     source="Shah et al. 2024, FlashAttention-3, Section 3.1 and Algorithm 2 (forward), Appendix B.1 (backward: dQ "
            "through TMA reduce-add; FA2's Algorithm 2 where it measured faster: kernels.fa3.BACKWARD_MIN_SEQLEN_K, "
-           "and FA2's dQ kernel after the Gluon dK/dV kernel: kernels.fa3.SHORT_BACKWARD_CONFIGS); "
+           "and FA2's dQ kernel after the Gluon dK/dV kernel: kernels.fa3.NARROW_WINDOW_BACKWARD_CONFIGS, "
+           "SHORT_BACKWARD_CONFIGS); "
            "see kernels/fa3.py. Sliding windows in the Gluon kernels (key blocks outside the band never visited). Where "
            "the Gluon kernels do not apply (not an sm_90 GPU, head_dim other than 64/96/128/256, the backward at 256, "
            "float32, inputs TMA cannot address, a Triton outside 3.6-3.9) FA2's kernels run, with a one-time "

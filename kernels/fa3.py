@@ -140,12 +140,17 @@ def forward_configs(version: str) -> dict[tuple[int, bool], ForwardConfig]:
 
 
 FORWARD_CONFIGS = forward_configs(triton.__version__)
-# Narrow sliding windows (both edges within NARROW_WINDOW, `narrow_band`) at 64: 64-key blocks waste less of the band
-# than 128-key ones.
-# Measured at window 128 (gpt-oss's layers, B 2, H 128, N 8192): 0.535 ms against 0.686 (benchmarks.md); wider
-# windows and head_dim 128 keep the causal config (window 1024 measured with it).
+# Packed documents at 64: three consumers on 64-key blocks. Documents of median 600 (bench.masks' varlen shape, D 64):
+# 0.184 ms against the causal config's 0.193 (H200), 0.183 against 0.195 (H100).
+PACKED_FORWARD_CONFIGS = {64: ForwardConfig(3, 64, 3, True, True)}
+# Narrow sliding windows (both edges within NARROW_WINDOW, `narrow_band`): 64-key blocks waste less of the band
+# than 128-key ones. Measured at window 128 (benchmarks.md): gpt-oss's layers (B 2, H 128, N 8192, D 64) 0.535 ms
+# against 0.686 (H200); B 2, H 64, N 8192, D 128 0.386 against 0.443 (H100). 96 runs the 128-wide kernel. Wider
+# windows keep the causal config (at window 1024 64-key blocks measured 3-9 % slower).
 NARROW_WINDOW = 128
-NARROW_WINDOW_FORWARD_CONFIGS = {64: ForwardConfig(2, 64, 4, True, True)}
+_NARROW_FORWARD_128 = ForwardConfig(2, 64, 4, False, True)
+NARROW_WINDOW_FORWARD_CONFIGS = {64: ForwardConfig(2, 64, 4, True, True), 96: _NARROW_FORWARD_128,
+                                 128: _NARROW_FORWARD_128}
 # At 64, 128 query rows with dQ split by rows measured 3-9 % faster than 64 rows; at 128, BLOCK_M 128 fits neither
 # the registers nor the shared memory. Shared memory: 199 KB at 64, 198 KB at 128 (and 96, the same kernel). At 256
 # none fits (`BACKWARD_HEAD_DIMS`): 64 x 256 float32 dK and dV are 256 registers a thread (1040 B of stack spilled)
@@ -154,13 +159,17 @@ NARROW_WINDOW_FORWARD_CONFIGS = {64: ForwardConfig(2, 64, 4, True, True)}
 BACKWARD_CONFIGS = {64: BackwardConfig(2, "rows", 128), 96: BackwardConfig(2, "cols", 64),
                     128: BackwardConfig(2, "cols", 64)}
 BACKWARD_HEAD_DIMS = tuple(BACKWARD_CONFIGS)  # the Gluon backward's: at 256 its dK and dV overflow the registers
-# Where few key blocks meet each query block (keys up to SHORT_BACKWARD_SEQLEN_K, FA2's backward running below
-# BACKWARD_MIN_SEQLEN_K; a window within NARROW_WINDOW on each side), at 64: one consumer warpgroup (64-key CTAs,
-# 50 KB of shared memory and 128 registers a thread at launch, so two CTAs an SM), dQ from FA2's query-major kernel
-# (no float32 accumulator passes). Measured on an H100 (docs/hopper-notes.md, "FA3 backward variant 15"): gpt-oss's
-# window 128 2.03 -> 1.54 ms, the causal 1k backward 1.07x -> 1.18x cuDNN; slower than BACKWARD_CONFIGS from 2k keys
-# non-causal and at 8k causal.
-SHORT_BACKWARD_CONFIGS = {64: BackwardConfig(2, "rows", 64, 0, 1, 128, True)}
+# Where few key blocks meet each query block (a window within NARROW_WINDOW on each side; at 64 also keys up to
+# SHORT_BACKWARD_SEQLEN_K, FA2's backward running below BACKWARD_MIN_SEQLEN_K): one consumer warpgroup (64-key
+# CTAs, 50 KB of shared memory at 64 and 100 KB at 128, 128 registers a thread at launch, so two CTAs an SM), dQ
+# from FA2's query-major kernel (no float32 accumulator passes). Measured on an H100 (docs/hopper-notes.md, "FA3
+# backward variant 15" and "16"): gpt-oss's window 128 2.03 -> 1.54 ms, window 128 at D 128 (B 2, H 64, N 8192) 1.83 ->
+# 1.33 ms, the causal 1k backward at 64 1.07x -> 1.18x cuDNN; slower than BACKWARD_CONFIGS from 2k keys
+# non-causal, at 8k causal and at window 1024.
+_SHORT_BACKWARD_64 = BackwardConfig(2, "rows", 64, 0, 1, 128, True)
+_NARROW_BACKWARD_128 = BackwardConfig(2, "rows", 64, 0, 1, 128, True)
+NARROW_WINDOW_BACKWARD_CONFIGS = {64: _SHORT_BACKWARD_64, 96: _NARROW_BACKWARD_128, 128: _NARROW_BACKWARD_128}
+SHORT_BACKWARD_CONFIGS = {64: _SHORT_BACKWARD_64}
 SHORT_BACKWARD_SEQLEN_K = 1024
 # Packed documents at 64 take the one-consumer kernel with the float32 dQ accumulator: FA2's varlen dQ kernel
 # measured slower there (documents of median 600: 0.675 ms against 0.550, H100).
@@ -201,13 +210,15 @@ def narrow_band(f: Facts) -> bool:
 
 
 def pick_backward_config(f: Facts) -> BackwardConfig:
-    """The Gluon backward's config for `f`: PACKED_BACKWARD_CONFIGS for packed sequences, SHORT_BACKWARD_CONFIGS
-    where few key blocks meet each query block (a narrow band, or up to SHORT_BACKWARD_SEQLEN_K keys), else
-    BACKWARD_CONFIGS (each at f.head_dim where it has an entry). KeyError for a head_dim outside
+    """The Gluon backward's config for `f`: PACKED_BACKWARD_CONFIGS for packed sequences,
+    NARROW_WINDOW_BACKWARD_CONFIGS for a narrow band, SHORT_BACKWARD_CONFIGS up to SHORT_BACKWARD_SEQLEN_K keys,
+    else BACKWARD_CONFIGS (each at f.head_dim where it has an entry). KeyError for a head_dim outside
     BACKWARD_HEAD_DIMS (`RULES` sends those to FA2 first)."""
     if f.varlen and f.head_dim in PACKED_BACKWARD_CONFIGS:
         return PACKED_BACKWARD_CONFIGS[f.head_dim]
-    if f.head_dim in SHORT_BACKWARD_CONFIGS and (narrow_band(f) or f.seqlen_k <= SHORT_BACKWARD_SEQLEN_K):
+    if narrow_band(f) and f.head_dim in NARROW_WINDOW_BACKWARD_CONFIGS:
+        return NARROW_WINDOW_BACKWARD_CONFIGS[f.head_dim]
+    if f.head_dim in SHORT_BACKWARD_CONFIGS and f.seqlen_k <= SHORT_BACKWARD_SEQLEN_K:
         return SHORT_BACKWARD_CONFIGS[f.head_dim]
     return BACKWARD_CONFIGS[f.head_dim]
 
@@ -243,7 +254,8 @@ RULES: tuple[tuple[bool, Callable[[Facts], Optional[str]]], ...] = (
 
 def decide(facts: Facts) -> Plan:
     """The kernel `RULES` pick for `facts`; the Gluon kernel's config: FORWARD_CONFIGS, or
-    NARROW_WINDOW_FORWARD_CONFIGS for a narrow band, forward; `pick_backward_config` backward."""
+    PACKED_FORWARD_CONFIGS for packed sequences and NARROW_WINDOW_FORWARD_CONFIGS for a narrow band, forward;
+    `pick_backward_config` backward."""
     if facts.direction not in ("forward", "backward"):
         raise ValueError(f"direction={facts.direction!r}; accepted 'forward', 'backward'")
     for warn, rule in RULES:
@@ -251,6 +263,8 @@ def decide(facts: Facts) -> Plan:
         if reason is not None:
             return Plan("fa2", reason, warn)
     if facts.direction == "forward":
+        if facts.varlen and facts.head_dim in PACKED_FORWARD_CONFIGS:
+            return Plan("gluon", config=PACKED_FORWARD_CONFIGS[facts.head_dim])
         if narrow_band(facts) and facts.head_dim in NARROW_WINDOW_FORWARD_CONFIGS:
             return Plan("gluon", config=NARROW_WINDOW_FORWARD_CONFIGS[facts.head_dim])
         return Plan("gluon", config=FORWARD_CONFIGS[facts.head_dim, facts.causal])

@@ -4,7 +4,8 @@
 #   bash tools/check_triton_versions.sh               # 3.6.0 3.7.1 3.8.0 3.9.0
 #   bash tools/check_triton_versions.sh 3.9.0 3.10.0  # any releases
 # Prints one line per release and kernel: how many of its variants compiled (the dense ones, then sliding window,
-# packed documents, softcap and GQA, and for the backward the short-key and packed-document configs; the largest
+# packed documents, softcap and GQA, then the narrow-window and packed-document configs and the backward's
+# short-key one; the largest
 # shared memory) or the reason it falls back to FA2. A warning
 # Triton gives while compiling is printed as is.
 set -u
@@ -30,17 +31,21 @@ variants = [dict(head_dim=d, causal=c, dtype=t) for d, c, t in
             itertools.product(fa3.HEAD_DIMS, (True, False), (torch.bfloat16, torch.float16))]
 variants += [dict(head_dim=d, causal=True, dtype=torch.bfloat16, **extra) for d in fa3.HEAD_DIMS for extra in
              (dict(window=True), dict(docs=True), dict(softcap=True), dict(group=4))]
-# the backward's other configs where the dispatch takes them: short keys and narrow windows, packed documents
-short = [dict(head_dim=d, causal=c, dtype=torch.bfloat16, config=config, **extra)
-         for d, config in fa3.SHORT_BACKWARD_CONFIGS.items()
-         for c, extra in ((True, {}), (False, {}), (True, dict(window=True)), (True, dict(softcap=True)),
-                          (True, dict(group=4)))]
-short += [dict(head_dim=d, causal=True, dtype=torch.bfloat16, config=config, docs=True)
-          for d, config in fa3.PACKED_BACKWARD_CONFIGS.items()]
+# the other configs where the dispatch takes them: short keys, narrow windows, packed documents
+bf16 = dict(causal=True, dtype=torch.bfloat16)
+other = {"bwd": [dict(head_dim=d, causal=c, dtype=torch.bfloat16, config=config, **extra)
+                 for d, config in fa3.SHORT_BACKWARD_CONFIGS.items()
+                 for c, extra in ((True, {}), (False, {}), (True, dict(softcap=True)), (True, dict(group=4)))]}
+other["bwd"] += [dict(head_dim=d, config=config, window=True, **bf16)
+                 for d, config in fa3.NARROW_WINDOW_BACKWARD_CONFIGS.items()]
+other["bwd"] += [dict(head_dim=d, config=config, docs=True, **bf16) for d, config in fa3.PACKED_BACKWARD_CONFIGS.items()]
+other["fwd"] = [dict(head_dim=d, config=config, window=True, **bf16)
+                for d, config in fa3.NARROW_WINDOW_FORWARD_CONFIGS.items()]
+other["fwd"] += [dict(head_dim=d, config=config, docs=True, **bf16) for d, config in fa3.PACKED_FORWARD_CONFIGS.items()]
 for kernel in ("fwd", "bwd"):
     ok, failed, shared = 0, 0, 0
     head_dims = fa3.HEAD_DIMS if kernel == "fwd" else fa3.BACKWARD_HEAD_DIMS
-    for v in [v for v in variants if v["head_dim"] in head_dims] + (short if kernel == "bwd" else []):
+    for v in [v for v in variants if v["head_dim"] in head_dims] + other[kernel]:
         try:
             compiled = fa3.compile_for_sm90(kernel=kernel, **v)
         except Exception as e:
@@ -50,7 +55,8 @@ for kernel in ("fwd", "bwd"):
         ok, shared = ok + 1, max(shared, compiled.metadata.shared)
     print(f"triton {version} {kernel}: {ok} of {ok + failed} compiled for sm_90 (head_dim "
           f"{'/'.join(map(str, head_dims))}, causal or not, "
-          f"bf16/fp16; window, documents, softcap, GQA 4{'; the short and packed configs' if kernel == 'bwd' else ''}; "
+          f"bf16/fp16; window, documents, softcap, GQA 4; the {'short, ' if kernel == 'bwd' else ''}narrow-window "
+          "and packed-document configs; "
           f"max shared memory {shared} B)")
 PY
 done

@@ -27,8 +27,9 @@ from kernels.common import bwd_preprocess, empty_like_layout
 from tools.fa3_variants import backward_config, check_backward_configs, forward_config, parse_variants, rel
 
 FORWARD_VARIANTS = {64: "2:128:4:1:1,2:64:4:1:1,2:64:6:1:1,3:64:4:1:1,3:128:3:1:1,2:64:4:0:1",
-                    128: "2:128:2:0:1,2:64:4:0:1,2:64:3:1:1,2:128:2:1:1"}
-BACKWARD_VARIANTS = {64: "2:rows:128,2:rows:64:0:1:128,2:rows:64:0:1:128:1", 128: "2:cols:64"}
+                    96: "2:128:2:0:1,2:64:4:0:1", 128: "2:128:2:0:1,2:64:4:0:1,2:64:3:1:1,2:128:2:1:1"}
+BACKWARD_VARIANTS = {64: "2:rows:128,2:rows:64:0:1:128,2:rows:64:0:1:128:1", 96: "2:cols:64,2:rows:64:0:1:128:1",
+                     128: "2:cols:64,2:rows:64:0:1:128:1"}
 
 
 def main(argv=None):
@@ -39,7 +40,8 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=2, help="B")
     parser.add_argument("--n-heads", type=int, default=16, help="H")
     parser.add_argument("--seqlen", type=int, default=8192, help="N")
-    parser.add_argument("--head-dim", type=int, default=64, choices=fa3.HEAD_DIMS, help="D")
+    parser.add_argument("--head-dim", type=int, default=64, choices=fa3.BACKWARD_HEAD_DIMS,
+                        help="D (the head dims of both Gluon kernels)")
     parser.add_argument("--forward", default=None, help="forward variants (default: a few per head_dim)")
     parser.add_argument("--backward", default=None, help="backward variants (default: a few per head_dim)")
     args = parser.parse_args(argv)

@@ -571,9 +571,13 @@ def test_backward_plan(head_dim, seqlen_k, deterministic, expected):
 
 @pytest.mark.parametrize("head_dim,deterministic,expected", [
     (64, False, "packed"), (128, False, "default"), (96, False, "default"), (64, True, "fa2")])
-def test_packed_sequences_take_their_measured_backward_config(head_dim, deterministic, expected):
-    """Packed sequences at 64 run PACKED_BACKWARD_CONFIGS (one consumer, dQ reduce-adds: not bit-reproducible, so
-    FA2's under deterministic algorithms), here 16k packed keys; other head dims BACKWARD_CONFIGS."""
+def test_packed_sequences_take_their_measured_configs(head_dim, deterministic, expected):
+    """Packed sequences at 64 run PACKED_FORWARD_CONFIGS and PACKED_BACKWARD_CONFIGS (one consumer, dQ
+    reduce-adds: not bit-reproducible, so FA2's under deterministic algorithms), here 16k packed keys; other head
+    dims the causal configs."""
+    forward = fa3.decide(_facts(head_dim=head_dim, varlen=True, seqlen_k=16384, deterministic=deterministic))
+    assert forward == fa3.Plan("gluon", config=fa3.PACKED_FORWARD_CONFIGS[64] if head_dim == 64 else
+                               fa3.FORWARD_CONFIGS[head_dim, True])
     facts = _facts(direction="backward", head_dim=head_dim, varlen=True, seqlen_k=16384, deterministic=deterministic)
     choice = fa3.decide(facts)
     if expected == "fa2":
@@ -746,8 +750,9 @@ def test_gluon_window_matches_float64(fresh_dispatch, head_dim, causal, window_s
     _window_run(head_dim, causal, window_size, n_heads, n_kv_heads, seqlen_q, seqlen_k)
 
 
-# head_dim 64 cases for SHORT_BACKWARD_CONFIGS: WINDOW_CASES' and unwindowed ones (GQA, seqlen_q != seqlen_k)
-SHORT_CASES = [case for case in WINDOW_CASES if case[0] == 64] + [
+# Cases for the one-consumer, separate-dQ configs (SHORT_BACKWARD_CONFIGS, NARROW_WINDOW_BACKWARD_CONFIGS): every
+# WINDOW_CASES entry and unwindowed ones at 64 (GQA, seqlen_q != seqlen_k)
+SHORT_CASES = WINDOW_CASES + [
     (64, True, (-1, -1), 4, 2, 1000, 1000), (64, False, (-1, -1), 2, 2, 455, 700), (64, True, (-1, -1), 2, 1, 700, 455)]
 
 
@@ -757,9 +762,10 @@ def test_short_backward_config_matches_float64(fresh_dispatch, head_dim, causal,
                                                seqlen_q, seqlen_k):
     """The one-consumer dK/dV kernel with dQ from FA2's kernel, against float64, outputs poisoned; with softcap
     (large logits) once."""
-    config = fa3.SHORT_BACKWARD_CONFIGS[64]
+    config = fa3.NARROW_WINDOW_BACKWARD_CONFIGS[head_dim]
+    assert config.num_consumers == 1 and config.separate_dq
     _window_run(head_dim, causal, window_size, n_heads, n_kv_heads, seqlen_q, seqlen_k, backward_config=config)
-    if window_size == (127, -1):
+    if window_size == (127, -1) and head_dim == 64:
         _window_run(head_dim, causal, window_size, n_heads, n_kv_heads, seqlen_q, seqlen_k, softcap=30.0,
                     q_scale=8.0, backward_config=config)
 
@@ -828,26 +834,35 @@ def test_gluon_softcap_matches_float64(fresh_dispatch, head_dim, causal, window_
 
 @pytest.mark.parametrize("head_dim,window_left,window_right,narrow", [
     (64, 0, 0, True), (64, 127, 0, True), (64, 128, 0, True), (64, 100, 128, True), (64, 129, 0, False),
-    (64, 1023, 0, False), (64, 100, -1, False), (64, 100, 129, False), (128, 127, 0, False)])
+    (64, 1023, 0, False), (64, 100, -1, False), (64, 100, 129, False), (128, 127, 0, True), (128, 129, 0, False),
+    (96, 3, 2, True), (96, 1023, 0, False)])
 def test_narrow_windows_take_their_measured_configs(head_dim, window_left, window_right, narrow):
-    """A window whose edges are both within NARROW_WINDOW keys at head_dim 64 runs 64-key blocks forward and the
-    short backward config; wider ones (an unlimited right side too: each query then meets most key blocks) and
-    head_dim 128 the causal configs."""
+    """A window whose edges are both within NARROW_WINDOW keys runs 64-key blocks forward and the one-consumer,
+    separate-dQ backward; wider ones (an unlimited right side too: each query then meets most key blocks) the causal
+    configs."""
     facts = _facts(head_dim=head_dim, window_left=window_left, window_right=window_right, seqlen_k=8192)
-    expected = fa3.NARROW_WINDOW_FORWARD_CONFIGS[64] if narrow else fa3.FORWARD_CONFIGS[head_dim, True]
+    expected = fa3.NARROW_WINDOW_FORWARD_CONFIGS[head_dim] if narrow else fa3.FORWARD_CONFIGS[head_dim, True]
     assert fa3.decide(facts) == fa3.Plan("gluon", config=expected)
-    expected = fa3.SHORT_BACKWARD_CONFIGS[64] if narrow else fa3.BACKWARD_CONFIGS[head_dim]
+    assert not narrow or expected.block_n == 64
+    expected = fa3.NARROW_WINDOW_BACKWARD_CONFIGS[head_dim] if narrow else fa3.BACKWARD_CONFIGS[head_dim]
     assert fa3.decide(facts._replace(direction="backward")).config == expected
+    assert not narrow or (expected.num_consumers == 1 and expected.separate_dq)
 
 
 @pytest.mark.skipif(not SUPPORTED, reason=f"triton {fa3.triton_version()} is not a release the Gluon kernels support")
-def test_narrow_window_config_compiles_for_sm90():
-    """The 64-key forward that narrow windows take, compiled as `test_gluon_kernels_compile_for_sm90` does."""
+def test_narrow_window_and_packed_forward_configs_compile_for_sm90():
+    """The 64-key forwards that narrow windows and packed documents take, compiled as
+    `test_gluon_kernels_compile_for_sm90` does."""
     code = ("import torch; from kernels import fa3\n"
-            "k = fa3.compile_for_sm90(torch.bfloat16, 64, True, 2, 'fwd', fa3.NARROW_WINDOW_FORWARD_CONFIGS[64],"
-            " window=True)\nprint(k.metadata.shared, 'wgmma.mma_async' in k.asm['ptx'])")
-    [(shared, wgmma)] = compile_in_fresh_process(code, timeout=600)
-    assert wgmma == "True" and int(shared) <= fa3.SM90_SHARED_MEMORY
+            "for d, c, kw in ((64, fa3.NARROW_WINDOW_FORWARD_CONFIGS[64], {'window': True}),"
+            " (128, fa3.NARROW_WINDOW_FORWARD_CONFIGS[128], {'window': True}),"
+            " (64, fa3.PACKED_FORWARD_CONFIGS[64], {'docs': True})):\n"
+            "    k = fa3.compile_for_sm90(torch.bfloat16, d, True, 2, 'fwd', c, **kw)\n"
+            "    print(k.metadata.shared, 'wgmma.mma_async' in k.asm['ptx'])")
+    rows = compile_in_fresh_process(code, timeout=600)
+    assert len(rows) == 3
+    for shared, wgmma in rows:
+        assert wgmma == "True" and int(shared) <= fa3.SM90_SHARED_MEMORY
 
 
 @pytest.mark.skipif(not SUPPORTED, reason=f"triton {fa3.triton_version()} is not a release the Gluon kernels support")
@@ -857,12 +872,15 @@ def test_short_and_packed_backward_configs_compile_for_sm90_at_two_ctas_an_sm():
     most half of an SM's shared memory, so two CTAs fit an SM; TMA reduce-adds only with the accumulator."""
     code = ("import torch; from kernels import fa3\n"
             "for c, kw in ((fa3.SHORT_BACKWARD_CONFIGS[64], {}), (fa3.SHORT_BACKWARD_CONFIGS[64], {'window': True}),"
-            " (fa3.PACKED_BACKWARD_CONFIGS[64], {'docs': True})):\n"
-            "    k = fa3.compile_for_sm90(torch.bfloat16, 64, True, 1, 'bwd', c, **kw); ptx = k.asm['ptx']\n"
+            " (fa3.PACKED_BACKWARD_CONFIGS[64], {'docs': True})) + ((fa3.NARROW_WINDOW_BACKWARD_CONFIGS[128],"
+            " {'window': True, 'head_dim': 128}),):\n"
+            "    kw.setdefault('head_dim', 64)\n"
+            "    k = fa3.compile_for_sm90(torch.bfloat16, causal=True, group=1, kernel='bwd', config=c, **kw)\n"
+            "    ptx = k.asm['ptx']\n"
             "    print(k.metadata.shared, 'wgmma.mma_async' in ptx, 'cp.reduce.async.bulk' in ptx, "
             "'.maxnreg 128' in ptx, '.reqntid 256' in ptx, c.separate_dq)")
     rows = compile_in_fresh_process(code, timeout=600)
-    assert len(rows) == 3
+    assert len(rows) == 4
     for shared, wgmma, reduce, maxnreg, threads, separate_dq in rows:  # 256 threads x 128 registers: half an SM's
         assert (wgmma, maxnreg, threads) == ("True", "True", "True") and reduce != separate_dq
         assert 2 * int(shared) <= fa3.SM90_SHARED_MEMORY
@@ -895,12 +913,12 @@ def test_doc_bounds_match_a_loop(seed, before, after):
 
 
 def test_packed_sequences_run_gluon_with_one_set_of_offsets():
-    """Packed self-attention (one set of offsets) takes the Gluon kernels with the causal configs; two different
-    sets of offsets fall back to FA2, warned."""
+    """Packed self-attention (one set of offsets) takes the Gluon kernels with the packed or causal configs; two
+    different sets of offsets fall back to FA2, warned."""
     facts = _facts(varlen=True, causal=True, seqlen_k=8192)  # `fa3._band`: packed sequences are a band
     for head_dim in fa3.HEAD_DIMS:
         assert fa3.decide(facts._replace(head_dim=head_dim)) == fa3.Plan(
-            "gluon", config=fa3.FORWARD_CONFIGS[head_dim, True])
+            "gluon", config=fa3.PACKED_FORWARD_CONFIGS.get(head_dim, fa3.FORWARD_CONFIGS[head_dim, True]))
     assert fa3.decide(facts._replace(direction="backward")).kernel == "gluon"
     cu = torch.tensor([0, 3, 3, 10], dtype=torch.int32)
     assert fa3.same_offsets(cu, cu) and fa3.same_offsets(cu, cu.clone())
@@ -1019,8 +1037,8 @@ def test_packed_bounds_are_made_once_per_offsets_and_remade_after_a_write():
 def test_window_and_packed_backwards_are_bit_reproducible_when_deterministic(fresh_dispatch, monkeypatch, packed,
                                                                              window_left):
     """Under torch.use_deterministic_algorithms(True) the windowed and the packed-sequence backwards run atomic-free
-    kernels (the Gluon dK/dV kernel with FA2's dQ for windows up to NARROW_WINDOW at head_dim 64, where
-    SHORT_BACKWARD_CONFIGS apply; FA2's elsewhere): two runs give the same bits."""
+    kernels (the Gluon dK/dV kernel with FA2's dQ for windows up to NARROW_WINDOW, where
+    NARROW_WINDOW_BACKWARD_CONFIGS apply; FA2's elsewhere): two runs give the same bits."""
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     lengths = [900, 1, 0, 1200, 300]
     total = sum(lengths)
