@@ -140,8 +140,9 @@ def forward_configs(version: str) -> dict[tuple[int, bool], ForwardConfig]:
 
 
 FORWARD_CONFIGS = forward_configs(triton.__version__)
-# Packed documents at 64: three consumers on 64-key blocks. Documents of median 600 (bench.masks' varlen shape, D 64):
-# 0.184 ms against the causal config's 0.193 (H200), 0.183 against 0.195 (H100).
+# Packed documents without a sliding window at 64: three consumers on 64-key blocks. Documents of median 600
+# (bench.masks' varlen shape, D 64): 0.184 ms against the causal config's 0.193 (H200), 0.183 against 0.195 (H100).
+# With a window too it is not measured apart (benchmarks.md, the H100 training runs of 2026-12-06).
 PACKED_FORWARD_CONFIGS = {64: ForwardConfig(3, 64, 3, True, True)}
 # Narrow sliding windows (both edges within NARROW_WINDOW, `narrow_band`): 64-key blocks waste less of the band
 # than 128-key ones. Measured at window 128 (benchmarks.md): gpt-oss's layers (B 2, H 128, N 8192, D 64) 0.535 ms
@@ -254,7 +255,7 @@ RULES: tuple[tuple[bool, Callable[[Facts], Optional[str]]], ...] = (
 
 def decide(facts: Facts) -> Plan:
     """The kernel `RULES` pick for `facts`; the Gluon kernel's config: FORWARD_CONFIGS, or
-    PACKED_FORWARD_CONFIGS for packed sequences and NARROW_WINDOW_FORWARD_CONFIGS for a narrow band, forward;
+    PACKED_FORWARD_CONFIGS for packed sequences without a window and NARROW_WINDOW_FORWARD_CONFIGS for a narrow band, forward;
     `pick_backward_config` backward."""
     if facts.direction not in ("forward", "backward"):
         raise ValueError(f"direction={facts.direction!r}; accepted 'forward', 'backward'")
@@ -263,7 +264,7 @@ def decide(facts: Facts) -> Plan:
         if reason is not None:
             return Plan("fa2", reason, warn)
     if facts.direction == "forward":
-        if facts.varlen and facts.head_dim in PACKED_FORWARD_CONFIGS:
+        if facts.varlen and facts.window_left < 0 and facts.head_dim in PACKED_FORWARD_CONFIGS:
             return Plan("gluon", config=PACKED_FORWARD_CONFIGS[facts.head_dim])
         if narrow_band(facts) and facts.head_dim in NARROW_WINDOW_FORWARD_CONFIGS:
             return Plan("gluon", config=NARROW_WINDOW_FORWARD_CONFIGS[facts.head_dim])

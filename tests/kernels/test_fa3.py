@@ -572,12 +572,14 @@ def test_backward_plan(head_dim, seqlen_k, deterministic, expected):
 @pytest.mark.parametrize("head_dim,deterministic,expected", [
     (64, False, "packed"), (128, False, "default"), (96, False, "default"), (64, True, "fa2")])
 def test_packed_sequences_take_their_measured_configs(head_dim, deterministic, expected):
-    """Packed sequences at 64 run PACKED_FORWARD_CONFIGS and PACKED_BACKWARD_CONFIGS (one consumer, dQ
+    """Packed sequences at 64 run PACKED_FORWARD_CONFIGS (without a window) and PACKED_BACKWARD_CONFIGS (one consumer, dQ
     reduce-adds: not bit-reproducible, so FA2's under deterministic algorithms), here 16k packed keys; other head
     dims the causal configs."""
     forward = fa3.decide(_facts(head_dim=head_dim, varlen=True, seqlen_k=16384, deterministic=deterministic))
     assert forward == fa3.Plan("gluon", config=fa3.PACKED_FORWARD_CONFIGS[64] if head_dim == 64 else
                                fa3.FORWARD_CONFIGS[head_dim, True])
+    windowed = fa3.decide(_facts(head_dim=head_dim, varlen=True, seqlen_k=16384, window_left=1023, window_right=0))
+    assert windowed == fa3.Plan("gluon", config=fa3.FORWARD_CONFIGS[head_dim, True])  # not measured apart
     facts = _facts(direction="backward", head_dim=head_dim, varlen=True, seqlen_k=16384, deterministic=deterministic)
     choice = fa3.decide(facts)
     if expected == "fa2":
