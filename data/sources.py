@@ -81,7 +81,9 @@ def local_files(pattern: str | None) -> list[Path]:
         raise DataError("data.files must be a glob of text files for data.source=local_text, e.g. data.files='corpus/*.txt'")
     files = sorted(Path(p) for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
     if not files:
-        raise DataError(f"data.files={pattern!r} matches no files")
+        hint = (f"; it is a folder: give a glob of its files, e.g. data.files='{pattern.rstrip('/')}/**/*.txt'"
+                if os.path.isdir(os.path.expanduser(pattern)) else "")
+        raise DataError(f"data.files={pattern!r} matches no files{hint}")
     return files
 
 

@@ -115,7 +115,7 @@ class OptimConfig:
     lr: float = 2e-3                   # peak learning rate
     min_lr_ratio: float = 0.1          # final lr = lr * min_lr_ratio
     warmup_steps: int = 100            # linear warm-up
-    decay_steps: int = 900             # cosine decay after warm-up; its own key so max_steps can change
+    decay_steps: int = 900             # cosine decay after warm-up (0: none); its own key so max_steps can change
     weight_decay: float = 0.1          # AdamW, on matrices only
     beta1: float = 0.9                 # AdamW beta1
     beta2: float = 0.99                # AdamW beta2
@@ -532,5 +532,8 @@ def override_error(e: HydraException) -> str:
     if isinstance(cause, ConfigTypeError) and "does not support deletion" in str(cause.msg):  # ~key
         return f"~{cause.full_key}: keys cannot be deleted (every key has a default); set a value instead"
     if isinstance(cause, (ValidationError, ConfigTypeError)) and cause.full_key:  # e.g. a float for an int key
-        return f"{cause.full_key}: {str(cause.msg).splitlines()[0]}"
+        first = str(cause.msg).splitlines()[0]
+        if "is not a ListConfig" in first:  # a list-valued key given one value
+            first = first.rstrip(".") + f"; give a list, e.g. {cause.full_key}=[a,b] (quoted in the shell)"
+        return f"{cause.full_key}: {first}"
     return f"{e}" + (f"\n{cause}" if cause else "")

@@ -15,7 +15,7 @@ def lr_at(step: int, lr: float, warmup_steps: int, decay_steps: int, min_lr_rati
 
     Steps 0 .. warmup_steps-1 ramp linearly to ``lr`` (step s gets lr * (s+1) / warmup_steps);
     the next ``decay_steps`` steps follow a half cosine from lr down to lr * min_lr_ratio;
-    later steps stay at lr * min_lr_ratio.
+    later steps stay at lr * min_lr_ratio. ``decay_steps=0`` means no decay: lr after the warm-up.
     """
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")

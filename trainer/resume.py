@@ -111,7 +111,8 @@ def check_compatible(ckpt: Checkpoint, model_args: GPTConfig, data_meta: dict, c
     old_meta = ckpt["data_meta"]
     for k in ("tokenizer", "encoding", "chars", "vocab_size"):
         if old_meta.get(k) != data_meta.get(k):
-            diffs.append(f"data tokenizer {k}: checkpoint {old_meta.get(k)!r}, config {data_meta.get(k)!r}")
+            label = "data tokenizer" if k == "tokenizer" else f"data tokenizer {k}"
+            diffs.append(f"{label}: checkpoint {old_meta.get(k)!r}, config {data_meta.get(k)!r}")
     if diffs:
         raise ConfigError(f"cannot resume from {ckpt.path}: the model or tokenizer differs:\n  " + "\n  ".join(diffs))
     # attn.backend as typed ("auto") may name the backend that ran before: the backends that run are compared

@@ -63,14 +63,14 @@ def resolve_backend(name: str, head_dim: int | None = None, docs: bool = False, 
     """The backend object of ``name``. 'auto': without CUDA sdpa, or flex for logit soft-capping (``softcap``: sdpa
     has none, and flex runs on the CPU without Triton's interpreter). With CUDA:
     - fa3 where its Gluon kernels run forward and backward (``triton.fa3_runs``: an sm_90 GPU, a Triton they
-      support, the model's head_dim one they take; None: not known) and no document masks are needed;
+      support, the model's head_dim one they take; None: not known), with or without document masks (``docs``);
     - at a head_dim where only the Gluon forward runs (256) and no document masks are needed: sdpa, whose cuDNN
       backward there is 2.0-2.6x FA2's that fa3 runs (H100, 2026-12-06); fa3 for soft-capping (sdpa has none;
       its Gluon forward is 1.1-1.4x fa2's);
-    - else fa2.
-    On the H200 fa3 measured faster than fa2 in every dense and windowed cell; over packed documents (``docs``) its
-    Gluon kernels are level with fa2 at head_dim 64 and 1.1-1.24x faster at 128, kernels alone, and are not yet
-    measured in training, so documents keep fa2 (docs/benchmarks.md). Nothing is loaded (``Backend.load``).
+    - else fa2 (with document masks at 256 too: sdpa would need a dense mask).
+    fa3 measured faster than fa2 in every dense and windowed kernel cell on the H200, and in training GPT-2's
+    blocks at context 8192 with document masks 1.17x fa2's tokens/s (H200 and H100), with a 1024-token window too
+    1.06-1.09x (docs/benchmarks.md). Nothing is loaded (``Backend.load``).
 
     Raises ValueError for a name outside ``BACKENDS``.
     """
@@ -79,7 +79,7 @@ def resolve_backend(name: str, head_dim: int | None = None, docs: bool = False, 
     if name == "auto":
         if not torch.cuda.is_available():
             return REGISTRY["flex" if softcap else "sdpa"]
-        if not docs and fa3_runs(head_dim):
+        if fa3_runs(head_dim):
             return REGISTRY["fa3"]
         if not docs and fa3_runs(head_dim, backward=False):
             return REGISTRY["fa3" if softcap else "sdpa"]

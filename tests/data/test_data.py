@@ -316,8 +316,11 @@ def test_an_unusable_meta_json_means_rebuild(make_cfg, caplog, edit, field):
 
 
 def test_bad_data_inputs(make_cfg, tmp_path):
-    with pytest.raises(DataError, match="data.files=.*matches no files"):
+    with pytest.raises(DataError, match="data.files=.*matches no files$"):
         prepare_data(data_cfg(make_cfg, f"data.files={tmp_path}/nothing*.txt"))
+    with pytest.raises(DataError, match=re.escape(f"matches no files; it is a folder: give a glob of its files, "
+                                                  f"e.g. data.files='{tmp_path}/**/*.txt'")):
+        prepare_data(data_cfg(make_cfg, f"data.files={tmp_path}"))
     with pytest.raises(DataError, match="data.encoding='no_such_encoding'"):
         prepare_data(data_cfg(make_cfg, "data.name=badenc", "data.tokenizer=tiktoken", "data.encoding=no_such_encoding"))
     tiny = tmp_path / "tiny.txt"

@@ -149,12 +149,13 @@ def test_resolve_backend(monkeypatch):
     assert fa3.gluon_device_reason(torch.device("cpu")) is not None
     monkeypatch.setattr(fa3, "gluon_device_reason", lambda device: "GPU compute capability 8.0 is not 9.0 (Hopper)")
     assert resolved("auto") == resolved("auto", 64) == "fa2"
-    # Where they do (a Hopper GPU, a supported Triton): fa3, unless head_dim or document masks rule it out.
+    # Where they do (a Hopper GPU, a supported Triton): fa3 at the head dims it takes, document masks included.
     monkeypatch.setattr(fa3, "gluon_device_reason", lambda device: None)
     assert resolved("auto") == resolved("auto", 64) == resolved("auto", 96) == resolved("auto", 128) == "fa3"
+    assert resolved("auto", 64, docs=True) == resolved("auto", 128, docs=True) == "fa3"
     # 256: the Gluon forward only, so cuDNN through sdpa (fa3 for soft-capping, fa2 for documents); 80: neither
     assert resolved("auto", 256) == "sdpa" and resolved("auto", 256, softcap=True) == "fa3"
-    assert resolved("auto", 256, docs=True) == resolved("auto", 80) == resolved("auto", 64, docs=True) == "fa2"
+    assert resolved("auto", 256, docs=True) == resolved("auto", 80) == "fa2"
     assert resolved("fa1") == "fa1" and resolved("sdpa") == "sdpa"
     with pytest.raises(ValueError, match="attn=.flash.*auto, sdpa, sdpa_flash, sdpa_cudnn, fa1, fa2"):
         resolve_backend("flash")

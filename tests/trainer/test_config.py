@@ -349,6 +349,8 @@ def test_help_lists_every_key_with_its_meaning():
     ("trainer.compile=maybe", "trainer.compile: Value 'maybe' is not a valid bool (type str)"),
     ("~model.n_layer", "~model.n_layer: keys cannot be deleted (every key has a default); set a value instead"),
     ("run.name=héllo", "run.name=héllo: not an override Hydra can parse; quote the value"),
+    ("wandb.tags=foo", "wandb.tags: Invalid value assigned: str is not a ListConfig, list or tuple; give a list, "
+                       "e.g. wandb.tags=[a,b] (quoted in the shell)"),
 ])
 def test_refused_overrides_get_one_message(override, message):
     """An unknown group option or key is one line naming it (and the accepted options), not Hydra's advice to
@@ -408,9 +410,8 @@ def test_printed_overrides_survive_the_shell_and_hydra(name):
 
 def test_auto_backend_follows_the_model(monkeypatch):
     """attn=auto on a (pretended) Hopper GPU where the Gluon kernels run: fa3, windows included (the Gluon kernels
-    take them); sdpa at 256, where only the Gluon forward runs (fa3 with soft-capping, which sdpa lacks); fa2 for a
-    head_dim they do not take or for document masks (where fa3's Gluon kernels measured level with fa2's at GPT-2's
-    head_dim)."""
+    take them), document masks too; sdpa at 256, where only the Gluon forward runs (fa3 with soft-capping, which sdpa
+    lacks; fa2 with document masks); fa2 for a head_dim they do not take."""
     from kernels import fa3
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -423,7 +424,8 @@ def test_auto_backend_follows_the_model(monkeypatch):
     windowed = compose_config(["model=gpt2", "model.attn_window=128"])
     assert config_backend(windowed) == "fa3"
     validate_config(windowed)
-    assert config_backend(compose_config(["model=gpt2", "data=shakespeare_scenes", "data.document_mask=true"])) == "fa2"
+    assert config_backend(compose_config(["model=gpt2", "data=shakespeare_scenes", "data.document_mask=true"])) == "fa3"
+    assert config_backend(compose_config(["model=gpt2", "model.n_head=3", "data=shakespeare_scenes"])) == "fa2"
 
 
 def test_the_continue_command_names_run_root_unless_it_is_the_default():
