@@ -164,13 +164,12 @@ BACKWARD_HEAD_DIMS = tuple(BACKWARD_CONFIGS)  # the Gluon backward's: at 256 its
 # SHORT_BACKWARD_SEQLEN_K, FA2's backward running below BACKWARD_MIN_SEQLEN_K): one consumer warpgroup (64-key
 # CTAs, 50 KB of shared memory at 64 and 100 KB at 128, 128 registers a thread at launch, so two CTAs an SM), dQ
 # from FA2's query-major kernel (no float32 accumulator passes). Measured on an H100 (docs/hopper-notes.md, "FA3
-# backward variant 15" and "16"): gpt-oss's window 128 2.03 -> 1.54 ms, window 128 at D 128 (B 2, H 64, N 8192) 1.83 ->
-# 1.33 ms, the causal 1k backward at 64 1.07x -> 1.18x cuDNN; slower than BACKWARD_CONFIGS from 2k keys
+# backward variant 15" and "16"): gpt-oss's window 128 2.03 -> 1.54 ms, window 128 at D 128 (B 2, H 64, N 8192)
+# 1.83 -> 1.33 ms, the causal 1k backward at 64 1.07x -> 1.18x cuDNN; slower than BACKWARD_CONFIGS from 2k keys
 # non-causal, at 8k causal and at window 1024.
-_SHORT_BACKWARD_64 = BackwardConfig(2, "rows", 64, 0, 1, 128, True)
-_NARROW_BACKWARD_128 = BackwardConfig(2, "rows", 64, 0, 1, 128, True)
-NARROW_WINDOW_BACKWARD_CONFIGS = {64: _SHORT_BACKWARD_64, 96: _NARROW_BACKWARD_128, 128: _NARROW_BACKWARD_128}
-SHORT_BACKWARD_CONFIGS = {64: _SHORT_BACKWARD_64}
+_ONE_CONSUMER_SEPARATE_DQ = BackwardConfig(2, "rows", 64, 0, 1, 128, True)
+NARROW_WINDOW_BACKWARD_CONFIGS = {d: _ONE_CONSUMER_SEPARATE_DQ for d in (64, 96, 128)}
+SHORT_BACKWARD_CONFIGS = {64: _ONE_CONSUMER_SEPARATE_DQ}
 SHORT_BACKWARD_SEQLEN_K = 1024
 # Packed documents at 64 take the one-consumer kernel with the float32 dQ accumulator: FA2's varlen dQ kernel
 # measured slower there (documents of median 600: 0.675 ms against 0.550, H100).
@@ -254,8 +253,8 @@ RULES: tuple[tuple[bool, Callable[[Facts], Optional[str]]], ...] = (
 
 
 def decide(facts: Facts) -> Plan:
-    """The kernel `RULES` pick for `facts`; the Gluon kernel's config: FORWARD_CONFIGS, or
-    PACKED_FORWARD_CONFIGS for packed sequences without a window and NARROW_WINDOW_FORWARD_CONFIGS for a narrow band, forward;
+    """The kernel `RULES` pick for `facts`; the Gluon kernel's config: FORWARD_CONFIGS, or PACKED_FORWARD_CONFIGS
+    for packed sequences without a window and NARROW_WINDOW_FORWARD_CONFIGS for a narrow band, forward;
     `pick_backward_config` backward."""
     if facts.direction not in ("forward", "backward"):
         raise ValueError(f"direction={facts.direction!r}; accepted 'forward', 'backward'")
