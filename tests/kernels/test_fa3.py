@@ -849,6 +849,9 @@ def test_narrow_windows_take_their_measured_configs(head_dim, window_left, windo
     expected = fa3.NARROW_WINDOW_BACKWARD_CONFIGS[head_dim] if narrow else fa3.BACKWARD_CONFIGS[head_dim]
     assert fa3.decide(facts._replace(direction="backward")).config == expected
     assert not narrow or (expected.num_consumers == 1 and expected.separate_dq)
+    # no dQ reduce-adds in a narrow band's backward, so it stays on the Gluon kernel under deterministic algorithms
+    deterministic = fa3.decide(facts._replace(direction="backward", deterministic=True))
+    assert deterministic.kernel == ("gluon" if narrow else "fa2")
 
 
 @pytest.mark.skipif(not SUPPORTED, reason=f"triton {fa3.triton_version()} is not a release the Gluon kernels support")
