@@ -211,3 +211,24 @@ def test_checkpoints_without_attn_softcap_load_it_as_off(tmp_path):
     assert "attn_softcap" in NOT_SHAPE
     GPT(GPTConfig(**{**dict(block_size=8, vocab_size=10, n_layer=1, n_head=2, n_embd=32),
                      **{k: v for k, v in ckpt["model_args"].items() if k == "attn_softcap"}}))
+
+
+def test_another_tokenizer_is_refused_naming_each_field(tmp_path):
+    """Resuming with another tokenizer: one line per differing data field, 'data tokenizer: ...' for the kind."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    from trainer.config import ConfigError
+    from trainer.resume import check_compatible
+
+    args = GPTConfig(block_size=8, vocab_size=10, n_layer=1, n_head=2, n_embd=32)
+    meta = {"tokenizer": "char", "chars": "abcdefghij", "vocab_size": 10}
+    path = save_checkpoint({**fake_state(1), "model_args": dataclasses.asdict(args), "data_meta": meta}, tmp_path, 1,
+                           keep_last=1)
+    new = {"tokenizer": "tiktoken", "encoding": "gpt2", "vocab_size": 10}
+    with pytest.raises(ConfigError) as e:
+        check_compatible(load_checkpoint(path), args, new, OmegaConf.create({}))
+    text = str(e.value)
+    assert "data tokenizer: checkpoint 'char', config 'tiktoken'" in text and "tokenizer tokenizer" not in text
+    assert "data tokenizer encoding: checkpoint None, config 'gpt2'" in text
