@@ -8,9 +8,9 @@ one set of offsets (packed self-attention: cu_seqlens_k equal to cu_seqlens_q), 
 fall back to FA2 with a one-time RuntimeWarning naming the reason; then performance (the backward below
 `BACKWARD_MIN_SEQLEN_K` keys, where FA2's measured faster); then determinism (the Gluon backward adds dQ up in
 float32 through TMA reduce-adds, as FA3 does, so it is not bit-reproducible: under
-`torch.use_deterministic_algorithms(True)` FA2's backward runs, except where the backward takes
-`SHORT_BACKWARD_CONFIGS`, whose dQ comes from FA2's kernel without atomics). The last two are choices, not
-fallbacks: no warning.
+`torch.use_deterministic_algorithms(True)` FA2's backward runs, except where the backward's config has
+`separate_dq` (narrow windows, short keys at 64), whose dQ comes from FA2's kernel without atomics). The last two
+are choices, not fallbacks: no warning.
 The forward and the backward decide the same way but at head_dim 256, where the Gluon forward runs and FA2's backward
 (with the warning: the Gluon backward's dK and dV do not fit the registers at 256).
 
@@ -18,8 +18,8 @@ head_dim 96 runs the 128-wide kernels (`KERNEL_HEAD_DIMS`) on the 96-wide tensor
 the columns past 96 on loads and clips them on stores.
 
 The tile configs are data: `ForwardConfig` per (head_dim, causal) and `BackwardConfig` per head_dim, measured with
-`python -m tools.fa3_variants` and `tools.fa3_window_configs` (docs/hopper-notes.md; on the H200, the backward's
-entries for short keys, narrow windows and packed documents on an H100), picked by `decide`. `run_forward` /
+`python -m tools.fa3_variants` and `tools.fa3_window_configs` (docs/hopper-notes.md; on the H200, most entries for
+short keys, narrow windows and packed documents on an H100), picked by `decide`. `run_forward` /
 `run_backward` launch the Gluon kernels with any config (the tuning tools pass theirs).
 """
 

@@ -5,9 +5,8 @@
 #   bash tools/check_triton_versions.sh 3.9.0 3.10.0  # any releases
 # Prints one line per release and kernel: how many of its variants compiled (the dense ones, then sliding window,
 # packed documents, softcap and GQA, then the narrow-window and packed-document configs and the backward's
-# short-key one; the largest
-# shared memory) or the reason it falls back to FA2. A warning
-# Triton gives while compiling is printed as is.
+# short-key one; the largest shared memory) or the reason it falls back to FA2. A warning Triton gives while
+# compiling is printed as is.
 set -u
 cd "$(dirname "$0")/.."
 versions=${*:-3.6.0 3.7.1 3.8.0 3.9.0}
