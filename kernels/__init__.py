@@ -7,6 +7,7 @@ output) and write its gradient in place.
 
     frontend.py        validation, layouts, the torch.library ops and autograd shared by every kernel
     common.py          Triton helpers the kernels share: tile loads/stores, masks, TMA checks, the backward's preprocess
+    launch.py          kernel launches: a specialisation's later launches skip Triton's binder and autotuner
     fa1.py             FlashAttention-1 (Triton): forward and backward launchers
     fa2.py             FlashAttention-2 (Triton): forward, three-kernel backward, sliding windows, varlen, softcap
     fa3.py             FlashAttention-3: `plan()` (Gluon kernel or FA2, from one table of rules), configs, launchers

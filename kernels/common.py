@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch
+
 # Read once, the same way Triton decides at decoration time whether `@triton.jit` functions are interpreted.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Passed to every kernel launch here: FMA contraction on, as every measurement in docs/ ran. Left unset, Triton 3.9
@@ -180,13 +182,24 @@ def empty_like_layout(t: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
     contiguous (B, H, T, D) there, which makes the model's o.transpose(1, 2).contiguous() a real copy.
     Broadcast views (a stride of 0, e.g. from expand) get a contiguous tensor. `shape` / `dtype`: another shape
     of the same rank (e.g. a padded seqlen) or dtype, the dims still in t's memory order."""
-    shape = list(t.shape if shape is None else shape)
+    shape = t.shape if shape is None else shape
     dtype = t.dtype if dtype is None else dtype
-    if any(s == 0 for s, n in zip(t.stride(), t.shape) if n > 1):
+    order, inverse = _memory_order(t.shape, t.stride())
+    if order is None:
         return torch.empty(shape, device=t.device, dtype=dtype)
-    order = sorted(range(t.dim() - 1), key=lambda d: (-t.stride(d), d)) + [t.dim() - 1]  # outermost first
-    x = torch.empty([shape[d] for d in order], device=t.device, dtype=dtype)
-    return x.permute([order.index(d) for d in range(t.dim())])
+    return torch.empty([shape[d] for d in order], device=t.device, dtype=dtype).permute(inverse)
+
+
+@functools.lru_cache(maxsize=1024)  # asked several times a call; ~10 us of Python on the GPU machines' hosts
+def _memory_order(shape: tuple, strides: tuple) -> tuple:
+    """`empty_like_layout`'s (dims outermost first with the last one last, the permutation back), or (None, None)
+    for a broadcast view (a stride of 0 over more than one element) or dims already in that order."""
+    if any(s == 0 for s, n in zip(strides, shape) if n > 1):
+        return None, None
+    order = sorted(range(len(shape) - 1), key=lambda d: (-strides[d], d)) + [len(shape) - 1]
+    if order == list(range(len(shape))):
+        return None, None
+    return order, [order.index(d) for d in range(len(shape))]
 
 
 def grad_buffers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out=None) -> tuple:
@@ -206,15 +219,26 @@ def grad_buffers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out=None) ->
     return tuple(out)
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints, as `triton.cdiv`, in plain Python: Triton's is a constexpr function that unwraps
+    its arguments (~4 us a call on the GPU machines' hosts, and a launch asks several)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (0 for n <= 0), as `triton.next_power_of_2`, in plain Python."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def block_d(head_dim: int) -> int:
     """Tile width for a head dimension: the next power of two, at least 16 (tl.dot's minimum)."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))
 
 
 def bucket(n: int) -> int:
     """Autotune key for a sequence length: the next power of two, capped at 2048 (the best tiles stop
     changing there), so a run with varying lengths tunes a handful of times, not once per length."""
-    return min(triton.next_power_of_2(n), 2048)
+    return min(next_power_of_2(n), 2048)
 
 
 def check_grid(batch: int, n_heads: int) -> None:
@@ -268,9 +292,10 @@ def bwd_preprocess(o, do, dq_acc=None):
             raise ValueError(f"dq_acc must be a float32 (batch, n_heads, seqlen_q_pad, head_dim) = "
                              f"({batch}, {n_heads}, >= {seqlen_q}, {head_dim}) tensor with a unit last stride; got "
                              f"{dq_acc.dtype} {tuple(dq_acc.shape)} with strides {tuple(dq_acc.stride())}")
-    grid = (triton.cdiv(seqlen_q_pad, PREPROCESS_BLOCK_M), batch * n_heads)
+    grid = (cdiv(seqlen_q_pad, PREPROCESS_BLOCK_M), batch * n_heads)
     delta = torch.empty((batch, n_heads, seqlen_q), device=o.device, dtype=torch.float32)
-    _bwd_preprocess[grid](
+    launch(
+        _bwd_preprocess, grid,
         o, do, delta, delta if dq_acc is None else dq_acc, *o.stride()[:3], *do.stride()[:3],
         *(dq_acc.stride()[:3] if dq_acc is not None else (0, 0, 0)), n_heads, seqlen_q,
         seqlen_q_pad, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=PREPROCESS_BLOCK_M,

@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, LAUNCH_OPTIONS
+from .common import INTERPRET, LAUNCH_OPTIONS, next_power_of_2
+from .launch import launch
 
 
 class Config(NamedTuple):
@@ -89,9 +90,9 @@ def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, ignore_index
         losses = torch.empty(n, dtype=torch.float32, device=logits.device)
         config = config or CONFIG
         if n:
-            cross_entropy_kernel[(n,)](logits, logits.stride(0), targets, losses, vocab, ignore_index,
-                                       BLOCK_V=min(config.block_v, triton.next_power_of_2(vocab)), GRAD=grad,
-                                       num_warps=config.num_warps, **LAUNCH_OPTIONS)
+            launch(cross_entropy_kernel, (n,), logits, logits.stride(0), targets, losses, vocab, ignore_index,
+                   BLOCK_V=min(config.block_v, next_power_of_2(vocab)), GRAD=grad,
+                   num_warps=config.num_warps, **LAUNCH_OPTIONS)
         return losses
     return _cross_entropy_rows_torch(logits, targets, ignore_index, grad)
 

@@ -23,7 +23,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import INTERPRET, LAUNCH_OPTIONS, block_d, check_grid, head_ptr, load_tile, softcap_args, tanh
+from .common import (
+    INTERPRET, LAUNCH_OPTIONS, block_d, cdiv, check_grid, head_ptr, load_tile, next_power_of_2, softcap_args, tanh,
+)
 from .frontend import check_softcap, validate
 
 LOG2E = math.log2(math.e)
@@ -101,7 +103,7 @@ def default_num_splits(batch: int, n_heads: int, seqlen_k: int, device: torch.de
     """Enough splits for about two programs per SM (one per 4 "SMs" under the interpreter), at most one per
     BLOCK_N keys."""
     sms = 4 if INTERPRET else torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(triton.cdiv(2 * sms, batch * n_heads), triton.cdiv(seqlen_k, BLOCK_N)))
+    return max(1, min(cdiv(2 * sms, batch * n_heads), cdiv(seqlen_k, BLOCK_N)))
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, num_splits: int, seqlen: Tensor | None,
@@ -111,8 +113,8 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, num_splits: 
     check_grid(batch, n_heads)
     if num_splits <= 0:
         num_splits = default_num_splits(batch, n_heads, seqlen_k, q.device)
-    split_size = triton.cdiv(triton.cdiv(seqlen_k, num_splits), BLOCK_N) * BLOCK_N
-    num_splits = triton.cdiv(seqlen_k, split_size)  # no empty split (unless seqlen < seqlen_k)
+    split_size = cdiv(cdiv(seqlen_k, num_splits), BLOCK_N) * BLOCK_N
+    num_splits = cdiv(seqlen_k, split_size)  # no empty split (unless seqlen < seqlen_k)
     bd = block_d(head_dim)
     o_part = torch.empty((batch * n_heads, num_splits, bd), device=q.device, dtype=torch.float32)
     lse_part = torch.empty((batch * n_heads, num_splits), device=q.device, dtype=torch.float32)
@@ -126,7 +128,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, num_splits: 
     o = torch.empty_like(q)
     _combine[(batch * n_heads,)](
         o_part, lse_part, o, o.stride(0), o.stride(1), n_heads, num_splits,
-        HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), **LAUNCH_OPTIONS,
+        HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_S=max(2, next_power_of_2(num_splits)), **LAUNCH_OPTIONS,
     )
     return o
 

@@ -21,9 +21,10 @@ import triton
 import triton.language as tl
 
 from .common import (
-    LAUNCH_OPTIONS, block_d, bwd_preprocess, check_grid, empty_like_layout, grad_buffers, head_ptr, load_tile, mma,
+    LAUNCH_OPTIONS, block_d, bwd_preprocess, cdiv, check_grid, empty_like_layout, grad_buffers, head_ptr, load_tile, mma,
     store_tile, upcast_dot, visible_mask,
 )
+from .launch import launch
 
 BLOCK_M = 64
 BLOCK_N = 64
@@ -91,8 +92,9 @@ def forward(q, k, v, causal, softmax_scale):
     check_grid(batch, n_heads)
     o = empty_like_layout(q)
     lse = torch.empty((batch, n_heads, seqlen_q), device=q.device, dtype=torch.float32)
-    grid = (triton.cdiv(seqlen_q, BLOCK_M), batch * n_heads)
-    _fwd[grid](
+    grid = (cdiv(seqlen_q, BLOCK_M), batch * n_heads)
+    launch(
+        _fwd, grid,
         q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
         n_heads, seqlen_q, seqlen_k, softmax_scale,
         GROUP=n_heads // n_kv_heads, CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
@@ -211,11 +213,13 @@ def backward(do, q, k, v, o, lse, causal, softmax_scale, out=None):
         **LAUNCH_OPTIONS,
     )
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
-    _bwd_dkdv[(triton.cdiv(seqlen_k, BLOCK_N), batch * n_kv_heads)](
+    launch(
+        _bwd_dkdv, (cdiv(seqlen_k, BLOCK_N), batch * n_kv_heads),
         q, k, v, do, dk, dv, lse, delta, *strides, *dk.stride()[:3], *dv.stride()[:3],
         n_heads, seqlen_q, seqlen_k, softmax_scale, **meta,
     )
-    _bwd_dq[(triton.cdiv(seqlen_q, BLOCK_M), batch * n_heads)](
+    launch(
+        _bwd_dq, (cdiv(seqlen_q, BLOCK_M), batch * n_heads),
         q, k, v, do, dq, lse, delta, *strides, *dq.stride()[:3], n_heads, seqlen_q, seqlen_k, softmax_scale, **meta,
     )
     return dq, dk, dv

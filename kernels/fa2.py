@@ -43,9 +43,11 @@ import triton
 import triton.language as tl
 
 from .common import (
-    INTERPRET, LAUNCH_OPTIONS, block_d, bucket, bwd_preprocess, check_grid, empty_like_layout, grad_buffers, head_ptr,
-    load_rows, load_tile, mma, softcap_args, store_tile, tanh, tile_source, upcast_dot, use_tma, visible_mask,
+    INTERPRET, LAUNCH_OPTIONS, block_d, bucket, bwd_preprocess, cdiv, check_grid, empty_like_layout, grad_buffers,
+    head_ptr, load_rows, load_tile, mma, next_power_of_2, softcap_args, store_tile, tanh, tile_source, upcast_dot,
+    use_tma, visible_mask,
 )
+from .launch import launch
 
 LOG2E = math.log2(math.e)
 
@@ -381,9 +383,10 @@ def forward(q, k, v, causal, softmax_scale, window_size=(-1, -1), cu_seqlens_q=N
     check_grid(batch, n_heads)
     o = empty_like_layout(q)
     lse = torch.empty((q.shape[0], n_heads, seqlen_q), device=q.device, dtype=torch.float32)
-    grid = lambda meta: (triton.cdiv(max_q, meta["BLOCK_M"]), batch * n_heads)
+    grid = lambda meta: (cdiv(max_q, meta["BLOCK_M"]), batch * n_heads)
     qk_scale, softcap_scale = softcap_args(softmax_scale, softcap, LOG2E)
-    _fwd[grid](
+    launch(
+        _fwd, grid,
         q, k, v, o, lse, mask[0], mask[1], *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
         n_heads, seqlen_q, seqlen_k, *mask[2:], qk_scale, softcap_scale, bucket(max_q), bucket(max_k),
         GROUP=n_heads // n_kv_heads, **constexprs, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
@@ -673,7 +676,7 @@ def _launch_backward(do, q, k, v, lse, delta, dq, dkdv, causal, softmax_scale, w
     common = dict(
         GROUP=n_heads // n_kv_heads, **constexprs, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
         UPCAST=upcast_dot(q.dtype), TMA_OK=options.tma and use_tma(q, k, v, do),
-        FLAT=flat, LPT=flat and options.varlen_bwd_grid == "lpt", SEQS=triton.next_power_of_2(batch) if flat else 1,
+        FLAT=flat, LPT=flat and options.varlen_bwd_grid == "lpt", SEQS=next_power_of_2(batch) if flat else 1,
         VARLEN_TILES=varlen and options.varlen_bwd_tiles, SOFTCAP=softcap > 0, **LAUNCH_OPTIONS,
     )
     qk_scale, softcap_scale = softcap_args(softmax_scale, softcap, LOG2E)
@@ -681,16 +684,16 @@ def _launch_backward(do, q, k, v, lse, delta, dq, dkdv, causal, softmax_scale, w
              bucket(max_k))
     qkv_do_strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
     if flat:  # every sequence's blocks, no more: sum(cdiv(len, BLOCK)) <= cdiv(total, BLOCK) + sequences
-        grid_kv = lambda meta: (n_kv_heads * (triton.cdiv(seqlen_k, meta["BLOCK_N"]) + batch),)
-        grid_q = lambda meta: (n_heads * (triton.cdiv(seqlen_q, meta["BLOCK_M"]) + batch),)
+        grid_kv = lambda meta: (n_kv_heads * (cdiv(seqlen_k, meta["BLOCK_N"]) + batch),)
+        grid_q = lambda meta: (n_heads * (cdiv(seqlen_q, meta["BLOCK_M"]) + batch),)
     else:
-        grid_kv = lambda meta: (triton.cdiv(max_k, meta["BLOCK_N"]), batch * n_kv_heads)
-        grid_q = lambda meta: (triton.cdiv(max_q, meta["BLOCK_M"]), batch * n_heads)
+        grid_kv = lambda meta: (cdiv(max_k, meta["BLOCK_N"]), batch * n_kv_heads)
+        grid_q = lambda meta: (cdiv(max_q, meta["BLOCK_M"]), batch * n_heads)
     if dkdv is not None:
         dk, dv = dkdv
-        _bwd_dkdv[grid_kv](q, k, v, do, dk, dv, lse, delta, *mask[:2], *qkv_do_strides, *dk.stride()[:3],
+        launch(_bwd_dkdv, grid_kv, q, k, v, do, dk, dv, lse, delta, *mask[:2], *qkv_do_strides, *dk.stride()[:3],
                            *dv.stride()[:3], *sizes, **common)
-    _bwd_dq[grid_q](q, k, v, do, dq, lse, delta, *mask[:2], *qkv_do_strides, *dq.stride()[:3], *sizes, **common)
+    launch(_bwd_dq, grid_q, q, k, v, do, dq, lse, delta, *mask[:2], *qkv_do_strides, *dq.stride()[:3], *sizes, **common)
 
 
 def compile_for_sm90(kernel, left=True, right=True, varlen=True, tma=True, head_dim=64, group=2, grid="padded",

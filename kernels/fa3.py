@@ -34,7 +34,10 @@ import triton
 import triton.language as tl
 
 from . import fa2
-from .common import INTERPRET, LAUNCH_OPTIONS, bwd_preprocess, empty_like_layout, grad_buffers, use_tma
+from .common import (
+    INTERPRET, LAUNCH_OPTIONS, bwd_preprocess, cdiv, empty_like_layout, grad_buffers, next_power_of_2, use_tma,
+)
+from .launch import launch
 
 # Triton releases (major.minor) whose Gluon Hopper API the kernels are written for: `kernels/gluon_compat.py` maps
 # their differences; `tools/check_triton_versions.sh` compiles both kernels on each.
@@ -341,6 +344,7 @@ class GluonKernels(NamedTuple):
     forward: Callable  # fa3_hopper.fa3_fwd_kernel
     backward: Callable  # fa3_hopper_bwd.fa3_bwd_kernel
     compiling: Callable  # gluon_compat.compiling: the context every compile of the two runs in
+    descriptor: Callable  # gluon_compat.tensor_descriptor: their host-made TMA descriptors
 
 
 @functools.lru_cache(maxsize=None)
@@ -355,10 +359,10 @@ def gluon_kernels(version: Optional[str] = None) -> GluonKernels | str:
     try:
         from .fa3_hopper import fa3_fwd_kernel
         from .fa3_hopper_bwd import fa3_bwd_kernel
-        from .gluon_compat import compiling
+        from .gluon_compat import compiling, tensor_descriptor
     except ImportError as e:  # a build of Triton without Gluon's Hopper API
         return f"triton {version} has no usable Gluon Hopper API ({e})"
-    return GluonKernels(fa3_fwd_kernel, fa3_bwd_kernel, compiling)
+    return GluonKernels(fa3_fwd_kernel, fa3_bwd_kernel, compiling, tensor_descriptor)
 
 
 def gluon_device_reason(device: torch.device) -> str | None:
@@ -381,33 +385,20 @@ def gluon_unsupported_reason(q, k, v, *more) -> str | None:
 
 _WARNED: set[str] = set()
 
-# Compiled Gluon kernels by launch key. After a shape's first launch through Triton's `kernel[grid](...)`, later
-# launches call the compiled kernel's own launcher with the arguments in the kernel's order, skipping Triton's
-# argument binder and cache lookup (binder 34-60 us against the launcher's 16-19 on the H200's host;
-# docs/hopper-notes.md). A key holds every value Triton specialises the compiled code on: the kernel, its config
-# and constexprs, the dtype and head_dim (which fix the descriptors' blocks and layouts), the ints' values (the
-# shapes) and the raw pointers' 16-byte alignment; the data pointers go through the descriptors, rebuilt every call.
-_COMPILED: dict = {}
-_COMPILED_MAX = 512  # distinct shapes kept (a decode loop meets one per length); later ones take Triton's path
-
-
 def launch_options(maxnreg: int = 0) -> dict:
     """Triton's launch and compile options for the Gluon kernels, with `maxnreg` registers a thread if nonzero."""
     return {**LAUNCH_OPTIONS, "maxnreg": maxnreg} if maxnreg else dict(LAUNCH_OPTIONS)
 
 
 def _run(kernel, key, grid, maxnreg: int = 0, **args):
-    """Launch the Gluon `kernel` (a gluon.jit function) on `grid` with `args` (every parameter, by name, with
-    4 warps and `maxnreg` registers a thread, 0 for Triton's choice), through `_COMPILED[key]` when this key has
-    run before (the key must then hold maxnreg)."""
-    compiled = _COMPILED.get(key)
-    if compiled is not None:  # its launcher takes a 3-D grid (Triton's binder pads it)
-        compiled[(*grid, 1, 1)[:3]](*[args[name] for name in kernel.arg_names])
-        return
-    with gluon_kernels().compiling():
-        compiled = kernel[grid](**args, num_warps=4, **launch_options(maxnreg))
-    if len(_COMPILED) < _COMPILED_MAX and set(kernel.arg_names) == set(args):
-        _COMPILED[key] = compiled
+    """Launch the Gluon `kernel` (a gluon.jit function) on `grid` with `args` (every parameter, by name), with
+    4 warps and `maxnreg` registers a thread (0: Triton's choice), through `launch.launch`. `key` stands for
+    what the compiled code depends on (host-made TMA descriptors cannot be keyed from their values): the
+    kernel, its config (maxnreg included) and constexprs, the dtype and head_dim (which fix the descriptors'
+    blocks and layouts), the ints' values (the shapes) and the raw pointers' 16-byte alignment; the data pointers
+    go through the descriptors, rebuilt every call."""
+    launch(kernel, grid, key=key, compiling=gluon_kernels().compiling, num_warps=4, **launch_options(maxnreg),
+           **args)
 
 
 def _warn_fallback(reason: str) -> None:
@@ -436,9 +427,7 @@ def run_forward(q, k, v, causal: bool, softmax_scale: float, config: ForwardConf
     window_size: flash-attn's (left, right), -1 = unlimited (`fa2.window_edges`); softcap: flash-attn's logit cap
     (0 = off). key_bounds: packed sequences (batch 1): each row's keys [start, limit) (`doc_bounds`), which then
     replace causal and window_size."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    kernel = gluon_kernels().forward
+    kernel, tensor_descriptor = gluon_kernels().forward, gluon_kernels().descriptor
     batch, n_heads, seqlen_q, head_dim = q.shape
     tile_dim = kernel_head_dim(head_dim)
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
@@ -455,8 +444,8 @@ def run_forward(q, k, v, causal: bool, softmax_scale: float, config: ForwardConf
     # 4-D descriptors over the tensors as they are (any strides TMA takes), one (1, 1, rows, tile_dim) box each:
     # columns past head_dim (at 96) read as 0 and are not written
     q_box, kv_box = shared_layouts(q.dtype, tile_dim, block_n, rank=4)
-    desc = lambda t, rows, layout: TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, tile_dim], layout)
-    n_tiles_m = triton.cdiv(seqlen_q, num_consumers * BLOCK_M)
+    desc = lambda t, rows, layout: tensor_descriptor(t, (1, 1, rows, tile_dim), layout)
+    n_tiles_m = cdiv(seqlen_q, num_consumers * BLOCK_M)
     n_tiles = n_tiles_m * batch * n_heads
     order = unused
     if docs:
@@ -505,7 +494,7 @@ def persistent_grid(n_tiles_m: int, n_bh: int, seqlen_q: int, num_consumers: int
     if n_tiles <= sm_count:
         return n_tiles
     last_rows = seqlen_q - (n_tiles_m - 1) * num_consumers * BLOCK_M
-    last_cost = triton.cdiv(last_rows, BLOCK_M) / num_consumers
+    last_cost = cdiv(last_rows, BLOCK_M) / num_consumers
     if last_cost == 1:  # every tile costs the same: any grid has the same busiest CTA
         return sm_count
 
@@ -633,12 +622,10 @@ def run_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, config
     row's keys [start, limit) and each key's rows [start, limit) (`doc_bounds`, four tensors), with the offsets
     and longest length they came from (cu_seqlens, max_seqlen) for a config with separate_dq. ValueError for a
     config the kernel cannot run."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     batch, n_heads, seqlen_q, head_dim = q.shape
     tile_dim = kernel_head_dim(head_dim)
     dq_rows, dq_cols = config.dq_box(tile_dim)  # checks the config
-    kernel = gluon_kernels().backward
+    kernel, tensor_descriptor = gluon_kernels().backward, gluon_kernels().descriptor
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     num_stages, split_dq, block_m, section_heads, num_consumers, maxnreg, separate_dq = config
     left, right = fa2.window_edges(causal, window_size, seqlen_q, seqlen_k)
@@ -653,7 +640,7 @@ def run_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, config
     else:
         unused = _no_bounds(q.device)
         bounds, order = (unused,) * 4, unused
-    seqlen_q_pad = triton.cdiv(seqlen_q, block_m) * block_m  # whole blocks for the dQ reduce-adds
+    seqlen_q_pad = cdiv(seqlen_q, block_m) * block_m  # whole blocks for the dQ reduce-adds
     # In q's memory order, as dq: the last pass below is then a plain contiguous one (a (B, H, T, D) accumulator
     # for the model's (B, T, H, D) q made it a transposing copy: 110 us of GPT-2's 1k backward, cuDNN's 46).
     # head_dim wide: at 96 the reduce-adds clip the 128-wide tiles' zero columns.
@@ -667,9 +654,8 @@ def run_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, config
     q_layout, kv_layout, _, ds_layout, dq_layout = _bwd_layouts(q.dtype, tile_dim, block_m, block_n,
                                                                  (dq_rows, dq_cols))
     q_box, k_box, v_box, _, dq_box = _bwd_layouts(q.dtype, tile_dim, block_m, block_n, (dq_rows, dq_cols), rank=4)
-    desc = lambda t, rows, layout, cols=tile_dim: TensorDescriptor(
-        t, list(t.shape), list(t.stride()), [1, 1, rows, cols], layout)
-    n_blocks = triton.cdiv(seqlen_k, block_n)
+    desc = lambda t, rows, layout, cols=tile_dim: tensor_descriptor(t, (1, 1, rows, cols), layout)
+    n_blocks = cdiv(seqlen_k, block_n)
     grid = (n_blocks * batch * n_kv_heads,)
     section_heads = section_heads or max(1, _sm_count(q.device) // n_blocks)
     lse = lse.contiguous()
@@ -727,9 +713,9 @@ def convert_dq(dq_acc, softmax_scale: float, dq) -> None:
         raise ValueError(f"convert_dq: dq_acc must be float32 ({batch}, {n_heads}, >= {seqlen_q}, {head_dim}) like dq, "
                          f"both with a unit last stride; got dq_acc {dq_acc.dtype} {tuple(dq_acc.shape)} strides "
                          f"{tuple(dq_acc.stride())}, dq {tuple(dq.shape)} strides {tuple(dq.stride())}")
-    grid = (triton.cdiv(seqlen_q, CONVERT_DQ_BLOCK_M), batch * n_heads)
-    _convert_dq[grid](dq_acc, dq, softmax_scale, *dq_acc.stride()[:3], *dq.stride()[:3], n_heads, seqlen_q,
-                      HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=CONVERT_DQ_BLOCK_M,
+    grid = (cdiv(seqlen_q, CONVERT_DQ_BLOCK_M), batch * n_heads)
+    launch(_convert_dq, grid, dq_acc, dq, softmax_scale, *dq_acc.stride()[:3], *dq.stride()[:3], n_heads, seqlen_q,
+                      HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BLOCK_M=CONVERT_DQ_BLOCK_M,
                       **LAUNCH_OPTIONS)
 
 

@@ -40,7 +40,8 @@ from triton.experimental.gluon.language.nvidia.hopper import tma
 from triton.language import core as _tl_core
 
 __all__ = ["aggregate", "as_4d", "compiling", "constexpr_function", "cp_async_load", "reinterpret", "tma_load",
-           "rewrite_ptx", "tma_reduce_add", "tma_store", "wgmma_descriptor_adds", "wgmma_descriptor_sink"]
+           "rewrite_ptx", "tensor_descriptor", "tma_reduce_add", "tma_store", "wgmma_descriptor_adds",
+           "wgmma_descriptor_sink"]
 
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
@@ -60,6 +61,31 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 tma_reduce_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add
 
 _REINTERPRET = "reinterpret" if hasattr(gl.shared_memory_descriptor, "reinterpret") else "_reinterpret"
+
+
+# Checked descriptors' fields by (dtype, box, id(layout)), with the layout itself (so its id stays its own).
+_DESCRIPTOR_FIELDS: dict = {}
+
+
+def tensor_descriptor(base, block_shape: tuple, layout):
+    """Gluon's host-made TMA descriptor (`TensorDescriptor`) over all of `base` (its shape and strides), in
+    `block_shape` boxes with shared-memory `layout`. The first one per (dtype, box, layout) is built and checked by
+    Gluon; later ones copy its fields and take the new base, shape and strides, which skips the checks (about 10 us
+    a descriptor of Python on the GPU machines' hosts; a backward makes seven). What those checks would say
+    of the new tensor (a 16-byte aligned base, 16-byte multiple strides, a unit last stride) is the caller's to
+    ensure: `kernels.fa3` runs the kernels only on tensors `common.use_tma` accepts, and on outputs it allocates."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    key = (base.dtype, block_shape, id(layout))
+    fields = _DESCRIPTOR_FIELDS.get(key)
+    if fields is None:
+        desc = TensorDescriptor(base, list(base.shape), list(base.stride()), list(block_shape), layout)
+        _DESCRIPTOR_FIELDS[key] = dict(vars(desc)), layout
+        return desc
+    desc = object.__new__(TensorDescriptor)
+    vars(desc).update(fields[0])
+    desc.base, desc.shape, desc.strides = base, list(base.shape), list(base.stride())
+    return desc
 
 
 @builtin

@@ -44,7 +44,7 @@ import torch
 
 from bench import HelpFormatter
 from bench.attention import TOKENS, WIDTH
-from kernels import fa3
+from kernels import fa3, launch
 from tools.fa3_variants import backward_config, forward_config
 
 # dQ's float32 reduce-adds land in any order: the same kernel's dQ differs between runs by 1.2-2.6e-5 relative at
@@ -223,20 +223,21 @@ def time_cubins(folder: Path, rounds: int) -> None:
     print(f"triton {triton.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}")
     for (kernel, head_dim, causal, seqlen), cubins in sorted(groups.items()):
         run, cudnn = _runner(kernel, head_dim, causal, seqlen)
-        natives = {}  # config -> (key in fa3._COMPILED, the installed release's compiled kernel, its outputs)
+        natives = {}  # config -> ((kernel, its launch key), the installed release's compiled kernel, its outputs)
 
         def native(config):
             if config not in natives:
                 keys = []
-                launch = fa3._run
+                gluon_run = fa3._run
 
                 def recording(kernel, key, grid, **args):
-                    keys.append(key)
-                    return launch(kernel, key, grid, **args)
+                    keys.append((kernel, key))
+                    return gluon_run(kernel, key, grid, **args)
 
                 with mock.patch.object(fa3, "_run", recording):
                     outputs = run(config)
-                natives[config] = keys[-1], fa3._COMPILED[keys[-1]], outputs  # the timed kernel's launch is last
+                # the timed kernel's launch is last
+                natives[config] = keys[-1], launch.compiled_kernel(*keys[-1]), outputs
             return natives[config]
 
         measured = _config(kernel, head_dim, causal, None)
@@ -246,9 +247,9 @@ def time_cubins(folder: Path, rounds: int) -> None:
             config = type(measured)(**meta["config"])
             key, compiled, reference = native(config)  # the same config compiled here: same launch, same result
             swapped = _swapped(compiled, path.read_bytes(), meta["shared"])
-            fa3._COMPILED[key] = swapped
+            launch.swap_compiled(*key, swapped)
             why = _same(kernel, run(config), reference)
-            fa3._COMPILED[key] = compiled
+            launch.swap_compiled(*key, compiled)
             if why:
                 print(f"  {path.name}: {why}: skipped")
                 continue
@@ -257,13 +258,13 @@ def time_cubins(folder: Path, rounds: int) -> None:
         try:
             for _ in range(rounds):
                 for name, (config, key, compiled) in variants.items():
-                    fa3._COMPILED[key] = compiled
+                    launch.swap_compiled(*key, compiled)
                     times[name].append(triton.testing.do_bench(lambda: run(config), warmup=25, rep=150))
                 if cudnn:
                     times["cudnn"].append(triton.testing.do_bench(cudnn, warmup=25, rep=150))
         finally:
             for key, compiled, _ in natives.values():
-                fa3._COMPILED[key] = compiled
+                launch.swap_compiled(*key, compiled)
         median = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
         base = median[f"native {triton.__version__}"]
         print(f"{kernel} D={head_dim} causal={causal} N={seqlen} (B={_batch(seqlen)}, H={WIDTH // head_dim}), "

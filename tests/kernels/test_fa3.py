@@ -20,7 +20,7 @@ import torch
 from kernels import (
     fa2, fa2_attention, fa2_varlen_attention, fa3, fa3_attention, fa3_qkvpacked_attention, fa3_varlen_attention,
 )
-from kernels.common import LAUNCH_OPTIONS
+from kernels import launch as launch_mod
 from test_attention import reference
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -284,10 +284,10 @@ def test_gluon_forward_persistent_order_covers_every_tile(fresh_dispatch, head_d
 @gluon_on_hopper
 @pytest.mark.parametrize("head_dim,causal", [(64, True), (128, False)])
 def test_gluon_relaunch_of_a_shape_reads_the_new_inputs(fresh_dispatch, monkeypatch, head_dim, causal):
-    """The second call of a shape goes through the compiled kernels `fa3._COMPILED` kept from the first (Triton's
-    binder skipped): new data, other strides (a (B, T, H, D) view) and another softmax_scale must all be read anew.
-    Checked against float64, forward and backward, with the outputs' memory poisoned before each call."""
-    monkeypatch.setattr(fa3, "_COMPILED", {})
+    """The second call of a shape goes through the compiled kernels' launchers kept from the first (`kernels.launch`:
+    Triton's binder skipped): new data, other strides (a (B, T, H, D) view) and another softmax_scale must all be
+    read anew. Checked against float64, forward and backward, with the outputs' memory poisoned before each call."""
+    monkeypatch.setattr(launch_mod, "_KERNELS", {})
     shape = (2, 3, 1030, head_dim)  # past BACKWARD_MIN_SEQLEN_K: the Gluon backward runs
     for call in range(2):
         if call == 0:
@@ -303,7 +303,9 @@ def test_gluon_relaunch_of_a_shape_reads_the_new_inputs(fresh_dispatch, monkeypa
             warnings.simplefilter("error")  # no fallback warning: the Gluon kernels ran
             fa3_attention(*leaves, causal=causal, softmax_scale=scale).backward(do)
             o = fa3_attention(q, k, v, causal=causal, softmax_scale=scale)
-        assert len(fa3._COMPILED) == 2  # one forward and one backward key, made by the first call
+        gluon = fa3.gluon_kernels()
+        # one forward and one backward key, made by the first call
+        assert launch_mod.cached(gluon.forward) == 1 and launch_mod.cached(gluon.backward) == 1
         ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
         o_ref = torch.nn.functional.scaled_dot_product_attention(*ref_leaves, is_causal=causal, scale=scale)
         o_ref.backward(do.double())
@@ -311,40 +313,6 @@ def test_gluon_relaunch_of_a_shape_reads_the_new_inputs(fresh_dispatch, monkeypa
         for leaf, ref in zip(leaves, ref_leaves):
             err = ((leaf.grad.double() - ref.grad).norm() / ref.grad.norm()).item()
             assert torch.isfinite(leaf.grad).all() and err < 1e-2, (call, err)
-
-
-def test_compiled_launch_cache_orders_the_arguments(monkeypatch):
-    """`fa3._run`: a key's first launch goes through Triton (`kernel[grid](**args, num_warps=4, **LAUNCH_OPTIONS)`),
-    later ones through the compiled kernel's launcher with every argument in the kernel's parameter order; a launch
-    that leaves a parameter to its default is never cached (the order would need Triton's defaults)."""
-    monkeypatch.setattr(fa3, "_COMPILED", {})
-    launches = []
-
-    class Compiled:  # Triton's CompiledKernel reads grid[0], grid[1] and grid[2]
-        def __getitem__(self, grid):
-            return lambda *args: launches.append(("compiled", (grid[0], grid[1], grid[2]), args))
-
-    class Kernel:
-        arg_names = ["x_desc", "n", "BLOCK"]
-
-        def __getitem__(self, grid):
-            def run(**kwargs):
-                launches.append(("triton", grid, kwargs))
-                return Compiled()
-            return run
-
-    kernel = Kernel()
-    fa3._run(kernel, "key", (3,), BLOCK=64, n=7, x_desc="d0")
-    fa3._run(kernel, "key", (4,), n=8, BLOCK=64, x_desc="d1")
-    fa3._run(kernel, "other", (5,), n=9, x_desc="d2")  # BLOCK left to a default: Triton's path every time
-    fa3._run(kernel, "other", (5,), n=9, x_desc="d3")
-    options = dict(num_warps=4, **LAUNCH_OPTIONS)
-    assert launches == [
-        ("triton", (3,), dict(BLOCK=64, n=7, x_desc="d0", **options)),
-        ("compiled", (4, 1, 1), ("d1", 8, 64)),
-        ("triton", (5,), dict(n=9, x_desc="d2", **options)),
-        ("triton", (5,), dict(n=9, x_desc="d3", **options)),
-    ]
 
 
 def _busiest_cta(grid, num_consumers, n_bh, seqlen_q):
@@ -510,8 +478,8 @@ def test_gluon_backward_launch_orders_cover_every_key_block(fresh_dispatch, sect
 def test_gluon_qkvpacked_matches_float64(fresh_dispatch, monkeypatch, head_dim, causal, n_heads, n_kv_heads, seqlen):
     """fa3_qkvpacked_attention with the Gluon forward and backward (dk, dv stored by TMA and dq by the cast pass
     straight into the packed gradient, allocated NaN) against float64; after fa3_attention on the same shape with
-    separate tensors, so the compiled-launch cache (`fa3._COMPILED`) meets the packed strides second."""
-    monkeypatch.setattr(fa3, "_COMPILED", {})
+    separate tensors, so the compiled-launch cache (`kernels.launch`) meets the packed strides second."""
+    monkeypatch.setattr(launch_mod, "_KERNELS", {})
     empty_like = torch.empty_like  # the packed gradient is allocated by it: NaN, so an unwritten element shows
     monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: empty_like(*a, **kw).fill_(float("nan")))
     heads = n_heads + 2 * n_kv_heads

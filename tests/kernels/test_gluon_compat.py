@@ -257,3 +257,23 @@ def test_compiling_does_nothing_before_triton_3_9(monkeypatch):
     monkeypatch.setattr(knobs.runtime, "add_stages_inspection_hook", None)
     with gluon_compat.compiling():
         assert knobs.runtime.add_stages_inspection_hook is None
+
+
+def test_tensor_descriptor_copies_the_checked_fields_and_takes_the_new_tensor():
+    """`tensor_descriptor`: the first descriptor per (dtype, box, layout) is Gluon's own, checked; later ones equal
+    what Gluon would build for their tensor (every field), without its checks."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    layout = fa3.shared_layouts(torch.bfloat16, 64, 128, rank=4)[1]
+    first = torch.randn(2, 3, 256, 64, dtype=torch.bfloat16)
+    second = torch.randn(1, 40, 4, 64, dtype=torch.bfloat16).transpose(1, 2)  # other shape and strides
+    box = (1, 1, 128, 64)
+    made = [gluon_compat.tensor_descriptor(t, box, layout) for t in (first, second)]
+    for desc, t in zip(made, (first, second)):
+        expected = TensorDescriptor(t, list(t.shape), list(t.stride()), list(box), layout)
+        assert isinstance(desc, TensorDescriptor) and desc.base is t
+        assert vars(desc).keys() == vars(expected).keys()
+        assert all(getattr(desc, name) == getattr(expected, name) for name in vars(expected) if name != "base")
+    with pytest.raises(AssertionError):  # a new (dtype, box, layout) is Gluon's, checked: a 16-row box is too short
+        gluon_compat.tensor_descriptor(first, (1, 1, 128, 4), layout)
