@@ -19,6 +19,7 @@ every launch takes Triton's path. Kernels whose int arguments change on every ca
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Callable, NamedTuple
 
 import torch
@@ -46,7 +47,7 @@ class _Kernel:
         self.kernel, self.autotuned = kernel, autotuned
         self.names = tuple(p.name for p in fn.params)
         self.constexpr = tuple(bool(p.is_constexpr) for p in fn.params)
-        self.defaults = tuple(p.default if p.has_default else _MISSING for p in fn.params)
+        self.defaults = tuple(_MISSING if p.default is inspect.Parameter.empty else p.default for p in fn.params)
         self.params = frozenset(self.names)
         self.launchers: dict = {}
 
