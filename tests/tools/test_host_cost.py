@@ -1,0 +1,51 @@
+"""tools.host_cost: every row timed (CPU: the interpreter, a smoke test; GPU: the real figures), and its options."""
+
+import warnings
+
+import pytest
+import torch
+
+from tools import host_cost
+
+ROWS = ["fa3.forward", "fa3.backward", "fa2.forward", "fa2.backward", "fa3_attention forward",
+        "fa3_attention backward (autograd)", "sdpa forward"]
+
+
+def test_every_row_is_timed(capsys):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fa3's fallback warning on a CPU
+        times = host_cost.main(["--seqlen", "16", "--calls", "1", "--rounds", "1", "--causal", "false"])
+    assert list(times) == ROWS and all(t > 0 for t in times.values())
+    out = capsys.readouterr().out
+    assert "N 16, D 64, causal False" in out and all(label in out for label in ROWS)
+
+
+def test_best_of_rounds(monkeypatch):
+    """The figure is the fastest round's time per call."""
+    clock = iter([0.0, 3.0, 10.0, 11.0, 20.0, 22.0])  # rounds of 2 calls taking 3 s, 1 s, 2 s
+    monkeypatch.setattr(host_cost.time, "perf_counter", lambda: next(clock))
+    assert host_cost.per_call(lambda: None, calls=2, rounds=3, sync=lambda: None) == 0.5e6
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--calls", "0"], "--calls 0 --rounds 3: each must be >= 1"),
+    (["--causal", "maybe"], "'maybe': expected true or false"),
+    (["--head-dim", "80"], "invalid choice: 80"),
+])
+def test_bad_options_are_refused(capsys, args, message):
+    with pytest.raises(SystemExit):
+        host_cost.main(args)
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's size limit")
+def test_gpu_sizes_are_refused_on_the_cpu(capsys):
+    with pytest.raises(SystemExit):
+        host_cost.main([])
+    assert "--seqlen 1024: without a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_runs_on_the_gpu(capsys):
+    times = host_cost.main(["--calls", "20", "--rounds", "1"])
+    assert list(times) == ROWS and all(0 < t < 1e5 for t in times.values())

@@ -1,0 +1,96 @@
+"""Host time of eager attention calls: microseconds of CPU per call, at a size where the GPU keeps up.
+
+    python -m tools.host_cost                                   # head_dim 64, N 1024, causal
+    python -m tools.host_cost --head-dim 128 --causal false --calls 400 --rounds 5
+
+Each row calls one function `--calls` times in a row on the same inputs (B 1, H 2, bf16: a few microseconds of
+GPU work a call), after 20 warm-up calls, then synchronises; a row's figure is the best of `--rounds` rounds,
+because the host is noisy at this level (the same call varies up to 2x between processes on the GPU machines).
+Rows: the entry points the custom ops call (`kernels.fa3.forward` / `backward`, `kernels.fa2.forward` /
+`backward`), the public `fa3_attention` forward and its backward through autograd (`retain_graph=True`), and
+PyTorch's SDPA forward for scale. An eager call that costs more host time than its kernels take leaves the GPU
+waiting: `bench.attention`'s short cells and a host-bound training step (docs/benchmarks.md, "Launches past
+Triton's binder").
+
+On a CPU the kernels run under Triton's interpreter: a smoke test at a small --seqlen, not a benchmark.
+"""
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from bench import HelpFormatter
+from kernels import fa2, fa3, fa3_attention
+
+CPU_MAX_SEQLEN = 64
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r}: expected true or false")
+
+
+def per_call(fn, calls: int, rounds: int, sync) -> float:
+    """Best of `rounds` rounds of `calls` calls of fn (after 20 warm-up calls): microseconds a call."""
+    best = float("inf")
+    for _ in range(rounds):
+        for _ in range(20):
+            fn()
+        sync()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+    return best
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    ap.add_argument("--head-dim", type=int, default=64, choices=(64, 96, 128), help="D")
+    ap.add_argument("--seqlen", type=int, default=1024, help="N (queries and keys)")
+    ap.add_argument("--causal", type=_bool, default=True, help="true or false")
+    ap.add_argument("--calls", type=int, default=400, help="calls a round")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds a row (its figure: the best)")
+    args = ap.parse_args(argv)
+    if args.seqlen < 1 or args.calls < 1 or args.rounds < 1:
+        ap.error(f"--seqlen {args.seqlen} --calls {args.calls} --rounds {args.rounds}: each must be >= 1")
+    cuda = torch.cuda.is_available()
+    if not cuda and args.seqlen > CPU_MAX_SEQLEN:
+        ap.error(f"--seqlen {args.seqlen}: without a CUDA GPU the kernels run under Triton's interpreter, a smoke "
+                 f"test of at most {CPU_MAX_SEQLEN} positions (e.g. --seqlen 32 --calls 1 --rounds 1)")
+    device = "cuda" if cuda else "cpu"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    causal, scale = args.causal, args.head_dim ** -0.5
+    q, k, v, do = (torch.randn(1, 2, args.seqlen, args.head_dim, device=device, dtype=torch.bfloat16)
+                   for _ in range(4))
+    o3, lse3 = fa3.forward(q, k, v, causal, scale)
+    o2, lse2 = fa2.forward(q, k, v, causal, scale)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = fa3_attention(*leaves, causal=causal)
+    rows = {
+        "fa3.forward": lambda: fa3.forward(q, k, v, causal, scale),
+        "fa3.backward": lambda: fa3.backward(do, q, k, v, o3, lse3, causal, scale),
+        "fa2.forward": lambda: fa2.forward(q, k, v, causal, scale),
+        "fa2.backward": lambda: fa2.backward(do, q, k, v, o2, lse2, causal, scale),
+        "fa3_attention forward": lambda: fa3_attention(*leaves, causal=causal),
+        "fa3_attention backward (autograd)": lambda: out.backward(do, retain_graph=True),
+        "sdpa forward": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+    }
+    name = torch.cuda.get_device_name() if cuda else "CPU (interpreter: not a benchmark)"
+    print(f"host us per eager call: B 1, H 2, N {args.seqlen}, D {args.head_dim}, causal {causal}, bf16; {name}, "
+          f"torch {torch.__version__}; best of {args.rounds} rounds of {args.calls} calls")
+    times = {}
+    for label, fn in rows.items():
+        times[label] = per_call(fn, args.calls, args.rounds, sync)
+        print(f"  {label:36s} {times[label]:9.1f}", flush=True)
+    return times
+
+
+if __name__ == "__main__":
+    main()
