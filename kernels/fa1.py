@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from .common import (
-    LAUNCH_OPTIONS, block_d, bwd_preprocess, cdiv, check_grid, empty_like_layout, grad_buffers, head_ptr, load_tile, mma,
-    store_tile, upcast_dot, visible_mask,
+    LAUNCH_OPTIONS, block_d, bwd_preprocess, cdiv, check_grid, empty_like_layout, grad_buffers, head_ptr, load_tile,
+    mma, store_tile, upcast_dot, visible_mask,
 )
 from .launch import launch
 

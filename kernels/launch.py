@@ -85,7 +85,8 @@ def launch(kernel, grid, *args, key=None, compiling: Callable = contextlib.nullc
     key: the caller's own key for what the compiled code depends on, in place of the one computed from the
     arguments and launch options (needed for arguments this module cannot key, e.g. host-made TMA descriptors:
     then it must hold their dtypes, blocks and layouts, and every launch option that varies); compiling: a
-    context manager around Triton's path (the launch that may compile). Errors are Triton's, raised on its path: a cached launcher only runs what ran before."""
+    context manager around Triton's path (the launch that may compile). Errors are Triton's, raised on its path:
+    a cached launcher only runs what ran before."""
     entry = _kernel(kernel)
     if entry is None:
         kernel[grid](*args, **kwargs)
