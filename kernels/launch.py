@@ -152,8 +152,3 @@ def _full_key(launchers: dict, key):
         if full[1] == key:
             return full
     raise KeyError(f"no cached launch with key {key!r}")
-
-
-def clear() -> None:
-    """Forget every cached launcher (the next launch of each specialisation takes Triton's path)."""
-    _KERNELS.clear()
