@@ -6,12 +6,14 @@ The numerical matrix for fa3 (odd lengths, seqlen_q != seqlen_k, GQA, strided vi
 determinism) is tests/kernels/test_attention.py's, which runs fa3 on a CUDA GPU.
 """
 
+import gc
 import os
 import random
 import re
 import subprocess
 import sys
 import warnings
+import weakref
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,7 @@ from kernels import (
     fa2, fa2_attention, fa2_varlen_attention, fa3, fa3_attention, fa3_qkvpacked_attention, fa3_varlen_attention,
 )
 from kernels import launch as launch_mod
+from kernels.common import grad_buffers
 from test_attention import reference
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -1002,6 +1005,64 @@ def test_packed_bounds_are_made_once_per_offsets_and_remade_after_a_write():
     assert again[0].tolist() == _doc_bounds_loop([2, 1, 7], -1, 0)[0]
     keys = fa3._packed_bounds(True, (2, -1), cu, 10, 7, keys=True)  # each key's rows: the window seen from keys
     assert [t.tolist() for t in keys] == list(_doc_bounds_loop([2, 1, 7], 0, 2))
+
+
+@pytest.mark.parametrize("given_out", [False, True])
+def test_packed_calls_hand_the_kernels_views_of_their_own_buffers(monkeypatch, given_out):
+    """Packed sequences on the Gluon path (here with the kernels replaced by recorders, on any machine): the forward
+    and backward give the kernels (1, heads, total, head_dim) views of the (total, heads, head_dim) inputs, the
+    backward's gradient buffers among them (`out` when given), and return what the kernels wrote there as
+    (total, heads, head_dim)."""
+    monkeypatch.setattr(fa3, "gluon_device_reason", lambda device: None)
+    monkeypatch.setattr(fa3, "use_tma", lambda *tensors: True)
+    monkeypatch.setattr(fa3, "BACKWARD_MIN_SEQLEN_K", dict.fromkeys(fa3.BACKWARD_MIN_SEQLEN_K, 1))
+    total, n_heads, head_dim = 10, 2, 64
+    q, k, v, do, o = (torch.randn(total, n_heads, head_dim, dtype=torch.float16) for _ in range(5))
+    lse = torch.randn(n_heads, total)
+    cu = torch.tensor([0, 3, 10], dtype=torch.int32)
+    # what a kernel writes at (head h, position t): 100 h + t, plus 500 per gradient (all exact in float16)
+    marks = torch.arange(n_heads)[:, None] * 100.0 + torch.arange(total)[None, :]
+
+    def run_forward(q4, k4, v4, *args, key_bounds, **kwargs):
+        for t, name in ((q4, "q"), (k4, "k"), (v4, "v")):
+            assert t.shape == (1, n_heads, total, head_dim), name
+        assert q4.data_ptr() == q.data_ptr() and key_bounds is not None
+        return marks[None, :, :, None].expand(1, n_heads, total, head_dim).half(), marks[None].clone()
+
+    def run_backward(do4, q4, k4, v4, o4, lse4, causal, scale, config, out4, *args):
+        assert [t.data_ptr() for t in (do4, q4, k4, v4, o4)] == [t.data_ptr() for t in (do, q, k, v, o)]
+        assert lse4.shape == (1, n_heads, total)
+        out4 = grad_buffers(q4, k4, v4, out4)
+        for i, g in enumerate(out4):
+            assert g.shape == (1, n_heads, total, head_dim)
+            g.copy_((marks + 500 * i)[None, :, :, None].expand_as(g))
+        return out4
+
+    monkeypatch.setattr(fa3, "run_forward", run_forward)
+    monkeypatch.setattr(fa3, "run_backward", run_backward)
+    out_o, out_lse = fa3.forward(q, k, v, True, 0.125, (-1, -1), cu, cu, 7, 7)
+    assert torch.equal(out_o[:, :, 0].float(), marks.T) and torch.equal(out_lse, marks)
+    out = tuple(torch.full_like(q, float("nan")) for _ in range(3)) if given_out else None
+    grads = fa3.backward(do, q, k, v, o, lse, True, 0.125, (-1, -1), cu, cu, 7, 7, out=out)
+    for i, g in enumerate(grads):
+        assert g.shape == (total, n_heads, head_dim)
+        assert torch.equal(g.float(), (marks.T + 500 * i)[:, :, None].expand(total, n_heads, head_dim))
+        if given_out:
+            assert g.data_ptr() == out[i].data_ptr() and g.stride() == out[i].stride()
+
+
+def test_what_is_made_from_offsets_goes_with_them():
+    """What is made from an offsets tensor does not outlive it, and a new tensor (perhaps at the freed one's address)
+    gets its own."""
+    cu = torch.tensor([0, 3, 10], dtype=torch.int32)
+    made = weakref.ref(fa3._packed_bounds(True, (-1, -1), cu, 10, 7)[0])
+    gc.collect()
+    assert made() is not None
+    del cu
+    gc.collect()
+    assert made() is None
+    cu = torch.tensor([0, 5, 10], dtype=torch.int32)
+    assert fa3._packed_bounds(True, (-1, -1), cu, 10, 7)[0].tolist() == _doc_bounds_loop([5, 5], -1, 0)[0]
 
 
 @gluon_on_hopper
