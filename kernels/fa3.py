@@ -27,6 +27,7 @@ import functools
 import os
 import sys
 import warnings
+import weakref
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -281,12 +282,12 @@ def plan(direction: str, q, k, v, causal: bool, *more, varlen: bool = False, sha
     causal: a causal mask, a sliding window or packed sequences; varlen: packed sequences (q, k, v and `more` are
     then (total, heads, head_dim)), shared_offsets: with one set of offsets (`same_offsets`); window_left,
     window_right: the window's edges as the kernels apply them (`fa2.window_edges`), -1 for none."""
-    tensors = [packed_view(t) for t in (q, k, v, *more)] if varlen else [q, k, v, *more]
+    # (total >= 1, heads, head_dim) passes `use_tma` exactly when its `packed_view` does (the view's extra stride is
+    # total rows): no views made here
     return decide(Facts(
         direction=direction, environment=gluon_device_reason(q.device), dtype=q.dtype, head_dim=q.shape[-1],
-        seqlen_k=tensors[1].shape[2], causal=causal, window_left=window_left, window_right=window_right,
-        varlen=varlen,
-        shared_offsets=shared_offsets, tma_ok=use_tma(*tensors),
+        seqlen_k=k.shape[0] if varlen else k.shape[2], causal=causal, window_left=window_left,
+        window_right=window_right, varlen=varlen, shared_offsets=shared_offsets, tma_ok=use_tma(q, k, v, *more),
         deterministic=torch.are_deterministic_algorithms_enabled()))
 
 
@@ -569,9 +570,16 @@ def block_order(query_start: torch.Tensor, query_limit: torch.Tensor, block_n: i
 
 
 # What packed sequences' calls derive from their offsets (`doc_bounds`, then the tile orders), made once per tensor:
-# a model passes one cu_seqlens to every layer, forward and backward. Keyed weakly by the tensor and by its version
-# (an in-place write makes them again).
-_MADE = torch.utils.weak.WeakTensorKeyDictionary()
+# a model passes one cu_seqlens to every layer, forward and backward. id(tensor) -> (a weak reference to it, its
+# version, {key: what was made}): the reference says the entry is still this tensor's (an id is reused once its
+# object is gone) and its callback drops the entry with the tensor; the version makes them again after an in-place
+# write. A plain dict: torch's WeakTensorKeyDictionary cost 4-5 us a lookup, and a call makes two.
+_MADE: dict[int, tuple] = {}
+
+
+def _forget(ref: weakref.ref, key: int, made: dict = _MADE) -> None:  # bound: module globals may be gone at exit
+    if made.get(key, (None,))[0] is ref:  # not a newer tensor's entry at the same id
+        del made[key]
 
 
 def _made_once(tensor: torch.Tensor, key, make: Callable):
@@ -579,10 +587,11 @@ def _made_once(tensor: torch.Tensor, key, make: Callable):
     from the inputs it is given)."""
     if tensor.is_cuda and torch.cuda.is_current_stream_capturing():
         return make()
-    version, made = _MADE.get(tensor, (None, {}))
-    if version != tensor._version:
-        version, made = tensor._version, {}
-        _MADE[tensor] = version, made
+    entry = _MADE.get(id(tensor))
+    if entry is None or entry[0]() is not tensor or entry[1] != tensor._version:
+        ref = weakref.ref(tensor, functools.partial(_forget, key=id(tensor)))
+        entry = _MADE[id(tensor)] = ref, tensor._version, {}
+    made = entry[2]
     if key not in made:
         made[key] = make()
     return made[key]
@@ -604,9 +613,9 @@ def forward(q, k, v, causal, softmax_scale, window_size=(-1, -1), cu_seqlens_q=N
     choice = plan("forward", q, k, v, banded, **band)
     if choice.kernel == "gluon" and band["varlen"]:
         bounds = _packed_bounds(causal, window_size, cu_seqlens_q, q.shape[0], max(max_seqlen_q, max_seqlen_k))
-        o, lse = run_forward(*map(packed_view, (q, k, v)), causal, softmax_scale, choice.config, softcap=softcap,
-                             key_bounds=bounds)
-        return o[0].transpose(0, 1), lse[0]
+        o, lse = run_forward(packed_view(q), packed_view(k), packed_view(v), causal, softmax_scale, choice.config,
+                             softcap=softcap, key_bounds=bounds)
+        return o.squeeze(0).transpose(0, 1), lse.squeeze(0)
     if choice.kernel == "gluon":
         return run_forward(q, k, v, causal, softmax_scale, choice.config, window_size, softcap)
     if choice.warn:
@@ -744,10 +753,11 @@ def backward(do, q, k, v, o, lse, causal, softmax_scale, window_size=(-1, -1), c
         total, longest = q.shape[0], max(max_seqlen_q, max_seqlen_k)
         bounds = (*_packed_bounds(causal, window_size, cu_seqlens_q, total, longest),
                   *_packed_bounds(causal, window_size, cu_seqlens_q, total, longest, keys=True))
-        packed_out = None if out is None else tuple(map(packed_view, out))
-        grads = run_backward(*map(packed_view, (do, q, k, v, o)), lse.unsqueeze(0), causal, softmax_scale,
-                             choice.config, packed_out, window_size, softcap, bounds, cu_seqlens_q, longest)
-        return tuple(g[0].transpose(0, 1) for g in grads)
+        packed_out = None if out is None else (packed_view(out[0]), packed_view(out[1]), packed_view(out[2]))
+        dq, dk, dv = run_backward(packed_view(do), packed_view(q), packed_view(k), packed_view(v), packed_view(o),
+                                  lse.unsqueeze(0), causal, softmax_scale, choice.config, packed_out, window_size,
+                                  softcap, bounds, cu_seqlens_q, longest)
+        return dq.squeeze(0).transpose(0, 1), dk.squeeze(0).transpose(0, 1), dv.squeeze(0).transpose(0, 1)
     if choice.kernel == "gluon":
         return run_backward(do, q, k, v, o, lse, causal, softmax_scale, choice.config, out, window_size, softcap)
     if choice.warn:

@@ -40,6 +40,9 @@ MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 ForwardLauncher = Callable[..., tuple[Tensor, Tensor]]
 BackwardLauncher = Callable[..., tuple[Tensor, Tensor, Tensor]]
 SOFTCAP_KERNELS: list[str] = []  # the names `make_attention` registered with logit soft-capping, in order
+# name -> (run_forward, run_backward, 3): the launchers with the ops' arguments, which eager calls of
+# `make_varlen_attention`'s function run through `EagerAttention` (kernels registered with masks=True)
+EAGER_MASKED: dict[str, tuple] = {}
 
 
 def type_name(x) -> str:
@@ -265,6 +268,8 @@ def make_attention(name: str, forward: ForwardLauncher, backward: BackwardLaunch
                                  setup_context=functools.partial(_save, n_tensors=3))
     to_natural = math.log(lse_log_base)
     eager = (run_forward, run_backward, 3)
+    if masks:
+        EAGER_MASKED[name] = eager
 
     def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, window_size=(-1, -1), *, softcap=0.0):
         validate(q, k, v, causal, softmax_scale)
@@ -415,9 +420,11 @@ def natural_lse(o: Tensor, lse: Tensor, to_natural: float) -> tuple[Tensor, Tens
 
 
 def make_varlen_attention(name: str, lse_log_base: float):
-    """The public packed-sequence function `{name}_varlen_attention`, on the op `make_attention(name, ...,
-    masks=True)` registered."""
+    """The public packed-sequence function `{name}_varlen_attention`: compiled code calls the op that
+    `make_attention(name, ..., masks=True)` registered, eager calls its launchers through `EagerAttention`, as the
+    dense functions do."""
     op = getattr(torch.ops.flashgpt, f"{name}_forward")
+    eager = EAGER_MASKED[name]
     to_natural = math.log(lse_log_base)
 
     def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
@@ -433,8 +440,9 @@ def make_varlen_attention(name: str, lse_log_base: float):
         softcap = check_softcap(softcap, name, name in SOFTCAP_KERNELS, "varlen_attention")
         softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
         q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
-        o, lse = op(q, k, v, causal, float(softmax_scale), *window, cu_seqlens_q.contiguous(),
-                    cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k, softcap)
+        args = (q, k, v, causal, float(softmax_scale), *window, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
+                max_seqlen_q, max_seqlen_k, softcap)
+        o, lse = op(*args) if torch.compiler.is_compiling() else EagerAttention.apply(eager, *args)
         return natural_lse(o, lse, to_natural) if return_lse else o
 
     varlen_attention.__name__ = varlen_attention.__qualname__ = f"{name}_varlen_attention"

@@ -1065,6 +1065,15 @@ def test_what_is_made_from_offsets_goes_with_them():
     assert fa3._packed_bounds(True, (-1, -1), cu, 10, 7)[0].tolist() == _doc_bounds_loop([5, 5], -1, 0)[0]
 
 
+def test_what_is_made_from_offsets_survives_a_stale_callback():
+    """The entry of a tensor whose id an earlier, freed tensor had is not dropped by that tensor's late callback."""
+    cu = torch.tensor([0, 3, 10], dtype=torch.int32)
+    made = fa3._packed_bounds(True, (-1, -1), cu, 10, 7)
+    stale = weakref.ref(torch.empty(0))  # already dead: stands for the freed tensor's reference
+    fa3._forget(stale, id(cu))
+    assert fa3._packed_bounds(True, (-1, -1), cu, 10, 7) is made
+
+
 @gluon_on_hopper
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("window_left", [255, 127])
