@@ -232,3 +232,30 @@ def test_another_tokenizer_is_refused_naming_each_field(tmp_path):
     text = str(e.value)
     assert "data tokenizer: checkpoint 'char', config 'tiktoken'" in text and "tokenizer tokenizer" not in text
     assert "data tokenizer encoding: checkpoint None, config 'gpt2'" in text
+
+
+@pytest.mark.parametrize("saved, given, same", [
+    (8, [8, 8], True), ([8, 8], 8, True), (0, [0, 0], True), ([4, 8], [4, 8], True),
+    (8, [8, 4], False), ([8, 8], 4, False), (0, [8, 8], False),
+])
+def test_a_per_layer_window_of_one_value_is_that_value(tmp_path, saved, given, same):
+    """model.attn_window=[w, w, ...] (one per layer) builds the model that model.attn_window=w does: resuming one
+    from the other is allowed; another window in any layer is refused, naming model.attn_window."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    from trainer.config import ConfigError
+    from trainer.resume import check_compatible
+
+    base = dict(block_size=8, vocab_size=10, n_layer=2, n_head=2, n_embd=32)
+    old = GPTConfig(**base, attn_window=saved)
+    meta = {"tokenizer": "char", "chars": "abcdefghij", "vocab_size": 10}
+    path = save_checkpoint({**fake_state(1), "model_args": dataclasses.asdict(old), "data_meta": meta,
+                            "attn_backend": old.attn, "config": {}}, tmp_path, 1, keep_last=1)
+    new = GPTConfig(**base, attn_window=given)
+    if same:
+        check_compatible(load_checkpoint(path), new, meta, OmegaConf.create({}))
+    else:
+        with pytest.raises(ConfigError, match=r"model\.attn_window: checkpoint"):
+            check_compatible(load_checkpoint(path), new, meta, OmegaConf.create({}))
