@@ -52,7 +52,7 @@ try:  # torch, hydra and the rest take seconds to load
     from trainer.run_lock import RunFolderBusy, own_run_folder
     from trainer.runtime import DistInfo
     from trainer.stop import TrainingAborted
-    from utils.atomic import atomic_write_text
+    from utils.atomic import atomic_write_text, check_writable
 except KeyboardInterrupt:  # not the import machinery's traceback
     if __name__ != "__main__":
         raise
@@ -187,6 +187,7 @@ def run_job(cfg: DictConfig, overrides: list[str], run_dir: Path, sweep_args: li
         if dist.is_main:
             try:
                 stack.enter_context(own_run_folder(run_dir))
+                check_writable(run_dir)  # e.g. a read-only folder resumed: refused here, not at the first write
             except RunFolderBusy as e:
                 log.error("%s", e)
                 return 1
@@ -203,14 +204,16 @@ def run_job(cfg: DictConfig, overrides: list[str], run_dir: Path, sweep_args: li
                          summary.step)
             else:
                 log.info("interrupted at step %d; to resume: %s", summary.step,
-                         continue_command(cfg.run, dist.world_size, overrides))
+                         continue_command(cfg.run, dist.world_size, overrides,
+                                          local_world_size=dist.local_world_size))
             return 128 + summary.stop_signal
         if sweep_args is not None:
             log.info("finished at step %d; to continue these runs: the same `python train.py -m ...` command with "
                      "trainer.max_steps=<more than %d>", summary.step, summary.step)
         else:
             log.info("finished at step %d; to continue this run: %s trainer.max_steps=<more than %d>", summary.step,
-                     continue_command(cfg.run, dist.world_size, overrides, drop=["trainer.max_steps"]), summary.step)
+                     continue_command(cfg.run, dist.world_size, overrides, drop=["trainer.max_steps"],
+                                      local_world_size=dist.local_world_size), summary.step)
     return 0
 
 

@@ -10,6 +10,7 @@ nothing about a writer on another host sharing the folder; its lock does).
     with atomic_path(path) as tmp:                           # for writers that need a path (np.memmap)
         ...write tmp...
     remove_stale_temp_files(folder)                          # -> [removed paths]
+    check_writable(folder)                                   # OSError unless files can be made there
 """
 
 from __future__ import annotations
@@ -28,6 +29,17 @@ def temp_path(path: Path, pid: int | None = None) -> Path:
     """``<path>.tmp-<pid>`` (this process by default): the temporary name ``atomic_path`` writes to."""
     path = Path(path)
     return path.with_name(f"{path.name}.tmp-{os.getpid() if pid is None else pid}")
+
+
+def check_writable(folder: Path) -> None:
+    """Raise OSError (PermissionError, a read-only file system, ...) unless this process can create, write and remove
+    a file in ``folder``, as the atomic writes do: a folder that cannot take them is refused before work starts,
+    not at the first write. The probe is a ``temp_path``, so a crash between its writing and its removal leaves a
+    file that ``remove_stale_temp_files`` deletes."""
+    probe = temp_path(Path(folder) / ".write-check")
+    with open(probe, "wb") as f:
+        f.write(b"\0")
+    os.unlink(probe)
 
 
 @contextlib.contextmanager

@@ -261,3 +261,17 @@ def test_another_sweep_in_a_sweeps_folder_is_refused(args, tmp_path):
     (folder / "multirun.yaml").write_text("a: [1\n")
     out = cli(first, "trainer.max_steps=3")
     assert out.returncode == 1 and "multirun.yaml does not read as a sweep's command line" in out.stderr, out.stderr
+
+
+def test_a_run_folder_that_takes_no_file_is_one_line(args, tmp_path, capsys):
+    """An existing run folder this process cannot write (read-only, or here: the write probe's name taken, as
+    permission bits do not stop root) is refused at the start in one line, before training."""
+    import train
+    from utils.atomic import temp_path
+
+    run_dir = tmp_path / "runs" / "ro"
+    temp_path(run_dir / ".write-check").mkdir(parents=True)
+    assert train.main([*args, "run.name=ro"]) == 1
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 1 and f"cannot create or write the run folder {run_dir}" in errors[0], errors
+    assert not (run_dir / "checkpoints").exists()

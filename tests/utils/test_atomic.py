@@ -53,3 +53,16 @@ def test_remove_stale_temp_files_keeps_live_writers(tmp_path):
         p.write_bytes(b"half")
     assert remove_stale_temp_files(tmp_path, "step_*.pt") == [dead]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in (mine, parent, other))
+
+
+def test_check_writable_leaves_nothing_and_raises_where_no_file_can_be_made(tmp_path):
+    from utils.atomic import check_writable
+
+    check_writable(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    # tests run as root, whom permission bits do not stop: the probe's own name taken by a folder stops it
+    temp_path(tmp_path / ".write-check").mkdir()
+    with pytest.raises(OSError):
+        check_writable(tmp_path)
+    with pytest.raises(OSError):
+        check_writable(tmp_path / "missing")
