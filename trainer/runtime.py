@@ -23,6 +23,7 @@ class DistInfo:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
+    local_world_size: int = 1  # processes on this machine
 
     @property
     def is_main(self) -> bool:
@@ -30,9 +31,11 @@ class DistInfo:
 
     @classmethod
     def from_env(cls) -> "DistInfo":
-        """Rank and world size from torchrun's RANK / LOCAL_RANK / WORLD_SIZE (defaults: 0, 0, 1)."""
-        return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)),
-                   int(os.environ.get("WORLD_SIZE", 1)))
+        """Ranks and world sizes from torchrun's RANK / LOCAL_RANK / WORLD_SIZE / LOCAL_WORLD_SIZE (defaults: 0, 0,
+        1, WORLD_SIZE)."""
+        world_size = int(os.environ.get("WORLD_SIZE", 1))
+        return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), world_size,
+                   int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
 
 
 def select_device(name: str, dist: DistInfo = DistInfo()) -> torch.device:

@@ -435,7 +435,10 @@ def test_the_continue_command_names_run_root_unless_it_is_the_default():
     assert continue_command(compose_config(["run.name=a"]).run, 1) == "python train.py run.name=a"
     run = compose_config(["run.name=a", "run.root=/tmp/my runs"]).run
     assert continue_command(run, 1) == "python train.py run.name=a \"run.root='/tmp/my runs'\""
-    assert continue_command(run, 2) == "torchrun ... train.py run.name=a \"run.root='/tmp/my runs'\""
+    assert continue_command(run, 2) == ("torchrun --standalone --nproc_per_node=2 train.py run.name=a "
+                                        "\"run.root='/tmp/my runs'\"")
+    assert continue_command(run, 4, local_world_size=4).startswith("torchrun --standalone --nproc_per_node=4 train")
+    assert continue_command(run, 16, local_world_size=8).startswith("torchrun <the same launcher arguments> train")
 
 
 def test_the_continue_command_repeats_the_runs_overrides():
