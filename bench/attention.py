@@ -46,6 +46,7 @@ import torch._functorch.config  # the donated_buffer switch used in measure()
 
 from bench import HelpFormatter, csv_list, fallback
 from bench.report import Column, Table, environment, line_plot, write_csv, write_json
+from kernels.frontend import MAX_HEAD_DIM, MIN_HEAD_DIM
 from model.backends import REGISTRY
 
 TOKENS = 16 * 1024
@@ -363,6 +364,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     check_names(args.backends, extra=(SPLIT_KV,) if args.shape == "decode" else ())
     if args.repeats < 1:
         raise SystemExit(f"--repeats {args.repeats}: give 1 or more")
+    bad = [d for d in args.head_dims if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM]
+    if bad:
+        raise SystemExit(f"--head-dims {bad[0]}: the kernels take head dimensions {MIN_HEAD_DIM} to {MAX_HEAD_DIM}")
     heads = [WIDTH // d for d in args.head_dims] if args.heads is None else [args.heads]
     kv_heads = args.kv_heads
     if any(h < 1 or (kv_heads is not None and (kv_heads < 1 or h % kv_heads)) for h in heads):

@@ -196,6 +196,9 @@ def deadline(at: float | None):
 
 
 
+CPU_MODELS = ("tiny", "baby")  # the shapes that generate in seconds to minutes on a CPU
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--out", required=True, help="folder for generate.csv and generate.json")
@@ -240,6 +243,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         print("note: CUDA graphs need a GPU: the eager-graph and compiled-graph modes are skipped on the CPU")
     if args.dtype == "auto":
         args.dtype = "bf16" if args.device == "cuda" else "fp32"
+    if args.device == "cpu" and args.model not in CPU_MODELS and not args.max_seconds:
+        ap.error(f"--model {args.model} on the CPU: its cases take hours (fa1, fa2 and fa3 run under Triton's "
+                 f"interpreter there); give --model {' or '.join(CPU_MODELS)} with small sizes (the CPU smoke test "
+                 "at the top of --help), or --max-seconds to bound the run")
     return args
 
 

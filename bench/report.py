@@ -150,3 +150,9 @@ def bar_chart(path: Path, groups: Sequence[str], series: dict[str, Sequence[Opti
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return drawn
+
+
+if __name__ == "__main__":
+    raise SystemExit("bench.report holds the tables, files and plots the benchmarks share; it has no command line of "
+                     "its own (the benchmarks: python -m bench.attention, bench.masks, bench.throughput, "
+                     "bench.generate)")

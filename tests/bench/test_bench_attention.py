@@ -164,6 +164,8 @@ def test_each_shape_has_its_default_backends():
 @pytest.mark.parametrize("argv,message", [
     (["--shape", "llama", "--kv-heads", "3"], r"query heads \[64\] with key/value heads 3"),
     (["--heads", "0"], r"query heads \[0\]"),
+    (["--shape", "decode", "--head-dims", "16,8"], r"--head-dims 8: the kernels take head dimensions 16 to 256"),
+    (["--head-dims", "512"], r"--head-dims 512: the kernels take head dimensions 16 to 256"),
     (["--backends", "fa2_splitkv"], r"unknown backend\(s\) \['fa2_splitkv'\].*--shape decode only"),
 ])
 def test_bad_shape_arguments_are_named(argv, message):

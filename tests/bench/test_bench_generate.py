@@ -108,6 +108,15 @@ def test_generate_bench_time_budget(tmp_path):
 
 def test_generate_bench_rejects_bad_lists(tmp_path):
     for bad in (["--backends", "sdpa,flash"], ["--batch", "0"], ["--modes", "fast"], ["--new-tokens", "0"],
-                ["--max-seconds", "-1"], ["--device", "cpu", "--modes", "eager-graph"]):
+                ["--max-seconds", "-1"], ["--device", "cpu", "--modes", "eager-graph"],
+                ["--device", "cpu", "--model", "gpt2"]):
         with pytest.raises(SystemExit):
             generate.main(["--out", str(tmp_path), *bad])
+
+
+def test_generate_bench_refuses_gpu_sized_models_on_the_cpu(tmp_path, capsys):
+    """The default model on a CPU would run for hours without a row: refused, naming the shapes that do not."""
+    with pytest.raises(SystemExit):
+        generate.main(["--out", str(tmp_path), "--device", "cpu"])
+    assert "--model gpt2 on the CPU: its cases take hours" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())

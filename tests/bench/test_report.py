@@ -57,3 +57,15 @@ def test_plots_are_written(tmp_path):
     labels = report.bar_chart(tmp_path / "b.png", ["a", "b"], {"x": [23.0, None], "y": [1500.0, 2.0]},
                               ylabel="tokens/s", title="t")
     assert labels == ["23", "1.5k", "2"] and (tmp_path / "b.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("module", ["bench.report", "bench.baseline"])
+def test_helper_modules_say_they_are_no_script(module):
+    """`python -m bench.report --help` (or bench.baseline) names what the module is instead of doing nothing."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = subprocess.run([sys.executable, "-m", module, "--help"], cwd=Path(__file__).resolve().parents[2],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "has no command line of its own" in out.stderr, out
