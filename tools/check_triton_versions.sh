@@ -8,6 +8,13 @@
 # short-key one; the largest shared memory) or the reason it falls back to FA2. A warning Triton gives while
 # compiling is printed as is.
 set -u
+for arg in "$@"; do
+  case $arg in
+    -h|--help) sed -n '2,9p' "$0" | cut -c3-; exit 0 ;;
+    [0-9]*.[0-9]*) ;;
+    *) echo "check_triton_versions.sh: $arg: expected Triton release numbers such as 3.9.0 (or --help)" >&2; exit 2 ;;
+  esac
+done
 cd "$(dirname "$0")/.."
 versions=${*:-3.6.0 3.7.1 3.8.0 3.9.0}
 root=$(mktemp -d)
