@@ -144,6 +144,15 @@ def _(q, k, v, softmax_scale, num_splits, seqlen=None, softcap=0.0):
     return torch.empty_like(q)
 
 
+def _no_backward(ctx, grad_o):
+    raise RuntimeError("fa2_decode is not differentiable (a decode step of inference): call it under torch.no_grad(), "
+                       "or use fa2_attention, whose backward exists, for gradients")
+
+
+# a backward that says why, in place of torch.library's "no autograd formula was registered"
+_decode_op.register_autograd(_no_backward)
+
+
 def fa2_decode(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float | None = None,
                num_splits: int | None = None, seqlen: Tensor | None = None, softcap: float = 0.0) -> Tensor:
     """Attention of one query per (batch, head) over all of k, v, with the keys split across programs.
@@ -163,7 +172,7 @@ def fa2_decode(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float | None = No
         o, like q: softmax(q k^T * softmax_scale) v (scores capped with softcap), as
         ``fa2_attention(q, k, v, causal=True, softcap=softcap)`` for seqlen_q = 1
         (with ``seqlen``: over k[:, :, :seqlen], v[:, :, :seqlen]).
-        Not differentiable.
+        Not differentiable: a backward through it raises RuntimeError.
 
     Raises:
         ValueError: seqlen_q != 1, num_splits < 1, a seqlen that is not a one-element integer tensor on q's

@@ -35,6 +35,19 @@ def test_fa2_decode_rejects_bad_input():
         fa2_decode(q[:, :, :1], torch.randn(1, 2, 5, 32), torch.randn(1, 2, 5, 32))
 
 
+def test_fa2_decode_backward_says_it_has_none():
+    """The forward runs with inputs that require grad (its result is the reference's); a backward through it
+    raises naming fa2_decode, not torch.library's missing-formula error."""
+    q, k, v = (torch.randn(1, 2, n, 16, requires_grad=True) for n in (1, 7, 7))
+    o = fa2_decode(q, k, v)
+    torch.testing.assert_close(o.detach().double(), reference_attention(q.detach(), k.detach(), v.detach()),
+                               atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="fa2_decode is not differentiable"):
+        o.sum().backward()
+    with torch.no_grad():
+        assert fa2_decode(q, k, v).grad_fn is None
+
+
 def test_fa2_decode_opcheck():
     q, k, v = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 70, 16), torch.randn(1, 2, 70, 16)
     torch.library.opcheck(torch.ops.flashgpt.fa2_decode, (q, k, v, 0.25, 2),
