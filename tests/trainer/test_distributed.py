@@ -98,7 +98,8 @@ def test_torchrun_writes_one_run_folder_checkpoint_set_and_wandb_run(ddp):
     log = (run_dir / "train.log").read_text()
     assert "DDP: 2 processes (gloo), 2 micro-batch(es) of 4 sequences per process per step" in log
     assert log.count("saved checkpoint") == 2 and "[rank 1]" not in log  # rank 0's log only
-    assert f"to continue this run: torchrun --standalone --nproc_per_node=2 train.py run.name={run_dir.name} run.root={root / 'runs'} " in log
+    assert (f"to continue this run: torchrun --standalone --nproc_per_node=2 train.py run.name={run_dir.name} "
+            f"run.root={root / 'runs'} ") in log
     assert log.count("run.name=") == 1 and "trainer.max_steps=<more than 10>" in log  # rank 0's shared name once
     wandb_runs = list(root.rglob("offline-run-*"))
     ckpt = load_checkpoint(run_dir / "checkpoints" / "step_00000010.pt")
