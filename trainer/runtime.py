@@ -23,7 +23,7 @@ class DistInfo:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
-    local_world_size: int = 1  # processes on this machine
+    local_world_size: int | None = None  # processes on this machine; None: world_size (one machine)
 
     @property
     def is_main(self) -> bool:

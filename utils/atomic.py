@@ -34,8 +34,7 @@ def temp_path(path: Path, pid: int | None = None) -> Path:
 def check_writable(folder: Path) -> None:
     """Raise OSError (PermissionError, a read-only file system, ...) unless this process can create, write and remove
     a file in ``folder``, as the atomic writes do: a folder that cannot take them is refused before work starts,
-    not at the first write. The probe is a ``temp_path``, so a crash between its writing and its removal leaves a
-    file that ``remove_stale_temp_files`` deletes."""
+    not at the first write. The probe, ``.write-check.tmp-<pid>``, is removed at once."""
     probe = temp_path(Path(folder) / ".write-check")
     with open(probe, "wb") as f:
         f.write(b"\0")
