@@ -9,7 +9,8 @@ fall back to FA2 with a one-time RuntimeWarning naming the reason; then performa
 `BACKWARD_MIN_SEQLEN_K` keys, where FA2's measured faster); then determinism (the Gluon backward adds dQ up in
 float32 through TMA reduce-adds, as FA3 does, so it is not bit-reproducible: under
 `torch.use_deterministic_algorithms(True)` FA2's backward runs, except where the backward's config has
-`separate_dq` (narrow windows, short keys at 64), whose dQ comes from FA2's kernel without atomics). The last two
+`separate_dq` (sliding windows on unpacked sequences, short keys at 64), whose dQ comes from FA2's kernel without
+atomics). The last two
 are choices, not fallbacks: no warning.
 The forward and the backward decide the same way but at head_dim 256, where the Gluon forward runs and FA2's backward
 (with the warning: the Gluon backward's dK and dV do not fit the registers at 256).
@@ -174,6 +175,11 @@ BACKWARD_HEAD_DIMS = tuple(BACKWARD_CONFIGS)  # the Gluon backward's: at 256 its
 # non-causal, at 8k causal and at window 1024.
 _ONE_CONSUMER_SEPARATE_DQ = BackwardConfig(2, "rows", 64, 0, 1, 128, True)
 NARROW_WINDOW_BACKWARD_CONFIGS = {d: _ONE_CONSUMER_SEPARATE_DQ for d in (64, 96, 128)}
+# Under torch.use_deterministic_algorithms(True), wider windows on unpacked sequences take the same bit-reproducible
+# config instead of FA2's backward. At window 1024 (B 2, H 16, N 8192; H100, benchmarks.md) it measured 0.535-0.576
+# ms against FA2's 0.606-0.615 at D 64, and 0.874-0.896 against 1.143-1.168 at D 128 (96 runs the 128-wide kernel,
+# as FA2's pads 96 to 128). Full attention and packed documents keep FA2's: not measured apart.
+DETERMINISTIC_WINDOW_BACKWARD_CONFIGS = {d: _ONE_CONSUMER_SEPARATE_DQ for d in (64, 96, 128)}
 SHORT_BACKWARD_CONFIGS = {64: _ONE_CONSUMER_SEPARATE_DQ}
 SHORT_BACKWARD_SEQLEN_K = 1024
 # Packed documents at 64 take the one-consumer kernel with the float32 dQ accumulator: FA2's varlen dQ kernel
@@ -216,11 +222,15 @@ def narrow_band(f: Facts) -> bool:
 
 def pick_backward_config(f: Facts) -> BackwardConfig:
     """The Gluon backward's config for `f`: PACKED_BACKWARD_CONFIGS for packed sequences,
+    DETERMINISTIC_WINDOW_BACKWARD_CONFIGS for a sliding window on unpacked sequences under deterministic algorithms,
     NARROW_WINDOW_BACKWARD_CONFIGS for a narrow band, SHORT_BACKWARD_CONFIGS up to SHORT_BACKWARD_SEQLEN_K keys,
     else BACKWARD_CONFIGS (each at f.head_dim where it has an entry). KeyError for a head_dim outside
     BACKWARD_HEAD_DIMS (`RULES` sends those to FA2 first)."""
     if f.varlen and f.head_dim in PACKED_BACKWARD_CONFIGS:
         return PACKED_BACKWARD_CONFIGS[f.head_dim]
+    if (f.deterministic and not f.varlen and f.window_left >= 0
+            and f.head_dim in DETERMINISTIC_WINDOW_BACKWARD_CONFIGS):
+        return DETERMINISTIC_WINDOW_BACKWARD_CONFIGS[f.head_dim]
     if narrow_band(f) and f.head_dim in NARROW_WINDOW_BACKWARD_CONFIGS:
         return NARROW_WINDOW_BACKWARD_CONFIGS[f.head_dim]
     if f.head_dim in SHORT_BACKWARD_CONFIGS and f.seqlen_k <= SHORT_BACKWARD_SEQLEN_K:
