@@ -6,7 +6,6 @@ import os
 import re
 import shlex
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -43,11 +42,11 @@ def test_short_run_writes_checkpoints_metrics_and_offline_wandb(make_cfg):
         assert r["perf/tokens_per_s"] == pytest.approx(s.tokens_per_step / (r["perf/step_time_ms"] / 1e3))
         assert r["perf/tokens_per_s_per_gpu"] == r["perf/tokens_per_s"]  # one process
         assert r["perf/mfu"] is None and r["perf/mfu_per_gpu"] is None and r["perf/peak_mem_gib"] is None  # CPU
-    # Every step is charged its own time, evaluation steps (3, 6, 7) included: none near zero. (A step charged
-    # nothing would read near 0; the margin is wide because other processes on a loaded 2-core
-    # machine stretch single steps by 5x and more.)
-    median = statistics.median(r["perf/step_time_ms"] for r in records)
-    assert all(r["perf/step_time_ms"] > median / 20 for r in records[1:]), [r["perf/step_time_ms"] for r in records]
+    # Every step is charged its own time, evaluation steps (3, 6, 7) included: none near zero. A step charged
+    # nothing reads microseconds; a real step of this model (forward, backward and AdamW, hundreds of CPU ops)
+    # takes milliseconds. An absolute floor: on a loaded 2-core machine single steps stretch 30x and more, which
+    # makes any bound relative to the other steps flaky.
+    assert all(r["perf/step_time_ms"] > 0.5 for r in records), [r["perf/step_time_ms"] for r in records]
     assert [r["step"] for r in records if "val/loss" in r] == [3, 6, 7]
     assert s.final_val_loss == records[-1]["val/loss"] and s.tokens_per_step == 4 * 32
     assert records[-1]["tokens_seen"] == 7 * 4 * 32
@@ -900,7 +899,7 @@ def test_sample_finds_the_latest_checkpoint_from_a_run_or_its_checkpoints_folder
     assert sample.find_checkpoint(str(ckpts / "step_00000001.pt")) == ckpts / "step_00000001.pt"
     with pytest.raises(CheckpointError, match="neither a checkpoint file, a run folder"):
         sample.find_checkpoint(str(tmp_path / "nowhere"), str(tmp_path / "runs"))
-    with pytest.raises(CheckpointError, match=rf"neither a checkpoint file, a run folder$"):  # absolute: no runs/
+    with pytest.raises(CheckpointError, match=r"neither a checkpoint file, a run folder$"):  # absolute: no runs/
         sample.find_checkpoint(str(tmp_path / "nowhere"))
     # A sweep's folder (or a runs root): its runs are named.
     with pytest.raises(CheckpointError, match=rf"it holds the runs r: give --run {tmp_path / 'runs' / 'r'}$"):
