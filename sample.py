@@ -32,16 +32,22 @@ def find_checkpoint(run: str, runs_root: str = "runs") -> Path:
     p = Path(run)
     if p.is_file():
         return p
+    empty = []  # folders without checkpoints: a run of that name under runs_root still counts (e.g. ./model/)
     for folder in (p, Path(runs_root) / run):
         if folder.is_dir():
             if folder.name == "checkpoints" and not checkpoint_dir(folder).is_dir():  # <run>/checkpoints itself
                 folder = folder.parent
             ckpt = latest_checkpoint(folder)
-            if ckpt is None:
-                runs = sorted(p.name for p in folder.iterdir() if latest_checkpoint(p) is not None)
-                inside = f"; it holds the runs {', '.join(runs)}: give --run {folder / runs[0]}" if runs else ""
-                raise CheckpointError(f"run folder {folder} has no checkpoints (checkpoints/step_*.pt){inside}")
-            return ckpt
+            if ckpt is not None:
+                return ckpt
+            empty.append(folder)
+    for folder in empty:  # a sweep's folder (or a runs root) names the runs it holds
+        runs = sorted(p.name for p in folder.iterdir() if latest_checkpoint(p) is not None)
+        if runs:
+            raise CheckpointError(f"run folder {folder} has no checkpoints (checkpoints/step_*.pt); it holds the "
+                                  f"runs {', '.join(runs)}: give --run {folder / runs[0]}")
+    if empty:
+        raise CheckpointError(f"run folder {empty[0]} has no checkpoints (checkpoints/step_*.pt)")
     where = "" if p.is_absolute() else f", nor a run under {runs_root}/"
     raise CheckpointError(f"--run {run!r} is neither a checkpoint file, a run folder{where}")
 

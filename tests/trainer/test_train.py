@@ -910,6 +910,22 @@ def test_sample_finds_the_latest_checkpoint_from_a_run_or_its_checkpoints_folder
     assert sample.find_checkpoint("checkpoints", str(tmp_path / "runs")) == named / "step_00000005.pt"
 
 
+def test_sample_finds_a_run_named_like_a_folder_of_the_working_directory(tmp_path, monkeypatch):
+    """A run named like a folder without checkpoints where sample.py runs (the repository's model/, data/, ...)
+    is still found under the runs root; with no such run the folder is named."""
+    import sample
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "gpt.py").write_text("")
+    with pytest.raises(CheckpointError, match=r"^run folder model has no checkpoints \(checkpoints/step_\*\.pt\)$"):
+        sample.find_checkpoint("model", "runs")
+    ckpts = tmp_path / "runs" / "model" / "checkpoints"
+    ckpts.mkdir(parents=True)
+    (ckpts / "step_00000004.pt").write_bytes(b"")
+    assert sample.find_checkpoint("model", "runs") == Path("runs") / "model" / "checkpoints" / "step_00000004.pt"
+
+
 def test_sample_py_prints_a_warning_as_one_line(capsys):
     """sample.py's command line shows a Python warning as its category and message alone, not the source line."""
     import sample
