@@ -78,7 +78,10 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[
                 num_tokens: Optional[int] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """Next token ids (B, 1) int64 from logits (B, T, vocab_size) of the last position: the first num_tokens ids
     (all if None), divided by temperature, the top_k most likely (top_k=1: argmax), sampled with generator."""
-    logits = logits[:, -1, :num_tokens].float() / temperature
+    logits = logits[:, -1, :num_tokens].float()
+    # shifted to a maximum of 0 first (softmax is shift-invariant), and a temperature below float32's smallest
+    # normal taken as that: a tiny one then sends the others to -inf, not every logit to +-inf or 0 / 0 (NaN)
+    logits = (logits - logits.amax(-1, keepdim=True)) / max(temperature, torch.finfo(torch.float32).tiny)
     if top_k == 1:
         return logits.argmax(-1, keepdim=True)
     if top_k is not None:

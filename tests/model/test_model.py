@@ -136,6 +136,17 @@ def test_generate():
         model.generate(idx, 1, temperature=0.0)
 
 
+@pytest.mark.parametrize("temperature", [1e-40, 5e-324, 1e-3])
+def test_a_tiny_temperature_samples_the_most_likely_token(temperature):
+    """Any temperature > 0 gives valid probabilities: a tiny one (float32 overflows 1 / 1e-40) is greedy."""
+    from model.generate import sample_next
+
+    logits = torch.randn(3, 2, 50) * 5
+    logits[1, -1, 7] = 1e4  # one far ahead
+    ids = sample_next(logits, temperature, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(ids, logits[:, -1].argmax(-1, keepdim=True))
+
+
 def test_resolve_backend(monkeypatch):
     from kernels import fa3
 
