@@ -4,8 +4,9 @@
     python -m bench.throughput --backends fa2,sdpa --sweep 1024,2048,4096,8192 model=gpt2 ...
 
 Every backend trains the same model from the same seed (`train()` in-process, so every Hydra override of
-train.py applies) for `--warmup` + `--steps` optimizer steps; the warm-up steps, which include torch.compile
-and Triton autotuning, are left out of the statistics. A step's time is the device time from the end of the
+train.py applies, except those of the keys each run's config sets, which are refused: `OWNED_KEYS`) for
+`--warmup` + `--steps` optimizer steps; the warm-up steps, which include torch.compile and Triton autotuning, are
+left out of the statistics. A step's time is the device time from the end of the
 previous step to the end of this one (CUDA events; host time on the CPU). Per backend it reports the median
 step time (ms) and the mean, the spread (interquartile range of the step times over their median, %: rows above
 10% are named under the table), tokens/s (tokens per step / median step time), median MFU, peak GPU memory, the
@@ -58,6 +59,9 @@ FIELDS = ["backend", "loop", "run", "block_size", "batch_size", "tokens_per_step
 RATIOS = dict(speedup_vs_sdpa=None, tokens_per_s_vs_bare=None, tokens_per_s_vs_bare_before=None,
               tokens_per_s_vs_bare_after=None, peak_mem_vs_bare=None)  # filled in by add_speedups
 NOISY_PCT = 10  # a row whose step times spread more than this is named under the table
+# train.py keys each run's config sets (`backend_config`), refused among the overrides with the flag that sets them
+OWNED_KEYS = (("attn", "--backends"), ("trainer.max_steps", "--warmup and --steps"), ("run.name", "--name"),
+              ("wandb.group", "--name"), ("resume", "nothing: each run starts afresh"))
 
 
 def backend_config(overrides, backend, out_dir, label, warmup, steps):
@@ -263,9 +267,19 @@ def parse_args(argv):
     args = parser.parse_intermixed_args(argv)  # Hydra overrides before, between or after the options
     args.backends = args.backends.split(",")
     bad = [b for b in args.backends if b not in BACKENDS or b == "auto"]
-    if bad or args.steps < 1 or args.warmup < 0 or args.repeats < 1:
-        parser.error(f"--backends: unknown {bad}; accepted {', '.join(BACKENDS[1:])}" if bad
-                     else "--steps and --repeats must be >= 1 and --warmup >= 0")
+    if bad:
+        parser.error(f"--backends: unknown {bad}; accepted {', '.join(BACKENDS[1:])}")
+    for flag, value, least in (("--steps", args.steps, 1), ("--repeats", args.repeats, 1),
+                               ("--warmup", args.warmup, 0)):
+        if value < least:
+            parser.error(f"{flag} {value}: must be >= {least}")
+    if args.repeats > 1 and not args.baseline:
+        parser.error(f"--repeats {args.repeats} repeats the trainer runs between bare ones: give --baseline too")
+    for override in args.overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        for owned, flag in OWNED_KEYS:
+            if key == owned or key.startswith(owned + "."):
+                parser.error(f"{override}: bench.throughput sets {owned} itself; give {flag} instead")
     try:
         args.sweep = [int(c) for c in args.sweep.split(",") if c]
     except ValueError:

@@ -170,7 +170,14 @@ def test_overrides_may_stand_between_the_options():
 
 @pytest.mark.parametrize("argv,message", [
     (["--backends", "sdpa,flash"], "unknown"),
-    (["--steps", "0"], "--steps"),
+    (["--steps", "0"], "--steps 0: must be >= 1"),
+    (["--warmup", "-1"], "--warmup -1: must be >= 0"),
+    (["--repeats", "3"], "--repeats 3 repeats the trainer runs between bare ones: give --baseline too"),
+    (["--backends", "sdpa", "attn=fa2"], "attn=fa2: bench.throughput sets attn itself; give --backends instead"),
+    (["attn.backend=fa1"], "attn.backend=fa1: bench.throughput sets attn itself; give --backends instead"),
+    (["trainer.max_steps=9"], "trainer.max_steps=9: bench.throughput sets trainer.max_steps itself; give --warmup "
+                              "and --steps instead"),
+    (["+run.name=x"], "+run.name=x: bench.throughput sets run.name itself; give --name instead"),
     (["--sweep", "100", "--sweep-tokens", "64"], "divisors"),
 ])
 def test_bad_arguments(argv, message, capsys):
@@ -188,7 +195,7 @@ def test_bad_arguments(argv, message, capsys):
 ])
 def test_bad_names_and_configs_are_refused_before_anything_is_written(flags, bad, message, tiny_overrides, tmp_path,
                                                                       capsys):
-    overrides = [a for a in tiny_overrides if not a.startswith(("run.", "trainer.max_steps"))]
+    overrides = [a for a in tiny_overrides if not a.startswith(("run.", "attn=", "trainer.max_steps"))]
     root = tmp_path / "runs"
     with pytest.raises(SystemExit) as exit_info:
         throughput.main([*flags, *overrides, f"run.root={root}", *bad])
