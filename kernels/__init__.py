@@ -59,8 +59,8 @@ FA3_GRADIENTS = ("the Gluon backward adds dQ up through TMA reduce-adds, whose o
                  "head_dim 64 with 1024 keys, where FA2's dQ kernel follows the Gluon dK/dV kernel "
                  "(kernels.fa3.NARROW_WINDOW_BACKWARD_CONFIGS, SHORT_BACKWARD_CONFIGS); under "
                  "torch.use_deterministic_algorithms(True) those run, and that kernel pair for any sliding window on "
-                 "unpacked sequences (DETERMINISTIC_WINDOW_BACKWARD_CONFIGS), FA2's atomic-free backward everywhere "
-                 "else: deterministic.")
+                 "unpacked sequences at head_dim 96 and 128 (DETERMINISTIC_WINDOW_BACKWARD_CONFIGS), FA2's "
+                 "atomic-free backward everywhere else: deterministic.")
 fa3_attention, fa3_qkvpacked_attention = make_attention("fa3", fa3.forward, fa3.backward, lse_log_base=2.0,
                                                         masks=True, softcap=True)
 fa3_attention.__doc__ = PUBLIC_DOC.format(

@@ -9,8 +9,8 @@ fall back to FA2 with a one-time RuntimeWarning naming the reason; then performa
 `BACKWARD_MIN_SEQLEN_K` keys, where FA2's measured faster); then determinism (the Gluon backward adds dQ up in
 float32 through TMA reduce-adds, as FA3 does, so it is not bit-reproducible: under
 `torch.use_deterministic_algorithms(True)` FA2's backward runs, except where the backward's config has
-`separate_dq` (sliding windows on unpacked sequences, short keys at 64), whose dQ comes from FA2's kernel without
-atomics). The last two
+`separate_dq` (narrow sliding windows, wider ones on unpacked sequences at 96 and 128, short keys at 64), whose dQ
+comes from FA2's kernel without atomics). The last two
 are choices, not fallbacks: no warning.
 The forward and the backward decide the same way but at head_dim 256, where the Gluon forward runs and FA2's backward
 (with the warning: the Gluon backward's dK and dV do not fit the registers at 256).
@@ -175,11 +175,12 @@ BACKWARD_HEAD_DIMS = tuple(BACKWARD_CONFIGS)  # the Gluon backward's: at 256 its
 # non-causal, at 8k causal and at window 1024.
 _ONE_CONSUMER_SEPARATE_DQ = BackwardConfig(2, "rows", 64, 0, 1, 128, True)
 NARROW_WINDOW_BACKWARD_CONFIGS = {d: _ONE_CONSUMER_SEPARATE_DQ for d in (64, 96, 128)}
-# Under torch.use_deterministic_algorithms(True), wider windows on unpacked sequences take the same bit-reproducible
-# config instead of FA2's backward. At window 1024 (B 2, H 16, N 8192; H100, benchmarks.md) it measured 0.535-0.576
-# ms against FA2's 0.606-0.615 at D 64, and 0.874-0.896 against 1.143-1.168 at D 128 (96 runs the 128-wide kernel,
-# as FA2's pads 96 to 128). Full attention and packed documents keep FA2's: not measured apart.
-DETERMINISTIC_WINDOW_BACKWARD_CONFIGS = {d: _ONE_CONSUMER_SEPARATE_DQ for d in (64, 96, 128)}
+# Under torch.use_deterministic_algorithms(True), wider windows on unpacked sequences at 96 and 128 take the same
+# bit-reproducible config instead of FA2's backward. At window 1024 (B 2, H 16, N 8192; H100, benchmarks.md):
+# through `fa3_attention` under deterministic algorithms 0.987 ms against FA2's 1.208 at D 128, but 0.681 against
+# 0.652 at D 64, so 64 keeps FA2's (96 runs the 128-wide kernel, as FA2's pads 96 to 128; not measured apart).
+# Full attention and packed documents keep FA2's: not measured apart.
+DETERMINISTIC_WINDOW_BACKWARD_CONFIGS = {d: _ONE_CONSUMER_SEPARATE_DQ for d in (96, 128)}
 SHORT_BACKWARD_CONFIGS = {64: _ONE_CONSUMER_SEPARATE_DQ}
 SHORT_BACKWARD_SEQLEN_K = 1024
 # Packed documents at 64 take the one-consumer kernel with the float32 dQ accumulator: FA2's varlen dQ kernel

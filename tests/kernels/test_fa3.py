@@ -823,25 +823,30 @@ def test_narrow_windows_take_their_measured_configs(head_dim, window_left, windo
     # no dQ reduce-adds in a narrow band's backward, so it stays on the Gluon kernel under deterministic algorithms,
     # and wider windows take the same config there
     deterministic = fa3.decide(facts._replace(direction="backward", deterministic=True))
-    assert deterministic == fa3.Plan("gluon", config=fa3.NARROW_WINDOW_BACKWARD_CONFIGS[head_dim] if narrow else
-                                     fa3.DETERMINISTIC_WINDOW_BACKWARD_CONFIGS[head_dim])
+    if narrow or head_dim in fa3.DETERMINISTIC_WINDOW_BACKWARD_CONFIGS:
+        assert deterministic == fa3.Plan("gluon", config=fa3.NARROW_WINDOW_BACKWARD_CONFIGS[head_dim] if narrow else
+                                         fa3.DETERMINISTIC_WINDOW_BACKWARD_CONFIGS[head_dim])
+    else:
+        assert deterministic.kernel == "fa2"
 
 
 @pytest.mark.parametrize("window_left,varlen,head_dim,expected", [
-    (1023, False, 64, "window"), (1023, False, 96, "window"), (4095, False, 128, "window"), (0, False, 64, "window"),
-    (-1, False, 64, "fa2"), (-1, False, 128, "fa2"), (1023, True, 64, "fa2"), (1023, True, 128, "fa2"),
-    (-1, True, 64, "fa2")])
+    (1023, False, 96, "window"), (1023, False, 128, "window"), (4095, False, 128, "window"), (0, False, 64, "narrow"),
+    (1023, False, 64, "fa2"), (-1, False, 64, "fa2"), (-1, False, 128, "fa2"), (1023, True, 64, "fa2"),
+    (1023, True, 128, "fa2"), (-1, True, 64, "fa2")])
 def test_deterministic_backward_plan(window_left, varlen, head_dim, expected):
     """Under deterministic algorithms a sliding window on unpacked sequences runs the bit-reproducible separate-dQ
-    config on the Gluon kernel; full attention and packed documents run FA2's atomic-free backward (a choice: no
-    warning). Without deterministic algorithms the same windows keep their usual configs."""
+    config on the Gluon kernel at head_dim 96 and 128 (and a narrow one at every head_dim); wide windows at 64, full
+    attention and packed documents run FA2's atomic-free backward (a choice: no warning). Without deterministic
+    algorithms the same windows keep their usual configs."""
     facts = _facts(direction="backward", head_dim=head_dim, seqlen_k=8192, window_left=window_left, window_right=0,
                    varlen=varlen, deterministic=True)
     choice = fa3.decide(facts)
     if expected == "fa2":
         assert choice.kernel == "fa2" and not choice.warn and "deterministic" in choice.reason
     else:
-        assert choice == fa3.Plan("gluon", config=fa3.DETERMINISTIC_WINDOW_BACKWARD_CONFIGS[head_dim])
+        tables = {"window": fa3.DETERMINISTIC_WINDOW_BACKWARD_CONFIGS, "narrow": fa3.NARROW_WINDOW_BACKWARD_CONFIGS}
+        assert choice == fa3.Plan("gluon", config=tables[expected][head_dim])
         assert choice.config.separate_dq
     usual = fa3.decide(facts._replace(deterministic=False))
     assert usual.kernel == "gluon" and (window_left == 0 or not usual.config.separate_dq)
@@ -1098,16 +1103,16 @@ def test_what_is_made_from_offsets_survives_a_stale_callback():
 
 @gluon_on_hopper
 @pytest.mark.parametrize("packed", [False, True])
-@pytest.mark.parametrize("window_left", [255, 127])
+@pytest.mark.parametrize("window_left,head_dim", [(255, 64), (127, 64), (255, 128)])
 def test_window_and_packed_backwards_are_bit_reproducible_when_deterministic(fresh_dispatch, monkeypatch, packed,
-                                                                             window_left):
+                                                                             window_left, head_dim):
     """Under torch.use_deterministic_algorithms(True) the windowed and the packed-sequence backwards run atomic-free
-    kernels (the Gluon dK/dV kernel with FA2's dQ for windows on unpacked sequences, narrow or not; FA2's for packed
-    ones): two runs give the same bits."""
+    kernels (the Gluon dK/dV kernel with FA2's dQ for windows on unpacked sequences up to NARROW_WINDOW, and wider
+    ones at head_dim 128; FA2's elsewhere): two runs give the same bits."""
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     lengths = [900, 1, 0, 1200, 300]
     total = sum(lengths)
-    q, k, v, do = (torch.randn(total, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    q, k, v, do = (torch.randn(total, 4, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
     mask = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1200, max_seqlen_k=1200) if packed else {}
     if not packed:
@@ -1117,7 +1122,8 @@ def test_window_and_packed_backwards_are_bit_reproducible_when_deterministic(fre
     try:
         banded, band = fa3._band(q, k, True, window, mask.get("cu_seqlens_q"), mask.get("cu_seqlens_k"),
                                  mask.get("max_seqlen_q", 0), mask.get("max_seqlen_k", 0))
-        expected = "fa2" if packed else "gluon"
+        gluon = window_left <= fa3.NARROW_WINDOW or head_dim in fa3.DETERMINISTIC_WINDOW_BACKWARD_CONFIGS
+        expected = "gluon" if gluon and not packed else "fa2"
         assert fa3.plan("backward", q, k, v, banded, do, **band).kernel == expected
         o, lse = fa3.forward(q, k, v, True, 0.125, window, **mask)
         runs = [fa3.backward(do, q, k, v, o, lse, True, 0.125, window, **mask) for _ in range(2)]
