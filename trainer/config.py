@@ -341,6 +341,10 @@ def _check_model(check, m) -> Optional[list[int]]:
     if m.n_layer >= 1:  # a list's length is checked against n_layer: a bad n_layer is named on its own
         check(windows is not None, "model.attn_window",
               f"must be an int >= 0 (0 = full attention) or a list of model.n_layer={m.n_layer} of them")
+    wide = sorted({w for w in windows or () if m.block_size >= 1 and w >= m.block_size})
+    # such a window is the whole context: it would only cost the masked kernels (and the KV cache refuses it)
+    check(not wide, "model.attn_window", f"{', '.join(map(str, wide))} >= model.block_size={m.block_size} is the whole "
+          "context: use 0 (full attention)")
     for key, msg in block_option_errors(m):  # pos_emb, norm, mlp and their numbers: what model.gpt accepts
         check(False, f"model.{key}", msg)
     return windows
