@@ -60,8 +60,19 @@ RATIOS = dict(speedup_vs_sdpa=None, tokens_per_s_vs_bare=None, tokens_per_s_vs_b
               tokens_per_s_vs_bare_after=None, peak_mem_vs_bare=None)  # filled in by add_speedups
 NOISY_PCT = 10  # a row whose step times spread more than this is named under the table
 # train.py keys each run's config sets (`backend_config`), refused among the overrides with the flag that sets them
-OWNED_KEYS = (("attn", "--backends"), ("trainer.max_steps", "--warmup and --steps"), ("run.name", "--name"),
-              ("wandb.group", "--name"), ("resume", "nothing: each run starts afresh"))
+OWNED_KEYS = {"attn": "--backends", "trainer.max_steps": "--warmup and --steps", "run.name": "--name",
+              "wandb.group": "--name", "resume": "nothing: each run starts afresh"}
+
+
+def refused_override(overrides, flags: dict = OWNED_KEYS) -> str | None:
+    """The message for the first override of a key `backend_config` sets, naming the flag that sets it (`flags`:
+    OWNED_KEYS with another command's flags), or None."""
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        for owned, flag in flags.items():
+            if key == owned or key.startswith(owned + "."):
+                return f"{override}: the benchmark sets {owned} itself; give {flag} instead"
+    return None
 
 
 def backend_config(overrides, backend, out_dir, label, warmup, steps):
@@ -275,11 +286,9 @@ def parse_args(argv):
             parser.error(f"{flag} {value}: must be >= {least}")
     if args.repeats > 1 and not args.baseline:
         parser.error(f"--repeats {args.repeats} repeats the trainer runs between bare ones: give --baseline too")
-    for override in args.overrides:
-        key = override.split("=", 1)[0].lstrip("+~")
-        for owned, flag in OWNED_KEYS:
-            if key == owned or key.startswith(owned + "."):
-                parser.error(f"{override}: bench.throughput sets {owned} itself; give {flag} instead")
+    refused = refused_override(args.overrides)
+    if refused:
+        parser.error(refused)
     try:
         args.sweep = [int(c) for c in args.sweep.split(",") if c]
     except ValueError:

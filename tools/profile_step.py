@@ -286,14 +286,45 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.analyze:
         for path in args.analyze:
-            print(format_summary(path, analyze(load_trace(Path(path))), "(op table: only when profiled)"))
+            try:
+                trace = load_trace(Path(path))
+            except (OSError, ValueError, KeyError, TypeError) as e:  # missing, not gzip or JSON, not a trace
+                parser.error(f"--analyze {path}: not a readable trace of this tool ({type(e).__name__}: {e})")
+            print(format_summary(path, analyze(trace), "(op table: only when profiled)"))
         return None
     loops = args.loops.split(",")
     if args.steps < 1 or args.warmup < 0 or not set(loops) <= set(LOOPS):
         parser.error(f"--steps {args.steps} --warmup {args.warmup} --loops {args.loops}: give --steps >= 1, "
                      f"--warmup >= 0 and --loops from {', '.join(LOOPS)}")
+    check_config(parser, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     return run(args, loops)
+
+
+def check_config(parser, args) -> None:
+    """parser.error naming the problem when --backend or an override would not make a valid training config; run
+    before anything is written."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from bench.throughput import OWNED_KEYS, backend_config, refused_override
+    from model.backends import BACKENDS
+    from trainer import ConfigError
+    from trainer.config import override_error, validate_config
+
+    if args.backend not in BACKENDS:
+        parser.error(f"--backend {args.backend}: accepted {', '.join(BACKENDS)}")
+    refused = refused_override(args.overrides, {**OWNED_KEYS, "attn": "--backend", "run.name": "--out",
+                                                 "wandb.group": "--out"})
+    if refused:
+        parser.error(refused)
+    try:
+        validate_config(backend_config(args.overrides, args.backend, Path(tempfile.gettempdir()), "trainer",
+                                       args.warmup + 1, args.steps + 2))
+    except HydraException as e:
+        parser.error(override_error(e))
+    except (ConfigError, OmegaConfBaseException) as e:
+        parser.error(str(e))
 
 
 def run(args, loops: list[str]) -> dict:

@@ -173,11 +173,11 @@ def test_overrides_may_stand_between_the_options():
     (["--steps", "0"], "--steps 0: must be >= 1"),
     (["--warmup", "-1"], "--warmup -1: must be >= 0"),
     (["--repeats", "3"], "--repeats 3 repeats the trainer runs between bare ones: give --baseline too"),
-    (["--backends", "sdpa", "attn=fa2"], "attn=fa2: bench.throughput sets attn itself; give --backends instead"),
-    (["attn.backend=fa1"], "attn.backend=fa1: bench.throughput sets attn itself; give --backends instead"),
-    (["trainer.max_steps=9"], "trainer.max_steps=9: bench.throughput sets trainer.max_steps itself; give --warmup "
+    (["--backends", "sdpa", "attn=fa2"], "attn=fa2: the benchmark sets attn itself; give --backends instead"),
+    (["attn.backend=fa1"], "attn.backend=fa1: the benchmark sets attn itself; give --backends instead"),
+    (["trainer.max_steps=9"], "trainer.max_steps=9: the benchmark sets trainer.max_steps itself; give --warmup "
                               "and --steps instead"),
-    (["+run.name=x"], "+run.name=x: bench.throughput sets run.name itself; give --name instead"),
+    (["+run.name=x"], "+run.name=x: the benchmark sets run.name itself; give --name instead"),
     (["--sweep", "100", "--sweep-tokens", "64"], "divisors"),
 ])
 def test_bad_arguments(argv, message, capsys):

@@ -93,3 +93,29 @@ def test_bad_arguments_are_named(argv, capsys):
     with pytest.raises(SystemExit):
         profile_step.main(argv)
     assert f"{argv[0]} {argv[1]}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--backend", "fa9"], "--backend fa9: accepted auto, "),
+    (["trainer.max_stepz=3"], "trainer.max_stepz"),
+    (["model=nope"], "nope"),
+    (["trainer.batch_size=0"], "trainer.batch_size"),
+    (["attn=fa2"], "attn=fa2: the benchmark sets attn itself; give --backend instead"),
+])
+def test_bad_backend_and_overrides_are_refused_before_anything_is_written(argv, message, tmp_path, capsys):
+    out = tmp_path / "prof"
+    with pytest.raises(SystemExit) as exit_info:
+        profile_step.main(["--out", str(out), "wandb.mode=disabled", *argv])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_unreadable_traces_are_named(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("not json")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    for path in (tmp_path / "missing.json.gz", tmp_path / "notes.txt", tmp_path / "list.json"):
+        with pytest.raises(SystemExit) as exit_info:
+            profile_step.main(["--analyze", str(path)])
+        assert exit_info.value.code == 2
+        assert f"--analyze {path}: not a readable trace of this tool" in capsys.readouterr().err
