@@ -427,8 +427,8 @@ def min_params(args: GPTConfig) -> int:
 def check_memory(args: GPTConfig, device: torch.device, tokens: int = 0,
                  dtype: torch.dtype = torch.bfloat16) -> None:
     """Refuse (ConfigError) a run whose parameters, with their gradients and AdamW state, plus the logits of one
-    micro-batch of `tokens` tokens (float32 for the loss's log-softmax; one chunk with model.loss=chunked; in the
-    compute dtype with model.loss=fused), plus what each
+    micro-batch of `tokens` tokens (two float32 copies: the log-softmax kept for the backward and its gradient; of
+    one chunk with model.loss=chunked; one copy in the compute dtype with model.loss=fused), plus what each
     block keeps for the backward at least (its input, n_embd values a token, and its MLP's hidden layer, the input
     of the MLP's output projection, in the compute `dtype`, 2 bytes at least), need more than the device's memory
     (``trainer.runtime.device_memory``). All three are lower bounds (``min_params``; no other activations), so a run
@@ -436,17 +436,20 @@ def check_memory(args: GPTConfig, device: torch.device, tokens: int = 0,
     allocator error or the out-of-memory killer does."""
     params, memory = min_params(args), device_memory(device)
     per_value = max(torch.finfo(dtype).bits // 8, 2)
-    # (rows, bytes a value) of the logits alive at once: float32 for full and chunked, the compute dtype for fused
+    # (rows, bytes a value) of the logits alive at once: for full and chunked the float32 log-softmax and its
+    # gradient in the backward (one copy measured 3x short of a CPU run's peak), for fused one in the compute dtype
     loss = resolve_loss(args.loss, device.type)
-    logit_rows, logit_bytes = {"full": (tokens, 4), "chunked": (min(tokens, CHUNK_TOKENS), 4),
+    logit_rows, logit_bytes = {"full": (tokens, 8), "chunked": (min(tokens, CHUNK_TOKENS), 8),
                                "fused": (tokens, per_value)}[loss]
     weights, logits = params * TRAINING_BYTES_PER_PARAM, logit_rows * args.vocab_size * logit_bytes
     hidden = mlp_width(args.n_embd, args.mlp, args.mlp_hidden, args.multiple_of)
     activations = args.n_layer * tokens * (args.n_embd + hidden) * per_value
     if memory and weights + logits + activations > memory:
         gib = lambda n: f"{n / 2**30:,.1f}" if n < 10 * 2**30 else f"{n / 2**30:,.0f}"
-        # the larger part leads: a mistyped model size and a batch far too large read differently
-        culprit = ("the model is too large" if weights >= logits + activations else
+        # a mistyped model size and a batch far too large read differently: the model is the culprit when not even
+        # one token's logits and activations fit beside it
+        one_token = weights + args.vocab_size * logit_bytes + args.n_layer * (args.n_embd + hidden) * per_value
+        culprit = ("the model is too large" if one_token > memory else
                    f"a micro-batch of {tokens:,} tokens (trainer.batch_size x model.block_size) is too large")
         raise ConfigError(
             f"{culprit} for {device}: {params:,} parameters (model.vocab_size={args.vocab_size}, "

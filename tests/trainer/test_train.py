@@ -792,13 +792,22 @@ def test_a_model_larger_than_the_memory_is_one_error_naming_its_size(make_cfg, m
     monkeypatch.setattr("trainer.loop.device_memory", lambda device: memory)
     with pytest.raises(ConfigError, match=r"^a micro-batch of 1,073,741,824 tokens \(trainer.batch_size x "
                                           r"model.block_size\) is too large for cpu: .* need at least 0.0 GiB for "
-                                          r"weights.*, the logits of 1,073,741,824 tokens \(4 bytes a value; "
+                                          r"weights.*, the logits of 1,073,741,824 tokens \(8 bytes a value; "
                                           r"model.loss=full"):
         check_memory(args, torch.device("cpu"), 2**30)  # weights and activations fit; one micro-batch's logits do not
+    # The full loss keeps two float32 copies of the logits in the backward (the log-softmax and its gradient): memory
+    # for weights, activations and one copy is refused.
+    from trainer.loop import TRAINING_BYTES_PER_PARAM
+    tokens = 4096
+    rest = min_params(args) * TRAINING_BYTES_PER_PARAM + args.n_layer * tokens * 5 * args.n_embd * 4
+    monkeypatch.setattr("trainer.loop.device_memory", lambda device: rest + tokens * args.vocab_size * 4 * 3 // 2)
+    with pytest.raises(ConfigError, match=r"^a micro-batch of 4,096 tokens .* \(8 bytes a value; model.loss=full"):
+        check_memory(args, torch.device("cpu"), tokens, torch.float32)
+    monkeypatch.setattr("trainer.loop.device_memory", lambda device: memory)
     chunked = model_config(make_cfg("model.bias=true", "model.loss=chunked"), 65, "sdpa")
     check_memory(chunked, torch.device("cpu"), 2**30)  # one chunk's logits at a time: it fits
     fused = model_config(make_cfg("model.bias=true", "model.loss=fused"), 65, "sdpa")
-    check_memory(fused, torch.device("cpu"), 2**30)  # every logit, in bf16: half of full's float32 ones, it fits
+    check_memory(fused, torch.device("cpu"), 2**30)  # every logit once, in bf16: a quarter of full's, it fits
     with pytest.raises(ConfigError, match=r"the logits of 1,073,741,824 tokens \(4 bytes a value; model.loss=fused"):
         check_memory(fused, torch.device("cpu"), 2**30, torch.float32)
     with pytest.raises(ConfigError, match=rf"MLP hidden layer \(128 wide\) for the backward {2 * kept:,} GiB more "
