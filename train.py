@@ -93,7 +93,7 @@ def main(argv: list[str]) -> int:
             validate_config(resolved(cfg), dist.world_size, dist.local_rank)
         except ConfigError as e:
             return error(f"job {num} of {len(jobs)} ({' '.join(job)}): {e}")
-    conflict = sweep_conflict(jobs, overrides) if multirun else None
+    conflict = kind_conflict(jobs, multirun) or (sweep_conflict(jobs, overrides) if multirun else None)
     if conflict:
         return error(conflict)
     set_up_logging(dist)
@@ -114,6 +114,20 @@ def run_dirs(jobs: list[tuple[list[str], DictConfig]], multirun: bool) -> list[P
     if not multirun:
         return folders
     return [folder / str(folders[:num].count(folder)) for num, folder in enumerate(folders)]
+
+
+def kind_conflict(jobs: list[tuple[list[str], DictConfig]], multirun: bool) -> str | None:
+    """Why the jobs may not start (None when they may): a single run's folder that holds a sweep (``SWEEP_RECORD``),
+    or a sweep's that holds a single run's checkpoints. Either would put the other's files beside them, and
+    sample.py would pick one kind from the folder without naming the other."""
+    for folder in dict.fromkeys(Path(cfg.run.root) / cfg.run.name for _, cfg in jobs):
+        if not multirun and (folder / SWEEP_RECORD).is_file():
+            return (f"run.name={folder.name}: {folder} holds a sweep ({SWEEP_RECORD}); run that sweep again with -m "
+                    "to continue its jobs, or use another run.name")
+        if multirun and latest_checkpoint(folder) is not None:
+            return (f"run.name={folder.name}: {folder} holds a single run (checkpoints/); a sweep would put its "
+                    "jobs beside it: use another run.name")
+    return None
 
 
 def sweep_conflict(jobs: list[tuple[list[str], DictConfig]], overrides: list[str]) -> str | None:

@@ -263,6 +263,22 @@ def test_another_sweep_in_a_sweeps_folder_is_refused(args, tmp_path):
     assert out.returncode == 1 and "multirun.yaml does not read as a sweep's command line" in out.stderr, out.stderr
 
 
+def test_a_single_run_and_a_sweep_do_not_share_a_folder(args, tmp_path):
+    """A single run under a sweep's run.name, or a sweep under a single run's, is refused before any job, naming the
+    folder, and changes nothing there."""
+    runs = tmp_path / "runs"
+    assert cli(["-m", *args, "run.name=sw", "optim.lr=1e-3,2e-3", "trainer.max_steps=1"]).returncode == 0
+    assert cli([*args, "run.name=one", "trainer.max_steps=1"]).returncode == 0
+    for extra, folder, message in (
+            (["run.name=sw"], runs / "sw", "holds a sweep (multirun.yaml); run that sweep again with -m"),
+            (["-m", "run.name=one", "optim.lr=1e-3,2e-3"], runs / "one", "holds a single run (checkpoints/)")):
+        before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+        out = cli([*args, "trainer.max_steps=2", *extra])
+        text = out.stdout + out.stderr
+        assert out.returncode == 1 and text.startswith(f"error: run.name={folder.name}: {folder} {message}"), text
+        assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before
+
+
 def test_a_run_folder_that_takes_no_file_is_one_line(args, tmp_path):
     """An existing run folder this process cannot write (read-only, or here: the write probe's name taken, as
     permission bits do not stop root) is refused at the start in one line, before training. A process of its own,
