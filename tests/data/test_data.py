@@ -40,6 +40,18 @@ def test_strip_markdown():
         "defect,--'Ladies,'--or\n")
 
 
+def test_local_files_whose_names_hold_glob_characters_are_read_as_named(make_cfg, tmp_path):
+    """A file named notes[1].txt beside notes1.txt: each read once, itself (not the pattern's match read twice)."""
+    from data.sources import load_documents
+
+    folder = tmp_path / "glob_names"
+    folder.mkdir()
+    (folder / "notes[1].txt").write_text("AAAA " * 10)
+    (folder / "notes1.txt").write_text("bbbb " * 10)
+    docs = load_documents(data_cfg(make_cfg, f"data.files={folder}/*"))
+    assert sorted(docs["text"]) == sorted(["AAAA " * 10, "bbbb " * 10])
+
+
 def test_char_cache_round_trip_and_reuse(make_cfg, corpus_dir, monkeypatch):
     cfg = data_cfg(make_cfg, "data.name=roundtrip_char", "data.val_fraction=0.2")
     data = prepare_data(cfg)
