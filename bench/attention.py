@@ -46,8 +46,8 @@ import torch._functorch.config  # the donated_buffer switch used in measure()
 
 from bench import HelpFormatter, csv_list, fallback
 from bench.report import Column, Table, environment, line_plot, write_csv, write_json
-from kernels.frontend import MAX_HEAD_DIM, MIN_HEAD_DIM
-from model.backends import REGISTRY
+from model.backends import REGISTRY  # first: it sets TRITON_INTERPRET without a GPU, which kernels reads on import
+from kernels.frontend import MAX_HEAD_DIM, MIN_HEAD_DIM  # noqa: I001
 
 TOKENS = 16 * 1024
 WIDTH = 2048  # n_heads * head_dim

@@ -102,6 +102,26 @@ def test_decode_shape_on_the_cpu_needs_small_sizes(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")
+def test_the_cpu_smoke_command_runs_without_triton_interpret_set(tmp_path):
+    """The smoke test --help gives, as a user runs it: a fresh process without TRITON_INTERPRET, which the backends
+    set before the kernels are imported."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root)
+    out = subprocess.run([sys.executable, "-m", "bench.attention", "--shape", "decode", "--dtype", "float32",
+                          "--heads", "2", "--head-dims", "16", "--seqlens", "16", "--batch", "1", "--backends",
+                          "sdpa,fa2", "--out", str(tmp_path)], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert (tmp_path / "attention_decode.csv").is_file()
+
+
 def test_decode_shape_smoke(tmp_path):
     """--shape decode on the CPU: every backend's decode-step function at two cache lengths."""
     import csv
