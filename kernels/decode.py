@@ -26,7 +26,7 @@ from torch import Tensor
 from .common import (
     INTERPRET, LAUNCH_OPTIONS, block_d, cdiv, check_grid, head_ptr, load_tile, next_power_of_2, softcap_args, tanh,
 )
-from .frontend import check_softcap, validate
+from .frontend import check_softcap, type_name, validate
 
 LOG2E = math.log2(math.e)
 BLOCK_N = 64  # keys per inner step; a split is a multiple of it
@@ -176,12 +176,15 @@ def fa2_decode(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float | None = No
 
     Raises:
         ValueError: seqlen_q != 1, num_splits < 1, a seqlen that is not a one-element integer tensor on q's
-            device, or anything ``fa2_attention`` rejects (softcap too); TypeError as there.
+            device, or anything ``fa2_attention`` rejects (softcap too).
+        TypeError: as ``fa2_attention``, and a num_splits that is not an int (a bool included).
     """
     validate(q, k, v, True, softmax_scale)
     check_softcap(softcap, "fa2_decode", True)
     if q.shape[2] != 1:
         raise ValueError(f"fa2_decode takes one query per (batch, head); got seqlen_q={q.shape[2]}")
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)):
+        raise TypeError(f"num_splits must be an int or None, got {type_name(num_splits)}")
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}")
     if seqlen is not None and (not isinstance(seqlen, Tensor) or seqlen.numel() != 1 or seqlen.is_floating_point()

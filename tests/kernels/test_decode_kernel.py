@@ -31,6 +31,9 @@ def test_fa2_decode_rejects_bad_input():
         fa2_decode(q, k, k)
     with pytest.raises(ValueError, match="num_splits"):
         fa2_decode(q[:, :, :1], k, k, num_splits=0)
+    for bad, name in ((2.5, "float"), ("2", "str"), (True, "bool")):
+        with pytest.raises(TypeError, match=f"num_splits must be an int or None, got {name}$"):
+            fa2_decode(q[:, :, :1], k, k, num_splits=bad)
     with pytest.raises(ValueError, match="head_dim differs"):
         fa2_decode(q[:, :, :1], torch.randn(1, 2, 5, 32), torch.randn(1, 2, 5, 32))
 
