@@ -390,6 +390,8 @@ def main(argv=None):
     # Compiled backends (flex) build one static-shape kernel per shape (model/backends/flex_masks.py): room for every case.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(cases(args)) + 8)
     out_dir = Path(args.out)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise SystemExit(f"--out {out_dir}: a file, not a folder; give a folder for the results")
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / ("attention" if args.shape == "grid" else f"attention_{args.shape}")
     if args.shape == "decode":

@@ -303,6 +303,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     t_start = time.monotonic()
     args = parse_args(argv)
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"--out {out}: a file, not a folder; give a folder for the results")
     out.mkdir(parents=True, exist_ok=True)
     stem = out / "generate"
     # One compiled graph per (batch, backend) and kind of step; room for a few more, and an error rather than a

@@ -262,3 +262,18 @@ def test_ratio_table_and_plots_of_dense_rows(tmp_path, capsys):
     paths = attention.plot_dense(rows, tmp_path / "attention")
     assert [p.name for p in paths] == ["attention_fwd_d64_causal.png", "attention_bwd_d64_causal.png"]
     assert all(p.stat().st_size > 0 for p in paths)
+
+
+def test_out_naming_a_file_is_one_line(tmp_path):
+    """--out naming an existing file: one line naming it, for bench.attention and bench.generate; the file kept."""
+    from bench import generate
+
+    target = tmp_path / "afile"
+    target.write_text("kept")
+    with pytest.raises(SystemExit, match=f"--out {target}: a file, not a folder"):
+        attention.main(["--shape", "decode", "--out", str(target), "--dtype", "float32", "--heads", "2",
+                        "--head-dims", "16", "--seqlens", "16", "--batch", "1", "--backends", "sdpa"])
+    with pytest.raises(SystemExit, match=f"--out {target}: a file, not a folder"):
+        generate.main(["--out", str(target), "--model", "tiny", "--device", "cpu", "--backends", "sdpa", "--modes",
+                       "eager", "--batch", "1", "--new-tokens", "2"])
+    assert target.read_text() == "kept"
