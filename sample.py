@@ -176,6 +176,11 @@ def _main(argv: list[str] | None) -> int:
     except (CheckpointError, ValueError) as e:  # ValueError: e.g. an --attn without the model's attn_softcap
         print(f"error: {e}", file=sys.stderr)
         return 1
+    backend = REGISTRY[model.config.attn]
+    if device == "cpu" and args.compile and not backend.compiles_on_cpu:
+        print(f"error: --compile: torch.compile cannot lower attn={backend.name} on the CPU; run without --compile"
+              + ("" if model.config.attn_softcap else ", or with --attn sdpa"), file=sys.stderr)
+        return 1
     print(f"# {ckpt_path} (step {ckpt['step']})", file=sys.stderr)
     if args.kv_cache is None:
         args.kv_cache = not model.config.windowed

@@ -52,7 +52,7 @@ import torch
 
 from bench import HelpFormatter, csv_list
 from bench.report import Column, Table, environment, write_csv, write_json
-from model.backends import BACKENDS
+from model.backends import BACKENDS, REGISTRY
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -241,6 +241,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if not args.modes:
             ap.error("--modes eager-graph / compiled-graph: CUDA graphs need a GPU")
         print("note: CUDA graphs need a GPU: the eager-graph and compiled-graph modes are skipped on the CPU")
+    uncompilable = [b for b in args.backends if b in REGISTRY and not REGISTRY[b].compiles_on_cpu]
+    compiled = [m for m in args.modes if MODES[m][0]]
+    if args.device == "cpu" and uncompilable and compiled:
+        ap.error(f"--backends {','.join(uncompilable)} with --modes {','.join(compiled)}: torch.compile cannot lower "
+                 "it on the CPU; give --modes eager there, or another backend")
     if args.dtype == "auto":
         args.dtype = "bf16" if args.device == "cuda" else "fp32"
     if args.device == "cpu" and args.model not in CPU_MODELS and not args.max_seconds:

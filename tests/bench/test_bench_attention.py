@@ -277,3 +277,15 @@ def test_out_naming_a_file_is_one_line(tmp_path):
         generate.main(["--out", str(target), "--model", "tiny", "--device", "cpu", "--backends", "sdpa", "--modes",
                        "eager", "--batch", "1", "--new-tokens", "2"])
     assert target.read_text() == "kept"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_generate_refuses_compiled_flex_on_the_cpu(capsys):
+    from bench import generate
+
+    with pytest.raises(SystemExit):
+        generate.parse_args(["--out", "unused", "--model", "tiny", "--device", "cpu", "--backends", "sdpa,flex",
+                             "--modes", "eager,compiled"])
+    assert "--backends flex with --modes compiled: torch.compile cannot lower it on the CPU" in capsys.readouterr().err
+    generate.parse_args(["--out", "unused", "--model", "tiny", "--device", "cpu", "--backends", "flex", "--modes",
+                         "eager"])

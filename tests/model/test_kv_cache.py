@@ -112,6 +112,12 @@ def test_sample_py_greedy_same_with_and_without_cache(make_cfg, capsys):
         with pytest.raises(SystemExit):
             sample.main(["--run", "kv", "--runs-root", str(s.run_dir.parent), "--device", "cpu", *bad])
         assert message in capsys.readouterr().err
+    if not torch.cuda.is_available():  # FlexAttention does not compile on the CPU: one line, not Inductor's dump
+        assert sample.main(["--run", "kv", "--runs-root", str(s.run_dir.parent), "--device", "cpu", "--attn", "flex",
+                            "--compile"]) == 1
+        err = capsys.readouterr().err
+        assert "error: --compile: torch.compile cannot lower attn=flex on the CPU; run without --compile, or with " \
+               "--attn sdpa" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "fa2"])
