@@ -14,6 +14,7 @@ Developer tools (kernel tuning, profiling) are in tools/.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -63,3 +64,12 @@ def fallback(backend: str, device: torch.device, dtype: torch.dtype, head_dim: i
         if reason is None and backward.warn:  # head_dim 256: the Gluon forward, FA2's backward
             return f"FA2's Triton kernels in the backward ({backward.reason})"
     return None if reason is None else f"FA2's Triton kernels ({reason})"
+
+
+def results_folder(out: str) -> Path:
+    """--out as a folder, made if missing; SystemExit naming it when it is a file (left as it is)."""
+    folder = Path(out)
+    if folder.exists() and not folder.is_dir():
+        raise SystemExit(f"--out {folder}: a file, not a folder; give a folder for the results")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder

@@ -44,10 +44,10 @@ from typing import NamedTuple
 import torch
 import torch._functorch.config  # the donated_buffer switch used in measure()
 
-from bench import HelpFormatter, csv_list, fallback
+from bench import HelpFormatter, csv_list, fallback, results_folder
 from bench.report import Column, Table, environment, line_plot, write_csv, write_json
 from model.backends import REGISTRY  # first: it sets TRITON_INTERPRET without a GPU, which kernels reads on import
-from kernels.frontend import MAX_HEAD_DIM, MIN_HEAD_DIM  # noqa: I001
+from kernels.frontend import MAX_HEAD_DIM, MIN_HEAD_DIM
 
 TOKENS = 16 * 1024
 WIDTH = 2048  # n_heads * head_dim
@@ -389,10 +389,7 @@ def main(argv=None):
     dtype = getattr(torch, {"cuda": "bfloat16", "cpu": "float32"}[device] if args.dtype == "auto" else args.dtype)
     # Compiled backends (flex) build one static-shape kernel per shape (model/backends/flex_masks.py): room for every case.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(cases(args)) + 8)
-    out_dir = Path(args.out)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise SystemExit(f"--out {out_dir}: a file, not a folder; give a folder for the results")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = results_folder(args.out)
     stem = out_dir / ("attention" if args.shape == "grid" else f"attention_{args.shape}")
     if args.shape == "decode":
         rows = run_decode(args, dtype, device)

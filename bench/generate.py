@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from bench import HelpFormatter, csv_list
+from bench import HelpFormatter, csv_list, results_folder
 from bench.report import Column, Table, environment, write_csv, write_json
 from model.backends import BACKENDS, REGISTRY
 
@@ -307,10 +307,7 @@ def run_cases(todo: list[tuple], args, stem: Path, at: float | None) -> tuple[li
 def main(argv: list[str] | None = None) -> list[dict]:
     t_start = time.monotonic()
     args = parse_args(argv)
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise SystemExit(f"--out {out}: a file, not a folder; give a folder for the results")
-    out.mkdir(parents=True, exist_ok=True)
+    out = results_folder(args.out)
     stem = out / "generate"
     # One compiled graph per (batch, backend) and kind of step; room for a few more, and an error rather than a
     # silent eager fallback timed as "compiled" past the limit.
