@@ -26,7 +26,7 @@ from torch import Tensor
 from .common import (
     INTERPRET, LAUNCH_OPTIONS, block_d, cdiv, check_grid, head_ptr, load_tile, next_power_of_2, softcap_args, tanh,
 )
-from .frontend import check_softcap, type_name, validate
+from .frontend import check_softcap, check_softcap_scale, type_name, validate
 
 LOG2E = math.log2(math.e)
 BLOCK_N = 64  # keys per inner step; a split is a multiple of it
@@ -192,6 +192,7 @@ def fa2_decode(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float | None = No
         raise ValueError(f"seqlen must be a one-element integer tensor on {q.device}, got {seqlen!r}")
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    check_softcap_scale(softmax_scale, softcap)
     k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))
     q = q.contiguous()
     return _decode_op(q, k, v, float(softmax_scale), num_splits or 0, seqlen, float(softcap))

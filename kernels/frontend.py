@@ -36,6 +36,8 @@ from .common import INTERPRET
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+# softmax_scale and softcap at most this: the kernels fold them, times log2(e), into float32 constants (max 3.4e38)
+MAX_LOGIT_SCALE = 1e38
 
 ForwardLauncher = Callable[..., tuple[Tensor, Tensor]]
 BackwardLauncher = Callable[..., tuple[Tensor, Tensor, Tensor]]
@@ -92,9 +94,11 @@ def validate(q, k, v, causal, softmax_scale, packed=False) -> None:
         raise ValueError(f"{sizes} must be >= 1, got q={tuple(q.shape)}, k={tuple(k.shape)}")
     if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))):
         raise TypeError(f"softmax_scale must be a number (int or float) or None, got {type_name(softmax_scale)}")
-    # >= 0: the kernels take a row's largest scaled score as max(q k^T) * softmax_scale (FlashAttention's shortcut)
-    if softmax_scale is not None and not (math.isfinite(softmax_scale) and softmax_scale >= 0):
-        raise ValueError(f"softmax_scale must be a finite number >= 0 or None, got {softmax_scale!r}")
+    # >= 0: the kernels take a row's largest scaled score as max(q k^T) * softmax_scale (FlashAttention's shortcut).
+    # Comparisons, not math.isfinite: an int too large for a float is refused, not an OverflowError.
+    if softmax_scale is not None and not 0 <= softmax_scale <= MAX_LOGIT_SCALE:
+        raise ValueError(f"softmax_scale must be a finite number >= 0 and <= {MAX_LOGIT_SCALE:g}, or None; "
+                         f"got {softmax_scale!r}")
 
 
 def check_return_lse(return_lse) -> None:
@@ -122,13 +126,23 @@ def check_softcap(softcap, name: str, supported: bool, form: str = "attention") 
     form: the public function's suffix ("attention", "qkvpacked_attention", "varlen_attention")."""
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"softcap must be a number (int or float; 0.0 = off), got {type_name(softcap)}")
-    if not 0 <= softcap < math.inf:  # comparisons, not math.isfinite: torch.compile traces them on a symbolic float
-        raise ValueError(f"softcap must be a finite number >= 0 (0.0 = off), got {softcap!r}")
+    if not 0 <= softcap <= MAX_LOGIT_SCALE:  # comparisons: torch.compile traces them on a symbolic float
+        raise ValueError(f"softcap must be a finite number >= 0 and <= {MAX_LOGIT_SCALE:g} (0.0 = off), "
+                         f"got {softcap!r}")
     if softcap and not supported:
         have = " or ".join(f"{k}_{form}" for k in SOFTCAP_KERNELS) or "none"
         raise ValueError(f"{name}_{form} has no logit soft-capping (softcap={softcap!r}); "
                          f"the kernels with it: {have}")
     return float(softcap)
+
+
+def check_softcap_scale(softmax_scale: float, softcap: float) -> None:
+    """ValueError when softcap > 0 is so large against softmax_scale that softmax_scale / softcap, which the kernels
+    multiply q.k by before the tanh, falls below float32's smallest normal number (it would flush to 0 and make every
+    score 0). Such a cap changes no score."""
+    if softcap > 0 and 0 < softmax_scale / softcap < torch.finfo(torch.float32).tiny:
+        raise ValueError(f"softcap={softcap!r} is too large for softmax_scale={softmax_scale!r}: softmax_scale / "
+                         f"softcap underflows float32 (a cap that large changes no score; use softcap=0.0)")
 
 
 def accepts_softcap(*launchers: Callable) -> bool:
@@ -277,6 +291,7 @@ def make_attention(name: str, forward: ForwardLauncher, backward: BackwardLaunch
         window = check_window(window_size, name, masks)
         softcap = check_softcap(softcap, name, has_softcap)
         softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+        check_softcap_scale(softmax_scale, softcap)
         q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
         args = (q, k, v, causal, float(softmax_scale), *window, None, None, 0, 0, softcap)
         # dynamo refuses an autograd.Function given one tensor twice (k is v): compiled code calls the op.
@@ -337,6 +352,7 @@ def make_attention(name: str, forward: ForwardLauncher, backward: BackwardLaunch
         window = check_window(window_size, name, masks)
         softcap = check_softcap(softcap, name, has_softcap, "qkvpacked_attention")
         softmax_scale = 1.0 / math.sqrt(qkv.shape[-1]) if softmax_scale is None else softmax_scale
+        check_softcap_scale(softmax_scale, softcap)
         args = (last_dim_contiguous(qkv), n_heads, causal, float(softmax_scale), *window, softcap)
         compiling = torch.compiler.is_compiling()
         o, lse = packed_forward_op(*args) if compiling else EagerAttention.apply(packed_eager, *args)
@@ -439,7 +455,11 @@ def make_varlen_attention(name: str, lse_log_base: float):
         window = check_window(window_size, name, True)
         softcap = check_softcap(softcap, name, name in SOFTCAP_KERNELS, "varlen_attention")
         softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+        check_softcap_scale(softmax_scale, softcap)
         q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
+        # No sequence is longer than all the rows: a larger bound (flash-attn accepts one) would only add empty
+        # programs to the grid, or overflow the op's int64 argument.
+        max_seqlen_q, max_seqlen_k = torch.sym_min(max_seqlen_q, q.shape[0]), torch.sym_min(max_seqlen_k, k.shape[0])
         args = (q, k, v, causal, float(softmax_scale), *window, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
                 max_seqlen_q, max_seqlen_k, softcap)
         o, lse = op(*args) if torch.compiler.is_compiling() else EagerAttention.apply(eager, *args)
@@ -467,14 +487,15 @@ PUBLIC_DOC = """{title}
         causal: if True, query i sees key j only when j <= i + seqlen_k - seqlen_q (the mask is aligned to the
            bottom-right corner, as in FlashAttention >= 2.1; for seqlen_q == seqlen_k this is j <= i). A query
            row that sees no key (possible when seqlen_q > seqlen_k) gets 0 output, 0 gradient and lse = -inf.
-        softmax_scale: multiplier of q k^T, >= 0; default 1 / sqrt(head_dim).
+        softmax_scale: multiplier of q k^T, 0 to 1e38; default 1 / sqrt(head_dim). The scores are float32: a row
+           whose |q.k| * softmax_scale exceeds float32's range (3.4e38) gets NaN, as in torch's sdpa.
         return_lse: also return the log-sum-exp of each query row's scaled scores.
         window_size: (left, right) ints, flash-attn's sliding window (fa2 and fa3; fa1 raises ValueError for
            anything but (-1, -1)): query i sees key j only when
            i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right; -1 = no limit on that side;
            causal=True sets right to 0. Key blocks outside every row's window are skipped, so the cost scales
            with the visible (query, key) pairs.
-        softcap: keyword only; a float >= 0, 0.0 = off (the default, no cost). With softcap > 0 each score
+        softcap: keyword only; a float from 0 to 1e38, 0.0 = off (the default, no cost). With softcap > 0 each score
            s = softmax_scale * q.k becomes softcap * tanh(s / softcap), so |s| < softcap, before the mask and the
            softmax; lse and the gradients are those of the capped scores. fa2 and fa3 (fa1 raises ValueError for
            anything but 0). Source: Gemma Team 2024, "Gemma 2" (attention logit soft-capping,
@@ -488,10 +509,10 @@ PUBLIC_DOC = """{title}
         TypeError: a non-tensor input, unsupported or mismatched dtypes, a non-bool causal or return_lse, a
             softmax_scale or softcap that is not a number (a bool included), a window_size that is not a pair of
             ints.
-        ValueError: a window_size value below -1 (or any window for fa1), a softcap that is not finite or below 0
-            (or above 0 for fa1), wrong rank, mismatched batch / head_dim / device / k-v shapes, n_heads not a
-            multiple of n_kv_heads, head_dim outside 16..256, an empty dimension, a non-finite or negative
-            softmax_scale, or CPU tensors when Triton's interpreter is off (use a CUDA GPU or set TRITON_INTERPRET=1
+        ValueError: a window_size value below -1 (or any window for fa1), a softcap outside 0..1e38 (or above 0
+            for fa1) or so large that softmax_scale / softcap underflows float32, wrong rank, mismatched batch /
+            head_dim / device / k-v shapes, n_heads not a multiple of n_kv_heads, head_dim outside 16..256, an
+            empty dimension, a softmax_scale outside 0..1e38 (NaN and inf included), or CPU tensors when Triton's interpreter is off (use a CUDA GPU or set TRITON_INTERPRET=1
             before importing kernels).
     """
 
@@ -510,7 +531,8 @@ VARLEN_DOC = """{title}
         k, v: (total_k, n_kv_heads, head_dim), same dtype and device; n_heads a multiple of n_kv_heads (GQA).
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) on q's device: 0, then the cumulative sequence lengths,
            ending at total_q / total_k. Empty sequences (equal neighbours) are allowed.
-        max_seqlen_q, max_seqlen_k: ints >= the longest sequence's length (they size the launch grid).
+        max_seqlen_q, max_seqlen_k: ints >= the longest sequence's length (they size the launch grid; a value
+           above total_q / total_k is taken as total_q / total_k).
         causal, softmax_scale, window_size: as in `fa2_attention`, per sequence.
         return_lse: also return the log-sum-exp of each query row's scaled (and capped) scores.
         softcap: keyword only; logit soft-capping as in `fa2_attention`: a float >= 0, 0.0 = off; with
@@ -530,8 +552,8 @@ VARLEN_DOC = """{title}
             included), a window_size that is not a pair of ints.
         ValueError: wrong ranks or shapes (as in `fa2_attention`), cu_seqlens not 1-D with >= 2 entries or of
             different lengths or on another device, not starting at 0, decreasing, or not ending at total_q /
-            total_k, a sequence longer than max_seqlen_*, a window_size value below -1, a softcap that is not
-            finite or below 0 (or above 0 for kernels without soft-capping). The offsets' values are checked only
+            total_k, a sequence longer than max_seqlen_*, a window_size value below -1, a softmax_scale or
+            softcap out of range (as in `fa2_attention`; softcap > 0 for kernels without soft-capping). The offsets' values are checked only
             with check_offsets and outside torch.compile.
     """
 

@@ -7,6 +7,7 @@ element the kernel forgets to write fails the comparison.
 """
 
 import math
+import re
 
 import pytest
 import torch
@@ -460,8 +461,10 @@ def test_bad_arguments_are_rejected(attention):
         attention(**_qkv(), causal="yes")
     with pytest.raises(ValueError, match="softmax_scale must be a finite number"):
         attention(**_qkv(), softmax_scale=float("nan"))
-    with pytest.raises(ValueError, match=r"softmax_scale must be a finite number >= 0 or None, got -0.5"):
-        attention(**_qkv(), softmax_scale=-0.5)
+    for scale in (-0.5, float("inf"), 1.01e38, 10**400):  # 10**400: an int no float holds
+        with pytest.raises(ValueError, match=rf"softmax_scale must be a finite number >= 0 and <= 1e\+38, or None; "
+                                             rf"got {re.escape(repr(scale))}$"):
+            attention(**_qkv(), softmax_scale=scale)
     for scale in ("0.1", torch.tensor(0.1), True):
         with pytest.raises(TypeError, match="softmax_scale must be a number"):
             attention(**_qkv(), softmax_scale=scale)

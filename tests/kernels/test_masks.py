@@ -203,6 +203,12 @@ def test_varlen_pointer_path_and_loose_max_seqlen(monkeypatch):
     check_varlen([5, 40, 17, 1], [9, 40, 2, 30], 2, 1, 32, True, (8, -1), torch.float16, max_extra=20)
 
 
+def test_varlen_max_seqlen_above_the_rows():
+    """A max_seqlen beyond int64 (flash-attn accepts any upper bound) runs as total_q / total_k: no grid of 2**70
+    programs, no overflow in the op's int argument."""
+    check_varlen([5, 40, 17], [9, 40, 2], 2, 1, 32, True, (-1, -1), torch.bfloat16, max_extra=2**70)
+
+
 def test_varlen_one_sequence_equals_dense():
     q, k, v = (randn(1, 2, 45, 32, dtype=torch.float16) for _ in range(3))
     dense = fa2_attention(q, k, v, causal=True, window_size=(9, -1))
@@ -412,6 +418,8 @@ BAD_VARLEN = [
     (dict(window_size=(-2, 0)), ValueError, r"window_size\[0\] = -2 is below -1"),
     (dict(return_lse=1), TypeError, "return_lse must be a bool, got int"),
     (dict(softmax_scale="0.1"), TypeError, "softmax_scale must be a number"),
+    (dict(softmax_scale=10**400), ValueError, r"softmax_scale must be a finite number >= 0 and <= 1e\+38"),
+    (dict(softcap=1e38), ValueError, r"softcap=1e\+38 is too large for softmax_scale=0.176"),
     (dict(q=randn(0, 4, 32, dtype=torch.float16), cu_seqlens_q=_int32([0, 0, 0])), ValueError,
      r"total_q and total_k \(the packed rows\) must be >= 1"),
 ]

@@ -228,9 +228,11 @@ def test_softcap_kernels_compile_for_sm90():
 
 # ------------------------------------------------------------------------------------------ bad input
 BAD_SOFTCAP = [
-    (-1.0, ValueError, r"softcap must be a finite number >= 0 \(0.0 = off\), got -1.0"),
+    (-1.0, ValueError, r"softcap must be a finite number >= 0 and <= 1e\+38 \(0.0 = off\), got -1.0"),
     (float("nan"), ValueError, "softcap must be a finite number >= 0 .*, got nan"),
     (float("inf"), ValueError, "softcap must be a finite number >= 0 .*, got inf"),
+    (10**400, ValueError, "softcap must be a finite number >= 0 .*, got 1000000"),  # no float holds it
+    (1e38, ValueError, r"softcap=1e\+38 is too large for softmax_scale=0.17677.*: softmax_scale / softcap underflows"),
     (True, TypeError, r"softcap must be a number \(int or float; 0.0 = off\), got bool"),
     ("5", TypeError, "softcap must be a number .*, got str"),
     (None, TypeError, "softcap must be a number .*, got NoneType"),
@@ -250,6 +252,17 @@ def test_bad_softcap_is_rejected(softcap, error, message):
         fa2_varlen_attention(packed(q), packed(k), packed(v), cu, cu, 16, 16, softcap=softcap)
     with pytest.raises(error, match=message):
         fa2_decode(q[:, :, :1], k, v, softcap=softcap)
+
+
+@pytest.mark.filterwarnings("ignore:overflow:RuntimeWarning", "ignore:invalid value:RuntimeWarning")  # 1e38 * q.k
+def test_the_largest_scales_are_accepted():
+    """The bounds are inclusive: softmax_scale 1e38 runs, and a cap of 1e30, far above every score, changes none
+    (softcap * tanh(s / softcap) = s to float32's precision: the float64 reference without a cap)."""
+    q, k, v = (randn(1, 2, 16, 32, dtype=torch.float16) for _ in range(3))
+    fa2_attention(q, k, v, softmax_scale=1e38)
+    o = fa2_attention(q, k, v, softmax_scale=1.0, softcap=1e30)
+    o_ref, _ = reference(q.double(), k.double(), v.double(), False, 1.0)
+    assert rel_err(o, o_ref) < TOLERANCE[torch.float16]
 
 
 def test_softcap_is_keyword_only():
