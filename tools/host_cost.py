@@ -2,13 +2,16 @@
 
     python -m tools.host_cost                                   # head_dim 64, N 1024, causal
     python -m tools.host_cost --head-dim 128 --causal false --calls 400 --rounds 5
+    python -m tools.host_cost --documents 4              # also the packed-sequence calls, as a document mask makes
 
 Each row calls one function `--calls` times in a row on the same inputs (B 1, H 2, bf16: a few microseconds of
 GPU work a call), after 20 warm-up calls, then synchronises; a row's figure is the best of `--rounds` rounds,
 because the host is noisy at this level (the same call varies up to 2x between processes on the GPU machines).
 Rows: the entry points the custom ops call (`kernels.fa3.forward` / `backward`, `kernels.fa2.forward` /
 `backward`), the public `fa3_attention` forward and its backward through autograd (`retain_graph=True`), and
-PyTorch's SDPA forward for scale. An eager call that costs more host time than its kernels take leaves the GPU
+PyTorch's SDPA forward for scale. With --documents D > 0 also the packed-sequence entry points with the
+arguments a model's document mask gives them (`fa3.forward(..., cu_seqlens, cu_seqlens, N, N)`, the rows cut into
+D documents of about equal length; what the compiled training step's custom ops run). An eager call that costs more host time than its kernels take leaves the GPU
 waiting: `bench.attention`'s short cells and a host-bound training step (docs/benchmarks.md, "Launches past
 Triton's binder").
 
@@ -50,6 +53,23 @@ def per_call(fn, calls: int, rounds: int, sync) -> float:
     return best
 
 
+def packed_rows(q, k, v, do, causal: bool, scale: float, documents: int) -> dict:
+    """The packed-sequence calls of the ops' entry points: (1, H, N, D) inputs as N packed rows in `documents`
+    documents of about equal length."""
+    n = q.shape[2]
+    cu = torch.linspace(0, n, documents + 1, device=q.device).round().to(torch.int32)
+    q, k, v, do = (t[0].transpose(0, 1) for t in (q, k, v, do))  # (N, H, D) views, as the model packs them
+    mask = ((-1, -1), cu, cu, n, n)
+    o3, lse3 = fa3.forward(q, k, v, causal, scale, *mask)
+    o2, lse2 = fa2.forward(q, k, v, causal, scale, *mask)
+    return {
+        "fa3.forward (packed)": lambda: fa3.forward(q, k, v, causal, scale, *mask),
+        "fa3.backward (packed)": lambda: fa3.backward(do, q, k, v, o3, lse3, causal, scale, *mask),
+        "fa2.forward (packed)": lambda: fa2.forward(q, k, v, causal, scale, *mask),
+        "fa2.backward (packed)": lambda: fa2.backward(do, q, k, v, o2, lse2, causal, scale, *mask),
+    }
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--head-dim", type=int, default=64, choices=(64, 96, 128), help="D")
@@ -57,9 +77,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--causal", type=_bool, default=True, help="true or false")
     ap.add_argument("--calls", type=int, default=400, help="calls a round")
     ap.add_argument("--rounds", type=int, default=3, help="rounds a row (its figure: the best)")
+    ap.add_argument("--documents", type=int, default=0,
+                    help="also time the packed-sequence calls over this many documents (0: not)")
     args = ap.parse_args(argv)
     if args.seqlen < 1 or args.calls < 1 or args.rounds < 1:
         ap.error(f"--seqlen {args.seqlen} --calls {args.calls} --rounds {args.rounds}: each must be >= 1")
+    if not 0 <= args.documents <= args.seqlen:
+        ap.error(f"--documents {args.documents}: accepted 0 (none) to --seqlen ({args.seqlen})")
     cuda = torch.cuda.is_available()
     if not cuda and args.seqlen > CPU_MAX_SEQLEN:
         ap.error(f"--seqlen {args.seqlen}: without a CUDA GPU the kernels run under Triton's interpreter, a smoke "
@@ -82,8 +106,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "fa3_attention backward (autograd)": lambda: out.backward(do, retain_graph=True),
         "sdpa forward": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
     }
+    if args.documents:
+        rows.update(packed_rows(q, k, v, do, causal, scale, args.documents))
     name = torch.cuda.get_device_name() if cuda else "CPU (interpreter: not a benchmark)"
-    print(f"host us per eager call: B 1, H 2, N {args.seqlen}, D {args.head_dim}, causal {causal}, bf16; {name}, "
+    docs = f", {args.documents} documents in the packed rows" if args.documents else ""
+    print(f"host us per eager call: B 1, H 2, N {args.seqlen}, D {args.head_dim}, causal {causal}{docs}, bf16; {name}, "
           f"torch {torch.__version__}; best of {args.rounds} rounds of {args.calls} calls")
     times = {}
     for label, fn in rows.items():

@@ -27,10 +27,21 @@ def test_best_of_rounds(monkeypatch):
     assert host_cost.per_call(lambda: None, calls=2, rounds=3, sync=lambda: None) == 0.5e6
 
 
+def test_packed_rows_are_timed(capsys):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        times = host_cost.main(["--seqlen", "16", "--calls", "1", "--rounds", "1", "--documents", "3"])
+    packed = [f"{name} (packed)" for name in ROWS[:4]]
+    assert list(times) == ROWS + packed and all(t > 0 for t in times.values())
+    assert "3 documents in the packed rows" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("args, message", [
     (["--calls", "0"], "--calls 0 --rounds 3: each must be >= 1"),
     (["--causal", "maybe"], "'maybe': expected true or false"),
     (["--head-dim", "80"], "invalid choice: 80"),
+    (["--seqlen", "16", "--documents", "17"], "--documents 17: accepted 0 (none) to --seqlen (16)"),
+    (["--documents", "-1"], "--documents -1: accepted 0"),
 ])
 def test_bad_options_are_refused(capsys, args, message):
     with pytest.raises(SystemExit):
@@ -47,5 +58,6 @@ def test_gpu_sizes_are_refused_on_the_cpu(capsys):
 
 @pytest.mark.gpu
 def test_runs_on_the_gpu(capsys):
-    times = host_cost.main(["--calls", "20", "--rounds", "1"])
-    assert list(times) == ROWS and all(0 < t < 1e5 for t in times.values())
+    times = host_cost.main(["--calls", "20", "--rounds", "1", "--documents", "4"])
+    assert list(times) == ROWS + [f"{name} (packed)" for name in ROWS[:4]]
+    assert all(0 < t < 1e5 for t in times.values())
