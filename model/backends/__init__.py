@@ -68,9 +68,11 @@ def resolve_backend(name: str, head_dim: int | None = None, docs: bool = False, 
       backward there is 2.0-2.6x FA2's that fa3 runs (H100, 2026-12-06); fa3 for soft-capping (sdpa has none;
       its Gluon forward is 1.1-1.4x fa2's);
     - else fa2 (with document masks at 256 too: sdpa would need a dense mask).
-    fa3 measured faster than fa2 in every dense and windowed kernel cell on the H200, and in training GPT-2's
-    blocks at context 8192 with document masks 1.17x fa2's tokens/s (H200 and H100), with a 1024-token window too
-    1.06-1.09x (docs/benchmarks.md). Nothing is loaded (``Backend.load``).
+    fa3's kernels measured faster than fa2's in every dense cell, and in training GPT-2's blocks at context 8192
+    with document masks 1.08-1.10x fa2's tokens/s on H100s (2026-12-06) and 1.17x on an H200 (2026-12-03). That
+    training step waits for the host, so the host decides it: on an H200 whose host was slower (2026-12-06) fa3
+    ran 0.83x fa2 and 0.78x Flex, its custom ops costing more host time a call (docs/benchmarks.md). Nothing is
+    loaded (``Backend.load``).
 
     Raises ValueError for a name outside ``BACKENDS``.
     """
