@@ -449,7 +449,7 @@ def run_forward(q, k, v, causal: bool, softmax_scale: float, config: ForwardConf
     docs = key_bounds is not None
     if docs:  # both edges, per row
         left, right = 0, 0
-    unused = _no_bounds(q.device)
+    unused = None if docs else _no_bounds(q.device)  # with documents every pointer is a real tensor
     key_start, key_limit = key_bounds if docs else (unused, unused)
     o = empty_like_layout(q)
     lse = torch.empty((batch, n_heads, seqlen_q), device=q.device, dtype=torch.float32)
