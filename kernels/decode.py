@@ -42,7 +42,7 @@ def _split(
 ):
     off_bh, split = tl.program_id(0), tl.program_id(1)
     if HAS_SEQLEN:  # the number of valid keys, read on the device (static shapes)
-        seqlen_k = tl.minimum(tl.load(SEQLEN).to(tl.int32), seqlen_k)
+        seqlen_k = tl.minimum(tl.load(SEQLEN), seqlen_k).to(tl.int32)  # clamped in the tensor's width first
     off_b, off_h = off_bh // n_heads, off_bh % n_heads
     off_hk = off_h // GROUP  # GQA: GROUP query heads share one K/V head
     k_base = head_ptr(K, off_b, stride_kb, off_hk, stride_kh)
@@ -164,8 +164,8 @@ def fa2_decode(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float | None = No
         softmax_scale: multiplier of q k^T; default 1 / sqrt(head_dim).
         num_splits: slices of the keys, each handled by its own program; default: about two programs per SM.
         seqlen: optional integer tensor of one element on q's device: only keys 0 .. seqlen-1 count (k, v may
-           be a whole KV cache; the value is read on the device, so it is not checked: it must be >= 1, and
-           values above seqlen_k count as seqlen_k).
+           be a whole KV cache; the value is read on the device, so it is not checked: it must be >= 1 (below 1
+           the output is NaN), and values above seqlen_k count as seqlen_k).
         softcap: logit soft-capping as in `fa2_attention` (a float >= 0, 0.0 = off).
 
     Returns:
@@ -188,7 +188,7 @@ def fa2_decode(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float | None = No
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}")
     if seqlen is not None and (not isinstance(seqlen, Tensor) or seqlen.numel() != 1 or seqlen.is_floating_point()
-                               or seqlen.device != q.device):
+                               or seqlen.is_complex() or seqlen.dtype == torch.bool or seqlen.device != q.device):
         raise ValueError(f"seqlen must be a one-element integer tensor on {q.device}, got {seqlen!r}")
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])

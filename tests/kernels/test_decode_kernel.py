@@ -75,8 +75,17 @@ def test_fa2_decode_with_device_seqlen(seqlen, num_splits):
     o = fa2_decode(q, k, v, num_splits=num_splits, seqlen=torch.tensor(seqlen))
     expected = reference_attention(q, k[:, :, :seqlen], v[:, :, :seqlen])
     torch.testing.assert_close(o.double(), expected, atol=2e-3, rtol=2e-3)
-    with pytest.raises(ValueError, match="one-element integer tensor"):
-        fa2_decode(q, k, v, seqlen=torch.tensor([1.0]))
+    for bad in (torch.tensor([1.0]), torch.tensor(True), torch.tensor(1 + 2j)):
+        with pytest.raises(ValueError, match="one-element integer tensor"):
+            fa2_decode(q, k, v, seqlen=bad)
+
+
+def test_fa2_decode_seqlen_beyond_int32_counts_as_all_keys():
+    """An int64 seqlen past int32's range is clamped to seqlen_k before it is narrowed (2**32 + 5 is not 5)."""
+    q = torch.randn(1, 2, 1, 16, dtype=torch.float16)
+    k, v = (torch.randn(1, 2, 70, 16, dtype=torch.float16) for _ in range(2))
+    o = fa2_decode(q, k, v, seqlen=torch.tensor(2**32 + 5))
+    torch.testing.assert_close(o.double(), reference_attention(q, k, v), atol=2e-3, rtol=2e-3)
 
 
 def test_fa2_decode_is_public():
