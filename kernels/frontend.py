@@ -31,6 +31,7 @@ from typing import Callable, Optional
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from .common import INTERPRET
 
@@ -395,6 +396,7 @@ class EagerAttention(torch.autograd.Function):
         return o, lse
 
     @staticmethod
+    @once_differentiable  # the kernels' backward has no backward: differentiating its gradients raises
     def backward(ctx, do, dlse):
         return None, *_gradients(ctx, do, dlse, ctx.run_backward)
 
@@ -503,7 +505,8 @@ PUBLIC_DOC = """{title}
 
     Returns:
         o: like q in shape, dtype and device; or (o, lse) with lse (batch, n_heads, seqlen_q), float32, natural
-        log (returned without gradient). Differentiable w.r.t. q, k and v; {gradients}
+        log (returned without gradient). Differentiable w.r.t. q, k and v, once: differentiating the gradients
+        (double backward, create_graph=True) raises RuntimeError; {gradients}
 
     Raises:
         TypeError: a non-tensor input, unsupported or mismatched dtypes, a non-bool causal or return_lse, a
@@ -543,7 +546,8 @@ VARLEN_DOC = """{title}
 
     Returns:
         o: (total_q, n_heads, head_dim), like q; or (o, lse) with lse (n_heads, total_q), float32, natural log,
-        -inf for rows that see no key (their o and gradients are 0). Differentiable w.r.t. q, k and v;
+        -inf for rows that see no key (their o and gradients are 0). Differentiable w.r.t. q, k and v, once
+        (as `fa2_attention`);
         {gradients}
 
     Raises:
@@ -578,8 +582,8 @@ QKVPACKED_DOC = """{title}
 
     Returns:
         o: (batch, seqlen, n_heads, head_dim), contiguous, qkv's dtype; or (o, lse) with lse (batch, n_heads,
-        seqlen), float32, natural log (without gradient). Differentiable w.r.t. qkv (the gradient is shaped like
-        qkv); {gradients}
+        seqlen), float32, natural log (without gradient). Differentiable w.r.t. qkv, once (the gradient is shaped
+        like qkv); {gradients}
 
     Raises:
         TypeError: qkv not a tensor, n_heads not an int or None, and as `{name}_attention`.

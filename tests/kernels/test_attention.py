@@ -475,6 +475,21 @@ def test_bad_arguments_are_rejected(attention):
 
 
 @pytest.mark.parametrize("attention", KERNELS)
+def test_double_backward_raises(attention):
+    """The gradients are first-order: taken with create_graph=True they are right, and differentiating them again
+    raises instead of silently leaving attention's second-order terms out."""
+    q, k, v = (randn(1, 2, 16, 32, dtype=torch.float32).requires_grad_() for _ in range(3))
+    o = attention(q, k, v, causal=True)
+    g, = torch.autograd.grad((o ** 2).sum(), q, create_graph=True)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    o64, _ = reference(q64, k64, v64, True, 1 / math.sqrt(32))
+    g64, = torch.autograd.grad((o64 ** 2).sum(), q64)
+    assert rel_err(g, g64) < TOLERANCE[torch.float32]
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        (g ** 2).sum().backward()
+
+
+@pytest.mark.parametrize("attention", KERNELS)
 def test_cpu_tensors_without_interpreter_are_rejected(attention, monkeypatch):
     monkeypatch.setattr("kernels.frontend.INTERPRET", False)
     q, k, v = (torch.randn(1, 2, 16, 32, dtype=torch.float16) for _ in range(3))
