@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from bench import HelpFormatter
+import model.backends  # noqa: F401 (first: it sets TRITON_INTERPRET without a GPU, which kernels reads on import)
 from kernels import fa2, fa3, fa3_attention
 
 CPU_MAX_SEQLEN = 64

@@ -1,6 +1,10 @@
 """tools.host_cost: every row timed (CPU: the interpreter, a smoke test; GPU: the real figures), and its options."""
 
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,6 +51,18 @@ def test_bad_options_are_refused(capsys, args, message):
     with pytest.raises(SystemExit):
         host_cost.main(args)
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is for machines without a GPU")
+def test_the_interpreter_is_on_without_a_gpu():
+    """Run as `python -m tools.host_cost` on a CPU, without TRITON_INTERPRET set: the kernels it imports run under
+    Triton's interpreter (model.backends turns it on first), not into CUDA calls."""
+    code = "import tools.host_cost, kernels.common; print(kernels.common.INTERPRET)"
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-1] == "True"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's size limit")
