@@ -99,7 +99,13 @@ def validate(q, k, v, causal, softmax_scale, packed=False) -> None:
     # Comparisons, not math.isfinite: an int too large for a float is refused, not an OverflowError.
     if softmax_scale is not None and not 0 <= softmax_scale <= MAX_LOGIT_SCALE:
         raise ValueError(f"softmax_scale must be a finite number >= 0 and <= {MAX_LOGIT_SCALE:g}, or None; "
-                         f"got {softmax_scale!r}")
+                         f"got {short_repr(softmax_scale)}")
+
+
+def short_repr(value, limit: int = 40) -> str:
+    """repr(value), or for a longer one (an int of hundreds of digits) its start and its length."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:12]}... ({len(text)} characters)"
 
 
 def check_return_lse(return_lse) -> None:
@@ -129,7 +135,7 @@ def check_softcap(softcap, name: str, supported: bool, form: str = "attention") 
         raise TypeError(f"softcap must be a number (int or float; 0.0 = off), got {type_name(softcap)}")
     if not 0 <= softcap <= MAX_LOGIT_SCALE:  # comparisons: torch.compile traces them on a symbolic float
         raise ValueError(f"softcap must be a finite number >= 0 and <= {MAX_LOGIT_SCALE:g} (0.0 = off), "
-                         f"got {softcap!r}")
+                         f"got {short_repr(softcap)}")
     if softcap and not supported:
         have = " or ".join(f"{k}_{form}" for k in SOFTCAP_KERNELS) or "none"
         raise ValueError(f"{name}_{form} has no logit soft-capping (softcap={softcap!r}); "
@@ -542,7 +548,9 @@ VARLEN_DOC = """{title}
            softcap > 0 each score s becomes softcap * tanh(s / softcap) (Gemma 2; flash-attn's `softcap`).
         check_offsets: check the values of cu_seqlens (below). That reads them on the host, a sync on a GPU;
            pass False for offsets valid by construction (e.g. from data.sampler). Never done under
-           torch.compile, which cannot trace it: there invalid offsets give undefined results.
+           torch.compile, which cannot trace it. Unchecked offsets that break the contract make the kernels read
+           and write outside q, k, v and o: wrong results, a crash or corrupted memory (on a GPU, an illegal
+           memory access).
 
     Returns:
         o: (total_q, n_heads, head_dim), like q; or (o, lse) with lse (n_heads, total_q), float32, natural log,
