@@ -445,7 +445,7 @@ def check_memory(args: GPTConfig, device: torch.device, tokens: int = 0,
     hidden = mlp_width(args.n_embd, args.mlp, args.mlp_hidden, args.multiple_of)
     activations = args.n_layer * tokens * (args.n_embd + hidden) * per_value
     if memory and weights + logits + activations > memory:
-        gib = lambda n: f"{n / 2**30:,.1f}" if n < 10 * 2**30 else f"{n / 2**30:,.0f}"
+        gib = lambda n: f"{n / 2**30:,.3g}" if n < 10 * 2**30 else f"{n / 2**30:,.0f}"  # 0.0123, not 0.0
         # a mistyped model size and a batch far too large read differently: the model is the culprit when not even
         # one token's logits and activations fit beside it
         one_token = weights + args.vocab_size * logit_bytes + args.n_layer * (args.n_embd + hidden) * per_value

@@ -791,7 +791,7 @@ def test_a_model_larger_than_the_memory_is_one_error_naming_its_size(make_cfg, m
     memory = kept * 2**30 * 3 // 2  # 1.5 x what the layers keep of 2**30 tokens in bf16
     monkeypatch.setattr("trainer.loop.device_memory", lambda device: memory)
     with pytest.raises(ConfigError, match=r"^a micro-batch of 1,073,741,824 tokens \(trainer.batch_size x "
-                                          r"model.block_size\) is too large for cpu: .* need at least 0.0 GiB for "
+                                          r"model.block_size\) is too large for cpu: .* need at least 0.000412 GiB for "
                                           r"weights.*, the logits of 1,073,741,824 tokens \(8 bytes a value; "
                                           r"model.loss=full"):
         check_memory(args, torch.device("cpu"), 2**30)  # weights and activations fit; one micro-batch's logits do not
