@@ -521,8 +521,8 @@ PUBLIC_DOC = """{title}
         ValueError: a window_size value below -1 (or any window for fa1), a softcap outside 0..1e38 (or above 0
             for fa1) or so large that softmax_scale / softcap underflows float32, wrong rank, mismatched batch /
             head_dim / device / k-v shapes, n_heads not a multiple of n_kv_heads, head_dim outside 16..256, an
-            empty dimension, a softmax_scale outside 0..1e38 (NaN and inf included), or CPU tensors when Triton's interpreter is off (use a CUDA GPU or set TRITON_INTERPRET=1
-            before importing kernels).
+            empty dimension, a softmax_scale outside 0..1e38 (NaN and inf included), or CPU tensors when Triton's
+            interpreter is off (use a CUDA GPU or set TRITON_INTERPRET=1 before importing kernels).
     """
 
 
@@ -565,8 +565,8 @@ VARLEN_DOC = """{title}
         ValueError: wrong ranks or shapes (as in `fa2_attention`), cu_seqlens not 1-D with >= 2 entries or of
             different lengths or on another device, not starting at 0, decreasing, or not ending at total_q /
             total_k, a sequence longer than max_seqlen_*, a window_size value below -1, a softmax_scale or
-            softcap out of range (as in `fa2_attention`; softcap > 0 for kernels without soft-capping). The offsets' values are checked only
-            with check_offsets and outside torch.compile.
+            softcap out of range (as in `fa2_attention`; softcap > 0 for kernels without soft-capping). The
+            offsets' values are checked only with check_offsets and outside torch.compile.
     """
 
 

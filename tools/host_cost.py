@@ -11,8 +11,8 @@ Rows: the entry points the custom ops call (`kernels.fa3.forward` / `backward`, 
 `backward`), the public `fa3_attention` forward and its backward through autograd (`retain_graph=True`), and
 PyTorch's SDPA forward for scale. With --documents D > 0 also the packed-sequence entry points with the
 arguments a model's document mask gives them (`fa3.forward(..., cu_seqlens, cu_seqlens, N, N)`, the rows cut into
-D documents of about equal length; what the compiled training step's custom ops run). An eager call that costs more host time than its kernels take leaves the GPU
-waiting: `bench.attention`'s short cells and a host-bound training step (docs/benchmarks.md, "Launches past
+D documents of about equal length; what the compiled training step's custom ops run). An eager call that costs
+more host time than its kernels take leaves the GPU waiting: `bench.attention`'s short cells and a host-bound training step (docs/benchmarks.md, "Launches past
 Triton's binder").
 
 On a CPU the kernels run under Triton's interpreter: a smoke test at a small --seqlen, not a benchmark.
