@@ -2,8 +2,8 @@
 `fa2_attention` / `fa2_varlen_attention` (FlashAttention-2 in Triton, with sliding windows, packed
 variable-length sequences and logit soft-capping; fa3 has all three too, packed sequences in
 `fa3_varlen_attention`), `fa1_attention` (the FA1 baseline) and `fa2_decode` (split-K/V decode: one query per
-(batch, head) against a KV cache). `fa*_qkvpacked_attention` take one packed qkv tensor (a fused projection's
-output) and write its gradient in place.
+(batch, head) against a KV cache). `fa*_qkvpacked_attention` and `fa*_varlen_qkvpacked_attention` take one packed
+qkv tensor (a fused projection's output) and write its gradient in place.
 
     frontend.py        validation, layouts, the torch.library ops and autograd shared by every kernel
     common.py          Triton helpers the kernels share: tile loads/stores, masks, TMA checks, the backward's preprocess
@@ -25,7 +25,8 @@ import math
 from . import fa1, fa2, fa3
 from .decode import fa2_decode
 from .frontend import (
-    DETERMINISTIC_GRADIENTS, PUBLIC_DOC, QKVPACKED_DOC, VARLEN_DOC, make_attention, make_varlen_attention,
+    DETERMINISTIC_GRADIENTS, PUBLIC_DOC, QKVPACKED_DOC, VARLEN_DOC, VARLEN_QKVPACKED_DOC, make_attention,
+    make_varlen_attention,
 )
 
 fa2_attention, fa2_qkvpacked_attention = make_attention("fa2", fa2.forward, fa2.backward, lse_log_base=2.0,
@@ -38,12 +39,15 @@ fa2_attention.__doc__ = PUBLIC_DOC.format(
 fa2_qkvpacked_attention.__doc__ = QKVPACKED_DOC.format(
     title="FlashAttention-2 (Triton) over a packed qkv: forward and backward.", name="fa2",
     gradients=DETERMINISTIC_GRADIENTS)
-fa2_varlen_attention = make_varlen_attention("fa2", lse_log_base=2.0)
+fa2_varlen_attention, fa2_varlen_qkvpacked_attention = make_varlen_attention("fa2", lse_log_base=2.0)
 fa2_varlen_attention.__doc__ = VARLEN_DOC.format(
     title="FlashAttention-2 (Triton) over packed variable-length sequences: forward and backward.",
     source="Dao 2023, FlashAttention-2, with flash-attn's varlen and window conventions; see kernels/fa2.py.",
     gradients=DETERMINISTIC_GRADIENTS,
 )
+fa2_varlen_qkvpacked_attention.__doc__ = VARLEN_QKVPACKED_DOC.format(
+    title="FlashAttention-2 (Triton) over a packed qkv of packed variable-length sequences: forward and backward.",
+    name="fa2", gradients=DETERMINISTIC_GRADIENTS)
 fa1_attention, fa1_qkvpacked_attention = make_attention("fa1", fa1.forward, fa1.backward, lse_log_base=math.e)
 fa1_attention.__doc__ = PUBLIC_DOC.format(
     title="FlashAttention-1 baseline (Triton): exact scaled dot-product attention, forward and backward.",
@@ -78,7 +82,7 @@ fa3_attention.__doc__ = PUBLIC_DOC.format(
 fa3_qkvpacked_attention.__doc__ = QKVPACKED_DOC.format(
     title="FlashAttention-3 (Gluon, Hopper) over a packed qkv: forward and backward, FA2's where the Gluon kernels "
           "do not apply (as fa3_attention).", name="fa3", gradients=FA3_GRADIENTS)
-fa3_varlen_attention = make_varlen_attention("fa3", lse_log_base=2.0)
+fa3_varlen_attention, fa3_varlen_qkvpacked_attention = make_varlen_attention("fa3", lse_log_base=2.0)
 fa3_varlen_attention.__doc__ = VARLEN_DOC.format(
     title="FlashAttention-3 (Gluon, Hopper) over packed variable-length sequences: packed self-attention (one set "
           "of offsets: cu_seqlens_k with cu_seqlens_q's values, the same tensor costing no check) runs the Gluon "
@@ -90,5 +94,11 @@ fa3_varlen_attention.__doc__ = VARLEN_DOC.format(
     gradients=FA3_GRADIENTS,
 )
 
+fa3_varlen_qkvpacked_attention.__doc__ = VARLEN_QKVPACKED_DOC.format(
+    title="FlashAttention-3 (Gluon, Hopper) over a packed qkv of packed variable-length sequences: forward and "
+          "backward, on the Gluon kernels as fa3_varlen_attention's packed self-attention, FA2's where they do not "
+          "apply.", name="fa3", gradients=FA3_GRADIENTS)
+
 __all__ = ["fa1_attention", "fa1_qkvpacked_attention", "fa2_attention", "fa2_decode", "fa2_qkvpacked_attention",
-           "fa2_varlen_attention", "fa3_attention", "fa3_qkvpacked_attention", "fa3_varlen_attention"]
+           "fa2_varlen_attention", "fa2_varlen_qkvpacked_attention", "fa3_attention", "fa3_qkvpacked_attention",
+           "fa3_varlen_attention", "fa3_varlen_qkvpacked_attention"]

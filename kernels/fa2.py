@@ -616,18 +616,18 @@ def backward(do, q, k, v, o, lse, causal, softmax_scale, window_size=(-1, -1), c
              max_seqlen_q=0, max_seqlen_k=0, out=None, options=None, softcap=0.0):
     """Launch the three backward kernels. `lse` is the forward's base-2 LSE; the mask arguments and softcap are the
     forward's (the capped scores are recomputed: dS = P (dP - delta) (1 - tanh^2)).
-    Returns dq, dk, dv like q, k, v (written into `out` when given, not with cu_seqlens: `common.grad_buffers`).
+    Returns dq, dk, dv like q, k, v (written into `out` when given: `common.grad_buffers`).
     `options`: how the kernels run (`Options`; None: `DEFAULT_OPTIONS`); ValueError for an unknown
     `varlen_bwd_grid`."""
     options = options or DEFAULT_OPTIONS
     if options.varlen_bwd_grid not in VARLEN_BWD_GRIDS:
         raise ValueError(f"Options.varlen_bwd_grid={options.varlen_bwd_grid!r}; accepted "
                          f"{', '.join(VARLEN_BWD_GRIDS)}")
-    if out is not None and cu_seqlens_q is not None:
-        raise ValueError("out is not taken with packed variable-length sequences (cu_seqlens_q)")
     varlen = cu_seqlens_q is not None
     if varlen:
         do, q, k, v, o, lse = _rows(do), _rows(q), _rows(k), _rows(v), _rows(o), lse[None]
+        if isinstance(out, (tuple, list)):  # packed like q, k, v; grad_buffers checks them
+            out = tuple(_rows(t) if isinstance(t, torch.Tensor) else t for t in out)
     delta = bwd_preprocess(o, do)
     dq, dk, dv = grad_buffers(q, k, v, out)
     _launch_backward(do, q, k, v, lse, delta, dq, (dk, dv), causal, softmax_scale, window_size, cu_seqlens_q,

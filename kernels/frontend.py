@@ -46,6 +46,8 @@ SOFTCAP_KERNELS: list[str] = []  # the names `make_attention` registered with lo
 # name -> (run_forward, run_backward, 3): the launchers with the ops' arguments, which eager calls of
 # `make_varlen_attention`'s function run through `EagerAttention` (kernels registered with masks=True)
 EAGER_MASKED: dict[str, tuple] = {}
+# name -> the same for the packed-qkv form of packed sequences: (run_forward, run_backward, 1)
+EAGER_VARLEN_PACKED: dict[str, tuple] = {}
 
 
 def type_name(x) -> str:
@@ -165,10 +167,11 @@ def accepts_softcap(*launchers: Callable) -> bool:
     return all(takes(fn) for fn in launchers)
 
 
-def check_cu_seqlens_args(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
+def check_cu_seqlens_args(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sides=("_q", "_k")) -> None:
     """The static part of the varlen contract (types, dtypes, shapes), which torch.compile can trace; the offsets'
-    values are checked by `check_cu_seqlens_values`."""
-    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+    values are checked by `check_cu_seqlens_values`. sides: the arguments' suffixes; ("",): one set of offsets
+    (cu_seqlens, max_seqlen: the packed-qkv form) passed as both, checked once."""
+    for name, cu in zip((f"cu_seqlens{side}" for side in sides), (cu_seqlens_q, cu_seqlens_k)):
         if not isinstance(cu, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type_name(cu)}")
         if cu.dtype != torch.int32:
@@ -180,19 +183,20 @@ def check_cu_seqlens_args(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
                          f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
-    for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+    for name, n in zip((f"max_seqlen{side}" for side in sides), (max_seqlen_q, max_seqlen_k)):
         if isinstance(n, bool) or not isinstance(n, (int, torch.SymInt)):
             raise TypeError(f"{name} must be an int, got {type_name(n)}")
         if n < 0:
             raise ValueError(f"{name} must be >= 0, got {n}")
 
 
-def check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k) -> None:
+def check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k,
+                            sides=("_q", "_k")) -> None:
     """The offsets' values: start at 0, non-decreasing, end at the row count, no sequence above max_seqlen_*.
-    Costs a device-to-host copy of the offsets (a host sync on a GPU)."""
-    for side, cu, total, longest in (("q", cu_seqlens_q, total_q, max_seqlen_q),
-                                     ("k", cu_seqlens_k, total_k, max_seqlen_k)):
-        name, offsets = f"cu_seqlens_{side}", cu.tolist()
+    Costs a device-to-host copy of the offsets (a host sync on a GPU). sides: as `check_cu_seqlens_args`."""
+    for side, cu, total, longest in zip(sides, (cu_seqlens_q, cu_seqlens_k), (total_q, total_k),
+                                        (max_seqlen_q, max_seqlen_k)):
+        name, offsets = f"cu_seqlens{side}", cu.tolist()
         if offsets[0] != 0:
             raise ValueError(f"{name}[0] must be 0, got {offsets[0]}")
         lengths = [b - a for a, b in zip(offsets, offsets[1:])]
@@ -200,10 +204,11 @@ def check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_se
             i = lengths.index(min(lengths))
             raise ValueError(f"{name} must be non-decreasing, but {name}[{i + 1}] = {offsets[i + 1]} < "
                              f"{name}[{i}] = {offsets[i]}")
+        rows = f"total{side} = {total}, the rows of {side[1:] or 'qkv'}"
         if offsets[-1] != total:
-            raise ValueError(f"{name}[-1] = {offsets[-1]} must equal total_{side} = {total}, the rows of {side}")
+            raise ValueError(f"{name}[-1] = {offsets[-1]} must equal {rows}")
         if max(lengths) > longest:
-            raise ValueError(f"max_seqlen_{side} = {longest} is less than the longest sequence's length "
+            raise ValueError(f"max_seqlen{side} = {longest} is less than the longest sequence's length "
                              f"{max(lengths)} in {name}")
 
 
@@ -289,8 +294,6 @@ def make_attention(name: str, forward: ForwardLauncher, backward: BackwardLaunch
                                  setup_context=functools.partial(_save, n_tensors=3))
     to_natural = math.log(lse_log_base)
     eager = (run_forward, run_backward, 3)
-    if masks:
-        EAGER_MASKED[name] = eager
 
     def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, window_size=(-1, -1), *, softcap=0.0):
         validate(q, k, v, causal, softmax_scale)
@@ -346,6 +349,9 @@ def make_attention(name: str, forward: ForwardLauncher, backward: BackwardLaunch
     packed_forward_op.register_autograd(functools.partial(_gradients, backward_fn=packed_backward_op),
                                         setup_context=functools.partial(_save, n_tensors=1))
     packed_eager = (run_packed_forward, run_packed_backward, 1)
+    if masks:
+        EAGER_MASKED[name] = eager
+        EAGER_VARLEN_PACKED[name] = _varlen_packed_ops(name, run_forward, backward, softcap_kwargs)
 
     def qkvpacked_attention(qkv, n_heads=None, causal=False, softmax_scale=None, return_lse=False,
                             window_size=(-1, -1), *, softcap=0.0):
@@ -414,24 +420,79 @@ def split_qkv(qkv: Tensor, n_heads: int) -> tuple[Tensor, Tensor, Tensor]:
     return qkv.transpose(1, 2).split([n_heads, n_kv_heads, n_kv_heads], dim=1)
 
 
-def check_qkvpacked(qkv, n_heads) -> tuple[Tensor, int]:
-    """(qkv as (batch, seqlen, n_heads + 2 * n_kv_heads, head_dim), n_heads); see PACKED_DOC for what is taken.
+def split_varlen_qkv(qkv: Tensor, n_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """q (total, n_heads, head_dim) and k, v (total, n_kv_heads, head_dim): views of a packed
+    (total, n_heads + 2 * n_kv_heads, head_dim) qkv of packed sequences."""
+    n_kv_heads = (qkv.shape[1] - n_heads) // 2
+    return qkv.split([n_heads, n_kv_heads, n_kv_heads], dim=1)
+
+
+def _varlen_packed_ops(name: str, run_forward, backward, softcap_kwargs) -> tuple:
+    """Register `flashgpt::{name}_varlen_qkvpacked_forward` / `_backward` (packed sequences over one packed qkv:
+    packed self-attention, one set of offsets) with autograd, over the kernel module's launchers; returns the
+    launchers with the ops' arguments, for eager calls (`EagerAttention`)."""
+
+    def run_varlen_packed_forward(qkv, n_heads, cu_seqlens, max_seqlen, causal, softmax_scale, window_left=-1,
+                                  window_right=-1, softcap=0.0):
+        return run_forward(*split_varlen_qkv(qkv, n_heads), causal, softmax_scale, window_left, window_right,
+                           cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softcap)
+
+    def run_varlen_packed_backward(do, qkv, o, lse, n_heads, cu_seqlens, max_seqlen, causal, softmax_scale,
+                                   window_left=-1, window_right=-1, softcap=0.0):
+        dqkv = torch.empty_like(qkv)
+        backward(last_dim_contiguous(do), *split_varlen_qkv(qkv, n_heads), o, lse, causal, softmax_scale,
+                 (window_left, window_right), cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                 out=split_varlen_qkv(dqkv, n_heads), **softcap_kwargs(softcap))
+        return dqkv
+
+    @torch.library.custom_op(f"flashgpt::{name}_varlen_qkvpacked_forward", mutates_args=())
+    def forward_op(qkv: Tensor, n_heads: int, cu_seqlens: Tensor, max_seqlen: int, causal: bool,
+                   softmax_scale: float, window_left: int = -1, window_right: int = -1,
+                   softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+        return run_varlen_packed_forward(qkv, n_heads, cu_seqlens, max_seqlen, causal, softmax_scale, window_left,
+                                         window_right, softcap)
+
+    @forward_op.register_fake
+    def _(qkv, n_heads, *args):
+        total, _, head_dim = qkv.shape
+        return qkv.new_empty((total, n_heads, head_dim)), qkv.new_empty((n_heads, total), dtype=torch.float32)
+
+    @torch.library.custom_op(f"flashgpt::{name}_varlen_qkvpacked_backward", mutates_args=())
+    def backward_op(do: Tensor, qkv: Tensor, o: Tensor, lse: Tensor, n_heads: int, cu_seqlens: Tensor,
+                    max_seqlen: int, causal: bool, softmax_scale: float, window_left: int = -1,
+                    window_right: int = -1, softcap: float = 0.0) -> Tensor:
+        return run_varlen_packed_backward(do, qkv, o, lse, n_heads, cu_seqlens, max_seqlen, causal, softmax_scale,
+                                          window_left, window_right, softcap)
+
+    @backward_op.register_fake
+    def _(do, qkv, *args):
+        return torch.empty_like(qkv)
+
+    forward_op.register_autograd(functools.partial(_gradients, backward_fn=backward_op),
+                                 setup_context=functools.partial(_save, n_tensors=1))
+    return run_varlen_packed_forward, run_varlen_packed_backward, 1
+
+
+def check_qkvpacked(qkv, n_heads, varlen: bool = False) -> tuple[Tensor, int]:
+    """(qkv as (batch, seqlen, n_heads + 2 * n_kv_heads, head_dim), n_heads); see QKVPACKED_DOC for what is taken.
+    varlen: packed sequences, (total, ...) in place of (batch, seqlen, ...) (VARLEN_QKVPACKED_DOC).
     Raises TypeError/ValueError naming the argument."""
+    lead, dims = (1, "total") if varlen else (2, "batch, seqlen")
     if not isinstance(qkv, Tensor):
         raise TypeError(f"qkv must be a torch.Tensor, got {type_name(qkv)}")
     if n_heads is not None and (isinstance(n_heads, bool) or not isinstance(n_heads, int)):
         raise TypeError(f"n_heads must be an int or None, got {type_name(n_heads)}")
-    if qkv.dim() == 5 and qkv.shape[2] == 3 and qkv.shape[3] > 0 and n_heads in (None, qkv.shape[3]):
-        return qkv.flatten(2, 3), qkv.shape[3]
-    if qkv.dim() != 4:
-        raise ValueError(f"qkv must be (batch, seqlen, n_heads + 2 * n_kv_heads, head_dim) or (batch, seqlen, 3, "
+    if qkv.dim() == lead + 3 and qkv.shape[lead] == 3 and 0 < qkv.shape[lead + 1] and n_heads in (None, qkv.shape[-2]):
+        return qkv.flatten(lead, lead + 1), qkv.shape[-2]
+    if qkv.dim() != lead + 2:
+        raise ValueError(f"qkv must be ({dims}, n_heads + 2 * n_kv_heads, head_dim) or ({dims}, 3, "
                          f"n_heads >= 1, head_dim), got shape {tuple(qkv.shape)}" + (
-                             f" with n_heads={n_heads}" if qkv.dim() == 5 else ""))
-    heads = qkv.shape[2]
+                             f" with n_heads={n_heads}" if qkv.dim() == lead + 3 else ""))
+    heads = qkv.shape[lead]
     if n_heads is None and heads % 3 == 0 and heads > 0:
         return qkv, heads // 3
     if n_heads is None or not 0 < n_heads < heads or (heads - n_heads) % 2:
-        raise ValueError(f"qkv has {heads} heads (dim 2), which must be n_heads + 2 * n_kv_heads with n_heads, "
+        raise ValueError(f"qkv has {heads} heads (dim {lead}), which must be n_heads + 2 * n_kv_heads with n_heads, "
                          f"n_kv_heads >= 1; got n_heads={n_heads}" + (
                              " (None: n_heads = n_kv_heads, so a multiple of 3)" if n_heads is None else ""))
     return qkv, n_heads
@@ -444,37 +505,66 @@ def natural_lse(o: Tensor, lse: Tensor, to_natural: float) -> tuple[Tensor, Tens
 
 
 def make_varlen_attention(name: str, lse_log_base: float):
-    """The public packed-sequence function `{name}_varlen_attention`: compiled code calls the op that
-    `make_attention(name, ..., masks=True)` registered, eager calls its launchers through `EagerAttention`, as the
-    dense functions do."""
-    op = getattr(torch.ops.flashgpt, f"{name}_forward")
-    eager = EAGER_MASKED[name]
+    """The public packed-sequence functions `{name}_varlen_attention` and `{name}_varlen_qkvpacked_attention`:
+    compiled code calls the ops that `make_attention(name, ..., masks=True)` registered, eager calls their launchers
+    through `EagerAttention`, as the dense functions do."""
+    op, packed_op = (getattr(torch.ops.flashgpt, f"{name}_{form}forward") for form in ("", "varlen_qkvpacked_"))
+    eager, packed_eager = EAGER_MASKED[name], EAGER_VARLEN_PACKED[name]
     to_natural = math.log(lse_log_base)
+
+    def check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size,
+              return_lse, softcap, check_offsets, form, sides=("_q", "_k")):
+        """The checks both forms share (sides: as `check_cu_seqlens_args`); returns (window, softmax_scale,
+        softcap, max_seqlen_q, max_seqlen_k) as the ops take them."""
+        check_return_lse(return_lse)
+        check_cu_seqlens_args(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sides)
+        # Reading the offsets' values syncs with the GPU, and torch.compile cannot trace it: eager calls only.
+        if check_offsets and not torch.compiler.is_compiling():
+            check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k,
+                                    sides)
+        window = check_window(window_size, name, True)
+        softcap = check_softcap(softcap, name, name in SOFTCAP_KERNELS, form)
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+        check_softcap_scale(softmax_scale, softcap)
+        # No sequence is longer than all the rows: a larger bound (flash-attn accepts one) would only add empty
+        # programs to the grid, or overflow the op's int64 argument.
+        return (window, float(softmax_scale), softcap, torch.sym_min(max_seqlen_q, q.shape[0]),
+                torch.sym_min(max_seqlen_k, k.shape[0]))
 
     def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
                          softmax_scale=None, window_size=(-1, -1), return_lse=False, *, softcap=0.0,
                          check_offsets=True):
         validate(q, k, v, causal, softmax_scale, packed=True)
-        check_return_lse(return_lse)
-        check_cu_seqlens_args(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        # Reading the offsets' values syncs with the GPU, and torch.compile cannot trace it: eager calls only.
-        if check_offsets and not torch.compiler.is_compiling():
-            check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
-        window = check_window(window_size, name, True)
-        softcap = check_softcap(softcap, name, name in SOFTCAP_KERNELS, "varlen_attention")
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
-        check_softcap_scale(softmax_scale, softcap)
+        window, softmax_scale, softcap, max_seqlen_q, max_seqlen_k = check(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size,
+            return_lse, softcap, check_offsets, "varlen_attention")
         q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
-        # No sequence is longer than all the rows: a larger bound (flash-attn accepts one) would only add empty
-        # programs to the grid, or overflow the op's int64 argument.
-        max_seqlen_q, max_seqlen_k = torch.sym_min(max_seqlen_q, q.shape[0]), torch.sym_min(max_seqlen_k, k.shape[0])
-        args = (q, k, v, causal, float(softmax_scale), *window, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
+        args = (q, k, v, causal, softmax_scale, *window, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
                 max_seqlen_q, max_seqlen_k, softcap)
         o, lse = op(*args) if torch.compiler.is_compiling() else EagerAttention.apply(eager, *args)
         return natural_lse(o, lse, to_natural) if return_lse else o
 
-    varlen_attention.__name__ = varlen_attention.__qualname__ = f"{name}_varlen_attention"
-    return varlen_attention
+    def varlen_qkvpacked_attention(qkv, cu_seqlens, max_seqlen, n_heads=None, causal=False, softmax_scale=None,
+                                   window_size=(-1, -1), return_lse=False, *, softcap=0.0, check_offsets=True):
+        qkv, n_heads = check_qkvpacked(qkv, n_heads, varlen=True)
+        q, k, v = split_varlen_qkv(qkv, n_heads)
+        try:
+            validate(q, k, v, causal, softmax_scale, packed=True)
+        except (TypeError, ValueError) as e:  # its messages name q, k, v: say what they are here
+            raise type(e)(f"{e} (q, k, v: the (total, heads, head_dim) views of qkv {tuple(qkv.shape)} "
+                          f"{qkv.dtype} on {qkv.device} with n_heads={n_heads})") from None
+        window, softmax_scale, softcap, max_seqlen, _ = check(
+            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal, softmax_scale, window_size, return_lse,
+            softcap, check_offsets, "varlen_qkvpacked_attention", sides=("",))
+        args = (last_dim_contiguous(qkv), n_heads, cu_seqlens.contiguous(), max_seqlen, causal, softmax_scale,
+                *window, softcap)
+        o, lse = packed_op(*args) if torch.compiler.is_compiling() else EagerAttention.apply(packed_eager, *args)
+        return natural_lse(o, lse, to_natural) if return_lse else o
+
+    for fn, public in ((varlen_attention, f"{name}_varlen_attention"),
+                       (varlen_qkvpacked_attention, f"{name}_varlen_qkvpacked_attention")):
+        fn.__name__ = fn.__qualname__ = public
+    return varlen_attention, varlen_qkvpacked_attention
 
 
 DETERMINISTIC_GRADIENTS = "gradients are deterministic (no atomics)."
@@ -598,4 +688,38 @@ QKVPACKED_DOC = """{title}
         ValueError: qkv not 4-D or (batch, seqlen, 3, n_heads, head_dim); heads that do not split into n_heads + 2 *
             n_kv_heads with both >= 1 (n_heads=None: not a multiple of 3); and as `{name}_attention` (head_dim,
             n_heads a multiple of n_kv_heads, empty dims, softmax_scale, window_size, softcap, device).
+    """
+
+
+VARLEN_QKVPACKED_DOC = """{title}
+
+    `{name}_varlen_attention` over one packed qkv tensor of packed sequences, the fused q, k, v projection of a
+    batch of documents packed back to back (flash-attn's `flash_attn_varlen_qkvpacked_func`): packed
+    self-attention, one set of offsets for queries and keys. The backward writes dq, dk, dv into one gradient
+    shaped like qkv, as `{name}_qkvpacked_attention` does, instead of returning three that autograd concatenates
+    (a copy of the whole gradient).
+
+    Args:
+        qkv: (total, n_heads + 2 * n_kv_heads, head_dim): the n_heads query heads, then the key heads, then the
+           value heads; or (total, 3, n_heads, head_dim) (n_kv_heads = n_heads). float16, bfloat16 or float32, on
+           a CUDA device (or the CPU under TRITON_INTERPRET=1); any strides with a contiguous last dim (other
+           layouts are copied once).
+        cu_seqlens: int32 (batch + 1,) on qkv's device: 0, then the cumulative sequence lengths, ending at total.
+           Empty sequences (equal neighbours) are allowed.
+        max_seqlen: an int >= the longest sequence's length (a value above total is taken as total).
+        n_heads: the number of query heads; None: qkv's heads split in three equal parts (no GQA).
+        causal, softmax_scale, window_size, return_lse, softcap, check_offsets: as in `{name}_varlen_attention`.
+
+    Returns:
+        o: (total, n_heads, head_dim), contiguous, qkv's dtype; or (o, lse) with lse (n_heads, total), float32,
+        natural log, -inf for rows that see no key (without gradient). Differentiable w.r.t. qkv, once (the
+        gradient is shaped like qkv); {gradients}
+
+    Raises:
+        TypeError: qkv not a tensor, n_heads not an int or None, cu_seqlens not an int32 tensor, max_seqlen not an
+            int, and as `{name}_attention`.
+        ValueError: qkv not 3-D or (total, 3, n_heads, head_dim); heads that do not split into n_heads + 2 *
+            n_kv_heads with both >= 1; cu_seqlens and max_seqlen as cu_seqlens_q and max_seqlen_q in
+            `{name}_varlen_attention`; and as `{name}_attention` (head_dim, empty dims, softmax_scale,
+            window_size, softcap, device).
     """

@@ -161,7 +161,7 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         qkv = self.c_attn(x)
         dropout_p = self.dropout if self.training else 0.0
-        packed = kv_cache is None and docs is None and self.backend.qkvpacked
+        packed = kv_cache is None and self.backend.qkvpacked
         transformed = self.qk_norm or rope is not None
         if transformed:  # q and k normed and rotated here, where torch.compile fuses it with the projection
             q, k, v = self.heads(qkv, rope)
@@ -170,7 +170,7 @@ class CausalSelfAttention(nn.Module):
         if packed:
             # One tensor in: the backward writes qkv's gradient in place, not three that autograd concatenates.
             y = self.backend.qkvpacked_attention(qkv.view(B, T, -1, self.head_dim), self.n_head, dropout_p, self.window,
-                                                 softcap=self.softcap)
+                                                 softcap=self.softcap, docs=docs)
             return self.resid_dropout(self.c_proj(y.view(B, T, C)))
         if not transformed:
             q, k, v = qkv.split(

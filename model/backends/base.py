@@ -54,9 +54,10 @@ class Backend:
     - ``attention(q, k, v, dropout_p=0.0, causal=True, window=0, docs=None)``: training and evaluation (T_q = T_k).
       ``window`` > 0: each query sees itself and the window - 1 keys before it; ``docs``: int32 cu_seqlens over the
       flattened (B * T) batch, each token sees its own document only. Both imply causal.
-    - ``qkvpacked_attention(qkv, n_head, dropout_p=0.0, window=0)`` (``qkvpacked``): causal attention on the fused
-      projection's output qkv (B, T, n_head + 2 * n_kv_head, head_dim) -> (B, T, n_head, head_dim) contiguous;
-      its backward writes qkv's gradient in place instead of concatenating dq, dk, dv.
+    - ``qkvpacked_attention(qkv, n_head, dropout_p=0.0, window=0, docs=None)`` (``qkvpacked``): causal attention
+      on the fused projection's output qkv (B, T, n_head + 2 * n_kv_head, head_dim) -> (B, T, n_head, head_dim)
+      contiguous, ``window`` and ``docs`` as in ``attention``; its backward writes qkv's gradient in place instead
+      of concatenating dq, dk, dv.
     - ``kv_attention(q, k, v, dropout_p=0.0, causal=True)``: new queries against a KV cache, T_q <= T_k, the causal
       mask aligned bottom-right (query i sees key j iff j <= i + T_k - T_q).
     - ``split_kv_attention`` (``split_kv``): the same, single-query calls through the split-K/V decode kernel.
@@ -102,7 +103,7 @@ class Backend:
         raise NotImplementedError
 
     def qkvpacked_attention(self, qkv: torch.Tensor, n_head: int, dropout_p: float = 0.0,
-                            window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                            window: int = 0, softcap: float = 0.0, docs: Optional[torch.Tensor] = None) -> torch.Tensor:
         raise ValueError(f"attn={self.name} has no packed-qkv attention; "
                          f"use {one_of(backends_with('qkvpacked'))}")
 

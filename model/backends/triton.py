@@ -2,8 +2,8 @@
 
 fa1 / fa2 are the Triton FlashAttention-1 / -2 kernels, fa3 the Gluon FlashAttention-3 kernels for Hopper (FA2's
 where they do not apply). fa2 and fa3 do sliding windows in the kernel and skip the key blocks outside them; fa2
-and fa3 do documents too (``fa2_varlen_attention``, ``fa3_varlen_attention``: the batch as one packed sequence,
-each row seeing its own document). fa1 refuses both. All three take the fused qkv
+and fa3 do documents too (``fa*_varlen_attention``, and ``fa*_varlen_qkvpacked_attention`` on the fused qkv: the
+batch as one packed sequence, each row seeing its own document). fa1 refuses both. All three take the fused qkv
 (``fa*_qkvpacked_attention``); fa2 and fa3 decode through the split-K/V kernel ``fa2_decode`` (flash-decoding).
 fa2 and fa3 have logit soft-capping (``softcap``) in every call form (fa3: in its Gluon kernels; decode through
 ``fa2_decode``); fa1 refuses it.
@@ -34,6 +34,7 @@ class Kernels(NamedTuple):
     attention: Callable
     qkvpacked: Callable
     varlen: Optional[Callable] = None
+    varlen_qkvpacked: Optional[Callable] = None
     decode: Optional[Callable] = None
 
 
@@ -44,15 +45,21 @@ def fa1_kernels() -> Kernels:
 
 
 def fa2_kernels() -> Kernels:
-    from kernels import fa2_attention, fa2_decode, fa2_qkvpacked_attention, fa2_varlen_attention
+    from kernels import (
+        fa2_attention, fa2_decode, fa2_qkvpacked_attention, fa2_varlen_attention, fa2_varlen_qkvpacked_attention,
+    )
 
-    return Kernels(fa2_attention, fa2_qkvpacked_attention, varlen=fa2_varlen_attention, decode=fa2_decode)
+    return Kernels(fa2_attention, fa2_qkvpacked_attention, varlen=fa2_varlen_attention,
+                   varlen_qkvpacked=fa2_varlen_qkvpacked_attention, decode=fa2_decode)
 
 
 def fa3_kernels() -> Kernels:
-    from kernels import fa2_decode, fa3_attention, fa3_qkvpacked_attention, fa3_varlen_attention
+    from kernels import (
+        fa2_decode, fa3_attention, fa3_qkvpacked_attention, fa3_varlen_attention, fa3_varlen_qkvpacked_attention,
+    )
 
-    return Kernels(fa3_attention, fa3_qkvpacked_attention, varlen=fa3_varlen_attention, decode=fa2_decode)
+    return Kernels(fa3_attention, fa3_qkvpacked_attention, varlen=fa3_varlen_attention,
+                   varlen_qkvpacked=fa3_varlen_qkvpacked_attention, decode=fa2_decode)
 
 
 def fa3_runs(head_dim: Optional[int], backward: bool = True) -> bool:
@@ -129,11 +136,18 @@ class TritonBackend(Backend):
         return o.view(B, T, H, D).transpose(1, 2)
 
     def qkvpacked_attention(self, qkv: torch.Tensor, n_head: int, dropout_p: float = 0.0,
-                            window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                            window: int = 0, softcap: float = 0.0, docs: Optional[torch.Tensor] = None) -> torch.Tensor:
         self.refuse_dropout(dropout_p)
-        self.refuse_masks(window, None)
+        self.refuse_masks(window, docs)
         self.refuse_softcap(softcap)
-        return self.kernels.qkvpacked(qkv, n_head, causal=True, window_size=_window_size(window), softcap=softcap)
+        if docs is None:
+            return self.kernels.qkvpacked(qkv, n_head, causal=True, window_size=_window_size(window), softcap=softcap)
+        # Documents: the batch as one packed sequence of B * T tokens (a view), the gradient written into qkv's.
+        B, T, heads, D = qkv.shape
+        o = self.kernels.varlen_qkvpacked(qkv.view(B * T, heads, D), docs, T, n_head, causal=True,
+                                          window_size=_window_size(window), softcap=softcap,
+                                          check_offsets=False)  # the sampler's cuts are valid by construction
+        return o.view(B, T, n_head, D)
 
     def split_kv_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
                            causal: bool = True, softcap: float = 0.0) -> torch.Tensor:

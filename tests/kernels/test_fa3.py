@@ -21,6 +21,7 @@ import torch
 
 from kernels import (
     fa2, fa2_attention, fa2_varlen_attention, fa3, fa3_attention, fa3_qkvpacked_attention, fa3_varlen_attention,
+    fa3_varlen_qkvpacked_attention,
 )
 from kernels import launch as launch_mod
 from kernels.common import grad_buffers
@@ -1019,6 +1020,31 @@ def test_fa3_varlen_attention_runs_on_gluon_and_matches_fa2(fresh_dispatch):
     assert (o - o2).abs().max() < 2e-2
     for got, ref in zip(grads, (q.grad, k.grad, v.grad)):
         assert ((got.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
+
+
+@gluon_on_hopper
+@pytest.mark.parametrize("head_dim,n_heads,n_kv_heads,window_size", [(64, 4, 4, (-1, -1)), (128, 4, 2, (300, -1))])
+def test_gluon_varlen_qkvpacked_matches_float64(fresh_dispatch, head_dim, n_heads, n_kv_heads, window_size):
+    """fa3_varlen_qkvpacked_attention (the model's documents) on the Gluon kernels, no fallback warning: o, lse
+    and the gradient written into one tensor shaped like qkv, against float64 per sequence."""
+    lengths = [600, 1, 0, 77, 1500, 130, 2]
+    total, heads = sum(lengths), n_heads + 2 * n_kv_heads
+    qkv = torch.randn(total, heads, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    do = torch.randn(total, n_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        o, lse = fa3_varlen_qkvpacked_attention(qkv, cu, max(lengths), n_heads, causal=True,
+                                                window_size=window_size, return_lse=True)
+        (grad,) = torch.autograd.grad(o, qkv, do)
+    q, k, v = qkv.detach().split([n_heads, n_kv_heads, n_kv_heads], dim=1)
+    o_ref, lse_ref, grads_ref = _varlen_reference(q, k, v, do, cu, True, window_size, 0.0)
+    assert o.shape == (total, n_heads, head_dim) and grad.shape == qkv.shape
+    assert (lse.double() - lse_ref).abs().max() < 1e-2
+    for got, ref in ((o, o_ref), *zip(grad.split([n_heads, n_kv_heads, n_kv_heads], dim=1), grads_ref)):
+        assert torch.isfinite(got).all()
+        err = ((got.double() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, err
 
 
 def test_packed_bounds_are_made_once_per_offsets_and_remade_after_a_write():

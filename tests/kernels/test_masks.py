@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import fa1_attention, fa2, fa2_attention, fa2_varlen_attention
+from kernels import fa1_attention, fa2, fa2_attention, fa2_varlen_attention, fa2_varlen_qkvpacked_attention
 from test_attention import DEVICE, check, compare, poisoned_allocations, randn, reference  # noqa: F401 (fixture)
 
 # (batch, n_heads, n_kv_heads, seqlen_q, seqlen_k, head_dim, causal, window_size, dtype)
@@ -234,6 +234,114 @@ def test_varlen_eager_calls_equal_the_op():
     assert torch.equal(o, o_op)
     for got, expected in zip(grads, grads_op):
         assert torch.equal(got, expected)
+
+
+# ------------------------------------------------------------------------------------------ varlen, packed qkv
+# (lengths, n_heads, n_kv_heads, head_dim, window_size, softcap, five_dim, dtype); causal, one set of offsets
+VARLEN_QKVPACKED_CASES = [
+    ([5, 40, 17, 1, 30], 2, 2, 32, (-1, -1), 0.0, False, torch.bfloat16),  # documents ending inside a block
+    ([0, 12, 0, 35, 0], 2, 2, 16, (-1, -1), 0.0, True, torch.float16),  # empty sequences; (total, 3, H, D)
+    ([50, 9, 33], 4, 2, 32, (6, -1), 0.0, False, torch.bfloat16),  # GQA, a window smaller than a block
+    ([37, 26], 2, 1, 48, (-1, -1), 4.0, False, torch.float32),  # MQA, softcap, head_dim not a power of two
+]
+
+
+@pytest.mark.parametrize("lengths,n_heads,n_kv_heads,head_dim,window_size,softcap,five_dim,dtype",
+                         VARLEN_QKVPACKED_CASES)
+def test_varlen_qkvpacked_matches_reference(lengths, n_heads, n_kv_heads, head_dim, window_size, softcap, five_dim,
+                                            dtype):
+    """fa2_varlen_qkvpacked_attention: o, lse and the gradient (shaped like qkv) against the float64 reference run
+    on each sequence on its own."""
+    total, heads = sum(lengths), n_heads + 2 * n_kv_heads
+    scale = 4.0 if softcap else 1.0  # logits large enough for the cap to matter
+    qkv = randn(total, heads, head_dim, dtype=dtype)
+    qkv[:, :n_heads + n_kv_heads] *= scale
+    qkv = (qkv.view(total, 3, n_heads, head_dim) if five_dim else qkv).requires_grad_()
+    cu = cu_seqlens(lengths)
+    o, lse = fa2_varlen_qkvpacked_attention(qkv, cu, max(lengths), None if five_dim else n_heads, causal=True,
+                                            window_size=window_size, return_lse=True, softcap=softcap)
+    assert o.shape == (total, n_heads, head_dim) and o.is_contiguous() and lse.shape == (n_heads, total)
+    do = torch.randn_like(o)
+    o.backward(do)
+    assert qkv.grad.shape == qkv.shape
+
+    qkv64 = qkv.detach().double().reshape(total, heads, head_dim).requires_grad_()
+    q64, k64, v64 = qkv64.split([n_heads, n_kv_heads, n_kv_heads], dim=1)
+    as_batch = lambda t: t.transpose(0, 1)[None]  # (len, heads, head_dim) -> (1, heads, len, head_dim)
+    outs, lses = [], []
+    for b in range(len(lengths)):
+        rows = slice(cu[b], cu[b + 1])
+        o_b, lse_b = reference(as_batch(q64[rows]), as_batch(k64[rows]), as_batch(v64[rows]), True,
+                               1 / math.sqrt(head_dim), window_size, softcap)
+        outs.append(o_b[0].transpose(0, 1))
+        lses.append(lse_b[0])
+    o_ref, lse_ref = torch.cat(outs), torch.cat(lses, dim=1)
+    o_ref.backward(do.double())
+    grad = qkv.grad.reshape(total, heads, head_dim)
+    split = lambda t: t.split([n_heads, n_kv_heads, n_kv_heads], dim=1)
+    compare(o, lse, split(grad), o_ref, lse_ref, split(qkv64.grad), dtype)
+
+
+def test_varlen_qkvpacked_equals_varlen_on_views():
+    """The packed form runs the kernels of fa2_varlen_attention on qkv's views: the same o, lse and gradients, bit
+    for bit, its gradient written in one tensor instead of three."""
+    lengths, n_heads, n_kv_heads, head_dim = [5, 40, 17], 4, 2, 32
+    cu = cu_seqlens(lengths)
+    qkv = randn(sum(lengths), n_heads + 2 * n_kv_heads, head_dim, dtype=torch.float16).requires_grad_()
+    o, lse = fa2_varlen_qkvpacked_attention(qkv, cu, 40, n_heads, causal=True, window_size=(8, -1), return_lse=True)
+    q, k, v = (t.detach().requires_grad_() for t in qkv.detach().split([n_heads, n_kv_heads, n_kv_heads], dim=1))
+    o_views, lse_views = fa2_varlen_attention(q, k, v, cu, cu, 40, 40, causal=True, window_size=(8, -1),
+                                              return_lse=True)
+    do = torch.randn_like(o)
+    (grad,) = torch.autograd.grad(o, qkv, do)
+    grads = torch.autograd.grad(o_views, (q, k, v), do)
+    assert torch.equal(o, o_views) and torch.equal(lse, lse_views)
+    assert torch.equal(grad, torch.cat(grads, dim=1))
+
+
+def test_varlen_qkvpacked_compiles_in_one_graph():
+    """Under torch.compile the packed form is one op (flashgpt::fa2_varlen_qkvpacked_forward), no graph break, with
+    the eager call's result."""
+    cu = cu_seqlens([7, 0, 33])
+    qkv = randn(40, 6, 16, dtype=torch.float16).requires_grad_()
+    f = lambda qkv: fa2_varlen_qkvpacked_attention(qkv, cu, 33, 2, causal=True).float().square().sum()
+    loss = torch.compile(f, fullgraph=True, backend="aot_eager")(qkv)
+    (grad,) = torch.autograd.grad(loss, qkv)
+    eager = f(qkv.detach().requires_grad_())
+    torch.testing.assert_close(loss, eager, rtol=1e-3, atol=1e-3)
+    assert torch.isfinite(grad).all() and grad.shape == qkv.shape
+
+
+def test_opcheck_varlen_qkvpacked():
+    qkv = randn(20, 6, 16, dtype=torch.float16).requires_grad_()
+    torch.library.opcheck(torch.ops.flashgpt.fa2_varlen_qkvpacked_forward,
+                          (qkv, 2, cu_seqlens([3, 17]), 17, True, 0.25, 4, 0, 5.0),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+BAD_VARLEN_QKVPACKED = [
+    (dict(qkv=randn(2, 10, 6, 32, dtype=torch.float16)), ValueError,
+     r"qkv must be \(total, n_heads \+ 2 \* n_kv_heads, head_dim\) or \(total, 3, n_heads >= 1, head_dim\)"),
+    (dict(n_heads=3), ValueError, r"qkv has 6 heads \(dim 1\), which must be n_heads \+ 2 \* n_kv_heads"),
+    (dict(n_heads=2.0), TypeError, "n_heads must be an int or None"),
+    (dict(cu_seqlens=cu_seqlens([4, 6]).long()), TypeError, "cu_seqlens has dtype torch.int64; accepted: torch.int32"),
+    (dict(cu_seqlens=torch.tensor([0, 4, 9], dtype=torch.int32, device=DEVICE)), ValueError,
+     r"cu_seqlens\[-1\] = 9 must equal total = 10, the rows of qkv"),
+    (dict(max_seqlen=5), ValueError, "max_seqlen = 5 is less than the longest sequence's length 6 in cu_seqlens"),
+    (dict(max_seqlen=6.0), TypeError, "max_seqlen must be an int"),
+    (dict(qkv=randn(10, 6, 8, dtype=torch.float16)), ValueError,
+     r"head_dim=8 is out of range.*views of qkv \(10, 6, 8\)"),
+    (dict(softcap=-1.0), ValueError, "softcap must be a finite number >= 0"),
+]
+
+
+@pytest.mark.parametrize("overrides,error,message", BAD_VARLEN_QKVPACKED)
+def test_bad_varlen_qkvpacked_input_is_rejected(overrides, error, message):
+    args = dict(qkv=randn(10, 6, 32, dtype=torch.float16), cu_seqlens=cu_seqlens([4, 6]), max_seqlen=6, n_heads=2,
+                causal=True)
+    args.update(overrides)
+    with pytest.raises(error, match=message):
+        fa2_varlen_qkvpacked_attention(**args)
 
 
 @pytest.mark.parametrize("packed,batch,n_heads,n_kv_heads,seqlen_q,seqlen_k,causal,window_size,softcap,dtype", [

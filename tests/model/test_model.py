@@ -308,6 +308,31 @@ def test_document_mask_matches_sdpa_and_isolates_documents(attn, window):
     assert torch.equal(logits_changed[1:], logits[1:]) and not torch.allclose(logits_changed[0, 5:20], logits[0, 5:20])
 
 
+def test_documents_take_the_packed_qkv_form(monkeypatch):
+    """With documents, fa2 gets the fused projection as one packed qkv (``fa2_varlen_qkvpacked_attention``, whose
+    backward writes qkv's gradient in place): the form over separate q, k, v is never called, and the packed call
+    sees the batch as one sequence of B * T rows cut at docs."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=1, n_head=4, n_kv_head=2, n_embd=64, attn="fa2"))
+    backend = model.transformer.h[0].attn.backend
+    kernels, calls = backend.kernels, []
+
+    def packed(qkv, cu_seqlens, max_seqlen, n_heads, **kwargs):
+        calls.append((tuple(qkv.shape), cu_seqlens.tolist(), max_seqlen, n_heads))
+        return kernels.varlen_qkvpacked(qkv, cu_seqlens, max_seqlen, n_heads, **kwargs)
+
+    def separate(*args, **kwargs):
+        raise AssertionError("the documents went through the separate-q/k/v varlen form")
+
+    monkeypatch.setitem(backend.__dict__, "kernels", kernels._replace(varlen=separate, varlen_qkvpacked=packed))
+    idx, docs = torch.randint(0, 50, (2, 16)), torch.tensor([0, 5, 16, 30, 32], dtype=torch.int32)
+    _, loss = model(idx, idx, docs=docs)
+    loss.backward()
+    assert calls == [((32, 8, 16), [0, 5, 16, 30, 32], 16, 4)]
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
 def test_document_mask_needs_a_backend_that_has_it():
     model = GPT(GPTConfig(block_size=8, vocab_size=10, n_layer=1, n_head=2, n_embd=32, attn="fa1"))
     docs = torch.tensor([0, 3, 8], dtype=torch.int32)
