@@ -10,7 +10,8 @@ With ``doc_starts`` (the token cache's document offsets, ``data.document_mask``)
 carries the documents of its windows as ``cu_seqlens``: int32 offsets into the flattened
 (batch_size * block_size) batch, from 0 to batch_size * block_size, one segment per piece of a
 document in a window (flash-attn's varlen convention; the attention backends restrict each token
-to its own segment).
+to its own segment), then empty segments at the end up to a power of two (a few shapes for CUDA
+graphs to record).
 
 ``ShardedBatchSampler`` is what the trainer uses: one stream per micro-batch slot ("shard") of an
 optimizer step, dealt out to the ranks of a multi-process job, so the data of a step does not
@@ -98,7 +99,11 @@ class BatchSampler:
         for b, i in enumerate(offsets):  # documents starting strictly inside window b split it
             inside = starts[np.searchsorted(starts, i, side="right"): np.searchsorted(starts, i + T, side="left")]
             cuts.append(np.append(inside - i, T) + b * T)
-        return np.concatenate(cuts).astype(np.int32)
+        cu = np.concatenate(cuts)
+        # Empty segments at the end up to a power of two: a batch's shape is then one of a few, so torch.compile's
+        # CUDA graphs (trainer.compile_mode=reduce-overhead) record a few graphs, not one per segment count.
+        padded = 1 << (len(cu) - 2).bit_length()  # segments
+        return np.pad(cu, (0, padded + 1 - len(cu)), mode="edge").astype(np.int32)
 
     def state_dict(self) -> dict:
         return {"seed": self.seed, "rank": self.rank, "world_size": self.world_size,
