@@ -179,7 +179,7 @@ def check_cu_seqlens_args(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
         if cu.dim() != 1 or cu.shape[0] < 2:
             raise ValueError(f"{name} must have shape (batch + 1,) with batch >= 1, got shape {tuple(cu.shape)}")
         if cu.device != q.device:
-            raise ValueError(f"{name} must be on q's device {q.device}, got {cu.device}")
+            raise ValueError(f"{name} must be on {'q' if sides[0] else 'qkv'}'s device {q.device}, got {cu.device}")
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
                          f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
@@ -434,8 +434,9 @@ def _varlen_packed_ops(name: str, run_forward, backward, softcap_kwargs) -> tupl
 
     def run_varlen_packed_forward(qkv, n_heads, cu_seqlens, max_seqlen, causal, softmax_scale, window_left=-1,
                                   window_right=-1, softcap=0.0):
-        return run_forward(*split_varlen_qkv(qkv, n_heads), causal, softmax_scale, window_left, window_right,
-                           cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softcap)
+        o, lse = run_forward(*split_varlen_qkv(qkv, n_heads), causal, softmax_scale, window_left, window_right,
+                             cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softcap)
+        return o.contiguous(), lse  # no copy unless qkv's rows are not its outer dim: o is in q's memory order
 
     def run_varlen_packed_backward(do, qkv, o, lse, n_heads, cu_seqlens, max_seqlen, causal, softmax_scale,
                                    window_left=-1, window_right=-1, softcap=0.0):
@@ -601,8 +602,10 @@ PUBLIC_DOC = """{title}
 
     Returns:
         o: like q in shape, dtype and device; or (o, lse) with lse (batch, n_heads, seqlen_q), float32, natural
-        log (returned without gradient). Differentiable w.r.t. q, k and v, once: differentiating the gradients
-        (double backward, create_graph=True) raises RuntimeError; {gradients}
+        log (returned without gradient). Differentiable w.r.t. q, k and v, once: the backward has no derivative
+        of its own, so gradients taken with create_graph=True leave attention's second-order terms out, and
+        backpropagating through them where they depend on o (a loss on the gradients) raises RuntimeError;
+        {gradients}
 
     Raises:
         TypeError: a non-tensor input, unsupported or mismatched dtypes, a non-bool causal or return_lse, a

@@ -299,6 +299,18 @@ def test_varlen_qkvpacked_equals_varlen_on_views():
     assert torch.equal(grad, torch.cat(grads, dim=1))
 
 
+def test_varlen_qkvpacked_output_is_contiguous_for_any_qkv_layout():
+    """o is (total, n_heads, head_dim) contiguous, as the op's fake says, also when qkv's rows are not its outer dim
+    (a heads-first tensor seen through a transpose): torch.compile relies on the fake's strides."""
+    cu = cu_seqlens([5, 0, 3, 7])
+    heads_first = randn(4, 15, 16, dtype=torch.float16).transpose(0, 1)
+    o = fa2_varlen_qkvpacked_attention(heads_first, cu, 7, 2, causal=True)
+    assert o.shape == (15, 2, 16) and o.is_contiguous()
+    assert torch.equal(o, fa2_varlen_qkvpacked_attention(heads_first.contiguous(), cu, 7, 2, causal=True))
+    torch.library.opcheck(torch.ops.flashgpt.fa2_varlen_qkvpacked_forward, (heads_first, 2, cu, 7, True, 0.25),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
 def test_varlen_qkvpacked_compiles_in_one_graph():
     """Under torch.compile the packed form is one op (flashgpt::fa2_varlen_qkvpacked_forward), no graph break, with
     the eager call's result."""
@@ -332,6 +344,7 @@ BAD_VARLEN_QKVPACKED = [
     (dict(qkv=randn(10, 6, 8, dtype=torch.float16)), ValueError,
      r"head_dim=8 is out of range.*views of qkv \(10, 6, 8\)"),
     (dict(softcap=-1.0), ValueError, "softcap must be a finite number >= 0"),
+    (dict(cu_seqlens=cu_seqlens([4, 6]).to("meta")), ValueError, "cu_seqlens must be on qkv's device"),
 ]
 
 
