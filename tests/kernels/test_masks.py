@@ -158,18 +158,24 @@ def check_varlen(lengths_q, lengths_k, n_heads, n_kv_heads, head_dim, causal, wi
     o.backward(do)
 
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    as_batch = lambda t: t.transpose(0, 1)[None]  # (len, heads, head_dim) -> (1, heads, len, head_dim)
-    outs, lses = [], []
-    for b in range(len(lengths_q)):
-        rows_q, rows_k = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        o_b, lse_b = reference(as_batch(q64[rows_q]), as_batch(k64[rows_k]), as_batch(v64[rows_k]), causal,
-                               1 / math.sqrt(head_dim), window_size, softcap)
-        outs.append(o_b[0].transpose(0, 1))
-        lses.append(lse_b[0])
-    o_ref, lse_ref = torch.cat(outs), torch.cat(lses, dim=1)
+    o_ref, lse_ref = varlen_reference(q64, k64, v64, cu_q, cu_k, causal, window_size, softcap)
     o_ref.backward(do.double())
     compare(o, lse, (q.grad, k.grad, v.grad), o_ref, lse_ref, (q64.grad, k64.grad, v64.grad), dtype)
     return o, (q, k, v, cu_q, cu_k)
+
+
+def varlen_reference(q64, k64, v64, cu_q, cu_k, causal, window_size, softcap=0.0):
+    """The float64 reference run on each packed (total, heads, head_dim) sequence on its own: o (total_q, n_heads,
+    head_dim) and the natural lse (n_heads, total_q), differentiable w.r.t. q64, k64, v64."""
+    as_batch = lambda t: t.transpose(0, 1)[None]  # (len, heads, head_dim) -> (1, heads, len, head_dim)
+    outs, lses = [], []
+    for b in range(len(cu_q) - 1):
+        rows_q, rows_k = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        o_b, lse_b = reference(as_batch(q64[rows_q]), as_batch(k64[rows_k]), as_batch(v64[rows_k]), causal,
+                               1 / math.sqrt(q64.shape[-1]), window_size, softcap)
+        outs.append(o_b[0].transpose(0, 1))
+        lses.append(lse_b[0])
+    return torch.cat(outs), torch.cat(lses, dim=1)
 
 
 # (lengths_q, lengths_k, n_heads, n_kv_heads, head_dim, causal, window_size, dtype)
@@ -267,15 +273,7 @@ def test_varlen_qkvpacked_matches_reference(lengths, n_heads, n_kv_heads, head_d
 
     qkv64 = qkv.detach().double().reshape(total, heads, head_dim).requires_grad_()
     q64, k64, v64 = qkv64.split([n_heads, n_kv_heads, n_kv_heads], dim=1)
-    as_batch = lambda t: t.transpose(0, 1)[None]  # (len, heads, head_dim) -> (1, heads, len, head_dim)
-    outs, lses = [], []
-    for b in range(len(lengths)):
-        rows = slice(cu[b], cu[b + 1])
-        o_b, lse_b = reference(as_batch(q64[rows]), as_batch(k64[rows]), as_batch(v64[rows]), True,
-                               1 / math.sqrt(head_dim), window_size, softcap)
-        outs.append(o_b[0].transpose(0, 1))
-        lses.append(lse_b[0])
-    o_ref, lse_ref = torch.cat(outs), torch.cat(lses, dim=1)
+    o_ref, lse_ref = varlen_reference(q64, k64, v64, cu, cu, True, window_size, softcap)
     o_ref.backward(do.double())
     grad = qkv.grad.reshape(total, heads, head_dim)
     split = lambda t: t.split([n_heads, n_kv_heads, n_kv_heads], dim=1)
