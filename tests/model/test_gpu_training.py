@@ -68,8 +68,16 @@ def random_docs(batch: int, seqlen: int, cuts: int) -> torch.Tensor:
     return torch.cat([edges, inside[torch.randperm(len(inside))[:cuts]]]).sort().values.to(torch.int32)
 
 
-@pytest.mark.parametrize("attn, docs, loss", [("fa3", False, "full"), ("fa3", True, "full"), ("fa2", False, "full"),
-                                             ("fa2", True, "full"), ("fa3", False, "fused")])
+FA3_DOCS_IN_GRAPHS = ("fa3 keeps what it derives from a batch's offsets (kernels.fa3._made_once); made during the "
+                      "graphs' warm-up, those tensors sit in their pool, which refuses them; the trainer's config "
+                      "refuses the combination")
+
+
+@pytest.mark.parametrize("attn, docs, loss", [
+    ("fa3", False, "full"),
+    pytest.param("fa3", True, "full", marks=pytest.mark.xfail(strict=True, raises=RuntimeError,
+                                                              reason=FA3_DOCS_IN_GRAPHS)),
+    ("fa2", False, "full"), ("fa2", True, "full"), ("fa3", False, "fused")])
 def test_cuda_graph_compile_trains_like_eager(attn, docs, loss):
     """torch.compile(mode="reduce-overhead") (trainer.compile_mode=reduce-overhead: CUDA graphs of the forward and
     the backward) runs our kernels: its warm-up refuses any tensor a kernel wrapper keeps alive in the graphs' memory
@@ -83,16 +91,17 @@ def test_cuda_graph_compile_trains_like_eager(attn, docs, loss):
     for step in range(4):  # warm-up, recording, then replays
         x, y = (torch.randint(0, 512, (8, 256), device="cuda") for _ in range(2))
         cu_seqlens = random_docs(8, 256, 6).cuda() if docs else None
-        model.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            _, loss_eager = model(x, y, docs=cu_seqlens)
-        loss_eager.backward()
-        grads_eager = [p.grad.clone() for p in model.parameters()]
+        # the compiled step first, as in the trainer (an eager step first would make fa3's bounds outside the pool)
         model.zero_grad(set_to_none=True)
         torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             _, loss = compiled(x, y, return_logits=False, docs=cu_seqlens)
         loss.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss_eager = model(x, y, docs=cu_seqlens)
+        loss_eager.backward()
         torch.testing.assert_close(loss, loss_eager, rtol=2e-2, atol=2e-2, msg=f"step {step}")
-        for p, g in zip(model.parameters(), grads_eager):
-            assert ((p.grad - g).norm() / g.norm().clamp_min(1e-12)).item() < 5e-2, step
+        for g, p in zip(grads, model.parameters()):
+            assert ((g - p.grad).norm() / p.grad.norm().clamp_min(1e-12)).item() < 5e-2, step
