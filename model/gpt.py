@@ -278,7 +278,8 @@ class GPT(nn.Module):
                 kv_cache: Optional[KVCache] = None, start_pos: int | torch.Tensor = 0,
                 docs: Optional[torch.Tensor] = None):
         """idx: (B, T) int64 token ids, T <= block_size; targets: (B, T) int64 or None; docs: the documents of
-        the flattened batch as int32 cu_seqlens (0 .. B * T, every multiple of T among them; ``data.sampler``):
+        the flattened batch as int32 cu_seqlens (0 .. B * T, non-decreasing, every multiple of T among them; empty
+        segments allowed, as ``data.sampler`` pads them):
         attention stays within each document (not with ``kv_cache``), and with pos_emb=rope each document's
         positions start at 0 (learned position embeddings keep the window's positions 0 .. T-1).
 
