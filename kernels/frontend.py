@@ -43,11 +43,10 @@ MAX_LOGIT_SCALE = 1e38
 ForwardLauncher = Callable[..., tuple[Tensor, Tensor]]
 BackwardLauncher = Callable[..., tuple[Tensor, Tensor, Tensor]]
 SOFTCAP_KERNELS: list[str] = []  # the names `make_attention` registered with logit soft-capping, in order
-# name -> (run_forward, run_backward, 3): the launchers with the ops' arguments, which eager calls of
-# `make_varlen_attention`'s function run through `EagerAttention` (kernels registered with masks=True)
+# name -> the launchers with the ops' arguments, which eager calls of `make_varlen_attention`'s functions run
+# through `EagerAttention` (kernels registered with masks=True): ((run_forward, run_backward, 3) over q, k, v,
+# (run_forward, run_backward, 1) over one packed qkv)
 EAGER_MASKED: dict[str, tuple] = {}
-# name -> the same for the packed-qkv form of packed sequences: (run_forward, run_backward, 1)
-EAGER_VARLEN_PACKED: dict[str, tuple] = {}
 
 
 def type_name(x) -> str:
@@ -350,8 +349,7 @@ def make_attention(name: str, forward: ForwardLauncher, backward: BackwardLaunch
                                         setup_context=functools.partial(_save, n_tensors=1))
     packed_eager = (run_packed_forward, run_packed_backward, 1)
     if masks:
-        EAGER_MASKED[name] = eager
-        EAGER_VARLEN_PACKED[name] = _varlen_packed_ops(name, run_forward, backward, softcap_kwargs)
+        EAGER_MASKED[name] = eager, _varlen_packed_ops(name, run_forward, backward, softcap_kwargs)
 
     def qkvpacked_attention(qkv, n_heads=None, causal=False, softmax_scale=None, return_lse=False,
                             window_size=(-1, -1), *, softcap=0.0):
@@ -510,7 +508,7 @@ def make_varlen_attention(name: str, lse_log_base: float):
     compiled code calls the ops that `make_attention(name, ..., masks=True)` registered, eager calls their launchers
     through `EagerAttention`, as the dense functions do."""
     op, packed_op = (getattr(torch.ops.flashgpt, f"{name}_{form}forward") for form in ("", "varlen_qkvpacked_"))
-    eager, packed_eager = EAGER_MASKED[name], EAGER_VARLEN_PACKED[name]
+    eager, packed_eager = EAGER_MASKED[name]
     to_natural = math.log(lse_log_base)
 
     def check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size,
