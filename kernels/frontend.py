@@ -516,6 +516,8 @@ def make_varlen_attention(name: str, lse_log_base: float):
         """The checks both forms share (sides: as `check_cu_seqlens_args`); returns (window, softmax_scale,
         softcap, max_seqlen_q, max_seqlen_k) as the ops take them."""
         check_return_lse(return_lse)
+        if not isinstance(check_offsets, bool):
+            raise TypeError(f"check_offsets must be a bool, got {type_name(check_offsets)}")
         check_cu_seqlens_args(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sides)
         # Reading the offsets' values syncs with the GPU, and torch.compile cannot trace it: eager calls only.
         if check_offsets and not torch.compiler.is_compiling():

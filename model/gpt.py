@@ -220,6 +220,31 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+def check_documents(docs, batch: int, seqlen: int, device: torch.device) -> None:
+    """``GPT.forward``'s docs for a (batch, seqlen) idx on `device`: an int32 1-D tensor there of cu_seqlens over
+    the batch * seqlen flattened tokens, starting at 0, ending at batch * seqlen, non-decreasing, with every
+    multiple of seqlen among them (no document crosses a row). Reads the values (a host sync on a GPU).
+    TypeError or ValueError naming docs."""
+    if not isinstance(docs, torch.Tensor):
+        raise TypeError(f"docs must be an int32 torch.Tensor of cu_seqlens, got {type(docs).__name__}")
+    if docs.dtype != torch.int32 or docs.dim() != 1 or docs.numel() < 2:
+        raise ValueError(f"docs must be a 1-D int32 tensor of at least 2 offsets (cu_seqlens), got {docs.dtype} "
+                         f"of shape {tuple(docs.shape)}")
+    if docs.device != device:
+        raise ValueError(f"docs must be on idx's device {device}, got {docs.device}")
+    offsets, total = docs.tolist(), batch * seqlen
+    if offsets[0] != 0 or offsets[-1] != total:
+        raise ValueError(f"docs must run from 0 to B * T = {batch} * {seqlen} = {total}, got {offsets[0]} .. "
+                         f"{offsets[-1]}")
+    for i, (a, b) in enumerate(zip(offsets, offsets[1:])):
+        if b < a:
+            raise ValueError(f"docs must be non-decreasing, but docs[{i + 1}] = {b} < docs[{i}] = {a}")
+    missing = sorted(set(range(0, total + 1, seqlen)) - set(offsets))
+    if missing:
+        raise ValueError(f"docs must hold every multiple of T = {seqlen} (a document cannot cross a row of the "
+                         f"batch); {missing[0]} is missing")
+
+
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         """Raises ValueError for a bad shape, an unknown ``config.attn`` or ``attn_softcap`` > 0 on a backend without
@@ -276,12 +301,15 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None, return_logits: bool = True,
                 kv_cache: Optional[KVCache] = None, start_pos: int | torch.Tensor = 0,
-                docs: Optional[torch.Tensor] = None):
+                docs: Optional[torch.Tensor] = None, check_docs: bool = True):
         """idx: (B, T) int64 token ids, T <= block_size; targets: (B, T) int64 or None; docs: the documents of
         the flattened batch as int32 cu_seqlens (0 .. B * T, non-decreasing, every multiple of T among them; empty
         segments allowed, as ``data.sampler`` pads them):
         attention stays within each document (not with ``kv_cache``), and with pos_emb=rope each document's
-        positions start at 0 (learned position embeddings keep the window's positions 0 .. T-1).
+        positions start at 0 (learned position embeddings keep the window's positions 0 .. T-1). docs are checked
+        (``check_documents``: a host sync) unless check_docs=False or under torch.compile; the kernels trust
+        them, and offsets outside the batch read and write outside its memory. The trainer passes False: its
+        sampler's offsets hold by construction.
 
         Returns (logits, loss):
         - with targets: the mean cross-entropy (float32 scalar; targets == -1 are ignored) and the
@@ -303,6 +331,8 @@ class GPT(nn.Module):
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size={self.config.block_size}")
+        if docs is not None and check_docs and not torch.compiler.is_compiling():
+            check_documents(docs, B, T, idx.device)
         pos = torch.arange(T, dtype=torch.long, device=idx.device)
         x = self.embed(idx, pos)
         rope = self.rope(pos if docs is None or self.rotary is None else document_positions(docs, B, T))

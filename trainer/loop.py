@@ -246,7 +246,8 @@ class Trainer:
             with contextlib.nullcontext() if sync else self.run_model.no_sync():
                 with autocast(self.device, self.dtype):
                     # return_logits=False: no (B, T, vocab) logits kept alive
-                    _, loss = self.run_model(x, y, return_logits=False, docs=docs[0] if docs else None)
+                    _, loss = self.run_model(x, y, return_logits=False, docs=docs[0] if docs else None,
+                                              check_docs=False)  # the sampler's, valid
                 # DDP averages over ranks, so the gradient is the mean over all grad_accum micro-batches.
                 if self.micro_steps > 1:  # (/ 1 would only add a kernel to the forward and one to the backward)
                     loss = loss / self.micro_steps
@@ -498,7 +499,7 @@ def evaluate(model: torch.nn.Module, data: PreparedData, cfg: DictConfig, device
             continue
         x, y, *docs = sampler.next_batch()
         with autocast(device, dtype):
-            _, loss = model(x, y, return_logits=False, docs=docs[0] if docs else None)
+            _, loss = model(x, y, return_logits=False, docs=docs[0] if docs else None, check_docs=False)
         losses[i] = loss.float()
     model.train()
     all_reduce_sum(losses, dist)  # each entry is non-zero on one rank only: the sum is exact

@@ -536,6 +536,7 @@ BAD_VARLEN = [
     (dict(q=randn(1, 10, 4, 32, dtype=torch.float16)), ValueError, r"q must have 3 dims \(total, heads, head_dim\)"),
     (dict(window_size=(-2, 0)), ValueError, r"window_size\[0\] = -2 is below -1"),
     (dict(return_lse=1), TypeError, "return_lse must be a bool, got int"),
+    (dict(check_offsets=None), TypeError, "check_offsets must be a bool, got None"),
     (dict(softmax_scale="0.1"), TypeError, "softmax_scale must be a number"),
     (dict(softmax_scale=10**400), ValueError, r"softmax_scale must be a finite number >= 0 and <= 1e\+38"),
     (dict(softcap=1e38), ValueError, r"softcap=1e\+38 is too large for softmax_scale=0.176"),

@@ -333,6 +333,38 @@ def test_documents_take_the_packed_qkv_form(monkeypatch):
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+@pytest.mark.parametrize("docs, error, message", [
+    ([0, 16, 40], ValueError, r"run from 0 to B \* T = 2 \* 16 = 32, got 0 \.\. 40"),
+    ([0, 16, 30], ValueError, r"run from 0 to B \* T = 2 \* 16 = 32, got 0 \.\. 30"),
+    ([1, 16, 32], ValueError, r"got 1 \.\. 32"),
+    ([0, 16, 8, 32], ValueError, r"non-decreasing, but docs\[2\] = 8 < docs\[1\] = 16"),
+    ([0, 20, 32], ValueError, r"every multiple of T = 16 .* 16 is missing"),
+    ([0, 10, 20, 32], ValueError, r"16 is missing"),
+    ("int64", ValueError, r"1-D int32 tensor .* got torch.int64"),
+    ("2d", ValueError, r"of shape \(1, 3\)"),
+    ("list", TypeError, r"docs must be an int32 torch.Tensor of cu_seqlens, got list"),
+])
+def test_bad_documents_are_refused_naming_docs(docs, error, message):
+    """GPT.forward checks docs before any kernel reads them: offsets outside the batch would read and write outside
+    its memory, and a document across two rows would mix them. check_docs=False (the trainer's sampler) skips it."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=32, attn="sdpa"))
+    idx = torch.randint(0, 64, (2, 16))
+    good = torch.tensor([0, 5, 16, 16, 32, 32], dtype=torch.int32)  # empty segments, as the sampler pads them
+    _, loss = model(idx, idx, docs=good)
+    assert torch.isfinite(loss)
+    if isinstance(docs, str):
+        bad = {"int64": good.long(), "2d": good[None, :3], "list": [0, 16, 32]}[docs]
+    else:
+        bad = torch.tensor(docs, dtype=torch.int32)
+    with pytest.raises(error, match=message):
+        model(idx, idx, docs=bad)
+    with pytest.raises(ValueError, match="kv_cache is for inference"):
+        model(idx, docs=good, kv_cache=object())
+    _, unchecked = model(idx, idx, docs=torch.tensor([0, 8, 16, 32], dtype=torch.int32), check_docs=False)
+    assert torch.isfinite(unchecked)
+
+
 def test_document_mask_needs_a_backend_that_has_it():
     model = GPT(GPTConfig(block_size=8, vocab_size=10, n_layer=1, n_head=2, n_embd=32, attn="fa1"))
     docs = torch.tensor([0, 3, 8], dtype=torch.int32)
