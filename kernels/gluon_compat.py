@@ -63,8 +63,11 @@ tma_reduce_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add
 _REINTERPRET = "reinterpret" if hasattr(gl.shared_memory_descriptor, "reinterpret") else "_reinterpret"
 
 
-# Checked descriptors' fields by (dtype, box, id(layout)), with the layout itself (so its id stays its own).
+# Checked descriptors' fields by (dtype, box, id(layout)), with the layout itself (so its id stays its own); not
+# their tensors: a kept tensor is memory never freed, and one made in the warm-up of torch.compile's CUDA graphs
+# sits in their pool, which then refuses it.
 _DESCRIPTOR_FIELDS: dict = {}
+_PER_TENSOR = ("base", "shape", "strides")
 
 
 def tensor_descriptor(base, block_shape: tuple, layout):
@@ -80,7 +83,7 @@ def tensor_descriptor(base, block_shape: tuple, layout):
     fields = _DESCRIPTOR_FIELDS.get(key)
     if fields is None:
         desc = TensorDescriptor(base, list(base.shape), list(base.stride()), list(block_shape), layout)
-        _DESCRIPTOR_FIELDS[key] = dict(vars(desc)), layout
+        _DESCRIPTOR_FIELDS[key] = {k: v for k, v in vars(desc).items() if k not in _PER_TENSOR}, layout
         return desc
     desc = object.__new__(TensorDescriptor)
     vars(desc).update(fields[0])

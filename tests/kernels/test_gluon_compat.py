@@ -277,3 +277,26 @@ def test_tensor_descriptor_copies_the_checked_fields_and_takes_the_new_tensor():
         assert all(getattr(desc, name) == getattr(expected, name) for name in vars(expected) if name != "base")
     with pytest.raises(AssertionError):  # a new (dtype, box, layout) is Gluon's, checked: a 16-row box is too short
         gluon_compat.tensor_descriptor(first, (1, 1, 128, 4), layout)
+
+
+def test_tensor_descriptor_keeps_no_tensor_alive():
+    """What `tensor_descriptor` keeps of the first (checked) descriptor per (dtype, box, layout) holds no tensor: a
+    kept one is memory never freed, and one made in the warm-up of torch.compile's CUDA graphs sits in their pool,
+    which refuses it. A key made afresh here (a box no other test uses) so that this call is the first."""
+    import gc
+    import weakref
+
+    import torch
+
+    layout = fa3.shared_layouts(torch.float16, 64, 64, rank=4)[1]
+    box = (1, 1, 64, 64)
+    first = torch.randn(1, 2, 64, 64, dtype=torch.float16)
+    gluon_compat._DESCRIPTOR_FIELDS.pop((first.dtype, box, id(layout)), None)
+    desc = gluon_compat.tensor_descriptor(first, box, layout)
+    assert desc.base is first
+    alive = weakref.ref(first)
+    del first, desc
+    gc.collect()
+    assert alive() is None
+    second = torch.randn(1, 2, 64, 64, dtype=torch.float16)  # the copied fields still make a whole descriptor
+    assert gluon_compat.tensor_descriptor(second, box, layout).base is second
