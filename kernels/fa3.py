@@ -595,9 +595,9 @@ def _forget(ref: weakref.ref, key: int, made: dict = _MADE) -> None:  # bound: m
 
 
 def _made_once(tensor: torch.Tensor, key, make: Callable):
-    """make(), once per (tensor, its version, key); afresh while a CUDA graph is captured (a replay must recompute
-    from the inputs it is given)."""
-    if tensor.is_cuda and torch.cuda.is_current_stream_capturing():
+    """make(), once per (tensor, its version, key); afresh where a CUDA graph's memory pool takes new tensors
+    (`graph_pool_active`)."""
+    if tensor.is_cuda and graph_pool_active(tensor.device):
         return make()
     entry = _MADE.get(id(tensor))
     if entry is None or entry[0]() is not tensor or entry[1] != tensor._version:
@@ -607,6 +607,24 @@ def _made_once(tensor: torch.Tensor, key, make: Callable):
     if key not in made:
         made[key] = make()
     return made[key]
+
+
+def graph_pool_active(device: torch.device) -> bool:
+    """Whether new tensors on `device` go to a CUDA graph's private memory pool: while a graph is captured (a replay
+    must then recompute from the inputs it is given), and while torch.compile's CUDA graphs (mode="reduce-overhead")
+    run a function's warm-up, whose pool refuses live tensors that are not the function's outputs
+    (`torch._inductor.cudagraph_trees.check_memory_pool`), so `_made_once` must not keep them. The warm-up is read from inductor's CUDA-graph tree manager; a torch without the attributes read here
+    counts as in the pool (made afresh: slower, never refused)."""
+    if torch.cuda.is_current_stream_capturing():
+        return True
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")
+    if trees is None:  # torch.compile's CUDA graphs never ran in this process
+        return False
+    try:
+        manager = trees.get_manager(device.index, create_if_none_exists=False)
+        return manager is not None and manager.in_warmup
+    except (AttributeError, TypeError):
+        return True
 
 
 def _packed_bounds(causal, window_size, cu_seqlens, total, max_seqlen, keys: bool = False):

@@ -301,12 +301,6 @@ def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -
         backend = config_backend(cfg)
         _check_backend(check, backend, cfg.model, cfg.trainer)
         _check_masks(check, backend, windows, cfg.data.document_mask)
-        # fa3 keeps what it derives from a batch's offsets for the other layers; made while CUDA graphs warm up,
-        # those tensors sit in the graphs' memory pool, which refuses them (torch 2.11, measured on an H100)
-        check(not (backend == "fa3" and cfg.data.document_mask and cfg.trainer.compile
-                   and cfg.trainer.compile_mode in ("reduce-overhead", "max-autotune")), "trainer.compile_mode",
-              f"CUDA graphs with attn={cfg.attn.backend} (fa3) and data.document_mask are not supported; use "
-              "trainer.compile_mode=default or max-autotune-no-cudagraphs, or attn=fa2")
         if softcap_on(cfg.model):
             check(REGISTRY[backend].supports_softcap, "model.attn_softcap",
                   f"attn={backend} has no attention logit soft-capping; use "

@@ -7,11 +7,13 @@ determinism) is tests/kernels/test_attention.py's, which runs fa3 on a CUDA GPU.
 """
 
 import gc
+import inspect
 import os
 import random
 import re
 import subprocess
 import sys
+import types
 import warnings
 import weakref
 from pathlib import Path
@@ -1058,6 +1060,25 @@ def test_packed_bounds_are_made_once_per_offsets_and_remade_after_a_write():
     assert again[0].tolist() == _doc_bounds_loop([2, 1, 7], -1, 0)[0]
     keys = fa3._packed_bounds(True, (2, -1), cu, 10, 7, keys=True)  # each key's rows: the window seen from keys
     assert [t.tolist() for t in keys] == list(_doc_bounds_loop([2, 1, 7], 0, 2))
+
+
+def test_graph_pool_active_reads_the_cuda_graph_warm_up(monkeypatch):
+    """Outside CUDA graphs the per-batch bounds are kept; during the warm-up of torch.compile's CUDA graphs (whose
+    pool refuses kept tensors) they are not; a torch whose tree manager lacks what is read counts as in the pool.
+    The attributes read exist in the installed torch."""
+    import torch._inductor.cudagraph_trees as trees
+    from torch._inductor.cudagraph_trees import CUDAGraphTreeManager
+
+    assert isinstance(CUDAGraphTreeManager.in_warmup, property)
+    assert "create_if_none_exists" in inspect.signature(trees.get_manager).parameters
+    device = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    for manager, active in ((None, False), (types.SimpleNamespace(in_warmup=False), False),
+                            (types.SimpleNamespace(in_warmup=True), True), (types.SimpleNamespace(), True)):
+        monkeypatch.setattr(trees, "get_manager", lambda index, create_if_none_exists=True: manager)
+        assert fa3.graph_pool_active(device) is active, manager
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert fa3.graph_pool_active(device) is True
 
 
 @pytest.mark.parametrize("given_out", [False, True])

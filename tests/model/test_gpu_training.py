@@ -68,16 +68,9 @@ def random_docs(batch: int, seqlen: int, cuts: int) -> torch.Tensor:
     return torch.cat([edges, inside[torch.randperm(len(inside))[:cuts]]]).sort().values.to(torch.int32)
 
 
-FA3_DOCS_IN_GRAPHS = ("fa3 keeps what it derives from a batch's offsets (kernels.fa3._made_once); made during the "
-                      "graphs' warm-up, those tensors sit in their pool, which refuses them; the trainer's config "
-                      "refuses the combination")
-
-
 @pytest.mark.parametrize("attn, docs, loss", [
-    ("fa3", False, "full"),
-    pytest.param("fa3", True, "full", marks=pytest.mark.xfail(strict=True, raises=RuntimeError,
-                                                              reason=FA3_DOCS_IN_GRAPHS)),
-    ("fa2", False, "full"), ("fa2", True, "full"), ("fa3", False, "fused")])
+    ("fa3", False, "full"), ("fa3", True, "full"), ("fa2", False, "full"), ("fa2", True, "full"),
+    ("fa3", False, "fused")])
 def test_cuda_graph_compile_trains_like_eager(attn, docs, loss):
     """torch.compile(mode="reduce-overhead") (trainer.compile_mode=reduce-overhead: CUDA graphs of the forward and
     the backward) runs our kernels: its warm-up refuses any tensor a kernel wrapper keeps alive in the graphs' memory
@@ -91,7 +84,7 @@ def test_cuda_graph_compile_trains_like_eager(attn, docs, loss):
     for step in range(4):  # warm-up, recording, then replays
         x, y = (torch.randint(0, 512, (8, 256), device="cuda") for _ in range(2))
         cu_seqlens = random_docs(8, 256, 6).cuda() if docs else None
-        # the compiled step first, as in the trainer (an eager step first would make fa3's bounds outside the pool)
+        # the compiled step first, as in the trainer: the graphs' warm-up is where fa3 first meets a batch's offsets
         model.zero_grad(set_to_none=True)
         torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast("cuda", dtype=torch.bfloat16):

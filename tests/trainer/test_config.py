@@ -480,22 +480,6 @@ def test_compile_mode_and_fp8_are_checked(make_cfg):
             validate_config(make_cfg(*overrides))
 
 
-def test_cuda_graphs_with_fa3_and_documents_are_refused(make_cfg):
-    """fa3's packed-document path keeps per-batch tensors that torch.compile's CUDA graphs refuse: the trainer says
-    so at start-up instead of failing at the first step; fa2 and the modes without CUDA graphs are accepted."""
-    docs = ["data.document_mask=true", "trainer.compile=true"]
-    for mode in ("reduce-overhead", "max-autotune"):
-        with pytest.raises(ConfigError, match=r"trainer.compile_mode=.*CUDA graphs with attn=fa3 \(fa3\) and "
-                                              r"data.document_mask are not supported"):
-            validate_config(make_cfg("attn=fa3", *docs, f"trainer.compile_mode={mode}"))
-    for overrides in (["attn=fa2", "trainer.compile_mode=reduce-overhead"],
-                      ["attn=fa3", "trainer.compile_mode=max-autotune-no-cudagraphs"]):
-        try:
-            validate_config(make_cfg(*docs, *overrides))
-        except ConfigError as e:  # without a GPU: CUDA graphs, or fa3 under compile
-            assert "are not supported" not in str(e)
-
-
 def test_an_unknown_compile_mode_gets_one_error(make_cfg):
     """An unknown trainer.compile_mode is named once, with the accepted modes, not also told to set compile=true."""
     with pytest.raises(ConfigError) as info:
