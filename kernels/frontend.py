@@ -114,15 +114,22 @@ def check_return_lse(return_lse) -> None:
         raise TypeError(f"return_lse must be a bool, got {type_name(return_lse)}")
 
 
+# A window edge past this many keys reaches past any sequence (int32 offsets): it means no limit, -1. The ops take
+# int64 arguments, which a wider edge would overflow.
+WIDEST_WINDOW = 2**31 - 1
+
+
 def check_window(window_size, name: str, supported: bool) -> tuple[int, int]:
-    """window_size as (left, right) ints; raise TypeError/ValueError naming what is wrong."""
+    """window_size as (left, right) ints, an edge past WIDEST_WINDOW as -1; raise TypeError/ValueError naming what
+    is wrong."""
     if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
             and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
         raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
     for i, w in enumerate(window_size):
         if w < -1:
             raise ValueError(f"window_size[{i}] = {w} is below -1; accepted: -1 (no limit) or a number of keys >= 0")
-    if not supported and tuple(window_size) != (-1, -1):
+    window_size = tuple(-1 if w > WIDEST_WINDOW else w for w in window_size)
+    if not supported and window_size != (-1, -1):
         raise ValueError(f"{name}_attention has no sliding window (window_size={tuple(window_size)}); "
                          "use fa2_attention or fa3_attention")
     return window_size[0], window_size[1]

@@ -495,6 +495,18 @@ def test_window_and_varlen_compile_in_one_graph():
     torch.testing.assert_close(loss, f(q.detach(), k.detach(), v.detach()), rtol=1e-3, atol=1e-3)
 
 
+def test_window_wider_than_any_sequence_is_no_limit_also_under_compile():
+    """A window edge past 2**31 - 1 keys (more than int32 offsets reach) is "no limit" (-1), also where
+    torch.compile hands it to the op's int64 argument, which it would overflow: the output of (-1, -1)."""
+    q, k, v = (randn(1, 2, 24, 16, dtype=torch.float16) for _ in range(3))
+    expected = fa2_attention(q, k, v, causal=True, window_size=(-1, -1))
+    for window in ((2**63, -1), (2**31, 2**70)):
+        f = lambda q, k, v: fa2_attention(q, k, v, causal=True, window_size=window)  # noqa: E731
+        torch.testing.assert_close(f(q, k, v), expected, rtol=0, atol=0)
+        compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+        torch.testing.assert_close(compiled(q, k, v), expected, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("softcap", [(), (5.0,)], ids=["masks", "masks_and_softcap"])
 def test_opcheck_with_masks(softcap):
     op = torch.ops.flashgpt.fa2_forward
