@@ -613,8 +613,9 @@ def graph_pool_active(device: torch.device) -> bool:
     """Whether new tensors on `device` go to a CUDA graph's private memory pool: while a graph is captured (a replay
     must then recompute from the inputs it is given), and while torch.compile's CUDA graphs (mode="reduce-overhead")
     run a function's warm-up, whose pool refuses live tensors that are not the function's outputs
-    (`torch._inductor.cudagraph_trees.check_memory_pool`), so `_made_once` must not keep them. The warm-up is read from inductor's CUDA-graph tree manager; a torch without the attributes read here
-    counts as in the pool (made afresh: slower, never refused)."""
+    (`torch._inductor.cudagraph_trees.check_memory_pool`), so `_made_once` must not keep them. The warm-up is read
+    from inductor's CUDA-graph tree manager; a torch without the attributes read here counts as in the pool (made
+    afresh: slower, never refused)."""
     if torch.cuda.is_current_stream_capturing():
         return True
     trees = sys.modules.get("torch._inductor.cudagraph_trees")

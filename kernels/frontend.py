@@ -130,7 +130,7 @@ def check_window(window_size, name: str, supported: bool) -> tuple[int, int]:
             raise ValueError(f"window_size[{i}] = {w} is below -1; accepted: -1 (no limit) or a number of keys >= 0")
     window_size = tuple(-1 if w > WIDEST_WINDOW else w for w in window_size)
     if not supported and window_size != (-1, -1):
-        raise ValueError(f"{name}_attention has no sliding window (window_size={tuple(window_size)}); "
+        raise ValueError(f"{name}_attention has no sliding window (window_size={window_size}); "
                          "use fa2_attention or fa3_attention")
     return window_size[0], window_size[1]
 
