@@ -151,9 +151,10 @@ FORWARD_CONFIGS = forward_configs(triton.__version__)
 # scenes trains at the same speed with both (H100, benchmarks.md). With a window too it is not measured apart.
 PACKED_FORWARD_CONFIGS = {64: ForwardConfig(3, 64, 3, True, True)}
 # Narrow sliding windows (both edges within NARROW_WINDOW, `narrow_band`): 64-key blocks waste less of the band
-# than 128-key ones. Measured at window 128 (benchmarks.md): gpt-oss's layers (B 2, H 128, N 8192, D 64) 0.535 ms
-# against 0.686 (H200); B 2, H 64, N 8192, D 128 0.386 against 0.443 (H100). 96 runs the 128-wide kernel. Wider
-# windows keep the causal config (at window 1024 64-key blocks measured 3-9 % slower).
+# than 128-key ones. Measured at window 128 (docs/hopper-notes.md, "FA3 variant 20"; docs/benchmarks.md, "Narrow
+# windows"): gpt-oss's layers (B 2, H 128, N 8192, D 64) 0.535 ms against 0.686 (H200); B 2, H 64, N 8192, D 128
+# 0.386 against 0.443 (H100). 96 runs the 128-wide kernel. Wider windows keep the causal config (at window 1024
+# 64-key blocks measured 3-9 % slower).
 NARROW_WINDOW = 128
 _NARROW_FORWARD_128 = ForwardConfig(2, 64, 4, False, True)
 NARROW_WINDOW_FORWARD_CONFIGS = {64: ForwardConfig(2, 64, 4, True, True), 96: _NARROW_FORWARD_128,

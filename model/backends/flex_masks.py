@@ -44,7 +44,7 @@ from model.backends.base import BackendUnavailableError, segment_ids
 # Compiled lazily, on the first call; one compiled function for every layer and model of the process. Static
 # shapes: by default a call with a second shape (another batch or length) recompiles for dynamic shapes and every
 # later call runs that generic kernel ("automatic dynamic"; the likely cause of a slow Flex in an H200 benchmark,
-# docs/benchmarks.md); with dynamic=False each shape gets its own kernel, up to torch._dynamo's
+# docs/results/masks_h200_2026-12-01.log); with dynamic=False each shape gets its own kernel, up to torch._dynamo's
 # recompile limit (8). Inside a compiled model this function is traced like any other, with the model's settings.
 _compiled_flex = torch.compile(flex_attention, dynamic=False)
 _compiled_block_mask = torch.compile(create_block_mask)
