@@ -22,7 +22,8 @@ from data.tokenizers import tokenizer_from_meta
 from model.backends import REGISTRY, backends_with, resolve_backend
 from model.gpt import GPT, GPTConfig
 from model.kv_cache import KVCache
-from trainer.checkpoint import CheckpointError, checkpoint_dir, clean_state_dict, latest_checkpoint, load_checkpoint
+from trainer.checkpoint import (CheckpointError, check_weights, checkpoint_dir, clean_state_dict, latest_checkpoint,
+                                load_checkpoint)
 from trainer.runtime import NO_CUDA, device_memory
 
 
@@ -62,6 +63,7 @@ def load_model(ckpt_path: Path, device: str = "cpu", attn: str = "auto"):
         softcap = bool(args.get("attn_softcap"))
         attn = resolve_backend("auto", args["n_embd"] // args["n_head"], softcap=True).name if softcap else "sdpa"
     model = GPT(GPTConfig(**{**args, "attn": attn, "dropout": 0.0}))
+    check_weights(ckpt, model)
     model.load_state_dict(clean_state_dict(ckpt["model"]))
     return model.to(device).eval(), tokenizer_from_meta(ckpt["data_meta"]), ckpt
 

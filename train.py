@@ -234,10 +234,13 @@ def run_job(cfg: DictConfig, overrides: list[str], run_dir: Path, sweep_args: li
 def failed(e: BaseException, run_dir: Path, made: list[Path], dist: DistInfo) -> int:
     """The exit code of a job that ``train`` ended with ``e`` (an expected failure or an interrupt), after one
     line that says why; the folders this job made (``new_folders``) go away if they hold nothing but the lock, or,
-    after a Ctrl-C before training started, nothing but this job's record (a new folder has no checkpoint yet)."""
+    after a Ctrl-C before training started or a refusal before its first step (e.g. W&B could not start), nothing
+    but this job's record (a new folder has no checkpoint yet). A run that diverged keeps its log."""
     code = _report(e, run_dir)
     if dist.is_main and made:
-        if isinstance(e, KeyboardInterrupt) and not isinstance(e, TrainingAborted):
+        interrupted = isinstance(e, KeyboardInterrupt) and not isinstance(e, TrainingAborted)
+        refused = isinstance(e, EXPECTED) and not isinstance(e, NonFiniteLossError) and not_trained(run_dir)
+        if interrupted or refused:
             shutil.rmtree(run_dir, ignore_errors=True)
         else:
             discard_unused_folder(run_dir)
@@ -273,6 +276,12 @@ def _report(e: BaseException, run_dir: Path) -> int:
     for line in str(e).splitlines():  # a record per line (e.g. one per bad config value), each with its prefix
         log.error("%s", line)
     return 1
+
+
+def not_trained(run_dir: Path) -> bool:
+    """Whether no step of the run in ``run_dir`` was logged or saved: no checkpoint and no metrics.jsonl record."""
+    metrics = run_dir / "metrics.jsonl"
+    return latest_checkpoint(run_dir) is None and (not metrics.exists() or metrics.stat().st_size == 0)
 
 
 def discard_unused_folder(run_dir: Path) -> None:

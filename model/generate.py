@@ -6,6 +6,7 @@ The model is in ``model/gpt.py`` (its ``forward`` and ``forward_cached``, with a
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Callable, Optional
 
@@ -22,7 +23,8 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperatu
              num_tokens: Optional[int] = None, kv_cache: bool = False,
              compile: bool | str = False, cuda_graph: bool = False) -> torch.Tensor:
     """Autoregressive sampling from ``model`` (a ``model.gpt.GPT``): idx (B, T) int64 -> (B, T + max_new_tokens).
-    temperature > 0 divides the logits; top_k keeps only the k most likely tokens (top_k=1 is greedy, argmax);
+    temperature (finite, > 0) divides the logits; top_k keeps only the k most likely tokens (top_k=1 is greedy,
+    argmax; None or 0: all, as sample.py's --top-k 0);
     num_tokens (the tokenizer's vocabulary) excludes the padding ids >= num_tokens.
 
     kv_cache=False reruns the model over the last block_size tokens for every new token (nanoGPT).
@@ -40,11 +42,13 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperatu
     decode step is launch-bound, and a replay is one launch. The graph and the cache it writes are kept on the
     model (``GPT.release_decode_graph`` frees them) and reused by the next call with the same batch size and
     mode, as long as the parameters stay where they are. compile="cudagraphs" is compile=True, cuda_graph=True.
-    Raises ValueError for temperature <= 0, an empty prompt, max_new_tokens < 0, an unknown compile, or
-    cuda_graph without kv_cache, a static-shape decode or a CUDA device.
+    Raises ValueError for a temperature that is not a finite number > 0, a top_k that is not None or an int >= 0,
+    an empty prompt, max_new_tokens < 0, an unknown compile, or cuda_graph without kv_cache, a static-shape decode
+    or a CUDA device.
     """
-    compile, cuda_graph = _check_options(idx, max_new_tokens, temperature, kv_cache, compile, cuda_graph)
-    pick = partial(sample_next, temperature=temperature, top_k=top_k, num_tokens=num_tokens, generator=generator)
+    compile, cuda_graph = _check_options(idx, max_new_tokens, temperature, top_k, kv_cache, compile, cuda_graph)
+    pick = partial(sample_next, temperature=temperature, top_k=top_k or None, num_tokens=num_tokens,
+                   generator=generator)
     if kv_cache:
         return _generate_cached(model, idx, max_new_tokens, pick, compile, cuda_graph)
     run_block = compiled_block("forward") if compile else None
@@ -55,11 +59,13 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperatu
     return idx
 
 
-def _check_options(idx: torch.Tensor, max_new_tokens: int, temperature: float, kv_cache: bool,
-                   compile: bool | str, cuda_graph: bool) -> tuple[bool, bool]:
+def _check_options(idx: torch.Tensor, max_new_tokens: int, temperature: float, top_k: Optional[int],
+                   kv_cache: bool, compile: bool | str, cuda_graph: bool) -> tuple[bool, bool]:
     """(compile, cuda_graph) with compile='cudagraphs' spelled out; raises ValueError as ``generate`` says."""
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < math.inf:
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
+        raise ValueError(f"top_k must be None or an int >= 0 (0 or None: every token; 1: greedy), got {top_k!r}")
     if idx.dim() != 2 or idx.size(1) == 0:
         raise ValueError(f"idx must be (batch, T) token ids with T >= 1, got shape {tuple(idx.shape)}")
     if max_new_tokens < 0:

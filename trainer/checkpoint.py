@@ -177,6 +177,23 @@ def clean_state_dict(state_dict: dict) -> dict:
     return out
 
 
+def check_weights(ckpt: Checkpoint, model: torch.nn.Module) -> None:
+    """Raise UnreadableCheckpoint when ``ckpt``'s model weights do not fit ``model`` (a missing or unexpected key,
+    or a tensor of another shape): a file edited by hand or written by other code, which load_state_dict would
+    refuse with a traceback. ``model`` may live on the meta device: only keys and shapes are compared."""
+    weights = clean_state_dict(ckpt["model"])
+    expected = model.state_dict()
+    shape = lambda t: tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__  # noqa: E731
+    problems = [f"missing {k}" for k in expected if k not in weights]
+    problems += [f"unexpected {k}" for k in weights if k not in expected]
+    problems += [f"{k} is {shape(weights[k])}, the model's {shape(t)}" for k, t in expected.items()
+                 if k in weights and shape(weights[k]) != shape(t)]
+    if problems:
+        more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
+        raise UnreadableCheckpoint(f"checkpoint {ckpt.path} is corrupt or unreadable: its weights do not fit the "
+                                   f"model its model_args describe ({'; '.join(problems[:3])}{more})")
+
+
 def save_checkpoint(state: dict, run_dir: Path, step: int, keep_last: int) -> Path:
     """Atomically write ``state`` as the checkpoint of ``step``, then keep only the newest
     ``keep_last`` checkpoints. Returns the path. A failed write raises CheckpointWriteError (an

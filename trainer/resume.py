@@ -7,13 +7,14 @@ import logging
 from pathlib import Path
 from typing import Optional
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
-from model.gpt import GPTConfig
+from model.gpt import GPT, GPTConfig
 from model.layers import mlp_width
 from model.loss import resolve_loss
-from trainer.checkpoint import (Checkpoint, CheckpointError, UnreadableCheckpoint, latest_checkpoint, list_checkpoints,
-                                load_checkpoint, step_of)
+from trainer.checkpoint import (Checkpoint, CheckpointError, UnreadableCheckpoint, check_weights, latest_checkpoint,
+                                list_checkpoints, load_checkpoint, step_of)
 from trainer.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,8 @@ def check_compatible(ckpt: Checkpoint, model_args: GPTConfig, data_meta: dict, c
             diffs.append(f"{label}: checkpoint {old_meta.get(k)!r}, config {data_meta.get(k)!r}")
     if diffs:
         raise ConfigError(f"cannot resume from {ckpt.path}: the model or tokenizer differs:\n  " + "\n  ".join(diffs))
+    with torch.device("meta"):  # shapes only; attention backends do not change them
+        check_weights(ckpt, GPT(dataclasses.replace(model_args, attn="sdpa")))
     # attn.backend as typed ("auto") may name the backend that ran before: the backends that run are compared
     changed = changed_settings(ckpt["config"], OmegaConf.to_container(cfg, resolve=True),
                                skip=MAY_CHANGE | {"attn.backend", "model.loss"})

@@ -136,6 +136,24 @@ def test_generate():
         model.generate(idx, 1, temperature=0.0)
 
 
+def test_generate_top_k_zero_is_every_token_and_bad_options_are_named():
+    """top_k=0 keeps every token (as sample.py's --top-k 0), the same draws as top_k=None; a negative or non-int
+    top_k and a non-finite temperature are refused before any step, naming the option."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=8, vocab_size=64, n_layer=2, n_head=2, n_embd=32)).eval()
+    idx = torch.randint(0, 64, (2, 3))
+    draws = [model.generate(idx, 5, top_k=k, generator=torch.Generator().manual_seed(7)) for k in (0, None)]
+    assert torch.equal(draws[0], draws[1]) and draws[0].shape == (2, 8)
+    for kwargs, message in (({"top_k": -1}, "top_k must be None or an int >= 0.*got -1"),
+                            ({"top_k": 2.5}, "top_k must be None or an int >= 0.*got 2.5"),
+                            ({"top_k": True}, "top_k must be None or an int >= 0.*got True"),
+                            ({"temperature": float("nan")}, "temperature must be a finite number > 0, got nan"),
+                            ({"temperature": float("inf")}, "temperature must be a finite number > 0, got inf"),
+                            ({"temperature": -1.0}, "temperature must be a finite number > 0, got -1.0")):
+        with pytest.raises(ValueError, match=message):
+            model.generate(idx, 2, **kwargs)
+
+
 @pytest.mark.parametrize("temperature", [1e-40, 5e-324, 1e-3])
 def test_a_tiny_temperature_samples_the_most_likely_token(temperature):
     """Any temperature > 0 gives valid probabilities: a tiny one (float32 overflows 1 / 1e-40) is greedy."""

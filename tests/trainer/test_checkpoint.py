@@ -251,8 +251,8 @@ def test_a_per_layer_window_of_one_value_is_that_value(tmp_path, saved, given, s
     base = dict(block_size=8, vocab_size=10, n_layer=2, n_head=2, n_embd=32)
     old = GPTConfig(**base, attn_window=saved)
     meta = {"tokenizer": "char", "chars": "abcdefghij", "vocab_size": 10}
-    path = save_checkpoint({**fake_state(1), "model_args": dataclasses.asdict(old), "data_meta": meta,
-                            "attn_backend": old.attn, "config": {}}, tmp_path, 1, keep_last=1)
+    path = save_checkpoint({**fake_state(1), "model": GPT(old).state_dict(), "model_args": dataclasses.asdict(old),
+                            "data_meta": meta, "attn_backend": old.attn, "config": {}}, tmp_path, 1, keep_last=1)
     new = GPTConfig(**base, attn_window=given)
     if same:
         check_compatible(load_checkpoint(path), new, meta, OmegaConf.create({}))

@@ -1,5 +1,6 @@
 """Config composition (every group option, the command-line contract) and validation errors."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -290,10 +291,13 @@ def test_bad_attn_window_is_refused_before_training(monkeypatch, overrides, mess
     (["attn=fa2", "model.attn_softcap=-1"], "model.attn_softcap=-1.0: must be a finite number >= 0"),
     (["attn=flex", "model.attn_softcap=nan"], "model.attn_softcap=nan: must be a finite number >= 0"),
     (["attn=flex", "model.attn_softcap=inf"], "model.attn_softcap=inf: must be a finite number >= 0"),
+    # 1 / sqrt(head_dim) / attn_softcap must stay a normal float32 (the default model's head_dim 32: 1.5e37)
+    (["attn=fa2", "model.attn_softcap=1e300"], "model.attn_softcap=1e+300: must be at most 1.5e+37 at head_dim 32"),
+    (["attn=flex", "model.attn_softcap=1e38"], "model.attn_softcap=1e+38: must be at most 1.5e+37 at head_dim 32"),
 ])
 def test_bad_attn_softcap_is_refused_before_training(monkeypatch, overrides, message):
     monkeypatch.setattr(TritonBackend, "head_dim_limits", lambda self: (16, 256))  # no kernel import needed
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as e:
+    with pytest.raises(ConfigError, match=re.escape(message)) as e:
         validate_config(compose_config(["trainer.device=cpu"] + overrides))
     assert str(e.value).count("\n  model.attn_softcap=") == 1, str(e.value)  # one error line for the key
 

@@ -164,6 +164,24 @@ def test_a_refused_job_takes_away_the_folders_it_made(args, tmp_path):
     assert out.returncode == 1 and list((tmp_path / "kept").iterdir()) == []
 
 
+def test_a_run_refused_after_its_record_was_written_leaves_no_folder(args, tmp_path):
+    """W&B failing to start (online, no login) refuses the run after train() accepted it and its record
+    (.hydra/, train.log) was written, before the first step: the folder it made goes, one error line stays. A
+    folder that was there before keeps what it held."""
+    env = {**ENV, "WANDB_CONFIG_DIR": str(tmp_path / "no-login"), "NETRC": str(tmp_path / "no-netrc")}
+    env.pop("WANDB_API_KEY", None)
+    for name, before in (("new", None), ("old", "notes.txt")):
+        if before:
+            (tmp_path / "runs" / name).mkdir(parents=True)
+            (tmp_path / "runs" / name / before).write_text("kept")
+        out = subprocess.run([sys.executable, "train.py", *args, f"run.name={name}", "wandb.mode=online",
+                              "trainer.max_steps=1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        text = out.stdout + out.stderr
+        assert out.returncode == 1 and "W&B could not start" in text and "Traceback" not in text, text[-3000:]
+        folder = tmp_path / "runs" / name
+        assert not folder.exists() if before is None else (folder / before).read_text() == "kept"
+
+
 @pytest.mark.parametrize("override, message", [
     ("run.name=" + "x" * 300, "run.name='xxx.*': must be a non-empty folder name of at most 128 characters"),
     ("run.name=${oc.env:HOME}", "run.name='/.*': must be a non-empty folder name"),  # an interpolation's path

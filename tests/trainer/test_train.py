@@ -151,6 +151,30 @@ def test_a_file_that_is_not_a_checkpoint_is_named_so_and_advice_is_for_run_folde
     assert "resume" not in err and "run.name" not in err
 
 
+def test_weights_that_do_not_fit_the_model_are_named_before_the_run_folder(make_cfg, tmp_path, capsys):
+    """A checkpoint whose weights lack a key or have another shape than its model_args give (edited by hand, or
+    written by other code): resume and sample.py both name the file and the first mismatches, before train.py
+    makes a run folder or load_state_dict raises its traceback."""
+    import sample
+
+    s = train(make_cfg("run.name=fit", "trainer.max_steps=1"))
+    data = torch.load(s.checkpoint, map_location="cpu", weights_only=False)
+    weights = data["model"]
+    name = next(k for k in weights if k.endswith("lm_head.weight") or k.endswith("wte.weight"))
+    for case, edit in (("missing", lambda w: w.pop(name)), ("shape", lambda w: w.__setitem__(name, w[name][:, 1:]))):
+        edited = tmp_path / f"{case}.pt"
+        changed = dict(weights)
+        edit(changed)
+        torch.save({**data, "model": changed}, edited)
+        expected = f"missing {name}" if case == "missing" else f"{name} is "
+        with pytest.raises(CheckpointError, match=f"{edited.name} is corrupt or unreadable: its weights do not fit"
+                                                  f".*{re.escape(expected)}"):
+            train(make_cfg(f"run.name=fit_{case}", f"resume={edited}"))
+        assert not (s.run_dir.parent / f"fit_{case}").exists()
+        assert sample.main(["--run", str(edited), "--device", "cpu", "--num-tokens", "2"]) == 1
+        assert "its weights do not fit the model" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_saves_and_stops_then_resume_finishes(make_cfg, sig):
     def on_step(record):
