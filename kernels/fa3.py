@@ -83,6 +83,12 @@ class BackwardConfig(NamedTuple):
     # against 2 of the accumulator's 4 bytes an element in each of three passes): faster where the key blocks
     # are few per query block (short keys, narrow windows, short documents).
     separate_dq: bool = False
+    # Query blocks from the last to the first, every query head of the group at each block, instead of head after
+    # head from the diagonal on. Under a causal mask every key block's rows end at the last query block, so the
+    # CTAs in flight then read the same Q and dO rows and add into the same dQ rows at the same time, which L2 holds;
+    # head after head, each CTA starts at its own diagonal and they drift apart over the group's heads (with GQA 8
+    # at 8k keys the rows in use span 32 MB of Q and dO a (batch, kv head) pair, and 32 MB of float32 dQ).
+    lockstep: bool = False
 
     @property
     def block_n(self) -> int:
@@ -668,7 +674,7 @@ def run_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, config
     dq_rows, dq_cols = config.dq_box(tile_dim)  # checks the config
     kernel, tensor_descriptor = gluon_kernels().backward, gluon_kernels().descriptor
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    num_stages, split_dq, block_m, section_heads, num_consumers, maxnreg, separate_dq = config
+    num_stages, split_dq, block_m, section_heads, num_consumers, maxnreg, separate_dq, lockstep = config
     left, right = fa2.window_edges(causal, window_size, seqlen_q, seqlen_k)
     block_n = config.block_n
     docs = bounds is not None
@@ -712,7 +718,7 @@ def run_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, config
          **_logits(softmax_scale, softcap), softmax_scale=softmax_scale, GROUP=n_heads // n_kv_heads,
          LEFT=left >= 0, RIGHT=right >= 0, DOCS=docs,
          NUM_CONSUMERS=num_consumers, HEAD_DIM=tile_dim,
-         BLOCK_M=block_m, NUM_STAGES=num_stages, SPLIT_DQ=split_dq, SEPARATE_DQ=separate_dq,
+         BLOCK_M=block_m, NUM_STAGES=num_stages, SPLIT_DQ=split_dq, SEPARATE_DQ=separate_dq, LOCKSTEP=lockstep,
          Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, DQ_LAYOUT=dq_layout)
     if separate_dq:
         fa2.backward_dq(do, q, k, v, lse, delta, dq, causal, softmax_scale, window_size, softcap,
@@ -845,7 +851,7 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
                           Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout)
     else:
         config = config or BACKWARD_CONFIGS[head_dim]
-        num_stages, split_dq, block_m, _, num_consumers, maxnreg, separate_dq = config
+        num_stages, split_dq, block_m, _, num_consumers, maxnreg, separate_dq, lockstep = config
         dq_rows, dq_cols = config.dq_box(tile_dim)
         block_n = config.block_n
         q_layout, kv_layout, _, ds_layout, dq_layout = _bwd_layouts(dtype, tile_dim, block_m, block_n,
@@ -864,7 +870,7 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
         constexprs = dict(GROUP=group, LEFT=window, RIGHT=causal, DOCS=docs, SOFTCAP=softcap,
                           NUM_CONSUMERS=num_consumers, HEAD_DIM=tile_dim,
                           BLOCK_M=block_m, NUM_STAGES=num_stages, SPLIT_DQ=split_dq, SEPARATE_DQ=separate_dq,
-                          Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, DQ_LAYOUT=dq_layout)
+                          LOCKSTEP=lockstep, Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, DQ_LAYOUT=dq_layout)
     signature = {arg: "i32" for arg in fn.arg_names}
     signature.update(descs)
     signature.update({arg: "constexpr" for arg in constexprs})

@@ -217,12 +217,21 @@ def _query_range(start_n, seqlen_q, seqlen_k, window_left, window_right, QUERY_S
 
 
 @gluon.jit
+def _step(it, lo, n_m, off_hk, GROUP: gl.constexpr, LOCKSTEP: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Step `it` of a CTA's GROUP * n_m query blocks: (query head, first row). Head after head from `lo` on, or
+    with LOCKSTEP the last block first, every head of the group at each block (`kernels.fa3.BackwardConfig`)."""
+    if LOCKSTEP:
+        return off_hk * GROUP + it % GROUP, lo + (n_m - 1 - it // GROUP) * BLOCK_M
+    return off_hk * GROUP + it // n_m, lo + (it % n_m) * BLOCK_M
+
+
+@gluon.jit
 def _consumer(keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, window_left, window_right,
               KEY_START, KEY_LIMIT, QUERY_START, QUERY_LIMIT, BLOCK_ORDER, SECTION_HEADS, qk_scale, softcap_in,
               softmax_scale, CID: gl.constexpr,
               NUM_CONSUMERS: gl.constexpr, GROUP: gl.constexpr, LEFT: gl.constexpr, RIGHT: gl.constexpr,
               DOCS: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-              SPLIT_DQ: gl.constexpr, SEPARATE_DQ: gl.constexpr):
+              SPLIT_DQ: gl.constexpr, SEPARATE_DQ: gl.constexpr, LOCKSTEP: gl.constexpr):
     """Consumer warpgroup CID: keys [start_n + 64 * CID, + 64) of the CTA's key block.
 
     SPLIT_DQ "cols" or "rows" (`kernels.fa3.BackwardConfig`): the warpgroups share dS through shared memory and
@@ -269,8 +278,7 @@ def _consumer(keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q
     mbarrier.wait(keys_smem.loaded, 0)
     for it in range(GROUP * n_m):
         slot = ring.slot(it)
-        off_h = off_hk * GROUP + it // n_m
-        start_m = lo + (it % n_m) * BLOCK_M
+        off_h, start_m = _step(it, lo, n_m, off_hk, GROUP, LOCKSTEP, BLOCK_M)
         q_tile = ring.q.index(slot)
         do_tile = ring.do.index(slot)
         mbarrier.wait(ring.ready.index(slot), ring.phase(it))
@@ -349,7 +357,8 @@ def _consumer(keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q
 def _producer(q_desc, k_desc, v_desc, do_desc, keys_smem, ring, LSE, DELTA, n_heads, seqlen_q, seqlen_k, window_left,
               window_right, QUERY_START, QUERY_LIMIT, BLOCK_ORDER, SECTION_HEADS, NUM_CONSUMERS: gl.constexpr,
               GROUP: gl.constexpr,
-              LEFT: gl.constexpr, RIGHT: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr):
+              LEFT: gl.constexpr, RIGHT: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
+              LOCKSTEP: gl.constexpr):
     """The loading warp: the CTA's K and V once, then Q_i and dO_i (TMA) and LSE_i and delta_i (cp.async) of every
     query block into the ring."""
     BLOCK_N: gl.constexpr = NUM_CONSUMERS * BLOCK_KEYS
@@ -368,8 +377,7 @@ def _producer(q_desc, k_desc, v_desc, do_desc, keys_smem, ring, LSE, DELTA, n_he
                                  LEFT, RIGHT, DOCS, BLOCK_M, BLOCK_N)
     for it in range(GROUP * n_m):
         slot = ring.slot(it)
-        off_h = off_hk * GROUP + it // n_m
-        start_m = lo + (it % n_m) * BLOCK_M
+        off_h, start_m = _step(it, lo, n_m, off_hk, GROUP, LOCKSTEP, BLOCK_M)
         ready = ring.ready.index(slot)
         mbarrier.wait(ring.empty.index(slot), ring.phase(it) ^ 1)  # a fresh barrier passes phase 1
         mbarrier.expect(ready, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
@@ -386,6 +394,7 @@ def fa3_bwd_kernel(
     RIGHT: gl.constexpr,
     DOCS: gl.constexpr, SOFTCAP: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT_DQ: gl.constexpr, SEPARATE_DQ: gl.constexpr,
+    LOCKSTEP: gl.constexpr,
     Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr, DS_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr,
 ):
     """Grid (cdiv(seqlen_k, NUM_CONSUMERS * 64) * batch * n_kv_heads,), in sections of SECTION_HEADS (batch, kv
@@ -431,10 +440,10 @@ def fa3_bwd_kernel(
             (_consumer, (keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, window_left,
                          window_right, KEY_START, KEY_LIMIT, QUERY_START, QUERY_LIMIT, BLOCK_ORDER, SECTION_HEADS,
                          qk_scale, softcap_in, softmax_scale, 0, NUM_CONSUMERS, GROUP, LEFT, RIGHT, DOCS, SOFTCAP,
-                         BLOCK_M, HEAD_DIM, SPLIT_DQ, SEPARATE_DQ)),
+                         BLOCK_M, HEAD_DIM, SPLIT_DQ, SEPARATE_DQ, LOCKSTEP)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, keys_smem, ring, LSE, DELTA, n_heads, seqlen_q, seqlen_k,
                          window_left, window_right, QUERY_START, QUERY_LIMIT, BLOCK_ORDER, SECTION_HEADS,
-                         NUM_CONSUMERS, GROUP, LEFT, RIGHT, DOCS, BLOCK_M)),
+                         NUM_CONSUMERS, GROUP, LEFT, RIGHT, DOCS, BLOCK_M, LOCKSTEP)),
             ],
             [1],
             [24],
@@ -445,14 +454,14 @@ def fa3_bwd_kernel(
             (_consumer, (keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, window_left,
                          window_right, KEY_START, KEY_LIMIT, QUERY_START, QUERY_LIMIT, BLOCK_ORDER, SECTION_HEADS,
                          qk_scale, softcap_in, softmax_scale, 0, NUM_CONSUMERS, GROUP, LEFT, RIGHT, DOCS, SOFTCAP,
-                         BLOCK_M, HEAD_DIM, SPLIT_DQ, SEPARATE_DQ)),
+                         BLOCK_M, HEAD_DIM, SPLIT_DQ, SEPARATE_DQ, LOCKSTEP)),
             (_consumer, (keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, window_left,
                          window_right, KEY_START, KEY_LIMIT, QUERY_START, QUERY_LIMIT, BLOCK_ORDER, SECTION_HEADS,
                          qk_scale, softcap_in, softmax_scale, 1, NUM_CONSUMERS, GROUP, LEFT, RIGHT, DOCS, SOFTCAP,
-                         BLOCK_M, HEAD_DIM, SPLIT_DQ, SEPARATE_DQ)),
+                         BLOCK_M, HEAD_DIM, SPLIT_DQ, SEPARATE_DQ, LOCKSTEP)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, keys_smem, ring, LSE, DELTA, n_heads, seqlen_q, seqlen_k,
                          window_left, window_right, QUERY_START, QUERY_LIMIT, BLOCK_ORDER, SECTION_HEADS,
-                         NUM_CONSUMERS, GROUP, LEFT, RIGHT, DOCS, BLOCK_M)),
+                         NUM_CONSUMERS, GROUP, LEFT, RIGHT, DOCS, BLOCK_M, LOCKSTEP)),
             ],
             [4, 1],
             [240, 24],

@@ -3,10 +3,11 @@
     python -m tools.fa3_variants --variants 2:128:2:1:1,2:128:2:1:0 --head-dims 128 --seqlens 4096,16384
     python -m tools.fa3_variants --backward --variants 2:cols,1:cols --head-dims 128 --seqlens 2048,8192
 
-Backward: a variant is the first fields of NUM_STAGES:SPLIT_DQ:BLOCK_M:SECTION_HEADS:NUM_CONSUMERS:MAXNREG:SEPARATE_DQ
+Backward: a variant is the first fields of NUM_STAGES:SPLIT_DQ:BLOCK_M:SECTION_HEADS:NUM_CONSUMERS:MAXNREG:SEPARATE_DQ:LOCKSTEP
 (a `kernels.fa3.BackwardConfig`, the fields left out as in `BACKWARD_CONFIGS[head_dim]`; SPLIT_DQ is cols or rows;
 SECTION_HEADS the launch order, 0 for a wave's worth; NUM_CONSUMERS 1 or 2; MAXNREG registers a thread, 0 for
-Triton's choice; SEPARATE_DQ 1 for FA2's dQ kernel after the Gluon one); each is checked against float32 gradients
+Triton's choice; SEPARATE_DQ 1 for FA2's dQ kernel after the Gluon one; LOCKSTEP 1 for the query blocks last to
+first, the group's heads inner); each is checked against float32 gradients
 (dq, dk, dv by relative error) on the shapes below, then backward medians of the Gluon kernel are printed next to
 FA2's backward and cuDNN's on the same inputs (forward excluded).
 Forward: a variant is NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT[:LATE_K_RELEASE] (a
@@ -166,13 +167,13 @@ def _ints(variant, fields):
 
 
 def backward_config(variant, default=fa3.BackwardConfig(2, "cols", 64)):
-    """The first fields of 'NUM_STAGES:SPLIT_DQ:BLOCK_M:SECTION_HEADS:NUM_CONSUMERS:MAXNREG:SEPARATE_DQ' -> a
-    `kernels.fa3.BackwardConfig`, the fields left out taken from `default`; SPLIT_DQ is cols or rows, BLOCK_M 64
-    or 128, SECTION_HEADS 0 or more, NUM_CONSUMERS 1 or 2, MAXNREG 0 (Triton's choice) or registers a thread,
-    SEPARATE_DQ 0 or 1."""
+    """The first fields of 'NUM_STAGES:SPLIT_DQ:BLOCK_M:SECTION_HEADS:NUM_CONSUMERS:MAXNREG:SEPARATE_DQ:LOCKSTEP'
+    -> a `kernels.fa3.BackwardConfig`, the fields left out taken from `default`; SPLIT_DQ is cols or rows, BLOCK_M
+    64 or 128, SECTION_HEADS 0 or more, NUM_CONSUMERS 1 or 2, MAXNREG 0 (Triton's choice) or registers a thread,
+    SEPARATE_DQ and LOCKSTEP 0 or 1."""
     fields = variant.split(":")
-    if not 1 <= len(fields) <= 7:
-        raise SystemExit(f"backward variant {variant}: give 1 to 7 fields (see --help)")
+    if not 1 <= len(fields) <= 8:
+        raise SystemExit(f"backward variant {variant}: give 1 to 8 fields (see --help)")
     if len(fields) >= 2 and fields[1] not in ("cols", "rows"):
         raise SystemExit(f"backward variant {variant}: SPLIT_DQ {fields[1]!r}; accepted cols, rows")
     if len(fields) >= 3 and fields[2] not in ("64", "128"):
@@ -183,8 +184,9 @@ def backward_config(variant, default=fa3.BackwardConfig(2, "cols", 64)):
         raise SystemExit(f"backward variant {variant}: NUM_CONSUMERS {fields[4]}; accepted 1, 2")
     if len(fields) >= 6 and not fields[5].isdigit():
         raise SystemExit(f"backward variant {variant}: MAXNREG {fields[5]}; give 0 or more")
-    if len(fields) >= 7 and fields[6] not in ("0", "1"):
-        raise SystemExit(f"backward variant {variant}: SEPARATE_DQ {fields[6]}; accepted 0, 1")
+    for name, field in zip(("SEPARATE_DQ", "LOCKSTEP"), fields[6:]):
+        if field not in ("0", "1"):
+            raise SystemExit(f"backward variant {variant}: {name} {field}; accepted 0, 1")
     try:
         num_stages = int(fields[0])
     except ValueError:
@@ -192,7 +194,7 @@ def backward_config(variant, default=fa3.BackwardConfig(2, "cols", 64)):
     if num_stages < 1:
         raise SystemExit(f"backward variant {variant}: NUM_STAGES {num_stages}; give 1 or more")
     return default._replace(num_stages=num_stages, **dict(zip(
-        ("split_dq", "block_m", "section_heads", "num_consumers", "maxnreg", "separate_dq"),
+        ("split_dq", "block_m", "section_heads", "num_consumers", "maxnreg", "separate_dq", "lockstep"),
         (*fields[1:2], *(int(x) for x in fields[2:6]), *(bool(int(x)) for x in fields[6:])))))
 
 
@@ -224,7 +226,7 @@ def main(argv=None):
     parser.add_argument("--variants", default=None,
                         help="comma-separated NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT[:LATE_K_RELEASE] "
                              f"(default {FORWARD_DEFAULT}); with --backward "
-                             f"NUM_STAGES[:SPLIT_DQ:...:SEPARATE_DQ] (default {BACKWARD_DEFAULT}; see above)")
+                             f"NUM_STAGES[:SPLIT_DQ:...:LOCKSTEP] (default {BACKWARD_DEFAULT}; see above)")
     parser.add_argument("--head-dims", default="64,128", help="comma-separated head dimensions D")
     parser.add_argument("--seqlens", default="2048,8192", help="comma-separated sequence lengths N")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"], help="input dtype")

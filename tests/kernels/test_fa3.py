@@ -892,6 +892,27 @@ def test_short_and_packed_backward_configs_compile_for_sm90_at_two_ctas_an_sm():
         assert 2 * int(shared) <= fa3.SM90_SHARED_MEMORY
 
 
+@pytest.mark.skipif(not SUPPORTED, reason=f"triton {fa3.triton_version()} is not a release the Gluon kernels support")
+def test_lockstep_backward_order_compiles_for_sm90():
+    """BackwardConfig.lockstep (the query blocks last to first, the group's heads inner) compiles for sm_90 with
+    GQA under a causal mask and without, at head_dim 64 and 128: the same shared memory and TMA reduce-adds as the
+    head-after-head order, other code (the step's head and rows)."""
+    code = ("import hashlib, torch; from kernels import fa3\n"
+            "for d in (64, 128):\n"
+            "    for causal in (True, False):\n"
+            "        for lockstep in (False, True):\n"
+            "            c = fa3.BACKWARD_CONFIGS[d]._replace(lockstep=lockstep)\n"
+            "            k = fa3.compile_for_sm90(torch.bfloat16, d, causal, 4, 'bwd', c)\n"
+            "            ptx = k.asm['ptx']\n"
+            "            print(d, causal, lockstep, k.metadata.shared, 'cp.reduce.async.bulk' in ptx,"
+            " hashlib.sha1(ptx.encode()).hexdigest())")
+    rows = compile_in_fresh_process(code, timeout=900)
+    assert len(rows) == 8
+    for before, after in zip(rows[::2], rows[1::2]):
+        assert (before[2], after[2]) == ("False", "True")
+        assert before[3:5] == after[3:5] and after[4] == "True" and before[5] != after[5]
+
+
 # ------------------------------------------------------------------------------------------ packed sequences
 def _doc_bounds_loop(lengths, before, after):
     """`fa3.doc_bounds` written out position by position."""
