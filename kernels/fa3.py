@@ -870,7 +870,8 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
         constexprs = dict(GROUP=group, LEFT=window, RIGHT=causal, DOCS=docs, SOFTCAP=softcap,
                           NUM_CONSUMERS=num_consumers, HEAD_DIM=tile_dim,
                           BLOCK_M=block_m, NUM_STAGES=num_stages, SPLIT_DQ=split_dq, SEPARATE_DQ=separate_dq,
-                          LOCKSTEP=lockstep, Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, DQ_LAYOUT=dq_layout)
+                          LOCKSTEP=lockstep, Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout,
+                          DQ_LAYOUT=dq_layout)
     signature = {arg: "i32" for arg in fn.arg_names}
     signature.update(descs)
     signature.update({arg: "constexpr" for arg in constexprs})

@@ -3,7 +3,8 @@
     python -m tools.fa3_variants --variants 2:128:2:1:1,2:128:2:1:0 --head-dims 128 --seqlens 4096,16384
     python -m tools.fa3_variants --backward --variants 2:cols,1:cols --head-dims 128 --seqlens 2048,8192
 
-Backward: a variant is the first fields of NUM_STAGES:SPLIT_DQ:BLOCK_M:SECTION_HEADS:NUM_CONSUMERS:MAXNREG:SEPARATE_DQ:LOCKSTEP
+Backward: a variant is the first fields of
+NUM_STAGES:SPLIT_DQ:BLOCK_M:SECTION_HEADS:NUM_CONSUMERS:MAXNREG:SEPARATE_DQ:LOCKSTEP
 (a `kernels.fa3.BackwardConfig`, the fields left out as in `BACKWARD_CONFIGS[head_dim]`; SPLIT_DQ is cols or rows;
 SECTION_HEADS the launch order, 0 for a wave's worth; NUM_CONSUMERS 1 or 2; MAXNREG registers a thread, 0 for
 Triton's choice; SEPARATE_DQ 1 for FA2's dQ kernel after the Gluon one; LOCKSTEP 1 for the query blocks last to
