@@ -120,8 +120,8 @@ def check_compatible(ckpt: Checkpoint, model_args: GPTConfig, data_meta: dict, c
             diffs.append(f"{label}: checkpoint {old_meta.get(k)!r}, config {data_meta.get(k)!r}")
     if diffs:
         raise ConfigError(f"cannot resume from {ckpt.path}: the model or tokenizer differs:\n  " + "\n  ".join(diffs))
-    with torch.device("meta"):  # shapes only; attention backends do not change them
-        check_weights(ckpt, GPT(dataclasses.replace(model_args, attn="sdpa")))
+    with torch.device("meta"):  # shapes only
+        check_weights(ckpt, GPT(model_args))
     # attn.backend as typed ("auto") may name the backend that ran before: the backends that run are compared
     changed = changed_settings(ckpt["config"], OmegaConf.to_container(cfg, resolve=True),
                                skip=MAY_CHANGE | {"attn.backend", "model.loss"})
