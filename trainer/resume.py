@@ -105,10 +105,11 @@ def model_identity(model_args: dict) -> dict:
 
 def check_compatible(ckpt: Checkpoint, model_args: GPTConfig, data_meta: dict, cfg: DictConfig,
                      device_type: str = "cpu") -> None:
-    """Refuse (ConfigError) a checkpoint of another model shape, attention window or tokenizer; warn, listing the
-    keys, when other settings changed (e.g. the attention backend or model.dropout), as a resumed run then mixes
-    two setups; warn when the token cache holds other tokens than the checkpoint's (``changed_data``). model.loss
-    is compared as it runs on `device_type` (``resolve_loss``): full and auto are the same on a CPU."""
+    """Refuse (ConfigError) a checkpoint of another model shape, attention window or tokenizer, and
+    (UnreadableCheckpoint, ``check_weights``) one whose weights do not fit the model its model_args give; warn,
+    listing the keys, when other settings changed (e.g. the attention backend or model.dropout), as a resumed run
+    then mixes two setups; warn when the token cache holds other tokens than the checkpoint's (``changed_data``).
+    model.loss is compared as it runs on `device_type` (``resolve_loss``): full and auto are the same on a CPU."""
     old, new = model_identity(ckpt["model_args"]), model_identity(dataclasses.asdict(model_args))
     mlp = "the MLP's hidden width (model.mlp_hidden, or model.mlp's rule)"
     name = lambda k: mlp if k == "mlp_width" else f"model.{k}"
