@@ -151,11 +151,16 @@ def check_softcap(softcap, name: str, supported: bool, form: str = "attention") 
     return float(softcap)
 
 
+def max_softcap(softmax_scale: float) -> float:
+    """The largest softcap for `softmax_scale` > 0: above it softmax_scale / softcap, which the kernels multiply q.k
+    by before the tanh, falls below float32's smallest normal number (it would flush to 0 and make every score 0;
+    Flex's score_mod would overflow the cap instead). Such a cap changes no score."""
+    return softmax_scale / torch.finfo(torch.float32).tiny
+
+
 def check_softcap_scale(softmax_scale: float, softcap: float) -> None:
-    """ValueError when softcap > 0 is so large against softmax_scale that softmax_scale / softcap, which the kernels
-    multiply q.k by before the tanh, falls below float32's smallest normal number (it would flush to 0 and make every
-    score 0). Such a cap changes no score."""
-    if softcap > 0 and 0 < softmax_scale / softcap < torch.finfo(torch.float32).tiny:
+    """ValueError when softcap > 0 is above `max_softcap(softmax_scale)` (softmax_scale > 0)."""
+    if softcap > 0 and softmax_scale > 0 and softcap > max_softcap(softmax_scale):
         raise ValueError(f"softcap={softcap!r} is too large for softmax_scale={softmax_scale!r}: softmax_scale / "
                          f"softcap underflows float32 (a cap that large changes no score; use softcap=0.0)")
 

@@ -112,9 +112,9 @@ def block_option_errors(c) -> list[tuple[str, str]]:
                if not isinstance(getattr(c, key), bool)]
     divides = _is_int(c.n_head) and c.n_head >= 1 and _is_int(c.n_embd) and c.n_embd % c.n_head == 0
     head_dim = c.n_embd // c.n_head if divides else 0
-    # The kernels scale q.k by softmax_scale / attn_softcap (1 / sqrt(head_dim) / attn_softcap) before the tanh;
-    # below float32's smallest normal number that flushes to 0 (fa*), or the cap overflows (Flex: inf * tanh(0)).
-    softcap_limit = head_dim ** -0.5 / torch.finfo(torch.float32).tiny if head_dim else math.inf
+    from kernels.frontend import max_softcap  # the kernels' rule, at the model's softmax_scale 1 / sqrt(head_dim)
+
+    softcap_limit = max_softcap(head_dim ** -0.5) if head_dim else math.inf
     if _is_non_negative(c.attn_softcap) and c.attn_softcap > softcap_limit:
         errors.append(("attn_softcap", f"must be at most {softcap_limit:.3g} at head_dim {head_dim} (1 / "
                                        "sqrt(head_dim) / attn_softcap must stay a normal float32: a cap that large "
