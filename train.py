@@ -212,6 +212,10 @@ def run_job(cfg: DictConfig, overrides: list[str], run_dir: Path, sweep_args: li
             summary = train(cfg, run_dir=run_dir, on_accept=accept)
         except (*EXPECTED, PreparationInterrupted, KeyboardInterrupt) as e:
             return failed(e, run_dir, made, dist)
+        except BaseException:  # a bug: its traceback, and no folder of this job's left holding only the lock
+            if dist.is_main:
+                discard_unused_folders(run_dir, made)
+            raise
         if summary.stop_reason == "interrupted":  # saved and resumable, but not finished: say so to the caller
             if sweep_args is not None:  # `run.name=X` alone would start a run in the sweep's folder
                 log.info("interrupted at step %d; to resume these runs: the same `python train.py -m ...` command",
@@ -242,13 +246,7 @@ def failed(e: BaseException, run_dir: Path, made: list[Path], dist: DistInfo) ->
         refused = isinstance(e, EXPECTED) and not isinstance(e, NonFiniteLossError) and not_trained(run_dir)
         if interrupted or refused:
             shutil.rmtree(run_dir, ignore_errors=True)
-        else:
-            discard_unused_folder(run_dir)
-        for folder in made[1:]:  # a sweep's folder, a new run.root: empty unless another job wrote there
-            try:
-                folder.rmdir()
-            except OSError:
-                break
+        discard_unused_folders(run_dir, made)
     return code
 
 
@@ -284,12 +282,20 @@ def not_trained(run_dir: Path) -> bool:
     return latest_checkpoint(run_dir) is None and (not metrics.exists() or metrics.stat().st_size == 0)
 
 
-def discard_unused_folder(run_dir: Path) -> None:
-    """Remove the folder a refused job made when it holds nothing but the lock (rank 0 still holds it), so a typo
-    on the command line leaves no folder, under a default name or a new run.name. A folder that was there before
+def discard_unused_folders(run_dir: Path, made: list[Path]) -> None:
+    """Remove the folders a failed job made (``made``, from ``new_folders``): ``run_dir`` when it holds nothing but
+    the lock (rank 0 still holds it), so a typo on the command line leaves no folder, under a default name or a new
+    run.name; then its new parents (a sweep's folder, a new run.root) while empty. A folder that was there before
     the job is kept as it was."""
+    if not made:
+        return
     if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {".lock"}:
         shutil.rmtree(run_dir, ignore_errors=True)
+    for folder in made[1:]:  # empty unless another job wrote there
+        try:
+            folder.rmdir()
+        except OSError:
+            break
 
 
 @contextlib.contextmanager

@@ -115,6 +115,9 @@ def prepare_data(cfg) -> PreparedData:
         log.info("removed %s, left by a process that was stopped while writing it", path)
     meta_path = folder / "meta.json"
     reason = "first use of this data config"
+    if meta_path.is_dir():  # not something the cache wrote, so not removed here
+        raise DataError(f"data.cache_dir={cfg.cache_dir!r}: {meta_path} is a folder where the token cache keeps its "
+                        "meta.json file; remove it (the cache is then rebuilt) or choose another data.cache_dir")
     if meta_path.exists():
         reason = "rebuilding it"
         try:
@@ -219,10 +222,11 @@ class _Encode:
 
     def __call__(self, batch: dict) -> dict:
         tok = self.tokenizer
+        texts = [t or "" for t in batch["text"]]  # null rows of a hub dataset: empty documents
         if isinstance(tok, TiktokenTokenizer):
-            ids = [x + [tok.eot_token] for x in tok.encode_batch(batch["text"])]
+            ids = [x + [tok.eot_token] for x in tok.encode_batch(texts)]
         else:
-            ids = [tok.encode(t) for t in batch["text"]]
+            ids = [tok.encode(t) for t in texts]
         return {"ids": ids, "len": [len(x) for x in ids]}
 
 

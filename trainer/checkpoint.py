@@ -147,6 +147,16 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return ckpts[-1] if ckpts else None
 
 
+def not_files(run_dir: Path) -> list[Path]:
+    """Entries of a run's checkpoints folder named like a checkpoint that are not regular files (a folder, a broken
+    link), oldest step first: `list_checkpoints` leaves them out."""
+    folder = checkpoint_dir(run_dir)
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.match(p.name)) and not p.is_file()]
+    return [p for _, p in sorted(found)]
+
+
 def remove_orphans(run_dir: Path) -> list[Path]:
     """Delete ``step_*.pt.tmp-<pid>`` files of writers that died mid-save (e.g. ``kill -9``), with a warning."""
     removed = remove_stale_temp_files(checkpoint_dir(run_dir), "step_*.pt")

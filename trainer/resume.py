@@ -14,7 +14,7 @@ from model.gpt import GPT, GPTConfig
 from model.layers import mlp_width
 from model.loss import resolve_loss
 from trainer.checkpoint import (Checkpoint, CheckpointError, UnreadableCheckpoint, check_weights, latest_checkpoint,
-                                list_checkpoints, load_checkpoint, step_of)
+                                list_checkpoints, load_checkpoint, not_files, step_of)
 from trainer.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,11 @@ def find_checkpoint(resume: str, run_dir: Path) -> tuple[Optional[Checkpoint], O
         return None, None
     if resume == "auto":
         path = latest_checkpoint(run_dir)
+        newer = [p for p in not_files(run_dir) if path is None or step_of(p) > step_of(path)]
+        if newer:  # resuming from an older one would silently drop the steps after it
+            kind = "a folder" if newer[-1].is_dir() else "not a file (a broken link?)"
+            raise UnreadableCheckpoint(f"checkpoint {newer[-1]} is {kind}; it was left as is: move it out of the "
+                                       "checkpoints folder to resume from the one before, or start a new run.name")
         return (_load(path), path) if path is not None else (None, None)
     path = Path(resume)
     if not path.exists():  # also a mistyped policy, e.g. resume=sometimes

@@ -446,6 +446,44 @@ def test_hub_source_reads_the_text_column(make_cfg, tmp_path):
         prepare_data(data_cfg(make_cfg, "data=hub", f"data.dataset={folder}", "data.name=hubtest2"))
 
 
+@pytest.mark.parametrize("tokenizer", ["char", "tiktoken"])
+def test_hub_null_rows_are_empty_documents(make_cfg, tmp_path, tokenizer):
+    """Rows whose text is null (common in hub datasets) add no tokens; the others are read in order."""
+    docs = [None if i % 7 == 3 else f"doc {i} " + "".join(random.choice("abcdefgh") for _ in range(40))
+            for i in range(30)]
+    folder = tmp_path / "with_nulls"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    data = prepare_data(data_cfg(make_cfg, "data=hub", f"data.dataset={folder}", f"data.tokenizer={tokenizer}",
+                                 f"data.name=hubnull_{tokenizer}"))
+    text = data.tokenizer.decode(np.concatenate([data.train, data.val]).tolist())
+    texts = [d for d in docs if d is not None]
+    if tokenizer == "char":
+        assert text == "".join(texts)
+    else:  # each row, null ones included, ends with EOT
+        assert text == "".join((d or "") + "<|endoftext|>" for d in docs)
+
+
+def test_a_hub_column_that_is_not_text_is_named(make_cfg, tmp_path):
+    folder = tmp_path / "numbers"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("".join(json.dumps({"id": i, "body": f"text {i}"}) + "\n" for i in range(10)))
+    with pytest.raises(DataError, match=r"^data.text_column='id' of .* holds int64 values, not text; its text "
+                                        r"columns: body$"):
+        prepare_data(data_cfg(make_cfg, "data=hub", f"data.dataset={folder}", "data.text_column=id",
+                              "data.name=hubint"))
+
+
+def test_a_folder_named_meta_json_is_named_not_deleted(make_cfg):
+    cfg = data_cfg(make_cfg, "data.name=metadir")
+    data = prepare_data(cfg)
+    (data.dir / "meta.json").unlink()
+    (data.dir / "meta.json").mkdir()
+    with pytest.raises(DataError, match=r"^data.cache_dir=.*meta.json is a folder where the token cache keeps"):
+        prepare_data(cfg)
+    assert (data.dir / "meta.json").is_dir()
+
+
 def test_cache_records_where_documents_start(make_cfg, corpus_dir):
     """Each corpus file is one document; train_docs / val_docs hold their starts in each split."""
     data = prepare_data(data_cfg(make_cfg, "data.name=doc_starts", "data.val_fraction=0.4"))

@@ -101,6 +101,25 @@ def test_missing_and_corrupt_files_are_reported_by_path(tmp_path):
         load_checkpoint(other)
 
 
+@pytest.mark.parametrize("kind", ["folder", "broken link"])
+def test_resume_auto_refuses_a_newer_checkpoint_name_that_is_not_a_file(tmp_path, kind):
+    """resume=auto does not fall back past step_N.pt when that name is a folder or a broken link; older ones of
+    those are skipped."""
+    from trainer.resume import find_checkpoint
+
+    for step in (5, 10):
+        save_checkpoint(fake_state(step), tmp_path, step, keep_last=3)
+    older = tmp_path / "checkpoints" / "step_00000001.pt"
+    older.mkdir()
+    assert find_checkpoint("auto", tmp_path)[1].name == "step_00000010.pt"
+    newer = tmp_path / "checkpoints" / "step_00000020.pt"
+    newer.mkdir() if kind == "folder" else newer.symlink_to(tmp_path / "gone.pt")
+    with pytest.raises(CheckpointError, match=f"^checkpoint {newer} is (a folder|not a file .*); it was left as "
+                                              "is: move it out of the checkpoints folder"):
+        find_checkpoint("auto", tmp_path)
+    assert newer.is_dir() if kind == "folder" else newer.is_symlink()
+
+
 def test_unwrapped_weights_have_no_wrapper_prefixes():
     model = GPT(GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=2, n_embd=16))
     compiled = torch.compile(model)  # wrapping is lazy: nothing is compiled here

@@ -164,6 +164,20 @@ def test_a_refused_job_takes_away_the_folders_it_made(args, tmp_path):
     assert out.returncode == 1 and list((tmp_path / "kept").iterdir()) == []
 
 
+def test_an_unexpected_error_before_training_keeps_its_traceback_and_leaves_no_folder(args, tmp_path):
+    """An error no check foresaw (here one raised where the token cache is prepared) shows its traceback; the run
+    folder and the new run.root it made, holding only the lock, go."""
+    inject = ("import runpy, sys; sys.path.insert(0, '.'); import trainer.loop as loop\n"
+              "def boom(cfg): raise RuntimeError('unforeseen')\n"
+              "loop.prepare_data = boom; sys.argv[0] = 'train.py'; runpy.run_path('train.py', run_name='__main__')")
+    root = tmp_path / "new" / "root"
+    out = subprocess.run([sys.executable, "-c", inject, *args, f"run.root={root}", "run.name=bug"], cwd=ROOT, env=ENV,
+                         capture_output=True, text=True, timeout=300)
+    text = out.stdout + out.stderr
+    assert out.returncode == 1 and "Traceback" in text and "RuntimeError: unforeseen" in text, text[-3000:]
+    assert not (tmp_path / "new").exists()
+
+
 def test_a_run_refused_after_its_record_was_written_leaves_no_folder(args, tmp_path):
     """W&B failing to start (online, no login) refuses the run after train() accepted it and its record
     (.hydra/, train.log) was written, before the first step: the folder it made goes, one error line stays. A
