@@ -301,9 +301,14 @@ class Trainer:
             self.on_step(record)
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Val loss now (see ``evaluate``); updates the best and final val loss."""
-        val = evaluate(self.eval_model, self.data, self.cfg, self.device, self.dtype, self.dist)
+    def evaluate(self, stop: Optional[StopRequest] = None) -> Optional[float]:
+        """Val loss now (see ``evaluate``); updates the best and final val loss. With one process, a stop request
+        (`stop`) cuts the evaluation short: None, nothing updated. Under torchrun it runs to the end (the ranks
+        would not agree on the batch to stop at)."""
+        stop = stop if self.dist.world_size == 1 else None
+        val = evaluate(self.eval_model, self.data, self.cfg, self.device, self.dtype, self.dist, stop)
+        if val is None:
+            return None
         s = self.summary
         s.final_val_loss, s.final_val_step = val, self.state.step
         self.state.best_val_loss = val if self.state.best_val_loss is None else min(self.state.best_val_loss, val)
@@ -367,10 +372,13 @@ class Trainer:
                         pending = queued
                         continue
                     record, vote = self.read(queued, last_done)
-                    if evaluate_now:
-                        record["val/loss"] = self.evaluate()
-                        log.info("step %d: train loss %.4f, val loss %.4f", state.step, record["train/loss"],
-                                 record["val/loss"])
+                    val = self.evaluate(stop) if evaluate_now else None
+                    if val is not None:
+                        record["val/loss"] = val
+                        log.info("step %d: train loss %.4f, val loss %.4f", state.step, record["train/loss"], val)
+                    elif evaluate_now:  # a scheduler's grace period is short: save now, not after eval.iters batches
+                        log.info("step %d: evaluation cut short by the stop request (no val loss for this step)",
+                                 state.step)
                     self.publish(record)
                     if save_now:
                         self.save()
@@ -483,17 +491,21 @@ def _prepare_data(cfg: DictConfig, dist: DistInfo) -> PreparedData:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, data: PreparedData, cfg: DictConfig, device: torch.device,
-             dtype: torch.dtype, dist: DistInfo = DistInfo()) -> float:
+             dtype: torch.dtype, dist: DistInfo = DistInfo(), stop: Optional[StopRequest] = None) -> Optional[float]:
     """Mean val loss over ``eval.iters`` batches from a fixed stream (the same batches at every
     evaluation, so values are comparable across steps and runs). Leaves global RNGs untouched.
     Under torchrun the batches are dealt out to the ranks (batch i to rank i % world_size) and the
-    per-batch losses summed over ranks, so the value is the same for any number of processes."""
+    per-batch losses summed over ranks, so the value is the same for any number of processes.
+    None, at the next batch, once ``stop`` holds a signal (one process only: no collective is skipped)."""
     sampler = BatchSampler(data.val, cfg.model.block_size, cfg.trainer.batch_size, cfg.seed + VAL_SEED_OFFSET,
                            device=device, doc_starts=data.val_docs if cfg.data.document_mask else None,
                            vocab_size=data.vocab_size, source=data.dir / "val.bin")
     model.eval()
     losses = torch.zeros(cfg.eval.iters, device=device)
     for i in range(cfg.eval.iters):
+        if stop is not None and stop.signum is not None:
+            model.train()
+            return None
         if i % dist.world_size != dist.rank:
             sampler.skip_batch()
             continue

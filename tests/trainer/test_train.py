@@ -206,6 +206,29 @@ def test_signal_during_an_evaluation_step_stops_at_that_step(make_cfg):
     assert [p.name for p in list_checkpoints(s.run_dir)] == ["step_00000003.pt"]
 
 
+def test_a_signal_during_a_long_evaluation_cuts_it_short_and_saves(make_cfg, monkeypatch, caplog):
+    """SIGTERM at the 5th of eval.iters=1000 validation batches: no more are drawn, the step has no val/loss,
+    and the run saves that step and stops, as a scheduler's grace period needs."""
+    import trainer.loop as loop
+
+    drawn = []
+
+    class Sampler(loop.BatchSampler):  # the validation batches (training draws from ShardedBatchSampler)
+        def next_batch(self):
+            drawn.append(1)
+            if len(drawn) == 5:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return super().next_batch()
+
+    monkeypatch.setattr(loop, "BatchSampler", Sampler)
+    caplog.set_level("INFO", logger="trainer.loop")
+    s = train(make_cfg("run.name=sig_long_eval", "trainer.max_steps=6", "eval.interval=3", "eval.iters=1000"))
+    assert s.stop_reason == "interrupted" and s.stop_signal == signal.SIGTERM and s.step == 3 and len(drawn) == 5
+    assert [p.name for p in list_checkpoints(s.run_dir)] == ["step_00000003.pt"]
+    assert "val/loss" not in s.records[-1] and s.final_val_loss is None
+    assert "step 3: evaluation cut short by the stop request" in caplog.text
+
+
 def test_cli_exit_code_after_sigterm_is_143(tiny_overrides, tmp_path):
     """An interrupted run saves, then exits 128 + signal, so a scheduler can tell it from a finished one."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
