@@ -84,10 +84,9 @@ class BackwardConfig(NamedTuple):
     # are few per query block (short keys, narrow windows, short documents).
     separate_dq: bool = False
     # Query blocks from the last to the first, every query head of the group at each block, instead of head after
-    # head from the diagonal on. Under a causal mask every key block's rows end at the last query block, so the
-    # CTAs in flight then read the same Q and dO rows and add into the same dQ rows at the same time, which L2 holds;
-    # head after head, each CTA starts at its own diagonal and they drift apart over the group's heads (with GQA 8
-    # at 8k keys the rows in use span 32 MB of Q and dO a (batch, kv head) pair, and 32 MB of float32 dQ).
+    # head from the diagonal on: under a causal mask the CTAs in flight then read the same Q and dO rows together.
+    # Off in every config: measured against the current order it gained at GQA 8 causal 2k only, not at 8k where
+    # L2 reuse would have shown, and lost 3 % non-causal (docs/hopper-notes.md, "FA3 backward variant 17").
     lockstep: bool = False
 
     @property
