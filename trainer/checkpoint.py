@@ -133,13 +133,19 @@ def step_of(path: Path) -> int:
     return int(m.group(1))
 
 
-def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoint files of a run, oldest step first (temporary files excluded)."""
+def _named(run_dir: Path, files: bool) -> list[Path]:
+    """Entries of a run's checkpoints folder named like a checkpoint, oldest step first: the regular files, or with
+    files=False the rest."""
     folder = checkpoint_dir(run_dir)
     if not folder.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.match(p.name)) and p.is_file()]
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.match(p.name)) and p.is_file() == files]
     return [p for _, p in sorted(found)]
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoint files of a run, oldest step first (temporary files excluded)."""
+    return _named(run_dir, files=True)
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -150,11 +156,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 def not_files(run_dir: Path) -> list[Path]:
     """Entries of a run's checkpoints folder named like a checkpoint that are not regular files (a folder, a broken
     link), oldest step first: `list_checkpoints` leaves them out."""
-    folder = checkpoint_dir(run_dir)
-    if not folder.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.match(p.name)) and not p.is_file()]
-    return [p for _, p in sorted(found)]
+    return _named(run_dir, files=False)
 
 
 def remove_orphans(run_dir: Path) -> list[Path]:
