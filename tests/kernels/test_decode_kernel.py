@@ -8,6 +8,17 @@ from model.gpt import GPT, GPTConfig
 from reference import reference_attention
 
 
+@pytest.fixture(autouse=True)
+def _kernel_device():
+    """The tests make their tensors and models on torch's default device: the CUDA GPU where there is one (the
+    kernel needs it there), else the CPU, where Triton's interpreter runs the kernel."""
+    if torch.cuda.is_available():
+        with torch.device("cuda"):
+            yield
+    else:
+        yield
+
+
 @pytest.mark.parametrize("batch,n_heads,n_kv_heads,seqlen_k,head_dim,num_splits,dtype", [
     (2, 4, 2, 1, 16, None, torch.float32),      # one key
     (1, 6, 3, 200, 80, None, torch.float32),    # GQA, head_dim not a power of two, default splits
