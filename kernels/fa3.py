@@ -88,6 +88,32 @@ class BackwardConfig(NamedTuple):
     # Off in every config: measured against the current order it gained at GQA 8 causal 2k only, not at 8k where
     # L2 reuse would have shown, and lost 3 % non-causal (docs/hopper-notes.md, "FA3 backward variant 17").
     lockstep: bool = False
+    # Query heads a CTA loops over, of its GQA group (a divisor of the group; 0 or the group: all of them, dK and dV
+    # stored once, bit-reproducible). Fewer (FA3's one): the group's CTAs for the same keys reduce-add their dK
+    # and dV into float32 accumulators, then cast, so the CTAs in flight read fewer heads' Q and dO. Needs a
+    # (64, head_dim or head_dim / 2) dQ box, whose float32 staging tile carries the reduce-adds.
+    heads_per_cta: int = 0
+
+    def cta_heads(self, group: int) -> int:
+        """The query heads one CTA takes at GQA group size `group` (1 without GQA); ValueError where
+        heads_per_cta does not divide it or the dQ box cannot carry the dK/dV reduce-adds."""
+        if self.heads_per_cta < 0 or (self.heads_per_cta and group % min(self.heads_per_cta, group)):
+            raise ValueError(f"BackwardConfig.heads_per_cta={self.heads_per_cta!r} at {group} query heads a kv "
+                             "head; accepted 0 (all of them) or a divisor of the group")
+        return min(self.heads_per_cta or group, group)
+
+    def reduces_kv(self, head_dim: int, group: int) -> bool:
+        """Whether the group's CTAs reduce-add dK and dV (`cta_heads` < group); ValueError for a config the kernel
+        cannot run (`dq_box`), or whose dQ box cannot stage them (it must be 64 rows of head_dim or head_dim / 2
+        columns)."""
+        rows, cols = self.dq_box(head_dim)
+        if self.cta_heads(group) == group:
+            return False
+        if rows != 64 or head_dim // cols not in (1, 2):
+            raise ValueError(f"BackwardConfig.heads_per_cta={self.heads_per_cta} needs a dQ box of 64 rows and "
+                             f"{head_dim} or {head_dim // 2} columns to stage dK and dV; this config's is "
+                             f"({rows}, {cols})")
+        return True
 
     @property
     def block_n(self) -> int:
@@ -168,9 +194,13 @@ NARROW_WINDOW_FORWARD_CONFIGS = {64: ForwardConfig(2, 64, 4, True, True), 96: _N
 # the registers nor the shared memory. Shared memory: 199 KB at 64, 198 KB at 128 (and 96, the same kernel). At 256
 # none fits (`BACKWARD_HEAD_DIMS`): 64 x 256 float32 dK and dV are 256 registers a thread (1040 B of stack spilled)
 # and the K, V, Q and dO tiles 361,872 B of shared memory with a 2-deep ring, 295,824 B with a 1-deep one (sm_90
-# compile, Triton 3.8).
-BACKWARD_CONFIGS = {64: BackwardConfig(2, "rows", 128), 96: BackwardConfig(2, "cols", 64),
-                    128: BackwardConfig(2, "cols", 64)}
+# compile, Triton 3.8). With GQA a CTA takes two query heads of its group at 128 (one head 0.99x, two 1.05x, four
+# 1.00x, all eight 0.75x cuDNN at group 8, causal, 2k; non-causal 0.95-1.06x for all) and the whole group at 64
+# (group 8, causal 2k: 1.16x against four heads' 1.11x and two's 1.08x; H100, docs/hopper-notes.md, "FA3 backward
+# variant 18").
+BACKWARD_CONFIGS = {64: BackwardConfig(2, "rows", 128),
+                    96: BackwardConfig(2, "cols", 64, heads_per_cta=2),
+                    128: BackwardConfig(2, "cols", 64, heads_per_cta=2)}
 BACKWARD_HEAD_DIMS = tuple(BACKWARD_CONFIGS)  # the Gluon backward's: at 256 its dK and dV overflow the registers
 # Where few key blocks meet each query block (a window within NARROW_WINDOW on each side; at 64 also keys up to
 # SHORT_BACKWARD_SEQLEN_K, FA2's backward running below BACKWARD_MIN_SEQLEN_K): one consumer warpgroup (64-key
@@ -245,6 +275,12 @@ def pick_backward_config(f: Facts) -> BackwardConfig:
     return BACKWARD_CONFIGS[f.head_dim]
 
 
+def _reproducible(config: BackwardConfig) -> bool:
+    """Whether the Gluon backward with `config` is bit-reproducible: no dQ reduce-adds (separate_dq) and no dK/dV
+    ones (each CTA takes its whole GQA group)."""
+    return config.separate_dq and config.heads_per_cta == 0
+
+
 def _backward_only(rule: Callable[[Facts], Optional[str]]) -> Callable[[Facts], Optional[str]]:
     return lambda f: rule(f) if f.direction == "backward" else None
 
@@ -268,9 +304,9 @@ RULES: tuple[tuple[bool, Callable[[Facts], Optional[str]]], ...] = (
     (False, _backward_only(lambda f: None if f.seqlen_k >= BACKWARD_MIN_SEQLEN_K[f.head_dim] else
         f"seqlen_k {f.seqlen_k} < {BACKWARD_MIN_SEQLEN_K[f.head_dim]} at head_dim {f.head_dim}: FA2's backward "
         "measured faster")),
-    # determinism: the Gluon backward's dQ reduce-adds are not bit-reproducible (a separate_dq config has none)
+    # determinism: the Gluon backward's dQ and dK/dV reduce-adds are not bit-reproducible (`_reproducible`)
     (False, _backward_only(lambda f: "deterministic algorithms: FA2's atomic-free backward"
-        if f.deterministic and not pick_backward_config(f).separate_dq else None)),
+        if f.deterministic and not _reproducible(pick_backward_config(f)) else None)),
 )
 
 
@@ -673,7 +709,10 @@ def run_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, config
     dq_rows, dq_cols = config.dq_box(tile_dim)  # checks the config
     kernel, tensor_descriptor = gluon_kernels().backward, gluon_kernels().descriptor
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    num_stages, split_dq, block_m, section_heads, num_consumers, maxnreg, separate_dq, lockstep = config
+    num_stages, split_dq, block_m, section_heads, num_consumers, maxnreg, separate_dq, lockstep, _ = config
+    group = n_heads // n_kv_heads
+    heads = config.cta_heads(group)
+    reduce_kv = config.reduces_kv(tile_dim, group)
     left, right = fa2.window_edges(causal, window_size, seqlen_q, seqlen_k)
     block_n = config.block_n
     docs = bounds is not None
@@ -697,24 +736,29 @@ def run_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, config
         dq_acc = empty_like_layout(q, (batch, n_heads, seqlen_q_pad, head_dim), torch.float32)
         delta = bwd_preprocess(o, do, dq_acc)  # also zeroes dq_acc
     dq, dk, dv = grad_buffers(q, k, v, out)
+    if reduce_kv:  # the group's CTAs add into these (dK already scaled), cast into dk and dv at the end
+        kv_acc = empty_like_layout(k, (batch, n_kv_heads, seqlen_k, 2 * head_dim), torch.float32).zero_()
+        dk_acc, dv_acc = kv_acc.split(head_dim, dim=3)
     q_layout, kv_layout, _, ds_layout, dq_layout = _bwd_layouts(q.dtype, tile_dim, block_m, block_n,
                                                                  (dq_rows, dq_cols))
     q_box, k_box, v_box, _, dq_box = _bwd_layouts(q.dtype, tile_dim, block_m, block_n, (dq_rows, dq_cols), rank=4)
     desc = lambda t, rows, layout, cols=tile_dim: tensor_descriptor(t, (1, 1, rows, cols), layout)
     n_blocks = cdiv(seqlen_k, block_n)
-    grid = (n_blocks * batch * n_kv_heads,)
+    grid = (n_blocks * batch * n_heads // heads,)
     section_heads = section_heads or max(1, _sm_count(q.device) // n_blocks)
     lse = lse.contiguous()
     key = (kernel, config, q.dtype, q.device, q.shape, k.shape, left, right, docs, softcap > 0,
            lse.data_ptr() % 16 == 0)
     _run(kernel, key, grid, maxnreg=maxnreg,
          q_desc=desc(q, block_m, q_box), k_desc=desc(k, block_n, k_box), v_desc=desc(v, 64, v_box),
-         do_desc=desc(do, block_m, q_box), dk_desc=desc(dk, 64, v_box), dv_desc=desc(dv, 64, v_box),
+         do_desc=desc(do, block_m, q_box),
+         **(dict(dk_desc=desc(dk_acc, 64, dq_box, dq_cols), dv_desc=desc(dv_acc, 64, dq_box, dq_cols)) if reduce_kv
+            else dict(dk_desc=desc(dk, 64, v_box), dv_desc=desc(dv, 64, v_box))),
          dq_desc=desc(dq_acc, dq_rows, dq_box, dq_cols), LSE=lse, DELTA=delta, n_heads=n_heads, seqlen_q=seqlen_q,
          seqlen_k=seqlen_k, window_left=max(left, 0), window_right=max(right, 0),
          **dict(zip(("KEY_START", "KEY_LIMIT", "QUERY_START", "QUERY_LIMIT"), bounds)), BLOCK_ORDER=order,
          SECTION_HEADS=section_heads,
-         **_logits(softmax_scale, softcap), softmax_scale=softmax_scale, GROUP=n_heads // n_kv_heads,
+         **_logits(softmax_scale, softcap), softmax_scale=softmax_scale, GROUP=group, HEADS=heads,
          LEFT=left >= 0, RIGHT=right >= 0, DOCS=docs,
          NUM_CONSUMERS=num_consumers, HEAD_DIM=tile_dim,
          BLOCK_M=block_m, NUM_STAGES=num_stages, SPLIT_DQ=split_dq, SEPARATE_DQ=separate_dq, LOCKSTEP=lockstep,
@@ -724,6 +768,9 @@ def run_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, config
                         cu_seqlens if docs else None, max_seqlen)
     else:
         convert_dq(dq_acc, softmax_scale, dq)
+    if reduce_kv:
+        dk.copy_(dk_acc)
+        dv.copy_(dv_acc)
     return dq, dk, dv
 
 
@@ -850,8 +897,9 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
                           Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout)
     else:
         config = config or BACKWARD_CONFIGS[head_dim]
-        num_stages, split_dq, block_m, _, num_consumers, maxnreg, separate_dq, lockstep = config
+        num_stages, split_dq, block_m, _, num_consumers, maxnreg, separate_dq, lockstep, _ = config
         dq_rows, dq_cols = config.dq_box(tile_dim)
+        reduce_kv = config.reduces_kv(tile_dim, group)
         block_n = config.block_n
         q_layout, kv_layout, _, ds_layout, dq_layout = _bwd_layouts(dtype, tile_dim, block_m, block_n,
                                                                     (dq_rows, dq_cols))
@@ -860,14 +908,15 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
         q_box, k_box, v_box = (tensordesc(block_m, q_box), tensordesc(block_n, k_box),
                                tensordesc(64, v_box))
         fn = kernels.backward
-        descs = dict(q_desc=q_box, k_desc=k_box, v_desc=v_box, do_desc=q_box, dk_desc=v_box, dv_desc=v_box,
+        kv_box = dq_box if reduce_kv else v_box  # float32 accumulators in 64-row dQ boxes, or dK and dV
+        descs = dict(q_desc=q_box, k_desc=k_box, v_desc=v_box, do_desc=q_box, dk_desc=kv_box, dv_desc=kv_box,
                      dq_desc=dq_box, LSE="*fp32", DELTA="*fp32", KEY_START="*i32", KEY_LIMIT="*i32",
                      QUERY_START="*i32", QUERY_LIMIT="*i32", BLOCK_ORDER="*i32", SECTION_HEADS="i32",
                      qk_scale="fp32", softcap_in="fp32", softmax_scale="fp32")
         if docs:
             causal = window = True
-        constexprs = dict(GROUP=group, LEFT=window, RIGHT=causal, DOCS=docs, SOFTCAP=softcap,
-                          NUM_CONSUMERS=num_consumers, HEAD_DIM=tile_dim,
+        constexprs = dict(GROUP=group, HEADS=config.cta_heads(group), LEFT=window, RIGHT=causal, DOCS=docs,
+                          SOFTCAP=softcap, NUM_CONSUMERS=num_consumers, HEAD_DIM=tile_dim,
                           BLOCK_M=block_m, NUM_STAGES=num_stages, SPLIT_DQ=split_dq, SEPARATE_DQ=separate_dq,
                           LOCKSTEP=lockstep, Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout,
                           DQ_LAYOUT=dq_layout)

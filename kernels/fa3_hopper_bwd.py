@@ -6,8 +6,11 @@ through TMA reduce-add); the arithmetic is FA2's Algorithm 2 with the base-2 LSE
 - lse), dS = P * (dP - delta), delta = rowsum(dO * O)); with SOFTCAP the forward's logit cap, S -> tanh(S *
 softcap_in), and dS scaled by the cap's derivative 1 - tanh^2.
 
-One CTA owns NUM_CONSUMERS (1 or 2) * 64 keys of one (batch, kv head) and loops over every query block (of every
-query head in its GQA group) that can see them. Partitions (`gl.warp_specialize`):
+One CTA owns NUM_CONSUMERS (1 or 2) * 64 keys of one (batch, kv head) and loops over every query block (of HEADS
+query heads of its GQA group) that can see them. With HEADS < GROUP (FA3's way with GQA) the group's CTAs for the
+same keys add their dK and dV into float32 accumulators (TMA reduce-adds; not bit-reproducible), so the CTAs in
+flight read fewer heads' Q and dO; with HEADS = GROUP dK and dV stay in registers over the whole group and are
+stored once. Partitions (`gl.warp_specialize`):
 - producer (1 warp): TMA-loads the CTA's K and V tiles once, then Q_i and dO_i of each query block into a
   NUM_STAGES-deep ring, and with them (cp.async, as the rows of odd seqlen_q break TMA's 16-byte strides) the
   block's LSE and delta, which the consumers would otherwise wait on from global memory (`ready` says a slot is
@@ -217,19 +220,62 @@ def _query_range(start_n, seqlen_q, seqlen_k, window_left, window_right, QUERY_S
 
 
 @gluon.jit
-def _step(it, lo, n_m, off_hk, GROUP: gl.constexpr, LOCKSTEP: gl.constexpr, BLOCK_M: gl.constexpr):
-    """Step `it` of a CTA's GROUP * n_m query blocks: (query head, first row). Head after head from `lo` on, or
-    with LOCKSTEP the last block first, every head of the group at each block (`kernels.fa3.BackwardConfig`)."""
+def _cta_heads(pair, n_heads, GROUP: gl.constexpr, HEADS: gl.constexpr):
+    """(batch, first query head, kv head) of the CTA's `pair` index: the batch's n_heads / HEADS runs of HEADS
+    query heads, GROUP of which share a kv head."""
+    n_runs = n_heads // HEADS
+    first_head = (pair % n_runs) * HEADS
+    return pair // n_runs, first_head, first_head // GROUP
+
+
+@gluon.jit
+def _step(it, lo, n_m, first_head, HEADS: gl.constexpr, LOCKSTEP: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Step `it` of a CTA's HEADS * n_m query blocks: (query head, first row). Head after head from `lo` on, or
+    with LOCKSTEP the last block first, every one of its heads at each block (`kernels.fa3.BackwardConfig`)."""
     if LOCKSTEP:
-        return off_hk * GROUP + it % GROUP, lo + (n_m - 1 - it // GROUP) * BLOCK_M
-    return off_hk * GROUP + it // n_m, lo + (it % n_m) * BLOCK_M
+        return first_head + it % HEADS, lo + (n_m - 1 - it // HEADS) * BLOCK_M
+    return first_head + it // n_m, lo + (it % n_m) * BLOCK_M
+
+
+@gluon.jit
+def _column_halves(x):
+    """An (M, N) register tensor as its columns [0, N/2) and [N/2, N): in the wgmma accumulator layout a thread
+    holds both halves of its rows, so no data moves (`fa3_hopper._halve_columns`)."""
+    M: gl.constexpr = x.shape[0]
+    N: gl.constexpr = x.shape[1]
+    return gl.split(gl.permute(gl.reshape(x, [M, 2, N // 2]), (0, 2, 1)))
+
+
+@gluon.jit
+def _kv_reduce(x, tile, desc, off_b, off_hk, row, CHUNK: gl.constexpr):
+    """A (64, HEAD_DIM) float32 partial dK or dV into its accumulator, CHUNK columns (1 or 2 chunks) at a time
+    through this warpgroup's float32 staging tile (the dQ one, free once the loop is done) and TMA reduce-adds."""
+    HEAD_DIM: gl.constexpr = x.shape[1]
+    gl.static_assert((HEAD_DIM == CHUNK) | (HEAD_DIM == 2 * CHUNK), "dK/dV reduce-adds take 1 or 2 chunks")
+    if HEAD_DIM == CHUNK:
+        tma.store_wait(0)
+        tile.store(x)
+        fence_async_shared()
+        tma_reduce_add(desc, [off_b, off_hk, row, 0], as_4d(tile, desc))
+    else:
+        left, right = _column_halves(x)
+        tma.store_wait(0)
+        tile.store(left)
+        fence_async_shared()
+        tma_reduce_add(desc, [off_b, off_hk, row, 0], as_4d(tile, desc))
+        tma.store_wait(0)
+        tile.store(right)
+        fence_async_shared()
+        tma_reduce_add(desc, [off_b, off_hk, row, CHUNK], as_4d(tile, desc))
+    tma.store_wait(0)
 
 
 @gluon.jit
 def _consumer(keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, window_left, window_right,
               KEY_START, KEY_LIMIT, QUERY_START, QUERY_LIMIT, BLOCK_ORDER, SECTION_HEADS, qk_scale, softcap_in,
               softmax_scale, CID: gl.constexpr,
-              NUM_CONSUMERS: gl.constexpr, GROUP: gl.constexpr, LEFT: gl.constexpr, RIGHT: gl.constexpr,
+              NUM_CONSUMERS: gl.constexpr, GROUP: gl.constexpr, HEADS: gl.constexpr, LEFT: gl.constexpr,
+              RIGHT: gl.constexpr,
               DOCS: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
               SPLIT_DQ: gl.constexpr, SEPARATE_DQ: gl.constexpr, LOCKSTEP: gl.constexpr):
     """Consumer warpgroup CID: keys [start_n + 64 * CID, + 64) of the CTA's key block.
@@ -252,11 +298,9 @@ def _consumer(keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
 
-    block, bhk = _cta_block(seqlen_k, SECTION_HEADS, BLOCK_ORDER, DOCS, BLOCK_N)
+    block, pair = _cta_block(seqlen_k, SECTION_HEADS, BLOCK_ORDER, DOCS, BLOCK_N)
     start_n = block * BLOCK_N
-    n_kv_heads = n_heads // GROUP
-    off_b = bhk // n_kv_heads
-    off_hk = bhk % n_kv_heads
+    off_b, first_head, off_hk = _cta_heads(pair, n_heads, GROUP, HEADS)
     lo, m_free, m_free_hi, n_m = _query_range(start_n, seqlen_q, seqlen_k, window_left, window_right, QUERY_START,
                                               QUERY_LIMIT, LEFT, RIGHT, DOCS, BLOCK_M, BLOCK_N)
     # K is one (BLOCK_N, HEAD_DIM) tile: wider-than-swizzle tiles are stored in column panels, so two stacked
@@ -276,9 +320,9 @@ def _consumer(keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q
     DQ_ROW: gl.constexpr = CID * DQ_M if SPLIT_DQ == "rows" else 0
     dq_col = CID * DQ_N if SPLIT_DQ == "cols" else 0
     mbarrier.wait(keys_smem.loaded, 0)
-    for it in range(GROUP * n_m):
+    for it in range(HEADS * n_m):
         slot = ring.slot(it)
-        off_h, start_m = _step(it, lo, n_m, off_hk, GROUP, LOCKSTEP, BLOCK_M)
+        off_h, start_m = _step(it, lo, n_m, first_head, HEADS, LOCKSTEP, BLOCK_M)
         q_tile = ring.q.index(slot)
         do_tile = ring.do.index(slot)
         mbarrier.wait(ring.ready.index(slot), ring.phase(it))
@@ -340,33 +384,35 @@ def _consumer(keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q
             mbarrier.arrive(dsb.free.index(buf))
             mbarrier.arrive(ring.empty.index(slot))  # every GEMM that reads Q_i and dO_i is done
             _dq_reduce(dq, dq_tile, dq_desc, off_b, off_h, start_m + DQ_ROW, dq_col)
-    # This warpgroup's V tile is no longer read (K is: the other warpgroup's dQ GEMM may still run under
-    # a split dQ): it stages dV, then dK, for the TMA stores.
     row_k = start_n + CID * BLOCK_KEYS
-    v_tile.store(dv.to(dtype))
-    fence_async_shared()
-    tma_store(dv_desc, [off_b, off_hk, row_k, 0], as_4d(v_tile, dv_desc))
-    tma.store_wait(0)
-    v_tile.store((dk * softmax_scale).to(dtype))
-    fence_async_shared()
-    tma_store(dk_desc, [off_b, off_hk, row_k, 0], as_4d(v_tile, dk_desc))
-    tma.store_wait(0)
+    if HEADS < GROUP:  # the group's other CTAs add theirs to the same keys' float32 accumulators
+        _kv_reduce(dv, dq_tile, dv_desc, off_b, off_hk, row_k, DQ_N)
+        _kv_reduce(dk * softmax_scale, dq_tile, dk_desc, off_b, off_hk, row_k, DQ_N)
+    else:
+        # This warpgroup's V tile is no longer read (K is: the other warpgroup's dQ GEMM may still run under
+        # a split dQ): it stages dV, then dK, for the TMA stores.
+        v_tile.store(dv.to(dtype))
+        fence_async_shared()
+        tma_store(dv_desc, [off_b, off_hk, row_k, 0], as_4d(v_tile, dv_desc))
+        tma.store_wait(0)
+        v_tile.store((dk * softmax_scale).to(dtype))
+        fence_async_shared()
+        tma_store(dk_desc, [off_b, off_hk, row_k, 0], as_4d(v_tile, dk_desc))
+        tma.store_wait(0)
 
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, do_desc, keys_smem, ring, LSE, DELTA, n_heads, seqlen_q, seqlen_k, window_left,
               window_right, QUERY_START, QUERY_LIMIT, BLOCK_ORDER, SECTION_HEADS, NUM_CONSUMERS: gl.constexpr,
-              GROUP: gl.constexpr,
+              GROUP: gl.constexpr, HEADS: gl.constexpr,
               LEFT: gl.constexpr, RIGHT: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
               LOCKSTEP: gl.constexpr):
     """The loading warp: the CTA's K and V once, then Q_i and dO_i (TMA) and LSE_i and delta_i (cp.async) of every
     query block into the ring."""
     BLOCK_N: gl.constexpr = NUM_CONSUMERS * BLOCK_KEYS
-    block, bhk = _cta_block(seqlen_k, SECTION_HEADS, BLOCK_ORDER, DOCS, BLOCK_N)
+    block, pair = _cta_block(seqlen_k, SECTION_HEADS, BLOCK_ORDER, DOCS, BLOCK_N)
     start_n = block * BLOCK_N
-    n_kv_heads = n_heads // GROUP
-    off_b = bhk // n_kv_heads
-    off_hk = bhk % n_kv_heads
+    off_b, first_head, off_hk = _cta_heads(pair, n_heads, GROUP, HEADS)
     kv_bar = keys_smem.loaded
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + NUM_CONSUMERS * v_desc.block_type.nbytes)
     tma_load(k_desc, [off_b, off_hk, start_n, 0], kv_bar, as_4d(keys_smem.k, k_desc))
@@ -375,9 +421,9 @@ def _producer(q_desc, k_desc, v_desc, do_desc, keys_smem, ring, LSE, DELTA, n_he
         tma_load(v_desc, [off_b, off_hk, row, 0], kv_bar, as_4d(keys_smem.v.index(c), v_desc))
     lo, _, _, n_m = _query_range(start_n, seqlen_q, seqlen_k, window_left, window_right, QUERY_START, QUERY_LIMIT,
                                  LEFT, RIGHT, DOCS, BLOCK_M, BLOCK_N)
-    for it in range(GROUP * n_m):
+    for it in range(HEADS * n_m):
         slot = ring.slot(it)
-        off_h, start_m = _step(it, lo, n_m, off_hk, GROUP, LOCKSTEP, BLOCK_M)
+        off_h, start_m = _step(it, lo, n_m, first_head, HEADS, LOCKSTEP, BLOCK_M)
         ready = ring.ready.index(slot)
         mbarrier.wait(ring.empty.index(slot), ring.phase(it) ^ 1)  # a fresh barrier passes phase 1
         mbarrier.expect(ready, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
@@ -390,15 +436,17 @@ def _producer(q_desc, k_desc, v_desc, do_desc, keys_smem, ring, LSE, DELTA, n_he
 def fa3_bwd_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA,
     n_heads, seqlen_q, seqlen_k, window_left, window_right, KEY_START, KEY_LIMIT, QUERY_START, QUERY_LIMIT,
-    BLOCK_ORDER, SECTION_HEADS, qk_scale, softcap_in, softmax_scale, GROUP: gl.constexpr, LEFT: gl.constexpr,
-    RIGHT: gl.constexpr,
+    BLOCK_ORDER, SECTION_HEADS, qk_scale, softcap_in, softmax_scale, GROUP: gl.constexpr, HEADS: gl.constexpr,
+    LEFT: gl.constexpr, RIGHT: gl.constexpr,
     DOCS: gl.constexpr, SOFTCAP: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT_DQ: gl.constexpr, SEPARATE_DQ: gl.constexpr,
     LOCKSTEP: gl.constexpr,
     Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr, DS_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr,
 ):
-    """Grid (cdiv(seqlen_k, NUM_CONSUMERS * 64) * batch * n_kv_heads,), in sections of SECTION_HEADS (batch, kv
-    head) pairs (`_cta_block`): see the module docstring. LSE, DELTA:
+    """Grid (cdiv(seqlen_k, NUM_CONSUMERS * 64) * batch * n_heads / HEADS,), in sections of SECTION_HEADS (batch,
+    HEADS query heads) pairs (`_cta_block`): see the module docstring. HEADS = GROUP: dk_desc and dv_desc are over
+    dK and dV (the inputs' dtype, boxes of 64 keys); HEADS < GROUP: over zeroed float32 accumulators (batch,
+    n_kv_heads, seqlen_k, head_dim) with the dQ boxes' (64, columns), to which the group's CTAs reduce-add. LSE, DELTA:
     float32 (batch, n_heads, seqlen_q); dq_desc: over the zeroed float32 (batch, n_heads, seqlen_q, head_dim) dQ
     accumulator padded to whole BLOCK_M-row blocks (any strides TMA takes: the host keeps it in q's memory order),
     with the (1, 1, rows, columns) boxes of one warpgroup's share of dQ_i (SPLIT_DQ); with SEPARATE_DQ never
@@ -439,11 +487,12 @@ def fa3_bwd_kernel(
             [
             (_consumer, (keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, window_left,
                          window_right, KEY_START, KEY_LIMIT, QUERY_START, QUERY_LIMIT, BLOCK_ORDER, SECTION_HEADS,
-                         qk_scale, softcap_in, softmax_scale, 0, NUM_CONSUMERS, GROUP, LEFT, RIGHT, DOCS, SOFTCAP,
+                         qk_scale, softcap_in, softmax_scale, 0, NUM_CONSUMERS, GROUP, HEADS, LEFT, RIGHT, DOCS,
+                         SOFTCAP,
                          BLOCK_M, HEAD_DIM, SPLIT_DQ, SEPARATE_DQ, LOCKSTEP)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, keys_smem, ring, LSE, DELTA, n_heads, seqlen_q, seqlen_k,
                          window_left, window_right, QUERY_START, QUERY_LIMIT, BLOCK_ORDER, SECTION_HEADS,
-                         NUM_CONSUMERS, GROUP, LEFT, RIGHT, DOCS, BLOCK_M, LOCKSTEP)),
+                         NUM_CONSUMERS, GROUP, HEADS, LEFT, RIGHT, DOCS, BLOCK_M, LOCKSTEP)),
             ],
             [1],
             [24],
@@ -453,15 +502,17 @@ def fa3_bwd_kernel(
             [
             (_consumer, (keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, window_left,
                          window_right, KEY_START, KEY_LIMIT, QUERY_START, QUERY_LIMIT, BLOCK_ORDER, SECTION_HEADS,
-                         qk_scale, softcap_in, softmax_scale, 0, NUM_CONSUMERS, GROUP, LEFT, RIGHT, DOCS, SOFTCAP,
+                         qk_scale, softcap_in, softmax_scale, 0, NUM_CONSUMERS, GROUP, HEADS, LEFT, RIGHT, DOCS,
+                         SOFTCAP,
                          BLOCK_M, HEAD_DIM, SPLIT_DQ, SEPARATE_DQ, LOCKSTEP)),
             (_consumer, (keys_smem, ring, dsb, dk_desc, dv_desc, dq_desc, n_heads, seqlen_q, seqlen_k, window_left,
                          window_right, KEY_START, KEY_LIMIT, QUERY_START, QUERY_LIMIT, BLOCK_ORDER, SECTION_HEADS,
-                         qk_scale, softcap_in, softmax_scale, 1, NUM_CONSUMERS, GROUP, LEFT, RIGHT, DOCS, SOFTCAP,
+                         qk_scale, softcap_in, softmax_scale, 1, NUM_CONSUMERS, GROUP, HEADS, LEFT, RIGHT, DOCS,
+                         SOFTCAP,
                          BLOCK_M, HEAD_DIM, SPLIT_DQ, SEPARATE_DQ, LOCKSTEP)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, keys_smem, ring, LSE, DELTA, n_heads, seqlen_q, seqlen_k,
                          window_left, window_right, QUERY_START, QUERY_LIMIT, BLOCK_ORDER, SECTION_HEADS,
-                         NUM_CONSUMERS, GROUP, LEFT, RIGHT, DOCS, BLOCK_M, LOCKSTEP)),
+                         NUM_CONSUMERS, GROUP, HEADS, LEFT, RIGHT, DOCS, BLOCK_M, LOCKSTEP)),
             ],
             [4, 1],
             [240, 24],

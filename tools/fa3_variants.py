@@ -4,11 +4,12 @@
     python -m tools.fa3_variants --backward --variants 2:cols,1:cols --head-dims 128 --seqlens 2048,8192
 
 Backward: a variant is the first fields of
-NUM_STAGES:SPLIT_DQ:BLOCK_M:SECTION_HEADS:NUM_CONSUMERS:MAXNREG:SEPARATE_DQ:LOCKSTEP
+NUM_STAGES:SPLIT_DQ:BLOCK_M:SECTION_HEADS:NUM_CONSUMERS:MAXNREG:SEPARATE_DQ:LOCKSTEP:HEADS_PER_CTA
 (a `kernels.fa3.BackwardConfig`, the fields left out as in `BACKWARD_CONFIGS[head_dim]`; SPLIT_DQ is cols or rows;
 SECTION_HEADS the launch order, 0 for a wave's worth; NUM_CONSUMERS 1 or 2; MAXNREG registers a thread, 0 for
 Triton's choice; SEPARATE_DQ 1 for FA2's dQ kernel after the Gluon one; LOCKSTEP 1 for the query blocks last to
-first, the group's heads inner); each is checked against float32 gradients
+first, the group's heads inner; HEADS_PER_CTA the GQA group's query heads a CTA takes, 0 for all of them); each is
+checked against float32 gradients
 (dq, dk, dv by relative error) on the shapes below, then backward medians of the Gluon kernel are printed next to
 FA2's backward and cuDNN's on the same inputs (forward excluded).
 Forward: a variant is NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT[:LATE_K_RELEASE] (a
@@ -168,13 +169,13 @@ def _ints(variant, fields):
 
 
 def backward_config(variant, default=fa3.BackwardConfig(2, "cols", 64)):
-    """The first fields of 'NUM_STAGES:SPLIT_DQ:BLOCK_M:SECTION_HEADS:NUM_CONSUMERS:MAXNREG:SEPARATE_DQ:LOCKSTEP'
-    -> a `kernels.fa3.BackwardConfig`, the fields left out taken from `default`; SPLIT_DQ is cols or rows, BLOCK_M
-    64 or 128, SECTION_HEADS 0 or more, NUM_CONSUMERS 1 or 2, MAXNREG 0 (Triton's choice) or registers a thread,
-    SEPARATE_DQ and LOCKSTEP 0 or 1."""
+    """The first fields of 'NUM_STAGES:SPLIT_DQ:BLOCK_M:SECTION_HEADS:NUM_CONSUMERS:MAXNREG:SEPARATE_DQ:LOCKSTEP:
+    HEADS_PER_CTA' -> a `kernels.fa3.BackwardConfig`, the fields left out taken from `default`; SPLIT_DQ is cols or
+    rows, BLOCK_M 64 or 128, SECTION_HEADS 0 or more, NUM_CONSUMERS 1 or 2, MAXNREG 0 (Triton's choice) or
+    registers a thread, SEPARATE_DQ and LOCKSTEP 0 or 1, HEADS_PER_CTA 0 (the whole group) or more."""
     fields = variant.split(":")
-    if not 1 <= len(fields) <= 8:
-        raise SystemExit(f"backward variant {variant}: give 1 to 8 fields (see --help)")
+    if not 1 <= len(fields) <= 9:
+        raise SystemExit(f"backward variant {variant}: give 1 to 9 fields (see --help)")
     if len(fields) >= 2 and fields[1] not in ("cols", "rows"):
         raise SystemExit(f"backward variant {variant}: SPLIT_DQ {fields[1]!r}; accepted cols, rows")
     if len(fields) >= 3 and fields[2] not in ("64", "128"):
@@ -185,9 +186,11 @@ def backward_config(variant, default=fa3.BackwardConfig(2, "cols", 64)):
         raise SystemExit(f"backward variant {variant}: NUM_CONSUMERS {fields[4]}; accepted 1, 2")
     if len(fields) >= 6 and not fields[5].isdigit():
         raise SystemExit(f"backward variant {variant}: MAXNREG {fields[5]}; give 0 or more")
-    for name, field in zip(("SEPARATE_DQ", "LOCKSTEP"), fields[6:]):
+    for name, field in zip(("SEPARATE_DQ", "LOCKSTEP"), fields[6:8]):
         if field not in ("0", "1"):
             raise SystemExit(f"backward variant {variant}: {name} {field}; accepted 0, 1")
+    if len(fields) >= 9 and not fields[8].isdigit():
+        raise SystemExit(f"backward variant {variant}: HEADS_PER_CTA {fields[8]}; give 0 or more")
     try:
         num_stages = int(fields[0])
     except ValueError:
@@ -195,20 +198,24 @@ def backward_config(variant, default=fa3.BackwardConfig(2, "cols", 64)):
     if num_stages < 1:
         raise SystemExit(f"backward variant {variant}: NUM_STAGES {num_stages}; give 1 or more")
     return default._replace(num_stages=num_stages, **dict(zip(
-        ("split_dq", "block_m", "section_heads", "num_consumers", "maxnreg", "separate_dq", "lockstep"),
-        (*fields[1:2], *(int(x) for x in fields[2:6]), *(bool(int(x)) for x in fields[6:])))))
+        ("split_dq", "block_m", "section_heads", "num_consumers", "maxnreg", "separate_dq", "lockstep",
+         "heads_per_cta"),
+        (*fields[1:2], *(int(x) for x in fields[2:6]), *(bool(int(x)) for x in fields[6:8]),
+         *(int(x) for x in fields[8:])))))
 
 
-def check_backward_configs(variants, head_dims):
-    """SystemExit naming a backward variant the Gluon kernel cannot run at one of head_dims
-    (`BackwardConfig.dq_box`'s rules), before any GPU is looked for."""
+def check_backward_configs(variants, head_dims, groups=(1,)):
+    """SystemExit naming a backward variant the Gluon kernel cannot run at one of head_dims and GQA group sizes
+    (`BackwardConfig.dq_box`'s and `reduces_kv`'s rules), before any GPU is looked for."""
     for head_dim in head_dims:
         if head_dim not in fa3.BACKWARD_CONFIGS:
             raise SystemExit(f"--head-dims {head_dim}: the Gluon backward takes "
                              f"{', '.join(map(str, fa3.BACKWARD_HEAD_DIMS))}")
         for variant in variants:
             try:
-                backward_config(variant, fa3.BACKWARD_CONFIGS[head_dim]).dq_box(head_dim)
+                config = backward_config(variant, fa3.BACKWARD_CONFIGS[head_dim])
+                for group in groups:
+                    config.reduces_kv(fa3.kernel_head_dim(head_dim), group)
             except ValueError as e:
                 raise SystemExit(f"backward variant {variant} at head_dim {head_dim}: {e}") from None
 
@@ -227,7 +234,7 @@ def main(argv=None):
     parser.add_argument("--variants", default=None,
                         help="comma-separated NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT[:LATE_K_RELEASE] "
                              f"(default {FORWARD_DEFAULT}); with --backward "
-                             f"NUM_STAGES[:SPLIT_DQ:...:LOCKSTEP] (default {BACKWARD_DEFAULT}; see above)")
+                             f"NUM_STAGES[:SPLIT_DQ:...:HEADS_PER_CTA] (default {BACKWARD_DEFAULT}; see above)")
     parser.add_argument("--head-dims", default="64,128", help="comma-separated head dimensions D")
     parser.add_argument("--seqlens", default="2048,8192", help="comma-separated sequence lengths N")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"], help="input dtype")
@@ -238,12 +245,14 @@ def main(argv=None):
     # Checked before the GPU is looked for, so a typo is caught on any machine.
     args.variants = parse_variants(args.variants or (BACKWARD_DEFAULT if args.backward else FORWARD_DEFAULT),
                                    backward_config if args.backward else forward_config)
-    if args.backward:
-        check_backward_configs(args.variants, map(int, args.head_dims.split(",")))
     for head_dim in map(int, args.head_dims.split(",")):
         if args.group < 1 or (WIDTH // head_dim) % args.group:
             raise SystemExit(f"--group {args.group}: give a divisor of the {WIDTH // head_dim} heads at head_dim "
                              f"{head_dim}")
+    if args.backward:
+        # the timed group and the checked shapes' (`CHECKS`)
+        groups = {args.group} | {n_heads // n_kv for _, n_heads, n_kv, *_ in CHECKS}
+        check_backward_configs(args.variants, map(int, args.head_dims.split(",")), sorted(groups))
     if not torch.cuda.is_available():
         raise SystemExit("tools.fa3_variants needs a CUDA GPU (an sm_90 one for the Gluon kernels)")
     from triton.testing import do_bench

@@ -459,6 +459,31 @@ def test_gluon_forward_256_window_and_softcap_match_float64(fresh_dispatch, head
 
 
 @gluon_on_hopper
+@pytest.mark.parametrize("head_dim,causal,n_heads,n_kv_heads,seqlen_q,seqlen_k,heads_per_cta", [
+    (64, True, 8, 2, 200, 455, 1), (64, False, 8, 2, 455, 200, 2), (128, True, 8, 1, 333, 333, 1),
+    (128, False, 4, 2, 517, 130, 1), (96, True, 8, 2, 200, 455, 2), (128, True, 8, 1, 1000, 1000, 4),
+])
+def test_gluon_backward_heads_per_cta_match_float64(fresh_dispatch, monkeypatch, head_dim, causal, n_heads,
+                                                    n_kv_heads, seqlen_q, seqlen_k, heads_per_cta):
+    """A GQA group's query heads over several CTAs (`BackwardConfig.heads_per_cta`): their dK and dV reduce-added
+    into float32 accumulators (NaN-poisoned when made, so they must be zeroed) match float64, partial key blocks
+    and head_dim 96's clipped columns included."""
+    _poisoned_outputs(monkeypatch)
+    q, do = (torch.randn(2, n_heads, seqlen_q, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(2, n_kv_heads, seqlen_k, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    _, grads_ref = _reference_grads(q, k, v, do, causal)
+    scale = head_dim ** -0.5  # the reference's
+    o, lse = fa3.run_forward(q, k, v, causal, scale, fa3.FORWARD_CONFIGS[head_dim, causal])
+    out = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+    config = fa3.BACKWARD_CONFIGS[head_dim]._replace(heads_per_cta=heads_per_cta)
+    assert config.reduces_kv(fa3.kernel_head_dim(head_dim), n_heads // n_kv_heads)
+    grads = fa3.run_backward(do, q, k, v, o, lse, causal, scale, config, out)
+    for grad, buffer, ref in zip(grads, out, grads_ref):
+        err = ((grad.double() - ref).norm() / ref.norm()).item()
+        assert grad is buffer and torch.isfinite(grad).all() and err < 1e-2, err
+
+
+@gluon_on_hopper
 @pytest.mark.parametrize("section_heads", [1, 2, 4, 0, 9, 20])
 def test_gluon_backward_launch_orders_cover_every_key_block(fresh_dispatch, section_heads):
     """Every launch order of the backward's CTAs (sections of `section_heads` (batch, kv head) pairs, key-major
@@ -658,6 +683,35 @@ def test_backward_configs_are_checked(config, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         config.dq_box(64)
     assert fa3.BACKWARD_CONFIGS[64].dq_box(64) == (64, 64) and fa3.BACKWARD_CONFIGS[128].dq_box(128) == (64, 64)
+
+
+@pytest.mark.parametrize("config,head_dim,group,message", [
+    (fa3.BackwardConfig(2, "cols", 64, heads_per_cta=3), 128, 8, "heads_per_cta=3 at 8 query heads a kv head"),
+    (fa3.BackwardConfig(2, "cols", 64, heads_per_cta=-1), 128, 1, "heads_per_cta=-1 at 1 query heads"),
+    (fa3.BackwardConfig(2, "cols", 128, heads_per_cta=1), 128, 4, "needs a dQ box of 64 rows"),
+])
+def test_heads_per_cta_is_checked(config, head_dim, group, message):
+    """heads_per_cta must divide the GQA group, and a split group needs a dQ box that can stage dK and dV."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        config.reduces_kv(head_dim, group)
+
+
+@pytest.mark.parametrize("heads_per_cta,group,heads,reduces", [
+    (0, 1, 1, False), (0, 8, 8, False), (1, 1, 1, False), (1, 8, 1, True), (2, 8, 2, True), (4, 4, 4, False),
+    (16, 4, 4, False), (2, 6, 2, True),
+])
+def test_heads_per_cta_of_a_group(heads_per_cta, group, heads, reduces):
+    """The query heads a CTA takes: heads_per_cta, at most the group (0: the group); only a split group reduces."""
+    config = fa3.BackwardConfig(2, "cols", 64, heads_per_cta=heads_per_cta)
+    assert config.cta_heads(group) == heads and config.reduces_kv(128, group) == reduces
+
+
+def test_a_split_group_is_not_reproducible():
+    """Under deterministic algorithms a config whose group's CTAs reduce-add dK and dV sends the backward to FA2,
+    as one with dQ reduce-adds does; a separate-dQ config with whole groups stays on the Gluon kernel."""
+    split = fa3.DETERMINISTIC_WINDOW_BACKWARD_CONFIGS[128]._replace(heads_per_cta=1)
+    assert fa3._reproducible(fa3.DETERMINISTIC_WINDOW_BACKWARD_CONFIGS[128]) and not fa3._reproducible(split)
+    assert not any(fa3._reproducible(c) for c in fa3.BACKWARD_CONFIGS.values())
 
 
 def test_bwd_preprocess_refuses_a_wrong_dq_accumulator():
@@ -890,6 +944,23 @@ def test_short_and_packed_backward_configs_compile_for_sm90_at_two_ctas_an_sm():
     for shared, wgmma, reduce, maxnreg, threads, separate_dq in rows:  # 256 threads x 128 registers: half an SM's
         assert (wgmma, maxnreg, threads) == ("True", "True", "True") and reduce != separate_dq
         assert 2 * int(shared) <= fa3.SM90_SHARED_MEMORY
+
+
+@pytest.mark.skipif(not SUPPORTED, reason=f"triton {fa3.triton_version()} is not a release the Gluon kernels support")
+def test_split_group_backward_compiles_for_sm90():
+    """heads_per_cta below the group compiles for sm_90 at head_dim 64 (per consumer one 64-column reduce-add each
+    for dK and dV) and 128 (two each: the accumulator's column halves), with the same shared memory as a whole
+    group's."""
+    code = ("import torch; from kernels import fa3\n"
+            "for d, extra in ((64, 4), (128, 8)):\n"
+            "    for heads in (0, 1):\n"
+            "        c = fa3.BACKWARD_CONFIGS[d]._replace(heads_per_cta=heads)\n"
+            "        k = fa3.compile_for_sm90(torch.bfloat16, d, True, 4, 'bwd', c)\n"
+            "        print(d, heads, extra, k.metadata.shared, k.asm['ptx'].count('cp.reduce.async.bulk.tensor'))")
+    rows = compile_in_fresh_process(code, timeout=900)
+    assert len(rows) == 4
+    for whole, split in zip(rows[::2], rows[1::2]):
+        assert whole[3] == split[3] and int(split[4]) == int(whole[4]) + int(split[2])
 
 
 @pytest.mark.skipif(not SUPPORTED, reason=f"triton {fa3.triton_version()} is not a release the Gluon kernels support")

@@ -31,14 +31,22 @@ def test_fa3_backward_variant_fields_default_to_the_head_dims_config():
         2, "rows", 64, 0, 1, 0, True)
     assert backward_config("2:cols:64:0:2:0:0:1", BackwardConfig(4, "cols", 64)) == BackwardConfig(
         2, "cols", 64, 0, 2, 0, False, True)
+    assert backward_config("2:cols:64:0:2:0:0:0:2", BackwardConfig(4, "cols", 64, heads_per_cta=4)) == BackwardConfig(
+        2, "cols", 64, 0, 2, 0, False, False, 2)
+    assert backward_config("3", BackwardConfig(2, "cols", 64, heads_per_cta=2)).heads_per_cta == 2
 
 
 @pytest.mark.parametrize("argv,message", [
     (["--variants", "foo"], "variant 'foo': give colon-separated integers"),
     (["--variants", "2:128:2"], "variant 2:128:2: give 5 or 6 fields"),
     (["--variants", "2:128:2:1:1:0:1"], "variant 2:128:2:1:1:0:1: give 5 or 6 fields"),
-    (["--backward", "--variants", "2:rows:128:1:2:0:1:0:1"],
-     "backward variant 2:rows:128:1:2:0:1:0:1: give 1 to 8 fields"),
+    (["--backward", "--variants", "2:rows:128:1:2:0:1:0:1:0"],
+     "backward variant 2:rows:128:1:2:0:1:0:1:0: give 1 to 9 fields"),
+    (["--backward", "--variants", "2:cols:64:0:2:0:0:0:x"], "HEADS_PER_CTA x; give 0 or more"),
+    (["--backward", "--variants", "2:cols:64:0:2:0:0:0:3", "--group", "8", "--head-dims", "128"],
+     "heads_per_cta=3 at .* query heads a kv head; accepted 0"),
+    (["--backward", "--variants", "2:cols:128:0:2:0:0:0:1", "--group", "8", "--head-dims", "128"],
+     "heads_per_cta=1 needs a dQ box of 64 rows"),
     (["--backward", "--variants", "2:cols:64:0:2:0:0:2"], "LOCKSTEP 2; accepted 0, 1"),
     (["--backward", "--variants", "2:rows:128:1:3"], "NUM_CONSUMERS 3; accepted 1, 2"),
     (["--backward", "--variants", "2:rows:64:0:1:128:2"], "SEPARATE_DQ 2; accepted 0, 1"),
