@@ -115,6 +115,15 @@ class BackwardConfig(NamedTuple):
                              f"({rows}, {cols})")
         return True
 
+    def constexprs(self, head_dim: int, group: int) -> dict:
+        """The backward kernel's tile constexprs and layouts at kernel head_dim `head_dim` (`kernel_head_dim`) and
+        GQA group size `group`, for `run_backward` and `compile_for_sm90` alike; ValueError for a config the kernel
+        cannot run there (`dq_box`, `reduces_kv`)."""
+        self.reduces_kv(head_dim, group)
+        return dict(GROUP=group, HEADS=self.cta_heads(group), NUM_CONSUMERS=self.num_consumers, HEAD_DIM=head_dim,
+                    BLOCK_M=self.block_m, NUM_STAGES=self.num_stages, SPLIT_DQ=self.split_dq,
+                    SEPARATE_DQ=self.separate_dq, LOCKSTEP=self.lockstep)
+
     @property
     def block_n(self) -> int:
         """Keys per CTA."""
@@ -709,10 +718,9 @@ def run_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, config
     dq_rows, dq_cols = config.dq_box(tile_dim)  # checks the config
     kernel, tensor_descriptor = gluon_kernels().backward, gluon_kernels().descriptor
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    num_stages, split_dq, block_m, section_heads, num_consumers, maxnreg, separate_dq, lockstep, _ = config
-    group = n_heads // n_kv_heads
-    heads = config.cta_heads(group)
-    reduce_kv = config.reduces_kv(tile_dim, group)
+    constexprs = config.constexprs(tile_dim, n_heads // n_kv_heads)
+    block_m, separate_dq = config.block_m, config.separate_dq
+    reduce_kv = constexprs["HEADS"] < constexprs["GROUP"]
     left, right = fa2.window_edges(causal, window_size, seqlen_q, seqlen_k)
     block_n = config.block_n
     docs = bounds is not None
@@ -744,12 +752,12 @@ def run_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, config
     q_box, k_box, v_box, _, dq_box = _bwd_layouts(q.dtype, tile_dim, block_m, block_n, (dq_rows, dq_cols), rank=4)
     desc = lambda t, rows, layout, cols=tile_dim: tensor_descriptor(t, (1, 1, rows, cols), layout)
     n_blocks = cdiv(seqlen_k, block_n)
-    grid = (n_blocks * batch * n_heads // heads,)
-    section_heads = section_heads or max(1, _sm_count(q.device) // n_blocks)
+    grid = (n_blocks * batch * n_heads // constexprs["HEADS"],)
+    section_heads = config.section_heads or max(1, _sm_count(q.device) // n_blocks)
     lse = lse.contiguous()
     key = (kernel, config, q.dtype, q.device, q.shape, k.shape, left, right, docs, softcap > 0,
            lse.data_ptr() % 16 == 0)
-    _run(kernel, key, grid, maxnreg=maxnreg,
+    _run(kernel, key, grid, maxnreg=config.maxnreg,
          q_desc=desc(q, block_m, q_box), k_desc=desc(k, block_n, k_box), v_desc=desc(v, 64, v_box),
          do_desc=desc(do, block_m, q_box),
          **(dict(dk_desc=desc(dk_acc, 64, dq_box, dq_cols), dv_desc=desc(dv_acc, 64, dq_box, dq_cols)) if reduce_kv
@@ -758,11 +766,8 @@ def run_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, config
          seqlen_k=seqlen_k, window_left=max(left, 0), window_right=max(right, 0),
          **dict(zip(("KEY_START", "KEY_LIMIT", "QUERY_START", "QUERY_LIMIT"), bounds)), BLOCK_ORDER=order,
          SECTION_HEADS=section_heads,
-         **_logits(softmax_scale, softcap), softmax_scale=softmax_scale, GROUP=group, HEADS=heads,
-         LEFT=left >= 0, RIGHT=right >= 0, DOCS=docs,
-         NUM_CONSUMERS=num_consumers, HEAD_DIM=tile_dim,
-         BLOCK_M=block_m, NUM_STAGES=num_stages, SPLIT_DQ=split_dq, SEPARATE_DQ=separate_dq, LOCKSTEP=lockstep,
-         Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, DQ_LAYOUT=dq_layout)
+         **_logits(softmax_scale, softcap), softmax_scale=softmax_scale, LEFT=left >= 0, RIGHT=right >= 0,
+         DOCS=docs, **constexprs, Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, DQ_LAYOUT=dq_layout)
     if separate_dq:
         fa2.backward_dq(do, q, k, v, lse, delta, dq, causal, softmax_scale, window_size, softcap,
                         cu_seqlens if docs else None, max_seqlen)
@@ -897,10 +902,10 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
                           Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout)
     else:
         config = config or BACKWARD_CONFIGS[head_dim]
-        num_stages, split_dq, block_m, _, num_consumers, maxnreg, separate_dq, lockstep, _ = config
+        tiles = config.constexprs(tile_dim, group)
+        block_m, block_n, maxnreg = config.block_m, config.block_n, config.maxnreg
         dq_rows, dq_cols = config.dq_box(tile_dim)
-        reduce_kv = config.reduces_kv(tile_dim, group)
-        block_n = config.block_n
+        reduce_kv = tiles["HEADS"] < group
         q_layout, kv_layout, _, ds_layout, dq_layout = _bwd_layouts(dtype, tile_dim, block_m, block_n,
                                                                     (dq_rows, dq_cols))
         q_box, k_box, v_box, _, dq_box = _bwd_layouts(dtype, tile_dim, block_m, block_n, (dq_rows, dq_cols), rank=4)
@@ -915,11 +920,8 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
                      qk_scale="fp32", softcap_in="fp32", softmax_scale="fp32")
         if docs:
             causal = window = True
-        constexprs = dict(GROUP=group, HEADS=config.cta_heads(group), LEFT=window, RIGHT=causal, DOCS=docs,
-                          SOFTCAP=softcap, NUM_CONSUMERS=num_consumers, HEAD_DIM=tile_dim,
-                          BLOCK_M=block_m, NUM_STAGES=num_stages, SPLIT_DQ=split_dq, SEPARATE_DQ=separate_dq,
-                          LOCKSTEP=lockstep, Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout,
-                          DQ_LAYOUT=dq_layout)
+        constexprs = dict(LEFT=window, RIGHT=causal, DOCS=docs, SOFTCAP=softcap, **tiles, Q_LAYOUT=q_layout,
+                          KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, DQ_LAYOUT=dq_layout)
     signature = {arg: "i32" for arg in fn.arg_names}
     signature.update(descs)
     signature.update({arg: "constexpr" for arg in constexprs})
