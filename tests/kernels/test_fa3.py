@@ -946,21 +946,31 @@ def test_short_and_packed_backward_configs_compile_for_sm90_at_two_ctas_an_sm():
         assert 2 * int(shared) <= fa3.SM90_SHARED_MEMORY
 
 
+def _compile_backward_variants(field, values, cases):
+    """The Gluon backward compiled for sm_90 (GQA group 4, in a fresh process) at each (head_dim, causal) of
+    `cases` with BACKWARD_CONFIGS[head_dim]'s `field` set to each of `values`: per case, per value, (shared memory
+    bytes, TMA reduce-adds in the PTX, the PTX's hash)."""
+    code = ("import hashlib, torch; from kernels import fa3\n"
+            f"for d, causal in {cases!r}:\n"
+            f"    for value in {values!r}:\n"
+            f"        c = fa3.BACKWARD_CONFIGS[d]._replace({field}=value)\n"
+            "        k = fa3.compile_for_sm90(torch.bfloat16, d, causal, 4, 'bwd', c); ptx = k.asm['ptx']\n"
+            "        print(k.metadata.shared, ptx.count('cp.reduce.async.bulk.tensor'),"
+            " hashlib.sha1(ptx.encode()).hexdigest())")
+    rows = compile_in_fresh_process(code, timeout=900)
+    assert len(rows) == len(cases) * len(values)
+    return [[(int(shared), int(reduces), digest) for shared, reduces, digest in rows[i:i + len(values)]]
+            for i in range(0, len(rows), len(values))]
+
+
 @pytest.mark.skipif(not SUPPORTED, reason=f"triton {fa3.triton_version()} is not a release the Gluon kernels support")
 def test_split_group_backward_compiles_for_sm90():
     """heads_per_cta below the group compiles for sm_90 at head_dim 64 (per consumer one 64-column reduce-add each
     for dK and dV) and 128 (two each: the accumulator's column halves), with the same shared memory as a whole
     group's."""
-    code = ("import torch; from kernels import fa3\n"
-            "for d, extra in ((64, 4), (128, 8)):\n"
-            "    for heads in (0, 1):\n"
-            "        c = fa3.BACKWARD_CONFIGS[d]._replace(heads_per_cta=heads)\n"
-            "        k = fa3.compile_for_sm90(torch.bfloat16, d, True, 4, 'bwd', c)\n"
-            "        print(d, heads, extra, k.metadata.shared, k.asm['ptx'].count('cp.reduce.async.bulk.tensor'))")
-    rows = compile_in_fresh_process(code, timeout=900)
-    assert len(rows) == 4
-    for whole, split in zip(rows[::2], rows[1::2]):
-        assert whole[3] == split[3] and int(split[4]) == int(whole[4]) + int(split[2])
+    for (whole, split), extra in zip(_compile_backward_variants("heads_per_cta", (0, 1), ((64, True), (128, True))),
+                                     (2 * 2, 2 * 4)):
+        assert whole[0] == split[0] and split[1] == whole[1] + extra
 
 
 @pytest.mark.skipif(not SUPPORTED, reason=f"triton {fa3.triton_version()} is not a release the Gluon kernels support")
@@ -968,20 +978,9 @@ def test_lockstep_backward_order_compiles_for_sm90():
     """BackwardConfig.lockstep (the query blocks last to first, the group's heads inner) compiles for sm_90 with
     GQA under a causal mask and without, at head_dim 64 and 128: the same shared memory and TMA reduce-adds as the
     head-after-head order, other code (the step's head and rows)."""
-    code = ("import hashlib, torch; from kernels import fa3\n"
-            "for d in (64, 128):\n"
-            "    for causal in (True, False):\n"
-            "        for lockstep in (False, True):\n"
-            "            c = fa3.BACKWARD_CONFIGS[d]._replace(lockstep=lockstep)\n"
-            "            k = fa3.compile_for_sm90(torch.bfloat16, d, causal, 4, 'bwd', c)\n"
-            "            ptx = k.asm['ptx']\n"
-            "            print(d, causal, lockstep, k.metadata.shared, 'cp.reduce.async.bulk' in ptx,"
-            " hashlib.sha1(ptx.encode()).hexdigest())")
-    rows = compile_in_fresh_process(code, timeout=900)
-    assert len(rows) == 8
-    for before, after in zip(rows[::2], rows[1::2]):
-        assert (before[2], after[2]) == ("False", "True")
-        assert before[3:5] == after[3:5] and after[4] == "True" and before[5] != after[5]
+    cases = ((64, True), (64, False), (128, True), (128, False))
+    for before, after in _compile_backward_variants("lockstep", (False, True), cases):
+        assert before[:2] == after[:2] and after[1] > 0 and before[2] != after[2]
 
 
 # ------------------------------------------------------------------------------------------ packed sequences
