@@ -88,19 +88,21 @@ class BackwardConfig(NamedTuple):
     # Off in every config: measured against the current order it gained at GQA 8 causal 2k only, not at 8k where
     # L2 reuse would have shown, and lost 3 % non-causal (docs/hopper-notes.md, "FA3 backward variant 17").
     lockstep: bool = False
-    # Query heads a CTA loops over, of its GQA group (a divisor of the group; 0 or the group: all of them, dK and dV
-    # stored once, bit-reproducible). Fewer (FA3's one): the group's CTAs for the same keys reduce-add their dK
-    # and dV into float32 accumulators, then cast, so the CTAs in flight read fewer heads' Q and dO. Needs a
-    # (64, head_dim or head_dim / 2) dQ box, whose float32 staging tile carries the reduce-adds.
+    # Query heads a CTA loops over, of its GQA group: at most this many, the largest divisor of the group that is
+    # (`cta_heads`: 2 at a group of 3 runs 1); 0, or the group or more: all of them, dK and dV stored once,
+    # bit-reproducible. Fewer (FA3's one): the group's CTAs for the same keys reduce-add their dK and dV into
+    # float32 accumulators, then cast, so the CTAs in flight read fewer heads' Q and dO. Needs a (64, head_dim or
+    # head_dim / 2) dQ box, whose float32 staging tile carries the reduce-adds.
     heads_per_cta: int = 0
 
     def cta_heads(self, group: int) -> int:
-        """The query heads one CTA takes at GQA group size `group` (1 without GQA); ValueError where
-        heads_per_cta does not divide it or the dQ box cannot carry the dK/dV reduce-adds."""
-        if self.heads_per_cta < 0 or (self.heads_per_cta and group % min(self.heads_per_cta, group)):
-            raise ValueError(f"BackwardConfig.heads_per_cta={self.heads_per_cta!r} at {group} query heads a kv "
-                             "head; accepted 0 (all of them) or a divisor of the group")
-        return min(self.heads_per_cta or group, group)
+        """The query heads one CTA takes at GQA group size `group` (1 without GQA): the largest divisor of the
+        group not above heads_per_cta, the whole group for 0. ValueError for a negative heads_per_cta."""
+        if self.heads_per_cta < 0:
+            raise ValueError(f"BackwardConfig.heads_per_cta={self.heads_per_cta!r}; accepted 0 (the whole GQA group) "
+                             "or more")
+        limit = self.heads_per_cta or group
+        return max(d for d in range(1, min(limit, group) + 1) if group % d == 0)
 
     def reduces_kv(self, head_dim: int, group: int) -> bool:
         """Whether the group's CTAs reduce-add dK and dV (`cta_heads` < group); ValueError for a config the kernel

@@ -8,8 +8,8 @@ NUM_STAGES:SPLIT_DQ:BLOCK_M:SECTION_HEADS:NUM_CONSUMERS:MAXNREG:SEPARATE_DQ:LOCK
 (a `kernels.fa3.BackwardConfig`, the fields left out as in `BACKWARD_CONFIGS[head_dim]`; SPLIT_DQ is cols or rows;
 SECTION_HEADS the launch order, 0 for a wave's worth; NUM_CONSUMERS 1 or 2; MAXNREG registers a thread, 0 for
 Triton's choice; SEPARATE_DQ 1 for FA2's dQ kernel after the Gluon one; LOCKSTEP 1 for the query blocks last to
-first, the group's heads inner; HEADS_PER_CTA the GQA group's query heads a CTA takes, 0 for all of them); each is
-checked against float32 gradients
+first, the group's heads inner; HEADS_PER_CTA the most query heads of a GQA group a CTA takes, the largest divisor
+of the group up to it, 0 for all of them); each is checked against float32 gradients
 (dq, dk, dv by relative error) on the shapes below, then backward medians of the Gluon kernel are printed next to
 FA2's backward and cuDNN's on the same inputs (forward excluded).
 Forward: a variant is NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT[:LATE_K_RELEASE] (a
@@ -157,8 +157,23 @@ def parse_variants(text, config):
     raises SystemExit naming a variant it cannot read."""
     variants = text.split(",")
     for variant in variants:
+        if not variant:
+            raise SystemExit(f"--variants {text!r}: an empty variant; give comma-separated variants (see --help)")
         config(variant)
     return variants
+
+
+def _positive_ints(option, text, accepted=None):
+    """'a,b' -> [a, b] for --head-dims / --seqlens: SystemExit naming `option` for anything but positive integers
+    (or, with `accepted`, one of those)."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 or (accepted and v not in accepted) for v in values):
+        wanted = f"one or more of {', '.join(map(str, accepted))}" if accepted else "positive integers"
+        raise SystemExit(f"{option} {text!r}: give comma-separated {wanted}")
+    return values
 
 
 def _ints(variant, fields):
@@ -190,7 +205,7 @@ def backward_config(variant, default=fa3.BackwardConfig(2, "cols", 64)):
         if field not in ("0", "1"):
             raise SystemExit(f"backward variant {variant}: {name} {field}; accepted 0, 1")
     if len(fields) >= 9 and not fields[8].isdigit():
-        raise SystemExit(f"backward variant {variant}: HEADS_PER_CTA {fields[8]}; give 0 or more")
+        raise SystemExit(f"backward variant {variant}: HEADS_PER_CTA {fields[8]}; give an integer, 0 or more")
     try:
         num_stages = int(fields[0])
     except ValueError:
@@ -243,16 +258,19 @@ def main(argv=None):
                         help="query heads per key/value head (GQA) in the timed backward shapes (divides 2048 / D)")
     args = parser.parse_args(argv)
     # Checked before the GPU is looked for, so a typo is caught on any machine.
-    args.variants = parse_variants(args.variants or (BACKWARD_DEFAULT if args.backward else FORWARD_DEFAULT),
+    default = BACKWARD_DEFAULT if args.backward else FORWARD_DEFAULT
+    args.variants = parse_variants(default if args.variants is None else args.variants,
                                    backward_config if args.backward else forward_config)
-    for head_dim in map(int, args.head_dims.split(",")):
+    head_dims = _positive_ints("--head-dims", args.head_dims, fa3.HEAD_DIMS)
+    _positive_ints("--seqlens", args.seqlens)
+    for head_dim in head_dims:
         if args.group < 1 or (WIDTH // head_dim) % args.group:
             raise SystemExit(f"--group {args.group}: give a divisor of the {WIDTH // head_dim} heads at head_dim "
                              f"{head_dim}")
     if args.backward:
         # the timed group and the checked shapes' (`CHECKS`)
         groups = {args.group} | {n_heads // n_kv for _, n_heads, n_kv, *_ in CHECKS}
-        check_backward_configs(args.variants, map(int, args.head_dims.split(",")), sorted(groups))
+        check_backward_configs(args.variants, head_dims, sorted(groups))
     if not torch.cuda.is_available():
         raise SystemExit("tools.fa3_variants needs a CUDA GPU (an sm_90 one for the Gluon kernels)")
     from triton.testing import do_bench

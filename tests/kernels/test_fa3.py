@@ -686,22 +686,24 @@ def test_backward_configs_are_checked(config, message):
 
 
 @pytest.mark.parametrize("config,head_dim,group,message", [
-    (fa3.BackwardConfig(2, "cols", 64, heads_per_cta=3), 128, 8, "heads_per_cta=3 at 8 query heads a kv head"),
-    (fa3.BackwardConfig(2, "cols", 64, heads_per_cta=-1), 128, 1, "heads_per_cta=-1 at 1 query heads"),
+    (fa3.BackwardConfig(2, "cols", 64, heads_per_cta=-1), 128, 1, "heads_per_cta=-1; accepted 0 (the whole GQA"),
     (fa3.BackwardConfig(2, "cols", 128, heads_per_cta=1), 128, 4, "needs a dQ box of 64 rows"),
 ])
 def test_heads_per_cta_is_checked(config, head_dim, group, message):
-    """heads_per_cta must divide the GQA group, and a split group needs a dQ box that can stage dK and dV."""
+    """heads_per_cta is 0 or more, and a split group needs a dQ box that can stage dK and dV."""
     with pytest.raises(ValueError, match=re.escape(message)):
         config.reduces_kv(head_dim, group)
 
 
 @pytest.mark.parametrize("heads_per_cta,group,heads,reduces", [
     (0, 1, 1, False), (0, 8, 8, False), (1, 1, 1, False), (1, 8, 1, True), (2, 8, 2, True), (4, 4, 4, False),
-    (16, 4, 4, False), (2, 6, 2, True),
+    (16, 4, 4, False), (2, 6, 2, True), (2, 3, 1, True), (4, 6, 3, True), (3, 8, 2, True), (5, 5, 5, False),
+    (2, 5, 1, True),
 ])
 def test_heads_per_cta_of_a_group(heads_per_cta, group, heads, reduces):
-    """The query heads a CTA takes: heads_per_cta, at most the group (0: the group); only a split group reduces."""
+    """The query heads a CTA takes: the largest divisor of the group up to heads_per_cta (0: the group), so every
+    group size runs (a model with 12 heads on 4 kv heads, group 3, with a config of 2); only a split group
+    reduces."""
     config = fa3.BackwardConfig(2, "cols", 64, heads_per_cta=heads_per_cta)
     assert config.cta_heads(group) == heads and config.reduces_kv(128, group) == reduces
 

@@ -42,9 +42,16 @@ def test_fa3_backward_variant_fields_default_to_the_head_dims_config():
     (["--variants", "2:128:2:1:1:0:1"], "variant 2:128:2:1:1:0:1: give 5 or 6 fields"),
     (["--backward", "--variants", "2:rows:128:1:2:0:1:0:1:0"],
      "backward variant 2:rows:128:1:2:0:1:0:1:0: give 1 to 9 fields"),
-    (["--backward", "--variants", "2:cols:64:0:2:0:0:0:x"], "HEADS_PER_CTA x; give 0 or more"),
-    (["--backward", "--variants", "2:cols:64:0:2:0:0:0:3", "--group", "8", "--head-dims", "128"],
-     "heads_per_cta=3 at .* query heads a kv head; accepted 0"),
+    (["--backward", "--variants", "2:cols:64:0:2:0:0:0:x"], "HEADS_PER_CTA x; give an integer, 0 or more"),
+    (["--backward", "--variants", "2,,2"], "--variants '2,,2': an empty variant"),
+    (["--variants", ""], "--variants '': an empty variant"),
+    (["--head-dims", "0"], "--head-dims '0': give comma-separated one or more of 64, 96, 128, 256"),
+    (["--head-dims", "abc"], "--head-dims 'abc': give comma-separated one or more of"),
+    (["--backward", "--head-dims", "80"], "--head-dims '80': give comma-separated one or more of"),
+    (["--seqlens", "2048,-5"], "--seqlens '2048,-5': give comma-separated positive integers"),
+    (["--seqlens", "abc"], "--seqlens 'abc': give comma-separated positive integers"),
+    (["--backward", "--variants", "2:cols:64:0:2:0:0:0:-1", "--head-dims", "128"],
+     "HEADS_PER_CTA -1; give an integer, 0 or more"),
     (["--backward", "--variants", "2:cols:128:0:2:0:0:0:1", "--group", "8", "--head-dims", "128"],
      "heads_per_cta=1 needs a dQ box of 64 rows"),
     (["--backward", "--variants", "2:cols:64:0:2:0:0:2"], "LOCKSTEP 2; accepted 0, 1"),
@@ -91,7 +98,7 @@ def test_window_configs_tool_checks_its_variants_before_the_gpu(monkeypatch):
         fa3_window_configs.main(["--forward", "2:128:4"])
     with pytest.raises(SystemExit, match="backward variant 2:rows:64 at head_dim 64"):
         fa3_window_configs.main(["--backward", "2:rows:64"])
-    with pytest.raises(SystemExit, match="variant .*: give colon-separated integers"):  # empty is not the defaults
+    with pytest.raises(SystemExit, match="--variants '': an empty variant"):  # empty is not the defaults
         fa3_window_configs.main(["--forward", ""])
     with pytest.raises(SystemExit):
         fa3_window_configs.main(["--window", "-5"])
