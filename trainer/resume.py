@@ -95,14 +95,16 @@ NOT_SHAPE = ("attn", "dropout", "loss", "attn_softcap")
 def model_identity(model_args: dict) -> dict:
     """The GPTConfig fields (``dataclasses.asdict``) that make the model what it is: those of NOT_SHAPE left out,
     the MLP's hidden width in place of the settings it derives from (``mlp_hidden``, ``multiple_of``),
-    ``rope_theta`` only with RoPE, and a per-layer ``attn_window`` list of one value as that value. A change of any
-    of these changes the weights' shapes or the function."""
+    ``rope_theta`` only with RoPE, a per-layer ``attn_window`` list of one value as that value, and ``n_kv_head``
+    null as n_head (the model it builds). A change of any of these changes the weights' shapes or the function."""
     args = {**dataclasses.asdict(GPTConfig()), **model_args}  # a checkpoint from before a field existed: its default
     identity = {k: v for k, v in args.items() if k not in NOT_SHAPE + ("mlp_hidden", "multiple_of")}
     identity["mlp_width"] = mlp_width(args["n_embd"], args["mlp"], args["mlp_hidden"], args["multiple_of"])
     window = args["attn_window"]  # one per layer, all equal: the same model as that one value
     if isinstance(window, (list, tuple)) and len(set(window)) == 1 and len(window) == args["n_layer"]:
         identity["attn_window"] = window[0]
+    if identity["n_kv_head"] is None:
+        identity["n_kv_head"] = args["n_head"]
     if args["pos_emb"] != "rope":
         del identity["rope_theta"]
     return identity

@@ -278,3 +278,28 @@ def test_a_per_layer_window_of_one_value_is_that_value(tmp_path, saved, given, s
     else:
         with pytest.raises(ConfigError, match=r"model\.attn_window: checkpoint"):
             check_compatible(load_checkpoint(path), new, meta, OmegaConf.create({}))
+
+
+@pytest.mark.parametrize("saved, given, same", [(None, 4, True), (4, None, True), (None, None, True), (4, 4, True),
+                                                (None, 2, False), (2, None, False)])
+def test_n_kv_head_null_is_n_head(tmp_path, saved, given, same):
+    """model.n_kv_head=null builds the model that n_kv_head=n_head does: resuming one from the other is allowed;
+    another k/v head count is refused, naming model.n_kv_head."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    from trainer.config import ConfigError
+    from trainer.resume import check_compatible
+
+    base = dict(block_size=8, vocab_size=10, n_layer=1, n_head=4, n_embd=64)
+    old = GPTConfig(**base, n_kv_head=saved)
+    meta = {"tokenizer": "char", "chars": "abcdefghij", "vocab_size": 10}
+    path = save_checkpoint({**fake_state(1), "model": GPT(old).state_dict(), "model_args": dataclasses.asdict(old),
+                            "data_meta": meta, "attn_backend": old.attn, "config": {}}, tmp_path, 1, keep_last=1)
+    new = GPTConfig(**base, n_kv_head=given)
+    if same:
+        check_compatible(load_checkpoint(path), new, meta, OmegaConf.create({}))
+    else:
+        with pytest.raises(ConfigError, match=r"model\.n_kv_head: checkpoint"):
+            check_compatible(load_checkpoint(path), new, meta, OmegaConf.create({}))
