@@ -18,7 +18,9 @@ class TrainingAborted(KeyboardInterrupt):
 
 class StopRequest:
     """First Ctrl-C / SIGTERM: finish the current step, save, exit cleanly (``signum`` is set).
-    Second Ctrl-C: raise KeyboardInterrupt at once. Handlers are installed in the main thread only.
+    Second Ctrl-C (SIGINT): raise KeyboardInterrupt at once. A second SIGTERM changes nothing: launchers pass a
+    scheduler's SIGTERM on to processes that got it already (torchrun's agent under Slurm's scancel), and that must not
+    cost the checkpoint; SIGINT is the abort. Handlers are installed in the main thread only.
 
     Python runs a signal handler only between bytecodes, so inside one long operation (a CPU attention over a very
     long context) the first signal's message and the second Ctrl-C would wait for the operation to end. A watcher
@@ -63,8 +65,9 @@ class StopRequest:
     def _announce(self, signum: int) -> None:
         """Log the first signal's message, once, from the handler or the watcher."""
         if self._announced.acquire(blocking=False):
-            log.warning("received %s: stopping after this step and saving a checkpoint (Ctrl-C %sto abort)",
-                        signal.Signals(signum).name, "again " if signum == signal.SIGINT else "")
+            log.warning("received %s: stopping after this step and saving a checkpoint (%s)",
+                        signal.Signals(signum).name, "Ctrl-C again to abort" if signum == signal.SIGINT
+                        else "Ctrl-C or SIGINT to abort; another SIGTERM does not")
 
     def _start_watcher(self) -> None:
         read, write = os.pipe()

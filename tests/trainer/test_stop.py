@@ -91,3 +91,23 @@ def test_another_wakeup_fd_is_left_alone():
     code_, out, _ = run(code)
     assert code_ == 0 and "ok True" in out, out[-3000:]
 
+
+
+def test_a_second_sigterm_does_not_abort_and_sigint_after_it_does():
+    """A SIGTERM passed on twice (a launcher forwarding the scheduler's) leaves the stop graceful, logged once; a
+    SIGINT after it aborts (KeyboardInterrupt, the trainer's abort path)."""
+    code = ("with StopRequest() as stop:\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    while stop.signum is None: time.sleep(0.01)\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            f"    time.sleep({StopRequest.ABORT_GRACE_S + 1})\n"
+            "    print('still stopping', stop.signum == signal.SIGTERM)\n"
+            "    try:\n"
+            "        os.kill(os.getpid(), signal.SIGINT)\n"
+            "        for _ in range(500): time.sleep(0.01)\n"
+            "    except KeyboardInterrupt:\n"
+            "        print('aborted by SIGINT')\n")
+    code_, out, _ = run(code)
+    assert code_ == 0, out[-3000:]
+    assert "still stopping True" in out and "aborted by SIGINT" in out, out[-3000:]
+    assert out.count("received SIGTERM: stopping after this step") == 1, out[-3000:]

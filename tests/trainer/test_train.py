@@ -249,7 +249,8 @@ def test_cli_exit_code_after_sigterm_is_143(tiny_overrides, tmp_path):
     words = shlex.split(command)
     assert words[:4] == ["python", "train.py", "run.name=term", f"run.root={tmp_path}"]
     assert words[4:] == [a for a in args if not a.startswith("run.")]
-    assert "received SIGTERM: stopping after this step and saving a checkpoint (Ctrl-C to abort)" in out
+    assert ("received SIGTERM: stopping after this step and saving a checkpoint (Ctrl-C or SIGINT to abort; another "
+            "SIGTERM does not)") in out
     assert "last val loss" in out and "final val loss" not in out  # an interrupted run has steps to go
 
 
