@@ -253,6 +253,26 @@ def test_another_tokenizer_is_refused_naming_each_field(tmp_path):
     assert "data tokenizer encoding: checkpoint None, config 'gpt2'" in text
 
 
+def _check_resume(tmp_path, old, new, refused_key=None):
+    """A checkpoint of GPT(old) resumed with the GPTConfig `new` (same tokenizer): passes, or with `refused_key`
+    is refused naming model.<refused_key>."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    from trainer.config import ConfigError
+    from trainer.resume import check_compatible
+
+    meta = {"tokenizer": "char", "chars": "abcdefghij", "vocab_size": 10}
+    path = save_checkpoint({**fake_state(1), "model": GPT(old).state_dict(), "model_args": dataclasses.asdict(old),
+                            "data_meta": meta, "attn_backend": old.attn, "config": {}}, tmp_path, 1, keep_last=1)
+    if refused_key is None:
+        check_compatible(load_checkpoint(path), new, meta, OmegaConf.create({}))
+    else:
+        with pytest.raises(ConfigError, match=rf"model\.{refused_key}: checkpoint"):
+            check_compatible(load_checkpoint(path), new, meta, OmegaConf.create({}))
+
+
 @pytest.mark.parametrize("saved, given, same", [
     (8, [8, 8], True), ([8, 8], 8, True), (0, [0, 0], True), ([4, 8], [4, 8], True),
     (8, [8, 4], False), ([8, 8], 4, False), (0, [8, 8], False),
@@ -260,24 +280,9 @@ def test_another_tokenizer_is_refused_naming_each_field(tmp_path):
 def test_a_per_layer_window_of_one_value_is_that_value(tmp_path, saved, given, same):
     """model.attn_window=[w, w, ...] (one per layer) builds the model that model.attn_window=w does: resuming one
     from the other is allowed; another window in any layer is refused, naming model.attn_window."""
-    import dataclasses
-
-    from omegaconf import OmegaConf
-
-    from trainer.config import ConfigError
-    from trainer.resume import check_compatible
-
     base = dict(block_size=8, vocab_size=10, n_layer=2, n_head=2, n_embd=32)
-    old = GPTConfig(**base, attn_window=saved)
-    meta = {"tokenizer": "char", "chars": "abcdefghij", "vocab_size": 10}
-    path = save_checkpoint({**fake_state(1), "model": GPT(old).state_dict(), "model_args": dataclasses.asdict(old),
-                            "data_meta": meta, "attn_backend": old.attn, "config": {}}, tmp_path, 1, keep_last=1)
-    new = GPTConfig(**base, attn_window=given)
-    if same:
-        check_compatible(load_checkpoint(path), new, meta, OmegaConf.create({}))
-    else:
-        with pytest.raises(ConfigError, match=r"model\.attn_window: checkpoint"):
-            check_compatible(load_checkpoint(path), new, meta, OmegaConf.create({}))
+    _check_resume(tmp_path, GPTConfig(**base, attn_window=saved), GPTConfig(**base, attn_window=given),
+                  None if same else "attn_window")
 
 
 @pytest.mark.parametrize("saved, given, same", [(None, 4, True), (4, None, True), (None, None, True), (4, 4, True),
@@ -285,21 +290,6 @@ def test_a_per_layer_window_of_one_value_is_that_value(tmp_path, saved, given, s
 def test_n_kv_head_null_is_n_head(tmp_path, saved, given, same):
     """model.n_kv_head=null builds the model that n_kv_head=n_head does: resuming one from the other is allowed;
     another k/v head count is refused, naming model.n_kv_head."""
-    import dataclasses
-
-    from omegaconf import OmegaConf
-
-    from trainer.config import ConfigError
-    from trainer.resume import check_compatible
-
     base = dict(block_size=8, vocab_size=10, n_layer=1, n_head=4, n_embd=64)
-    old = GPTConfig(**base, n_kv_head=saved)
-    meta = {"tokenizer": "char", "chars": "abcdefghij", "vocab_size": 10}
-    path = save_checkpoint({**fake_state(1), "model": GPT(old).state_dict(), "model_args": dataclasses.asdict(old),
-                            "data_meta": meta, "attn_backend": old.attn, "config": {}}, tmp_path, 1, keep_last=1)
-    new = GPTConfig(**base, n_kv_head=given)
-    if same:
-        check_compatible(load_checkpoint(path), new, meta, OmegaConf.create({}))
-    else:
-        with pytest.raises(ConfigError, match=r"model\.n_kv_head: checkpoint"):
-            check_compatible(load_checkpoint(path), new, meta, OmegaConf.create({}))
+    _check_resume(tmp_path, GPTConfig(**base, n_kv_head=saved), GPTConfig(**base, n_kv_head=given),
+                  None if same else "n_kv_head")
