@@ -247,26 +247,27 @@ def _column_halves(x):
 
 
 @gluon.jit
+def _reduce_add(x, tile, desc, off_b, off_hk, row, col):
+    """x (registers, float32) added into desc's tensor at [off_b, off_hk, row, col] through the shared `tile`, once
+    the tile's previous TMA copy has read it."""
+    tma.store_wait(0)
+    tile.store(x)
+    fence_async_shared()
+    tma_reduce_add(desc, [off_b, off_hk, row, col], as_4d(tile, desc))
+
+
+@gluon.jit
 def _kv_reduce(x, tile, desc, off_b, off_hk, row, CHUNK: gl.constexpr):
     """A (64, HEAD_DIM) float32 partial dK or dV into its accumulator, CHUNK columns (1 or 2 chunks) at a time
     through this warpgroup's float32 staging tile (the dQ one, free once the loop is done) and TMA reduce-adds."""
     HEAD_DIM: gl.constexpr = x.shape[1]
     gl.static_assert((HEAD_DIM == CHUNK) | (HEAD_DIM == 2 * CHUNK), "dK/dV reduce-adds take 1 or 2 chunks")
     if HEAD_DIM == CHUNK:
-        tma.store_wait(0)
-        tile.store(x)
-        fence_async_shared()
-        tma_reduce_add(desc, [off_b, off_hk, row, 0], as_4d(tile, desc))
+        _reduce_add(x, tile, desc, off_b, off_hk, row, 0)
     else:
         left, right = _column_halves(x)
-        tma.store_wait(0)
-        tile.store(left)
-        fence_async_shared()
-        tma_reduce_add(desc, [off_b, off_hk, row, 0], as_4d(tile, desc))
-        tma.store_wait(0)
-        tile.store(right)
-        fence_async_shared()
-        tma_reduce_add(desc, [off_b, off_hk, row, CHUNK], as_4d(tile, desc))
+        _reduce_add(left, tile, desc, off_b, off_hk, row, 0)
+        _reduce_add(right, tile, desc, off_b, off_hk, row, CHUNK)
     tma.store_wait(0)
 
 
