@@ -88,9 +88,8 @@ class BackwardConfig(NamedTuple):
     # Off in every config: measured against the current order it gained at GQA 8 causal 2k only, not at 8k where
     # L2 reuse would have shown, and lost 3 % non-causal (docs/hopper-notes.md, "FA3 backward variant 17").
     lockstep: bool = False
-    # Query heads a CTA loops over, of its GQA group: at most this many, the largest divisor of the group that is
-    # (`cta_heads`: 2 at a group of 3 runs 1); 0, or the group or more: all of them, dK and dV stored once,
-    # bit-reproducible. Fewer (FA3's one): the group's CTAs for the same keys reduce-add their dK and dV into
+    # Query heads a CTA loops over, of its GQA group: the largest divisor of the group up to this many (`cta_heads`:
+    # 2 at a group of 3 runs 1); 0, or the group or more: all of them, dK and dV stored once, bit-reproducible. Fewer (FA3's one): the group's CTAs for the same keys reduce-add their dK and dV into
     # float32 accumulators, then cast, so the CTAs in flight read fewer heads' Q and dO. Needs a (64, head_dim or
     # head_dim / 2) dQ box, whose float32 staging tile carries the reduce-adds.
     heads_per_cta: int = 0
@@ -118,9 +117,9 @@ class BackwardConfig(NamedTuple):
         return True
 
     def constexprs(self, head_dim: int, group: int) -> dict:
-        """The backward kernel's tile constexprs and layouts at kernel head_dim `head_dim` (`kernel_head_dim`) and
-        GQA group size `group`, for `run_backward` and `compile_for_sm90` alike; ValueError for a config the kernel
-        cannot run there (`dq_box`, `reduces_kv`)."""
+        """The backward kernel's tile constexprs (not its layouts) at kernel head_dim `head_dim` (`kernel_head_dim`)
+        and GQA group size `group`, for `run_backward` and `compile_for_sm90` alike; ValueError for a config the
+        kernel cannot run there (`dq_box`, `reduces_kv`)."""
         self.reduces_kv(head_dim, group)
         return dict(GROUP=group, HEADS=self.cta_heads(group), NUM_CONSUMERS=self.num_consumers, HEAD_DIM=head_dim,
                     BLOCK_M=self.block_m, NUM_STAGES=self.num_stages, SPLIT_DQ=self.split_dq,
