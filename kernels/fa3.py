@@ -89,9 +89,10 @@ class BackwardConfig(NamedTuple):
     # L2 reuse would have shown, and lost 3 % non-causal (docs/hopper-notes.md, "FA3 backward variant 17").
     lockstep: bool = False
     # Query heads a CTA loops over, of its GQA group: the largest divisor of the group up to this many (`cta_heads`:
-    # 2 at a group of 3 runs 1); 0, or the group or more: all of them, dK and dV stored once, bit-reproducible. Fewer (FA3's one): the group's CTAs for the same keys reduce-add their dK and dV into
-    # float32 accumulators, then cast, so the CTAs in flight read fewer heads' Q and dO. Needs a (64, head_dim or
-    # head_dim / 2) dQ box, whose float32 staging tile carries the reduce-adds.
+    # 2 at a group of 3 runs 1); 0, or the group or more: all of them, dK and dV stored once, bit-reproducible.
+    # Fewer (FA3's one): the group's CTAs for the same keys reduce-add their dK and dV into float32 accumulators,
+    # then cast, so the CTAs in flight read fewer heads' Q and dO. Needs a (64, head_dim or head_dim / 2) dQ box,
+    # whose float32 staging tile carries the reduce-adds.
     heads_per_cta: int = 0
 
     def cta_heads(self, group: int) -> int:
