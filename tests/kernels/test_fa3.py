@@ -361,14 +361,10 @@ def test_persistent_grid_spreads_the_partial_tiles_at_2k():
 
 
 def _reference_grads(q, k, v, do, causal):
-    """float64 o and (dq, dk, dv) with a bottom-right causal mask and GQA by head index."""
+    """float64 o and (dq, dk, dv) at softmax_scale head_dim ** -0.5: `test_attention.reference` (a bottom-right
+    causal mask, GQA by head index) under autograd; rows that see no key give 0 and no gradient."""
     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
-    group = q.shape[1] // k.shape[1]
-    s = q @ k.repeat_interleave(group, 1).transpose(-1, -2) / q.shape[-1] ** 0.5
-    if causal:
-        i = torch.arange(q.shape[2], device=q.device)[:, None] + k.shape[2] - q.shape[2]
-        s = s.masked_fill(torch.arange(k.shape[2], device=q.device)[None, :] > i, float("-inf"))
-    o = torch.softmax(s, dim=-1).nan_to_num(0.0) @ v.repeat_interleave(group, 1)
+    o, _ = reference(q, k, v, causal, q.shape[-1] ** -0.5)
     o.backward(do.double())
     return o, (q.grad, k.grad, v.grad)
 
