@@ -27,11 +27,25 @@ from pathlib import Path
 NOT_STARTED = "interrupted before training started; nothing to save"
 
 
-def exit_not_started() -> None:
-    """A Ctrl-C before any job handles its own (loading torch and Hydra, composing the config): one line, exit 130."""
-    print(NOT_STARTED, file=sys.stderr)
-    sys.exit(128 + signal.SIGINT)
+class Terminated(KeyboardInterrupt):
+    """SIGTERM before the training loop takes the signal over (loading, the model build, W&B's start): the same
+    way out as a Ctrl-C there, with SIGTERM's exit code (``signum``)."""
+    signum = signal.SIGTERM
 
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated
+
+
+def exit_not_started(e: KeyboardInterrupt) -> None:
+    """A Ctrl-C or SIGTERM before any job handles its own (loading torch and Hydra, composing the config): one
+    line, exit 128 + the signal."""
+    print(NOT_STARTED, file=sys.stderr)
+    sys.exit(128 + getattr(e, "signum", signal.SIGINT))
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _raise_terminated)
 
 try:  # torch, hydra and the rest take seconds to load
     from hydra.errors import HydraException
@@ -53,10 +67,10 @@ try:  # torch, hydra and the rest take seconds to load
     from trainer.runtime import DistInfo
     from trainer.stop import TrainingAborted
     from utils.atomic import atomic_write_text, check_writable
-except KeyboardInterrupt:  # not the import machinery's traceback
+except KeyboardInterrupt as e:  # not the import machinery's traceback
     if __name__ != "__main__":
         raise
-    exit_not_started()
+    exit_not_started(e)
 
 log = logging.getLogger("train")
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's
@@ -238,13 +252,15 @@ def run_job(cfg: DictConfig, overrides: list[str], run_dir: Path, sweep_args: li
 def failed(e: BaseException, run_dir: Path, made: list[Path], dist: DistInfo) -> int:
     """The exit code of a job that ``train`` ended with ``e`` (an expected failure or an interrupt), after one
     line that says why; the folders this job made (``new_folders``) go away if they hold nothing but the lock, or,
-    after a Ctrl-C before training started or a refusal before its first step (e.g. W&B could not start), nothing
-    but this job's record (a new folder has no checkpoint yet). A run that diverged keeps its log."""
+    after a Ctrl-C or SIGTERM before training started or a refusal before its first step (e.g. W&B could not
+    start), nothing but this job's record (a new folder has no checkpoint yet). A run that trained keeps its
+    folder, whatever ended it (an interrupt while W&B closes, after the last step); one that diverged keeps its
+    log."""
     code = _report(e, run_dir)
     if dist.is_main and made:
         interrupted = isinstance(e, KeyboardInterrupt) and not isinstance(e, TrainingAborted)
-        refused = isinstance(e, EXPECTED) and not isinstance(e, NonFiniteLossError) and not_trained(run_dir)
-        if interrupted or refused:
+        refused = isinstance(e, EXPECTED) and not isinstance(e, NonFiniteLossError)
+        if (interrupted or refused) and not_trained(run_dir):
             shutil.rmtree(run_dir, ignore_errors=True)
         discard_unused_folders(run_dir, made)
     return code
@@ -268,9 +284,14 @@ def _report(e: BaseException, run_dir: Path) -> int:
         log.error("aborted by a second Ctrl-C; this step was not saved (%s)",
                   f"resume continues from {last.name}" if last else "no checkpoint was saved yet")
         return 128 + signal.SIGINT
-    if isinstance(e, KeyboardInterrupt):  # before the training loop took over the signal (model build, W&B start)
-        log.error(NOT_STARTED)
-        return 128 + signal.SIGINT
+    if isinstance(e, KeyboardInterrupt):  # outside the training loop: before it (model build, W&B's start) or after
+        if not_trained(run_dir):
+            log.error(NOT_STARTED)
+        else:
+            last = latest_checkpoint(run_dir)
+            log.error("interrupted after the training loop (while the run was closing); the run folder is kept (%s)",
+                      f"resume continues from {last.name}" if last else "no checkpoint was saved")
+        return 128 + getattr(e, "signum", signal.SIGINT)
     for line in str(e).splitlines():  # a record per line (e.g. one per bad config value), each with its prefix
         log.error("%s", line)
     return 1
@@ -344,5 +365,5 @@ def write_record(run_dir: Path, cfg: DictConfig, overrides: list[str], sweep_arg
 if __name__ == "__main__":
     try:
         sys.exit(main(sys.argv[1:]))
-    except KeyboardInterrupt:
-        exit_not_started()
+    except KeyboardInterrupt as e:
+        exit_not_started(e)

@@ -272,20 +272,24 @@ def test_cli_second_ctrl_c_aborts_with_130_and_no_traceback(tiny_overrides, tmp_
     assert [p.name for p in list_checkpoints(tmp_path / "abort")] == kept
 
 
-@pytest.mark.parametrize("module", ["torch", "hydra.errors"])
-def test_cli_ctrl_c_while_loading_is_one_line(module):
-    """Ctrl-C in the seconds `python train.py` spends importing torch and Hydra: exit 130 and one line, no
-    traceback through the import machinery (the interrupt simulated where `module` is imported)."""
-    code = ("import importlib.abc, runpy, sys\n"
+@pytest.mark.parametrize("module,signum", [("torch", signal.SIGINT), ("hydra.errors", signal.SIGINT),
+                                           ("torch", signal.SIGTERM)])
+def test_cli_ctrl_c_while_loading_is_one_line(module, signum):
+    """Ctrl-C or SIGTERM in the seconds `python train.py` spends importing torch and Hydra: exit 128 + the signal
+    and one line, no traceback through the import machinery (the signal sent, or Ctrl-C's KeyboardInterrupt raised,
+    where `module` is imported)."""
+    interrupt = ("raise KeyboardInterrupt" if signum == signal.SIGINT else
+                 f"os.kill(os.getpid(), {int(signum)}); time.sleep(30)")
+    code = ("import importlib.abc, os, runpy, sys, time\n"
             "class Interrupt(importlib.abc.MetaPathFinder):\n"
             "    def find_spec(self, name, path=None, target=None):\n"
-            f"        if name == {module!r}: raise KeyboardInterrupt\n"
+            f"        if name == {module!r}: {interrupt}\n"
             "sys.meta_path.insert(0, Interrupt())\n"
             "sys.argv = ['train.py']\n"
             "runpy.run_path('train.py', run_name='__main__')\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 128 + signal.SIGINT, proc.stderr[-3000:]
+    assert proc.returncode == 128 + signum, proc.stderr[-3000:]
     assert proc.stderr == "interrupted before training started; nothing to save\n" and proc.stdout == ""
 
 
@@ -311,6 +315,35 @@ def test_cli_ctrl_c_before_training_says_nothing_was_trained(tiny_overrides, tmp
                            "trainer.max_steps=6"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 128 + signal.SIGINT, (proc.stdout + proc.stderr)[-3000:]
     assert set(before) <= {p.name for p in kept.rglob("*")}  # nothing of the earlier run removed
+
+
+def test_cli_sigterm_before_training_leaves_no_folder(tiny_overrides, tmp_path):
+    """SIGTERM while the model is built, before the training loop handles signals: as a Ctrl-C there (one line, the
+    new run folder gone again), with exit 143."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": "0", "TEST_INTERRUPT_BUILD": "0",
+           "TEST_INTERRUPT_SIGNAL": "TERM"}
+    args = [a for a in tiny_overrides if not a.startswith("run.")] + [f"run.root={tmp_path}", "run.name=early"]
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "trainer" / "torchrun_entry.py"), *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert "interrupted before training started; nothing to save" in out and "Traceback" not in out, out[-3000:]
+    assert not (tmp_path / "early").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_cli_interrupt_while_closing_keeps_the_trained_run(tiny_overrides, tmp_path):
+    """A Ctrl-C after the training loop (while W&B finishes) in a new run's folder: exit 130 and one line naming the
+    checkpoint to resume from; the folder and its checkpoints stay."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": "0", "TEST_INTERRUPT_CLOSE": "0"}
+    args = [a for a in tiny_overrides if not a.startswith("run.")] + [f"run.root={tmp_path}", "run.name=closing",
+                                                                        "trainer.max_steps=3"]
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "trainer" / "torchrun_entry.py"), *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 128 + signal.SIGINT, out[-3000:]
+    assert ("interrupted after the training loop (while the run was closing); the run folder is kept (resume "
+            "continues from step_00000003.pt)") in out and "Traceback" not in out, out[-3000:]
+    assert [p.name for p in list_checkpoints(tmp_path / "closing")] == ["step_00000003.pt"]
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(make_cfg, monkeypatch):

@@ -9,12 +9,16 @@ Environment (read here only, never by the trainer):
                                   KeyboardInterrupt as a second Ctrl-C does (interrupt) in its n-th training
                                   forward (a step has grad_accum / world_size of them)
     TEST_INTERRUPT_BUILD=r        rank r raises KeyboardInterrupt while the model is built, as a first Ctrl-C
-                                  does before the training loop handles the signal
+                                  does before the training loop handles the signal; with TEST_INTERRUPT_SIGNAL=TERM
+                                  it sends itself SIGTERM there instead
+    TEST_INTERRUPT_CLOSE=r        rank r raises KeyboardInterrupt once the run has closed (after the training
+                                  loop, checkpoints and W&B), as a Ctrl-C while W&B finishes would
 Also usable for one process: RANK=0 python tests/trainer/torchrun_entry.py <overrides>.
 """
 
 import os
 import runpy
+import signal
 import sys
 import time
 from pathlib import Path
@@ -51,9 +55,24 @@ if os.environ.get("TEST_INTERRUPT_BUILD") == str(rank):
     from model.gpt import GPT
 
     def interrupted_build(self, *args, **kwargs):
+        if os.environ.get("TEST_INTERRUPT_SIGNAL") == "TERM":
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)  # the handler runs here
+            raise AssertionError("SIGTERM did not interrupt the model build")
         raise KeyboardInterrupt
 
     GPT.__init__ = interrupted_build
+
+if os.environ.get("TEST_INTERRUPT_CLOSE") == str(rank):
+    from trainer.loop import Trainer
+
+    real_close = Trainer._close
+
+    def interrupted_close(self, *args, **kwargs):
+        real_close(self, *args, **kwargs)
+        raise KeyboardInterrupt
+
+    Trainer._close = interrupted_close
 
 sys.argv[0] = str(ROOT / "train.py")
 runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
