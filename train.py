@@ -77,7 +77,9 @@ LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's
 EXPECTED = (ConfigError, DataError, CheckpointError, BackendUnavailableError, NonFiniteLossError)
 MULTIRUN, HELP = ("-m", "--multirun"), ("-h", "--help")
 SWEEP_RECORD = "multirun.yaml"  # a sweep's command line, in the sweep's folder
-RESWEEP_FREE = ("trainer.max_steps", "resume")  # what running a sweep again to continue it may change
+# what running a sweep again to continue it may change or add (run.name: the name of the folder compared, which a
+# sweep under the default name is continued by)
+RESWEEP_FREE = ("trainer.max_steps", "resume", "run.name")
 
 
 @record  # under torchrun: an uncaught error goes to torchrun's failure report (root cause, traceback)
@@ -232,16 +234,18 @@ def run_job(cfg: DictConfig, overrides: list[str], run_dir: Path, sweep_args: li
             raise
         if summary.stop_reason == "interrupted":  # saved and resumable, but not finished: say so to the caller
             if sweep_args is not None:  # `run.name=X` alone would start a run in the sweep's folder
-                log.info("interrupted at step %d; to resume these runs: the same `python train.py -m ...` command",
-                         summary.step)
+                log.info("interrupted at step %d; to resume these runs: %s", summary.step,
+                         continue_command(cfg.run, dist.world_size, sweep_args, sweep=True,
+                                          local_world_size=dist.local_world_size))
             else:
                 log.info("interrupted at step %d; to resume: %s", summary.step,
                          continue_command(cfg.run, dist.world_size, overrides,
                                           local_world_size=dist.local_world_size))
             return 128 + summary.stop_signal
         if sweep_args is not None:
-            log.info("finished at step %d; to continue these runs: the same `python train.py -m ...` command with "
-                     "trainer.max_steps=<more than %d>", summary.step, summary.step)
+            log.info("finished at step %d; to continue these runs: %s trainer.max_steps=<more than %d>", summary.step,
+                     continue_command(cfg.run, dist.world_size, sweep_args, drop=["trainer.max_steps"], sweep=True,
+                                      local_world_size=dist.local_world_size), summary.step)
         else:
             log.info("finished at step %d; to continue this run: %s trainer.max_steps=<more than %d>", summary.step,
                      continue_command(cfg.run, dist.world_size, overrides, drop=["trainer.max_steps"],

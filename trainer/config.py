@@ -192,21 +192,31 @@ def override_arg(key: str, value: Any) -> str:
 
 
 def continue_command(run: DictConfig, world_size: int, overrides: Sequence[str] = (),
-                     drop: Sequence[str] = (), local_world_size: int | None = None) -> str:
+                     drop: Sequence[str] = (), local_world_size: int | None = None, sweep: bool = False) -> str:
     """The command that continues the run of config section ``run`` with the same number of processes: its name
     (and root unless it is the default), then the job's other command-line ``overrides`` as given, each one shell
     word, except ``resume`` (the default, auto, takes the latest checkpoint) and the keys in ``drop``. Under
     torchrun on one machine (``local_world_size``, torchrun's LOCAL_WORLD_SIZE, equal to ``world_size``; None:
     the same) the launcher is ``torchrun --standalone --nproc_per_node=<world_size>``; across machines the
-    rendezvous is the user's, so ``torchrun <the same launcher arguments>``."""
+    rendezvous is the user's, so ``torchrun <the same launcher arguments>``. ``sweep``: ``overrides`` are a sweep's
+    (``train.py -m``), kept as given, run.name and run.root included (they may be swept); the job's run.name is
+    added where the sweep gave none (the default, a launch time, is new at every start)."""
     one_machine = local_world_size in (None, world_size)
     launcher = ("python train.py" if world_size == 1 else
                 f"torchrun --standalone --nproc_per_node={world_size} train.py" if one_machine else
                 "torchrun <the same launcher arguments> train.py")
-    root = f" {override_arg('run.root', run.root)}" if run.root != RunConfig.root else ""
-    skip = {"run.name", "run.root", "resume", *drop}
+    skip = {"resume", *drop}
+    if sweep:
+        launcher += " -m"
+        given = {override_key(o) for o in overrides}
+        name = "" if "run.name" in given else f" {override_arg('run.name', run.name)}"
+        root = ""  # a run.root given to the sweep stays among the overrides; else it is the default
+    else:
+        skip |= {"run.name", "run.root"}
+        name = f" {override_arg('run.name', run.name)}"
+        root = f" {override_arg('run.root', run.root)}" if run.root != RunConfig.root else ""
     rest = "".join(f" {shlex.quote(o)}" for o in overrides if override_key(o) not in skip)
-    return f"{launcher} {override_arg('run.name', run.name)}{root}{rest}"
+    return f"{launcher}{name}{root}{rest}"
 
 
 def resolved(cfg: DictConfig) -> DictConfig:

@@ -5,6 +5,7 @@ Every test here starts real `python train.py` processes (the lock is per process
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -106,9 +107,27 @@ def test_single_process_multirun_jobs_each_own_their_folder(args, tmp_path):
     for job in ("0", "1"):
         assert (tmp_path / "runs" / "sweep" / job / ".hydra" / "config.yaml").exists()
         assert (tmp_path / "runs" / "sweep" / job / ".lock").read_text() == ""
-    # `run.name=sweep` alone would start a single run in the sweep's parent folder: the hint names the sweep.
+    # `run.name=sweep` alone would start a single run in the sweep's parent folder: the hint is the sweep's command.
     text = (tmp_path / "runs" / "sweep" / "1" / "train.log").read_text()
-    assert "to continue these runs: the same `python train.py -m ...` command" in text and "run.name=sweep" not in text
+    hint = re.search(r"to continue these runs: (.*) trainer\.max_steps=<more than 2>", text).group(1)
+    kept = [a for a in args if not a.startswith("trainer.max_steps=")]  # the hint's trainer.max_steps comes after it
+    assert shlex.split(hint) == ["python", "train.py", "-m", *kept, "run.name=sweep"]
+
+
+def test_a_sweep_under_the_default_run_name_is_continued_by_that_name(args, tmp_path):
+    """A sweep without run.name runs under a launch-time name, new at every start: the hint adds it, and running
+    the hint continues the same jobs."""
+    out = cli(["-m", *args, "trainer.max_steps=1", "optim.lr=1e-3,2e-3"])
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    (sweep_dir,) = (tmp_path / "runs").iterdir()
+    text = (sweep_dir / "1" / "train.log").read_text()
+    hint = re.search(r"to continue these runs: (.*) trainer\.max_steps=<more than 1>", text).group(1)
+    words = shlex.split(hint)
+    assert words[:3] == ["python", "train.py", "-m"] and f"run.name={sweep_dir.name}" in words
+    again = cli([*words[2:], "trainer.max_steps=2"])
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    assert list((tmp_path / "runs").iterdir()) == [sweep_dir]
+    assert [p.name for p in list_checkpoints(sweep_dir / "1")][-1] == "step_00000002.pt"
 
 
 def test_a_swept_run_name_numbers_the_jobs_in_each_folder(args, tmp_path):
