@@ -66,10 +66,18 @@ def fallback(backend: str, device: torch.device, dtype: torch.dtype, head_dim: i
     return None if reason is None else f"FA2's Triton kernels ({reason})"
 
 
-def results_folder(out: str) -> Path:
-    """--out as a folder, made if missing; SystemExit naming it when it is a file (left as it is)."""
+def results_folder(out: str, option: str = "--out") -> Path:
+    """`out` (the value of `option`) as a folder for results, made if missing; SystemExit naming it when it is a
+    file (left as it is), or when it cannot be made or written (permissions, a read-only file system)."""
+    from utils.atomic import check_writable
+
     folder = Path(out)
     if folder.exists() and not folder.is_dir():
-        raise SystemExit(f"--out {folder}: a file, not a folder; give a folder for the results")
-    folder.mkdir(parents=True, exist_ok=True)
+        raise SystemExit(f"{option} {folder}: a file, not a folder; give a folder for the results")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        check_writable(folder)
+    except OSError as e:
+        raise SystemExit(f"{option} {folder}: cannot create or write this folder ({e.strerror or e}); give another "
+                         "one") from None
     return folder

@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from bench import HelpFormatter, fallback
+from bench import HelpFormatter, fallback, results_folder
 from bench.report import Column, Table, bar_chart, environment, write_csv, write_json
 from model.backends import BACKENDS
 
@@ -352,7 +352,7 @@ def main(argv=None):
     parser, args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     out_dir, jobs, sweep_jobs = plan(parser, args)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    results_folder(str(out_dir), "the results folder (run.root/--name)")
     env = environment("cuda" if torch.cuda.is_available() else "cpu")
     meta = dict(**env, overrides=args.overrides, warmup=args.warmup, steps=args.steps)
     try:

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from bench import HelpFormatter
+from bench import HelpFormatter, results_folder
 from utils.atomic import atomic_write_text
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -330,8 +330,7 @@ def check_config(parser, args) -> None:
 def run(args, loops: list[str]) -> dict:
     from bench.throughput import backend_config
 
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = results_folder(args.out)
     summaries, tables = {}, {}
     with tempfile.TemporaryDirectory(prefix="profile_step_") as runs:
         # warmup + 1 (profiler warm-up) + steps + 2, so the final step's evaluation and checkpoint are outside

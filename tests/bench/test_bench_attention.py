@@ -279,6 +279,25 @@ def test_out_naming_a_file_is_one_line(tmp_path):
     assert target.read_text() == "kept"
 
 
+def test_out_that_cannot_be_made_is_one_line(tmp_path):
+    """--out under a file (no folder can be made there): one line naming it and why, for every bench tool that
+    writes results through `bench.results_folder`; the file kept."""
+    from bench import generate, results_folder
+
+    blocker = tmp_path / "afile"
+    blocker.write_text("kept")
+    target = blocker / "results"
+    with pytest.raises(SystemExit, match=f"--out {target}: cannot create or write this folder \\(Not a directory\\)"):
+        attention.main(["--shape", "decode", "--out", str(target), "--dtype", "float32", "--heads", "2",
+                        "--head-dims", "16", "--seqlens", "16", "--batch", "1", "--backends", "sdpa"])
+    with pytest.raises(SystemExit, match=f"--out {target}: cannot create or write this folder"):
+        generate.main(["--out", str(target), "--model", "tiny", "--device", "cpu", "--backends", "sdpa", "--modes",
+                       "eager", "--batch", "1", "--new-tokens", "2"])
+    with pytest.raises(SystemExit, match=f"run.root {target}: cannot create or write this folder"):
+        results_folder(str(target), "run.root")
+    assert blocker.read_text() == "kept" and results_folder(str(tmp_path / "new" / "deep")).is_dir()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 def test_generate_refuses_compiled_flex_on_the_cpu(capsys):
     from bench import generate

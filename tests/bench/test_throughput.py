@@ -203,6 +203,17 @@ def test_bad_names_and_configs_are_refused_before_anything_is_written(flags, bad
     assert not root.exists() and not (ROOT / "escape").exists()
 
 
+def test_a_results_folder_that_cannot_be_made_is_one_line(tiny_overrides, tmp_path):
+    """run.root under a file: one line naming the results folder and why, before any run; the file kept."""
+    overrides = [a for a in tiny_overrides if not a.startswith(("run.", "attn=", "trainer.max_steps"))]
+    blocker = tmp_path / "afile"
+    blocker.write_text("kept")
+    with pytest.raises(SystemExit, match=f"the results folder \\(run.root/--name\\) {blocker}/runs/cmp: cannot "
+                                         "create or write this folder"):
+        throughput.main(["--backends", "sdpa", "--name", "cmp", *overrides, f"run.root={blocker / 'runs'}"])
+    assert blocker.read_text() == "kept"
+
+
 def test_bare_loop_computes_what_the_trainer_computes(make_cfg):
     """Same model, data, optimizer and LR schedule: the bare loop's losses are the trainer's (fp32 CPU)."""
     from bench.baseline import run_bare_loop

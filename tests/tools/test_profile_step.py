@@ -111,6 +111,15 @@ def test_bad_backend_and_overrides_are_refused_before_anything_is_written(argv, 
     assert not out.exists()
 
 
+def test_an_out_folder_that_cannot_be_made_is_one_line(tmp_path):
+    """--out under a file: one line naming it, before anything runs; the file kept."""
+    blocker = tmp_path / "afile"
+    blocker.write_text("kept")
+    with pytest.raises(SystemExit, match=f"--out {blocker / 'prof'}: cannot create or write this folder"):
+        profile_step.main(["--out", str(blocker / "prof"), "--steps", "1", "--warmup", "0", "wandb.mode=disabled"])
+    assert blocker.read_text() == "kept"
+
+
 def test_unreadable_traces_are_named(tmp_path, capsys):
     (tmp_path / "notes.txt").write_text("not json")
     (tmp_path / "list.json").write_text("[1, 2]")
