@@ -29,6 +29,7 @@ import re
 import secrets
 import shlex
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, List, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
@@ -260,6 +261,32 @@ WANDB_MODES = ("offline", "online", "disabled")
 NOT_A_KEY = "not a config key (a typo?); `python train.py --help` lists them all"
 
 
+@functools.cache
+def config_keys() -> tuple[str, ...]:
+    """Every key of the config, dotted (``trainer.max_steps``), from the typed defaults (``Config``)."""
+    def walk(node: dict, prefix: str):
+        for key, value in node.items():
+            if isinstance(value, dict):
+                yield from walk(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}"
+
+    return tuple(walk(OmegaConf.to_container(OmegaConf.structured(Config), resolve=False), ""))
+
+
+def not_a_key(key: str) -> str:
+    """The one-line refusal of an unknown ``key``, with the closest real key when one is close: the same section's
+    key whose name is closest (difflib's ratio at least 0.7: ``trainer.max_iters`` -> ``trainer.max_steps``), else
+    any key at 0.85 (``model.max_steps`` -> ``trainer.max_steps``)."""
+    import difflib
+
+    section, _, name = key.rpartition(".")
+    names = {k.rpartition(".")[2]: k for k in config_keys() if k.rpartition(".")[0] == section}
+    close = [names[n] for n in difflib.get_close_matches(name, names, n=1, cutoff=0.7)]
+    close = close or difflib.get_close_matches(key, config_keys(), n=1, cutoff=0.85)
+    return f"{key}: {NOT_A_KEY}" + (f"; did you mean {close[0]}?" if close else "")
+
+
 def attn_windows(m: DictConfig) -> Optional[list[int]]:
     """model.attn_window as one int per layer, or None when it is neither an int >= 0 nor such a list of n_layer."""
     w = m.attn_window
@@ -297,7 +324,7 @@ def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -
             f"{k}: has no value; set it on the command line ({k}=...)" for k in missing))
     unknown = unknown_keys(cfg)
     if unknown:  # Hydra's '+key=value' adds keys even to a structured config; nothing would read them
-        raise ConfigError("invalid config:\n  " + "\n  ".join(f"{k}: {NOT_A_KEY}" for k in unknown))
+        raise ConfigError("invalid config:\n  " + "\n  ".join(not_a_key(k) for k in unknown))
     errors: list[str] = []
 
     def check(ok: bool, key: str, msg: str) -> None:
@@ -530,10 +557,25 @@ def compose_config(overrides: Optional[List[str]] = None) -> DictConfig:
     from hydra.core.global_hydra import GlobalHydra
 
     register_configs()
-    if GlobalHydra.instance().is_initialized():  # e.g. called from inside a Hydra app
-        return compose(config_name="config", overrides=list(overrides or []))
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides or []))
+    overrides = list(overrides or [])
+    try:
+        if GlobalHydra.instance().is_initialized():  # e.g. called from inside a Hydra app
+            return compose(config_name="config", overrides=overrides)
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            return compose(config_name="config", overrides=overrides)
+    except ValueError:  # `model=null`: Hydra checks a group's value with a plain ValueError and its traceback
+        group = next((override_key(o) for o in overrides if override_key(o) in _config_groups()
+                      and o.split("=", 1)[-1].strip().lower() == "null"), None)
+        if group is None:
+            raise
+        options = sorted(p.stem for p in Path(CONF_DIR, group).glob("*.yaml"))
+        raise MissingConfigException(f"{group}=null: not an option of {group}", f"{group}/null",
+                                     options) from None
+
+
+def _config_groups() -> set[str]:
+    """The config groups: conf/'s folders (model, data, attn)."""
+    return {p.name for p in Path(CONF_DIR).iterdir() if p.is_dir()}
 
 
 def override_error(e: HydraException) -> str:
@@ -548,7 +590,7 @@ def override_error(e: HydraException) -> str:
         return f"{group}={option}: not an option of {group}; accepted: {', '.join(e.options)}"
     cause = e.__cause__
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and cause.full_key:
-        return f"{cause.full_key}: {NOT_A_KEY}"
+        return not_a_key(cause.full_key)
     if isinstance(cause, ConfigTypeError) and "does not support deletion" in str(cause.msg):  # ~key
         return f"~{cause.full_key}: keys cannot be deleted (every key has a default); set a value instead"
     if isinstance(cause, (ValidationError, ConfigTypeError)) and cause.full_key:  # e.g. a float for an int key

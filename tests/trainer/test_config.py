@@ -352,6 +352,11 @@ def test_help_lists_every_key_with_its_meaning():
     ("attn=fa4", "attn=fa4: not an option of attn; accepted: auto, fa1, fa2, fa3, flex, sdpa, sdpa_cudnn, sdpa_flash"),
     ("model.foo=1", "model.foo: not a config key (a typo?); `python train.py --help` lists them all"),
     ("trainer.nope=1", "trainer.nope: not a config key (a typo?)"),
+    ("trainer.max_iters=30", "trainer.max_iters: not a config key (a typo?); `python train.py --help` lists them "
+                             "all; did you mean trainer.max_steps?"),
+    ("model.n_heads=4", "model.n_heads: not a config key (a typo?); `python train.py --help` lists them all; did you "
+                        "mean model.n_head?"),
+    ("model=null", "model=null: not an option of model; accepted: baby, gpt2, llama_1b, llama_small, tiny"),
     ("trainer.max_steps=many", "trainer.max_steps: Value 'many' of type 'str' could not be converted to Integer"),
     ("trainer.max_steps=1e3", "trainer.max_steps: Value '1000.0' of type 'float' could not be converted to Integer"),
     ("trainer.compile=maybe", "trainer.compile: Value 'maybe' is not a valid bool (type str)"),
