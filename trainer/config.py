@@ -139,10 +139,10 @@ class CkptConfig:
 @dataclass
 class WandbConfig:
     mode: str = "offline"              # offline | online | disabled
-    project: str = "flash-gpt"
+    project: str = "flash-gpt"         # W&B project the runs go to
     entity: Optional[str] = None       # W&B team or user; null = your default
     group: Optional[str] = None        # W&B run group
-    tags: List[str] = field(default_factory=list)
+    tags: List[str] = field(default_factory=list)  # W&B run tags, e.g. '[a,b]'
 
 
 RUN_NAME_FORMAT = "%Y-%m-%d_%H-%M-%S"  # default run.name: launch time + random suffix (torchrun: rank 0's)

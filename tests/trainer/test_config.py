@@ -335,6 +335,7 @@ def test_help_lists_every_key_with_its_meaning():
     lines = {line.split()[0]: line for line in out.stdout.splitlines() if line.startswith("  ") and line.split()}
     keys = [k for k in _leaf_keys(OmegaConf.to_container(compose_config([]), resolve=False))]
     assert keys and all(k in lines for k in keys), sorted(set(keys) - set(lines))
+    assert all(len(lines[k].split()) >= 3 for k in keys), [k for k in keys if len(lines[k].split()) < 3]  # a meaning
     assert lines["optim.lr"].split()[1] == "0.01" and "peak learning rate" in lines["optim.lr"]
     assert "<computed>" in lines["run.name"] and "model: baby, gpt2, llama_1b, llama_small, tiny" in out.stdout
     # YAML's word, as typed in an override: `model.n_kv_head=None` would be the string "None".
