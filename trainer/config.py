@@ -558,6 +558,7 @@ def compose_config(overrides: Optional[List[str]] = None) -> DictConfig:
 
     register_configs()
     overrides = list(overrides or [])
+    check_bool_overrides(overrides)
     try:
         if GlobalHydra.instance().is_initialized():  # e.g. called from inside a Hydra app
             return compose(config_name="config", overrides=overrides)
@@ -571,6 +572,36 @@ def compose_config(overrides: Optional[List[str]] = None) -> DictConfig:
         options = sorted(p.stem for p in Path(CONF_DIR, group).glob("*.yaml"))
         raise MissingConfigException(f"{group}=null: not an option of {group}", f"{group}/null",
                                      options) from None
+
+
+BOOL_WORDS = ("true", "false", "yes", "no", "on", "off", "y", "n", "1", "0")  # OmegaConf's for a bool
+
+
+@functools.cache
+def bool_keys() -> frozenset[str]:
+    """The keys whose value is a bool (``BooleanNode`` in the typed defaults)."""
+    from omegaconf.nodes import BooleanNode
+
+    base = OmegaConf.structured(Config)
+    node = lambda section, name: (OmegaConf.select(base, section) if section else base)._get_node(name)
+    return frozenset(k for k in config_keys() if isinstance(node(*k.rpartition(".")[::2]), BooleanNode))
+
+
+def check_bool_overrides(overrides: Sequence[str]) -> None:
+    """ConfigCompositionException naming a bool key given a number other than 0 / 1 (OmegaConf takes any integer,
+    so ``model.bias=2`` would read as true); its other words and errors are OmegaConf's."""
+    from hydra.errors import ConfigCompositionException
+
+    for o in overrides:
+        key, eq, value = o.lstrip("+").partition("=")
+        value = value.strip().strip("'\"")
+        if eq and key in bool_keys() and value.lower() not in BOOL_WORDS + ("null",):
+            try:
+                int(value)
+            except ValueError:
+                continue  # not a number: OmegaConf refuses it in its own words
+            raise ConfigCompositionException(f"{key}: Value '{value}' is not a valid bool; accepted true or false "
+                                             "(also yes / no, on / off, 1 / 0)")
 
 
 def _config_groups() -> set[str]:

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
 from model.backends import BACKENDS, REGISTRY
@@ -358,6 +359,8 @@ def test_help_lists_every_key_with_its_meaning():
     ("model.n_heads=4", "model.n_heads: not a config key (a typo?); `python train.py --help` lists them all; did you "
                         "mean model.n_head?"),
     ("model=null", "model=null: not an option of model; accepted: baby, gpt2, llama_1b, llama_small, tiny"),
+    ("model.bias=2", "model.bias: Value '2' is not a valid bool; accepted true or false (also yes / no, on / off, "
+                     "1 / 0)"),
     ("trainer.max_steps=many", "trainer.max_steps: Value 'many' of type 'str' could not be converted to Integer"),
     ("trainer.max_steps=1e3", "trainer.max_steps: Value '1000.0' of type 'float' could not be converted to Integer"),
     ("trainer.compile=maybe", "trainer.compile: Value 'maybe' is not a valid bool (type str)"),
@@ -510,3 +513,12 @@ def test_fp8_converts_the_linear_layers_it_can():
     names = {n for n, mod in m.named_modules() if type(mod).__name__ == "Float8Linear"}
     assert names == {"lm_head"} | {f"transformer.h.{i}.attn.{p}" for i in range(2) for p in ("c_attn", "c_proj")}
     assert m.lm_head.weight is weight is m.transformer.wte.weight
+
+
+@pytest.mark.parametrize("override,value", [("trainer.compile=yes", True), ("trainer.compile=1", True),
+                                            ("model.bias=0", False), ("model.bias=Off", False),
+                                            ("data.document_mask=true", True)])
+def test_booleans_take_omegaconfs_words(override, value):
+    """A bool key takes true / false and OmegaConf's other words for them (any other number is refused above)."""
+    key = override.split("=")[0]
+    assert OmegaConf.select(compose_config([override]), key) is value
