@@ -504,13 +504,15 @@ def validate_against_data(cfg: DictConfig, train_tokens: int, val_tokens: int, d
     """Checks that need the prepared data. Raises ConfigError naming the key."""
     errors = []
     T = cfg.model.block_size
-    if T + 1 > min(train_tokens, val_tokens):
+    needed = (train_tokens, val_tokens) if cfg.eval.iters > 0 else (train_tokens,)  # eval.iters=0 reads no val
+    if T + 1 > min(needed):
         splits = (f"the {cfg.data.name!r} splits have {train_tokens} train / {val_tokens} val tokens and need at "
                   f"least block_size + 1 = {T + 1}")
         if T + 1 <= (train_tokens + val_tokens) // 10:  # a 90/10 split would fit: data.val_fraction is the cause
             errors.append(f"data.val_fraction={cfg.data.val_fraction}: leaves a split too short; {splits}")
         else:
-            errors.append(f"model.block_size={T}: longer than the data allows; {splits}")
+            errors.append(f"model.block_size={T}: longer than the data allows; {splits}"
+                          + ("; eval.iters=0 trains without the val split" if T + 1 <= train_tokens else ""))
     if cfg.model.vocab_size is not None and cfg.model.vocab_size < data_vocab:
         errors.append(f"model.vocab_size={cfg.model.vocab_size}: smaller than the tokenizer's vocabulary "
                       f"({data_vocab}); use model.vocab_size=null (= data vocabulary, padded) or a value >= {data_vocab}")

@@ -380,6 +380,20 @@ def test_context_longer_than_data_is_rejected_before_training(make_cfg, tmp_path
         train(make_cfg("model.vocab_size=8"))
 
 
+def test_a_val_split_shorter_than_a_context_is_needed_only_with_evaluation(make_cfg, tmp_path):
+    """A val split shorter than block_size + 1 is refused with evaluation on (naming eval.iters=0 as the way out), and
+    trains without it."""
+    small = tmp_path / "small.txt"
+    small.write_text("abcdefghijklmnopqrstuvwxyz" * 2)  # 52 characters: 46 train, 6 val tokens
+    overrides = (f"data.files={small}", "data.name=small52", "model.block_size=8", "trainer.max_steps=2",
+                 "eval.interval=1", "ckpt.interval=0")
+    with pytest.raises(ConfigError, match="model.block_size=8: longer than the data allows; .* eval.iters=0 trains "
+                                          "without the val split"):
+        train(make_cfg(*overrides))
+    summary = train(make_cfg(*overrides, "eval.iters=0"))
+    assert summary.step == 2 and summary.final_val_loss is None
+
+
 def test_a_val_fraction_that_starves_the_train_split_is_blamed(make_cfg):
     """Enough tokens overall, but data.val_fraction leaves train shorter than a context: name data.val_fraction."""
     with pytest.raises(ConfigError, match=r"data.val_fraction=0.99999: leaves a split too short"):
