@@ -200,6 +200,7 @@ class Trainer:
         masks += ["within each document (data.document_mask)"] if cfg.data.document_mask else []
         if masks:
             log.info("attention masks: causal, %s", ", ".join(masks))
+            model.backend.warn_masks()
         if self.model_args.attn_softcap:
             log.info("attention logit soft-capping: %g (model.attn_softcap)", self.model_args.attn_softcap)
         loss = resolve_loss(self.model_args.loss, self.device.type)

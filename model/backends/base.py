@@ -138,6 +138,11 @@ class Backend:
             raise ValueError(f"attn={self.name} has no attention logit soft-capping (softcap={softcap}: "
                              f"model.attn_softcap); use one of: {', '.join(backends_with('supports_softcap'))}")
 
+    def warn_masks(self) -> None:
+        """Called once by the trainer, outside any compiled region, when a window or documents are on: a backend
+        whose masks cost far more than its unmasked attention warns here (a warning inside a compiled step would
+        break its graph, so it is not given there)."""
+
     def refuse_masks(self, window: int, docs: Optional[torch.Tensor]) -> None:
         if window and not self.supports_window:
             raise ValueError(f"attn={self.name} has no sliding-window attention (a layer has a window of {window} "

@@ -33,14 +33,21 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0
 _WARNED_DENSE_MASK = []
 
 
+def warn_dense_mask(stacklevel: int = 2) -> None:
+    """Once per process: a window or documents make SDPA's mask dense, which is slow."""
+    if _WARNED_DENSE_MASK:
+        return
+    _WARNED_DENSE_MASK.append(True)
+    msg = ("attn=sdpa with model.attn_window or data.document_mask: a dense (T, T) mask, which takes SDPA off "
+           "its fast kernels (slow; attn=fa2 skips the key blocks outside the window and the documents)")
+    warnings.warn(msg, RuntimeWarning, stacklevel=stacklevel + 1)
+
+
 def dense_mask(batch: int, seqlen: int, window: int, docs: Optional[torch.Tensor], device) -> torch.Tensor:
     """(batch or 1, 1, T, T) boolean mask, True = visible: key j for query i iff j <= i, i - window < j if
     window > 0 (the kernels' window_size=(window - 1, 0)), and i, j in one segment of docs if given."""
-    if not _WARNED_DENSE_MASK and not torch.compiler.is_compiling():  # a warning would break the graph
-        _WARNED_DENSE_MASK.append(True)
-        msg = ("attn=sdpa with model.attn_window or data.document_mask: a dense (T, T) mask, which takes SDPA off "
-               "its fast kernels (slow; attn=fa2 skips the key blocks outside the window and the documents)")
-        warnings.warn(msg, RuntimeWarning, stacklevel=4)
+    if not torch.compiler.is_compiling():  # a warning would break the graph (the trainer warns before: warn_masks)
+        warn_dense_mask(stacklevel=4)
     i = torch.arange(seqlen, device=device)[:, None]
     j = torch.arange(seqlen, device=device)[None, :]
     mask = (j <= i) & (j > i - window) if window else j <= i
@@ -76,6 +83,9 @@ class SdpaBackend(Backend):
                   softcap: float = 0.0) -> torch.Tensor:
         self.refuse_softcap(softcap)
         return sdpa(q, k, v, dropout_p, causal, window, docs)
+
+    def warn_masks(self) -> None:
+        warn_dense_mask()
 
     def kv_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
                      causal: bool = True, softcap: float = 0.0) -> torch.Tensor:

@@ -1036,3 +1036,20 @@ def test_sample_py_prints_a_warning_as_one_line(capsys):
 
     sample.show_warning(UserWarning("attn=sdpa with a window: slow"), UserWarning, "/x/model/gpt.py", 163)
     assert capsys.readouterr().err == "UserWarning: attn=sdpa with a window: slow\n"
+
+
+def test_sdpas_dense_mask_is_warned_once_before_training(make_cfg, monkeypatch):
+    """attn=sdpa with documents: the dense-mask warning comes once, from the trainer before the first step (the
+    model's own is skipped inside a compiled step, where it would break the graph)."""
+    from model.backends import sdpa
+
+    monkeypatch.setattr(sdpa, "_WARNED_DENSE_MASK", [])
+    with pytest.warns(RuntimeWarning, match=r"dense \(T, T\) mask") as record:
+        train(make_cfg("data.document_mask=true", "trainer.max_steps=1", "run.name=dense", "eval.iters=0"))
+    assert sum("dense (T, T) mask" in str(w.message) for w in record) == 1
+    events = []
+    real_warn, real_forward = sdpa.SdpaBackend.warn_masks, GPT.forward
+    monkeypatch.setattr(sdpa.SdpaBackend, "warn_masks", lambda self: (events.append("warn"), real_warn(self))[1])
+    monkeypatch.setattr(GPT, "forward", lambda self, *a, **k: (events.append("forward"), real_forward(self, *a, **k))[1])
+    train(make_cfg("data.document_mask=true", "trainer.max_steps=1", "run.name=dense2", "eval.iters=0"))
+    assert events[:2] == ["warn", "forward"] and events.count("warn") == 1
