@@ -264,35 +264,35 @@ def test_ratio_table_and_plots_of_dense_rows(tmp_path, capsys):
     assert all(p.stat().st_size > 0 for p in paths)
 
 
-def test_out_naming_a_file_is_one_line(tmp_path):
-    """--out naming an existing file: one line naming it, for bench.attention and bench.generate; the file kept."""
+def _refused_out(target, message):
+    """bench.attention and bench.generate with --out `target` (small CPU runs) each stop with `message`."""
     from bench import generate
 
-    target = tmp_path / "afile"
-    target.write_text("kept")
-    with pytest.raises(SystemExit, match=f"--out {target}: a file, not a folder"):
+    with pytest.raises(SystemExit, match=message):
         attention.main(["--shape", "decode", "--out", str(target), "--dtype", "float32", "--heads", "2",
                         "--head-dims", "16", "--seqlens", "16", "--batch", "1", "--backends", "sdpa"])
-    with pytest.raises(SystemExit, match=f"--out {target}: a file, not a folder"):
+    with pytest.raises(SystemExit, match=message):
         generate.main(["--out", str(target), "--model", "tiny", "--device", "cpu", "--backends", "sdpa", "--modes",
                        "eager", "--batch", "1", "--new-tokens", "2"])
+
+
+def test_out_naming_a_file_is_one_line(tmp_path):
+    """--out naming an existing file: one line naming it, for bench.attention and bench.generate; the file kept."""
+    target = tmp_path / "afile"
+    target.write_text("kept")
+    _refused_out(target, f"--out {target}: a file, not a folder")
     assert target.read_text() == "kept"
 
 
 def test_out_that_cannot_be_made_is_one_line(tmp_path):
     """--out under a file (no folder can be made there): one line naming it and why, for every bench tool that
     writes results through `bench.results_folder`; the file kept."""
-    from bench import generate, results_folder
+    from bench import results_folder
 
     blocker = tmp_path / "afile"
     blocker.write_text("kept")
     target = blocker / "results"
-    with pytest.raises(SystemExit, match=f"--out {target}: cannot create or write this folder \\(Not a directory\\)"):
-        attention.main(["--shape", "decode", "--out", str(target), "--dtype", "float32", "--heads", "2",
-                        "--head-dims", "16", "--seqlens", "16", "--batch", "1", "--backends", "sdpa"])
-    with pytest.raises(SystemExit, match=f"--out {target}: cannot create or write this folder"):
-        generate.main(["--out", str(target), "--model", "tiny", "--device", "cpu", "--backends", "sdpa", "--modes",
-                       "eager", "--batch", "1", "--new-tokens", "2"])
+    _refused_out(target, f"--out {target}: cannot create or write this folder \\(Not a directory\\)")
     with pytest.raises(SystemExit, match=f"run.root {target}: cannot create or write this folder"):
         results_folder(str(target), "run.root")
     assert blocker.read_text() == "kept" and results_folder(str(tmp_path / "new" / "deep")).is_dir()

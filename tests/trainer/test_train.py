@@ -293,16 +293,22 @@ def test_cli_ctrl_c_while_loading_is_one_line(module, signum):
     assert proc.stderr == "interrupted before training started; nothing to save\n" and proc.stdout == ""
 
 
+def _faulty_run(args, **faults):
+    """(exit code, output) of one train.py process run through tests/trainer/torchrun_entry.py with its fault
+    injection (`faults`: its environment variables, e.g. TEST_INTERRUPT_BUILD="0")."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": "0", **faults}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "trainer" / "torchrun_entry.py"), *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
 def test_cli_ctrl_c_before_training_says_nothing_was_trained(tiny_overrides, tmp_path):
     """A (first) Ctrl-C while the model is built, before the training loop handles signals: exit 130, one line
     saying nothing was trained, not the second Ctrl-C's message, and the run folder it had made is gone again; a
     folder that was there before (a resume) stays, with its checkpoints."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": "0", "TEST_INTERRUPT_BUILD": "0"}
     args = [a for a in tiny_overrides if not a.startswith("run.")] + [f"run.root={tmp_path}", "run.name=early"]
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "trainer" / "torchrun_entry.py"), *args], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 128 + signal.SIGINT, out[-3000:]
+    code, out = _faulty_run(args, TEST_INTERRUPT_BUILD="0")
+    assert code == 128 + signal.SIGINT, out[-3000:]
     assert "interrupted before training started; nothing to save" in out and "Traceback" not in out, out[-3000:]
     assert "second Ctrl-C" not in out and not (tmp_path / "early").exists()
     kept = tmp_path / "kept"
@@ -311,22 +317,17 @@ def test_cli_ctrl_c_before_training_says_nothing_was_trained(tiny_overrides, tmp
                           text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0 and list_checkpoints(kept), (done.stdout + done.stderr)[-3000:]
     before = sorted(p.name for p in kept.rglob("*"))
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "trainer" / "torchrun_entry.py"), *args,
-                           "trainer.max_steps=6"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 128 + signal.SIGINT, (proc.stdout + proc.stderr)[-3000:]
+    code, out = _faulty_run([*args, "trainer.max_steps=6"], TEST_INTERRUPT_BUILD="0")
+    assert code == 128 + signal.SIGINT, out[-3000:]
     assert set(before) <= {p.name for p in kept.rglob("*")}  # nothing of the earlier run removed
 
 
 def test_cli_sigterm_before_training_leaves_no_folder(tiny_overrides, tmp_path):
     """SIGTERM while the model is built, before the training loop handles signals: as a Ctrl-C there (one line, the
     new run folder gone again), with exit 143."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": "0", "TEST_INTERRUPT_BUILD": "0",
-           "TEST_INTERRUPT_SIGNAL": "TERM"}
     args = [a for a in tiny_overrides if not a.startswith("run.")] + [f"run.root={tmp_path}", "run.name=early"]
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "trainer" / "torchrun_entry.py"), *args], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    code, out = _faulty_run(args, TEST_INTERRUPT_BUILD="0", TEST_INTERRUPT_SIGNAL="TERM")
+    assert code == 128 + signal.SIGTERM, out[-3000:]
     assert "interrupted before training started; nothing to save" in out and "Traceback" not in out, out[-3000:]
     assert not (tmp_path / "early").exists() and list(tmp_path.iterdir()) == []
 
@@ -334,13 +335,10 @@ def test_cli_sigterm_before_training_leaves_no_folder(tiny_overrides, tmp_path):
 def test_cli_interrupt_while_closing_keeps_the_trained_run(tiny_overrides, tmp_path):
     """A Ctrl-C after the training loop (while W&B finishes) in a new run's folder: exit 130 and one line naming the
     checkpoint to resume from; the folder and its checkpoints stay."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": "0", "TEST_INTERRUPT_CLOSE": "0"}
     args = [a for a in tiny_overrides if not a.startswith("run.")] + [f"run.root={tmp_path}", "run.name=closing",
                                                                         "trainer.max_steps=3"]
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "trainer" / "torchrun_entry.py"), *args], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 128 + signal.SIGINT, out[-3000:]
+    code, out = _faulty_run(args, TEST_INTERRUPT_CLOSE="0")
+    assert code == 128 + signal.SIGINT, out[-3000:]
     assert ("interrupted after the training loop (while the run was closing); the run folder is kept (resume "
             "continues from step_00000003.pt)") in out and "Traceback" not in out, out[-3000:]
     assert [p.name for p in list_checkpoints(tmp_path / "closing")] == ["step_00000003.pt"]
