@@ -277,7 +277,7 @@ def config_keys() -> tuple[str, ...]:
 def not_a_key(key: str) -> str:
     """The one-line refusal of an unknown ``key``, with the closest real key when one is close: the same section's
     key whose name is closest (difflib's ratio at least 0.7: ``trainer.max_iters`` -> ``trainer.max_steps``), else
-    any key at 0.85 (``model.max_steps`` -> ``trainer.max_steps``)."""
+    any key at 0.85 (``train.max_steps`` -> ``trainer.max_steps``)."""
     import difflib
 
     section, _, name = key.rpartition(".")
