@@ -595,7 +595,7 @@ def check_bool_overrides(overrides: Sequence[str]) -> None:
     from hydra.errors import ConfigCompositionException
 
     for o in overrides:
-        key, eq, value = o.lstrip("+").partition("=")
+        key, (_, eq, value) = override_key(o), o.partition("=")
         value = value.strip().strip("'\"")
         if eq and key in bool_keys() and value.lower() not in BOOL_WORDS + ("null",):
             try:
