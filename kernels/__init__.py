@@ -13,6 +13,7 @@ qkv tensor (a fused projection's output) and write its gradient in place.
     fa3.py             FlashAttention-3: `plan()` (Gluon kernel or FA2, from one table of rules), configs, launchers
     fa3_hopper.py      the Gluon forward (warp-specialised, ping-pong, persistent)
     fa3_hopper_bwd.py  the Gluon backward (dQ through TMA reduce-adds)
+    fa3_schedule.py    packed sequences' per-row key bounds and longest-first tile orders, for both
     gluon_compat.py    what differs between Triton 3.6 and 3.9 (Gluon names, a PTX fix), in one place
     decode.py          split-K/V decode kernel (softcap too)
     cross_entropy.py   the loss of model.loss=fused: each row's cross-entropy, its gradient written over the logits

@@ -40,6 +40,7 @@ from .common import (
     INTERPRET, LAUNCH_OPTIONS, bwd_preprocess, cdiv, empty_like_layout, grad_buffers, next_power_of_2, use_tma,
 )
 from .launch import launch
+from .fa3_schedule import block_order, doc_bounds, tile_order
 
 # Triton releases (major.minor) whose Gluon Hopper API the kernels are written for: `kernels/gluon_compat.py` maps
 # their differences; `tools/check_triton_versions.sh` compiles both kernels on each.
@@ -377,24 +378,6 @@ def same_offsets(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> bool
     return bool(torch.equal(cu_seqlens_q, cu_seqlens_k))
 
 
-def doc_bounds(cu_seqlens: torch.Tensor, total: int, before: int, after: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each position i of `total` packed positions, [start, limit): the positions of its own sequence (rows
-    cu_seqlens[b]:cu_seqlens[b + 1]) from i - before to i + after (-1: unlimited on that side). Two int32 (total,)
-    tensors, both non-decreasing in i (what the Gluon kernels' tile ranges rely on).
-
-    Packed self-attention with window (left, right) (`fa2.window_edges`, causal: right = 0): row i sees keys
-    doc_bounds(cu, total, left, right), and key j is seen by rows doc_bounds(cu, total, right, left), flash-attn's
-    varlen mask when every sequence has as many queries as keys."""
-    pos = torch.arange(total, device=cu_seqlens.device, dtype=torch.int32)
-    seq = torch.searchsorted(cu_seqlens, pos, right=True, out_int32=True) - 1  # empty sequences are skipped
-    start, limit = cu_seqlens[seq], cu_seqlens[seq + 1]
-    if before >= 0:
-        start = torch.maximum(start, pos - before)
-    if after >= 0:
-        limit = torch.minimum(limit, pos + (after + 1))
-    return start, limit
-
-
 def _no_bounds(device) -> torch.Tensor:
     """The bounds pointers' stand-in when there are no packed sequences (never read). A new one per call, not a
     cached one: made during the warm-up of torch.compile's CUDA graphs (`mode="reduce-overhead"`), a cached
@@ -606,32 +589,6 @@ def _band(q, k, causal: bool, window_size, cu_seqlens_q, cu_seqlens_k, max_seqle
               or same_offsets(cu_seqlens_q, cu_seqlens_k))
     return causal or varlen or tuple(window_size) != (-1, -1), dict(
         window_left=left, window_right=right, varlen=varlen, shared_offsets=shared)
-
-
-def _block_edges(bounds: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first and last positions of each `size`-long block of the packed positions `bounds` covers."""
-    total = bounds.shape[0]
-    first = torch.arange(0, total, size, device=bounds.device)
-    return first, (first + size).clamp(max=total) - 1
-
-
-def tile_order(key_start: torch.Tensor, key_limit: torch.Tensor, rows: int, block_n: int, n_bh: int) -> torch.Tensor:
-    """The Gluon forward's tiles over packed sequences, longest first: int32 (n_tiles,) tile numbers
-    bh * n_tiles_m + m (tile m: rows [m * rows, (m + 1) * rows) of head bh), sorted by the K/V blocks their rows'
-    bounds (`doc_bounds`) span, every head of one row block together. The kernel deals them out in a snake
-    (`fa3_hopper._tile`)."""
-    first, last = _block_edges(key_start, rows)
-    blocks = (key_limit[last] + block_n - 1) // block_n - key_start[first] // block_n
-    order = torch.argsort(blocks, descending=True, stable=True).to(torch.int32)
-    heads = torch.arange(n_bh, device=key_start.device, dtype=torch.int32) * first.shape[0]
-    return (order[:, None] + heads[None, :]).flatten()
-
-
-def block_order(query_start: torch.Tensor, query_limit: torch.Tensor, block_n: int) -> torch.Tensor:
-    """The Gluon backward's key blocks over packed sequences, longest first: int32 block numbers sorted by the
-    query rows that see them (`doc_bounds` from the keys' side)."""
-    first, last = _block_edges(query_start, block_n)
-    return torch.argsort(query_limit[last] - query_start[first], descending=True, stable=True).to(torch.int32)
 
 
 # What packed sequences' calls derive from their offsets (`doc_bounds`, then the tile orders), made once per tensor:

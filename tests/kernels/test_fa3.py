@@ -25,7 +25,7 @@ from kernels import (
     fa2, fa2_attention, fa2_varlen_attention, fa3, fa3_attention, fa3_qkvpacked_attention, fa3_varlen_attention,
     fa3_varlen_qkvpacked_attention,
 )
-from kernels import launch as launch_mod
+from kernels import fa3_schedule, launch as launch_mod
 from kernels.common import grad_buffers
 from test_attention import reference
 
@@ -1005,6 +1005,66 @@ def test_doc_bounds_match_a_loop(seed, before, after):
     assert start.dtype == limit.dtype == torch.int32
     assert (start.tolist(), limit.tolist()) == _doc_bounds_loop(lengths, before, after)
     assert (start.diff() >= 0).all() and (limit.diff() >= 0).all()
+
+
+def test_doc_bounds_over_many_sequences_and_programs(monkeypatch):
+    """More offsets than `_doc_bounds` compares at a time and more positions than one program takes (the masked
+    tail included), into outputs poisoned beforehand: every position written, as the loop gives; no positions, no
+    launch."""
+    rng = random.Random(7)
+    lengths = [rng.choice([0, 1, rng.randint(2, 20)]) for _ in range(3 * fa3_schedule.OFFSETS_BLOCK)] + [5]
+    total = sum(lengths)
+    assert total > fa3_schedule.BOUNDS_BLOCK and total % fa3_schedule.BOUNDS_BLOCK
+    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32)
+    poisoned = lambda *shape, **kw: torch.full(shape, -7, dtype=kw["dtype"], device=kw["device"])
+    monkeypatch.setattr(fa3_schedule.torch, "empty", poisoned)
+    for before, after in ((-1, 0), (4, 2)):
+        start, limit = fa3.doc_bounds(cu, total, before, after)
+        assert (start.tolist(), limit.tolist()) == _doc_bounds_loop(lengths, before, after)
+    start, limit = fa3.doc_bounds(torch.zeros(3, dtype=torch.int32), 0, -1, 0)
+    assert start.shape == limit.shape == (0,)
+
+
+def test_schedule_kernels_compile_for_sm90():
+    """The bounds kernel, and the one-program sort at its smallest and largest block, compiled for sm_90 without
+    a GPU (what only the GPU compiler rejects, the interpreter runs)."""
+    code = ("from kernels import fa3_schedule as s\n"
+            "for args in (('bounds',), ('order', 16, True), ('order', s.SORT_MAX, False)):\n"
+            "    k = s.compile_for_sm90(*args)\n"
+            "    print(k.metadata.num_warps, 'st.global' in k.asm['ptx'])")
+    assert compile_in_fresh_process(code) == [["4", "True"], ["4", "True"], ["8", "True"]]
+    with pytest.raises(ValueError, match="accepted 'bounds' and 'order'"):
+        fa3_schedule.compile_for_sm90("sort")
+
+
+def _longest_first_reference(start, limit, size, block_n, n_bh, tiles):
+    """A stable descending sort of the blocks of `size` positions by their extent, written out."""
+    total = len(start)
+    n = -(-total // size)
+    def extent(m):
+        lo, hi = int(start[m * size]), int(limit[min((m + 1) * size, total) - 1])
+        return -(-hi // block_n) - lo // block_n if tiles else hi - lo
+    order = sorted(range(n), key=lambda m: (-extent(m), m))
+    return [m + bh * n for m in order for bh in range(n_bh)]
+
+
+@pytest.mark.parametrize("sort_max", [None, 4])
+def test_tile_and_block_orders_match_a_stable_sort(monkeypatch, sort_max):
+    """Ties in row order, in one program's sort and in torch's argsort past `SORT_MAX` blocks alike."""
+    if sort_max is not None:
+        monkeypatch.setattr(fa3_schedule, "SORT_MAX", sort_max)
+    rng = random.Random(3)
+    lengths = [rng.choice([1, 64, rng.randint(2, 300)]) for _ in range(15)]
+    total = sum(lengths)
+    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32)
+    key_start, key_limit = fa3.doc_bounds(cu, total, -1, 0)
+    for rows, block_n, n_bh in ((128, 64, 3), (192, 128, 1)):
+        order = fa3.tile_order(key_start, key_limit, rows, block_n, n_bh)
+        assert order.dtype == torch.int32
+        assert order.tolist() == _longest_first_reference(key_start, key_limit, rows, block_n, n_bh, True)
+    query_start, query_limit = fa3.doc_bounds(cu, total, 0, -1)
+    blocks = fa3.block_order(query_start, query_limit, 64)
+    assert blocks.tolist() == _longest_first_reference(query_start, query_limit, 64, 1, 1, False)
 
 
 def test_packed_sequences_run_gluon_with_one_set_of_offsets():
