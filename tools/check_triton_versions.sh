@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# Compile both Gluon FA3 kernels for sm_90 (no GPU needed) on each Triton release, each in a throwaway venv that
-# sees this machine's torch (--system-site-packages) and installs only `triton==VERSION`.
+# Compile both Gluon FA3 kernels and the packed-sequence schedule's Triton kernels for sm_90 (no GPU needed) on
+# each Triton release, each in a throwaway venv that sees this machine's torch (--system-site-packages) and
+# installs only `triton==VERSION`.
 #   bash tools/check_triton_versions.sh               # 3.6.0 3.7.1 3.8.0 3.9.0
 #   bash tools/check_triton_versions.sh 3.9.0 3.10.0  # any releases
 # Prints one line per release and kernel: how many of its variants compiled (the dense ones, then sliding window,
 # packed documents, softcap and GQA, then the narrow-window and packed-document configs and the backward's
-# short-key one; the largest shared memory) or the reason it falls back to FA2. A warning Triton gives while
-# compiling is printed as is.
+# short-key one; the largest shared memory), then the schedule's kernels, or the reason it falls back to FA2. A
+# warning Triton gives while compiling is printed as is.
 set -u
 for arg in "$@"; do
   case $arg in
-    -h|--help) sed -n '2,9p' "$0" | cut -c3-; exit 0 ;;
+    -h|--help) sed -n '2,10p' "$0" | cut -c3-; exit 0 ;;
     [0-9]*.[0-9]*) ;;
     *) echo "check_triton_versions.sh: $arg: expected Triton release numbers such as 3.9.0 (or --help)" >&2; exit 2 ;;
   esac
@@ -64,5 +65,15 @@ for kernel in ("fwd", "bwd"):
           f"bf16/fp16; window, documents, softcap, GQA 4; the {'short, ' if kernel == 'bwd' else ''}narrow-window "
           "and packed-document configs; "
           f"max shared memory {shared} B)")
+from kernels import fa3_schedule
+ok = []
+for args in (("bounds",), ("order", 16, True), ("order", fa3_schedule.SORT_MAX, False)):
+    try:
+        fa3_schedule.compile_for_sm90(*args)
+        ok.append(args)
+    except Exception as e:
+        print(f"triton {version} schedule {args}: FAILED {type(e).__name__}: {str(e)[:200]}")
+print(f"triton {version} packed-sequence schedule: {len(ok)} of 3 compiled for sm_90 (bounds; the sort at 16 "
+      f"and {fa3_schedule.SORT_MAX} keys)")
 PY
 done
