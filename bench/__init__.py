@@ -14,6 +14,9 @@ Developer tools (kernel tuning, profiling) are in tools/.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
+import sys
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -64,6 +67,17 @@ def fallback(backend: str, device: torch.device, dtype: torch.dtype, head_dim: i
         if reason is None and backward.warn:  # head_dim 256: the Gluon forward, FA2's backward
             return f"FA2's Triton kernels in the backward ({backward.reason})"
     return None if reason is None else f"FA2's Triton kernels ({reason})"
+
+
+@contextlib.contextmanager
+def exit_on_interrupt(tool: str, kept: str):
+    """Ctrl-C inside the block ends the benchmark with one line on stderr, "<tool>: interrupted; <kept>" (`kept`:
+    what is on disk), and exit status 130 (128 + SIGINT), instead of a traceback through torch.compile."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        print(f"{tool}: interrupted; {kept}", file=sys.stderr)
+        raise SystemExit(128 + signal.SIGINT) from None
 
 
 def results_folder(out: str, option: str = "--out") -> Path:

@@ -44,7 +44,7 @@ from typing import NamedTuple
 import torch
 import torch._functorch.config  # the donated_buffer switch used in measure()
 
-from bench import HelpFormatter, csv_list, fallback, results_folder
+from bench import HelpFormatter, csv_list, exit_on_interrupt, fallback, results_folder
 from bench.report import Column, Table, environment, line_plot, write_csv, write_json
 from model.backends import REGISTRY  # first: it sets TRITON_INTERPRET without a GPU, which kernels reads on import
 from kernels.frontend import MAX_HEAD_DIM, MIN_HEAD_DIM
@@ -391,10 +391,9 @@ def main(argv=None):
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(cases(args)) + 8)
     out_dir = results_folder(args.out)
     stem = out_dir / ("attention" if args.shape == "grid" else f"attention_{args.shape}")
-    if args.shape == "decode":
-        rows = run_decode(args, dtype, device)
-    else:
-        rows = run_dense(args, dtype)
+    with exit_on_interrupt("bench.attention", "nothing was written (the files are written once every case has run)"):
+        rows = run_decode(args, dtype, device) if args.shape == "decode" else run_dense(args, dtype)
+    if args.shape != "decode":
         print_ratios(rows)
     notes = fallback_notes(args.backends, device, dtype, args.head_dims)
     print("".join(f"note: {n}\n" for n in notes), end="")

@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from bench import HelpFormatter, csv_list, results_folder
+from bench import HelpFormatter, csv_list, exit_on_interrupt, results_folder
 from bench.report import Column, Table, environment, write_csv, write_json
 from model.backends import BACKENDS, REGISTRY
 
@@ -315,7 +315,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     todo = cases(args.backends, args.batch, args.cache, args.modes)
     print(f"{len(todo)} cases, in this order: " + "; ".join(f"{be} b{b} cache {c} {m}" for b, be, c, m in todo))
-    rows, skipped, errors = run_cases(todo, args, stem, t_start + args.max_seconds if args.max_seconds else None)
+    with exit_on_interrupt("bench.generate", f"the rows measured before the case in flight are in {stem}.csv"):
+        rows, skipped, errors = run_cases(todo, args, stem, t_start + args.max_seconds if args.max_seconds else None)
     summary = add_speedups(rows)
     print("\n" + TABLE.render(rows))
     print("\n".join(summary))

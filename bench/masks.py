@@ -30,12 +30,11 @@ import argparse
 import math
 import os
 import random
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from bench import HelpFormatter
+from bench import HelpFormatter, exit_on_interrupt, results_folder
 from bench.attention import measure
 from bench.report import Column, Table, environment, write_csv, write_json
 
@@ -225,11 +224,11 @@ def main(argv=None):
     if args.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what deterministic cuBLAS needs
         torch.use_deterministic_algorithms(True)
-    rows = [r for mode in (("window", "varlen") if args.mode == "both" else (args.mode,))
-            for r in run(mode, args.backends, args, dtype)]
+    out = results_folder(args.out)
+    with exit_on_interrupt("bench.masks", "nothing was written (the files are written once every case has run)"):
+        rows = [r for mode in (("window", "varlen") if args.mode == "both" else (args.mode,))
+                for r in run(mode, args.backends, args, dtype)]
     print(TABLE.render(rows))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     write_csv(out / "masks.csv", rows, list(dict.fromkeys(k for r in rows for k in r)))  # window and varlen keys
     write_json(out / "masks.json", rows, **environment("cuda"), args=vars(args))
     print(f"wrote {out / 'masks.csv'} and masks.json")

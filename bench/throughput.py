@@ -280,6 +280,10 @@ def parse_args(argv):
     bad = [b for b in args.backends if b not in BACKENDS or b == "auto"]
     if bad:
         parser.error(f"--backends: unknown {bad}; accepted {', '.join(BACKENDS[1:])}")
+    twice = sorted({b for b in args.backends if args.backends.count(b) > 1})
+    if twice:  # each backend's run has one folder, <name>/<backend>
+        parser.error(f"--backends: {', '.join(twice)} given more than once; to time a backend again, give "
+                     "--baseline --repeats N")
     for flag, value, least in (("--steps", args.steps, 1), ("--repeats", args.repeats, 1),
                                ("--warmup", args.warmup, 0)):
         if value < least:

@@ -139,6 +139,21 @@ def test_decode_shape_smoke(tmp_path):
     assert (tmp_path / "attention_decode_b1.png").stat().st_size > 0
 
 
+def test_ctrl_c_ends_with_one_line_and_exit_130(tmp_path, monkeypatch, capsys):
+    """Ctrl-C during the cases: one line saying nothing was written (the files come at the end), exit 130."""
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(attention, "run_decode", interrupted)
+    with pytest.raises(SystemExit) as e:
+        attention.main(["--shape", "decode", "--out", str(tmp_path), "--dtype", "float32", "--heads", "2",
+                        "--head-dims", "16", "--seqlens", "16", "--batch", "1", "--backends", "sdpa"])
+    assert e.value.code == 130
+    assert capsys.readouterr().err.strip() == ("bench.attention: interrupted; nothing was written (the files are "
+                                               "written once every case has run)")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_decode_backends_compute_attention_over_the_cache():
     """The decode shape's functions: one query per (batch, head) against a strided cache prefix, grouped-query
     heads, each equal to a float64 softmax reference."""

@@ -58,7 +58,8 @@ def test_generate_bench_summary_uses_fa2s_static_step_for_fa3():
 
 
 def test_generate_bench_keeps_rows_of_a_killed_run_and_reports_failures(tmp_path, monkeypatch, capsys):
-    """Each row reaches generate.csv as soon as it is measured; a failing case is reported and the others still run."""
+    """Each row reaches generate.csv as soon as it is measured, and Ctrl-C ends the run with one line and exit 130;
+    a failing case is reported and the others still run."""
     calls = []
 
     def fake_time_case(model, batch, prompt_len, new_tokens, kv_cache, mode, repeats):
@@ -75,8 +76,11 @@ def test_generate_bench_keeps_rows_of_a_killed_run_and_reports_failures(tmp_path
     monkeypatch.setattr(generate, "time_case", fake_time_case)
     args = ["--out", str(tmp_path), "--model", "tiny", "--vocab-size", "64", "--device", "cpu", "--backends", "sdpa",
             "--batch", "2,1", "--modes", "eager"]
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit) as e:
         generate.main(args)
+    assert e.value.code == 130  # 128 + SIGINT, one line instead of a traceback
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"bench.generate: interrupted; the rows measured before the case in flight are in {tmp_path}/generate.csv")
     calls.clear()
 
     def fails_once(*args):

@@ -170,6 +170,8 @@ def test_overrides_may_stand_between_the_options():
 
 @pytest.mark.parametrize("argv,message", [
     (["--backends", "sdpa,flash"], "unknown"),
+    (["--backends", "sdpa,fa2,sdpa"], "--backends: sdpa given more than once; to time a backend again, give "
+                                      "--baseline --repeats N"),
     (["--steps", "0"], "--steps 0: must be >= 1"),
     (["--warmup", "-1"], "--warmup -1: must be >= 0"),
     (["--repeats", "3"], "--repeats 3 repeats the trainer runs between bare ones: give --baseline too"),
