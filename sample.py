@@ -22,8 +22,8 @@ from data.tokenizers import tokenizer_from_meta
 from model.backends import REGISTRY, backends_with, resolve_backend
 from model.gpt import GPT, GPTConfig
 from model.kv_cache import KVCache
-from trainer.checkpoint import (CheckpointError, check_weights, checkpoint_dir, clean_state_dict, latest_checkpoint,
-                                load_checkpoint)
+from trainer.checkpoint import (WEIGHTS_KEYS, CheckpointError, check_weights, checkpoint_dir, clean_state_dict,
+                                latest_checkpoint, load_checkpoint, newest_checkpoint)
 from trainer.runtime import NO_CUDA, device_memory
 
 
@@ -38,7 +38,7 @@ def find_checkpoint(run: str, runs_root: str = "runs") -> Path:
         if folder.is_dir():
             if folder.name == "checkpoints" and not checkpoint_dir(folder).is_dir():  # <run>/checkpoints itself
                 folder = folder.parent
-            ckpt = latest_checkpoint(folder)
+            ckpt = newest_checkpoint(folder, "or give that checkpoint's path as --run")
             if ckpt is not None:
                 return ckpt
             empty.append(folder)
@@ -54,10 +54,11 @@ def find_checkpoint(run: str, runs_root: str = "runs") -> Path:
 
 
 def load_model(ckpt_path: Path, device: str = "cpu", attn: str = "auto"):
-    """(model in eval mode on ``device``, tokenizer, checkpoint dict) from a trainer checkpoint. attn: a backend
+    """(model in eval mode on ``device``, tokenizer, checkpoint dict) from a trainer checkpoint, or one stripped to
+    ``WEIGHTS_KEYS`` (the optimizer and training state are not read). attn: a backend
     name, or "auto": sdpa, or for a model with attention logit soft-capping (which sdpa lacks) the backend
     ``attn=auto`` trains it with (``resolve_backend``)."""
-    ckpt = load_checkpoint(ckpt_path)
+    ckpt = load_checkpoint(ckpt_path, WEIGHTS_KEYS)
     args = ckpt["model_args"]
     if attn == "auto":
         softcap = bool(args.get("attn_softcap"))
@@ -183,7 +184,7 @@ def _main(argv: list[str] | None) -> int:
         print(f"error: --compile: torch.compile cannot lower attn={backend.name} on the CPU; run without --compile"
               + ("" if model.config.attn_softcap else ", or with --attn sdpa"), file=sys.stderr)
         return 1
-    print(f"# {ckpt_path} (step {ckpt['step']})", file=sys.stderr)
+    print(f"# {ckpt_path}" + (f" (step {ckpt['step']})" if ckpt.get("step") is not None else ""), file=sys.stderr)
     if args.kv_cache is None:
         args.kv_cache = not model.config.windowed
         if model.config.windowed:

@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^step_(\d+)\.pt$")
 REQUIRED_KEYS = ("model", "optimizer", "step", "tokens_seen", "rng", "sampler", "config", "model_args")
+WEIGHTS_KEYS = ("model", "model_args", "data_meta")  # what sampling needs: a checkpoint stripped of the rest will do
 # Type of every key the trainer and sample.py read (a tuple: any of these).
 KEY_TYPES: dict[str, tuple] = {
     "model": (dict,), "optimizer": (dict,), "scaler": (dict,), "step": (int,), "tokens_seen": (int,),
@@ -153,6 +154,19 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return ckpts[-1] if ckpts else None
 
 
+def newest_checkpoint(run_dir: Path, instead: str) -> Path | None:
+    """``latest_checkpoint``, or UnreadableCheckpoint when an entry named like a later checkpoint is not a file (a
+    folder, a broken link): the latest file would silently stand for a run that went further. ``instead``: the
+    caller's way round it, appended to the message."""
+    path = latest_checkpoint(run_dir)
+    newer = [p for p in not_files(run_dir) if path is None or step_of(p) > step_of(path)]
+    if newer:
+        kind = "a folder" if newer[-1].is_dir() else "not a file (a broken link?)"
+        raise UnreadableCheckpoint(f"checkpoint {newer[-1]} is {kind}; it was left as is: move it out of the "
+                                   f"checkpoints folder to use the one before, {instead}")
+    return path
+
+
 def not_files(run_dir: Path) -> list[Path]:
     """Entries of a run's checkpoints folder named like a checkpoint that are not regular files (a folder, a broken
     link), oldest step first: `list_checkpoints` leaves them out."""
@@ -253,19 +267,23 @@ def _save(state: dict, f) -> None:
         raise
 
 
-def load_checkpoint(path: Path) -> Checkpoint:
+def load_checkpoint(path: Path, keys: tuple[str, ...] = REQUIRED_KEYS) -> Checkpoint:
     """Load a checkpoint onto the CPU. Raises CheckpointError naming ``path`` if the file is missing
     or of a newer format than this code reads; UnreadableCheckpoint (a CheckpointError) if it is not a checkpoint
-    (not a zip file torch.save writes, or a torch file without the trainer's keys) or corrupt (truncated, or
-    changed bytes: every record's CRC-32 in the zip file is checked, one extra read of the file)."""
+    (not a zip file torch.save writes, or a torch file without ``keys``: by default those training resumes from)
+    or corrupt (truncated, or changed bytes: every record's CRC-32 in the zip file is checked, one extra read of
+    the file)."""
     path = Path(path)
     if path.is_dir():
         raise CheckpointError(f"checkpoint {path} is a folder; give a checkpoint file (e.g. "
                               f"<run folder>/checkpoints/step_00000100.pt), or resume a run by its run.name")
-    if not path.is_file():
+    if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist")
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} is not a regular file (a device, a pipe or a socket); give a "
+                              "checkpoint file")
     state = _read(path)
-    missing = [k for k in REQUIRED_KEYS if not isinstance(state, dict) or k not in state]
+    missing = [k for k in keys if not isinstance(state, dict) or k not in state]
     if missing:
         raise UnreadableCheckpoint(f"not a checkpoint file: {path} (a torch file, but not a trainer checkpoint: "
                               f"missing {', '.join(missing)})")

@@ -13,8 +13,8 @@ from omegaconf import DictConfig, OmegaConf
 from model.gpt import GPT, GPTConfig
 from model.layers import mlp_width
 from model.loss import resolve_loss
-from trainer.checkpoint import (Checkpoint, CheckpointError, UnreadableCheckpoint, check_weights, latest_checkpoint,
-                                list_checkpoints, load_checkpoint, not_files, step_of)
+from trainer.checkpoint import (Checkpoint, CheckpointError, UnreadableCheckpoint, check_weights, checkpoint_dir,
+                                list_checkpoints, load_checkpoint, newest_checkpoint, step_of)
 from trainer.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -43,11 +43,17 @@ def refusal(resume: str, run_dir: Path) -> Optional[str]:
 
 
 def _newer_refusal(path: Path, step: int, existing: list[Path], run_dir: Path) -> Optional[str]:
-    newer = [p for p in existing if p.resolve() != path.resolve() and step_of(p) > step]
-    if newer:
-        return (f"resume={path}: run folder {run_dir} has newer checkpoints ({newer[-1].name}) that "
+    """Why resuming ``path`` (at ``step``) into ``run_dir`` would mix two runs there: the folder's own later
+    checkpoints, or, for a checkpoint from elsewhere (a branch), any of another run's."""
+    own = path.resolve().parent == checkpoint_dir(run_dir).resolve()
+    others = [p for p in existing if p.resolve() != path.resolve() and (not own or step_of(p) > step)]
+    if not others:
+        return None
+    if own:
+        return (f"resume={path}: run folder {run_dir} has newer checkpoints ({others[-1].name}) that "
                 "resuming an older step would mix with; use a new run.name")
-    return None
+    return (f"resume={path}: run folder {run_dir} holds another run's checkpoints ({others[-1].name}) that a "
+            "branch from this checkpoint would mix with; use a new run.name")
 
 
 def find_checkpoint(resume: str, run_dir: Path) -> tuple[Optional[Checkpoint], Optional[Path]]:
@@ -59,12 +65,7 @@ def find_checkpoint(resume: str, run_dir: Path) -> tuple[Optional[Checkpoint], O
     if resume == "never":
         return None, None
     if resume == "auto":
-        path = latest_checkpoint(run_dir)
-        newer = [p for p in not_files(run_dir) if path is None or step_of(p) > step_of(path)]
-        if newer:  # resuming from an older one would silently drop the steps after it
-            kind = "a folder" if newer[-1].is_dir() else "not a file (a broken link?)"
-            raise UnreadableCheckpoint(f"checkpoint {newer[-1]} is {kind}; it was left as is: move it out of the "
-                                       "checkpoints folder to resume from the one before, or start a new run.name")
+        path = newest_checkpoint(run_dir, "or start a new run.name")
         return (_load(path), path) if path is not None else (None, None)
     path = Path(resume)
     if not path.exists():  # also a mistyped policy, e.g. resume=sometimes

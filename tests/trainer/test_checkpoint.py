@@ -2,6 +2,7 @@
 
 import os
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -72,6 +73,8 @@ def test_missing_and_corrupt_files_are_reported_by_path(tmp_path):
     missing = tmp_path / "nope.pt"
     with pytest.raises(CheckpointError, match=f"{missing} does not exist"):
         load_checkpoint(missing)
+    with pytest.raises(CheckpointError, match="^checkpoint /dev/null is not a regular file"):
+        load_checkpoint(Path("/dev/null"))
     bad = tmp_path / "bad.pt"
     content = bytes(random.randrange(256) for _ in range(1000))
     bad.write_bytes(content)

@@ -114,6 +114,14 @@ def test_resume_never_and_resume_path(make_cfg, tmp_path):
         train(make_cfg("run.name=other", "resume=sometimes"))  # a mistyped policy names the accepted values
     with pytest.raises(CheckpointError, match="is a folder; give a checkpoint file"):
         train(make_cfg("run.name=other", f"resume={done.run_dir}"))
+    # A branch into a folder holding another run's checkpoints, older ones too, would mix the two runs there.
+    short = train(make_cfg("run.name=short", "trainer.max_steps=2"))
+    kept = sorted(short.run_dir.rglob("*"))
+    with pytest.raises(ConfigError, match=f"resume={done.checkpoint}: run folder .*short holds another run's "
+                                          r"checkpoints \(step_00000002.pt\) that a branch from this checkpoint "
+                                          "would mix with; use a new run.name"):
+        train(make_cfg("run.name=short", f"resume={done.checkpoint}", "trainer.max_steps=5"))
+    assert sorted(short.run_dir.rglob("*")) == kept
 
 
 def test_resume_rejects_a_different_model(make_cfg):
@@ -408,6 +416,19 @@ def test_sample_generates_text(make_cfg, capsys, monkeypatch):
     assert rc == 0 and out.startswith("The king") and len(out.rstrip("\n")) == len("The king") + 40
     assert sample.main(["--run", str(s.run_dir / "missing"), "--device", "cpu"]) == 1
     assert "neither a checkpoint file" in capsys.readouterr().err
+    # The weights alone (model, model_args, data_meta: a checkpoint stripped for sharing) sample the same text.
+    full = torch.load(s.checkpoint, weights_only=True)
+    weights = s.run_dir.parent / "weights.pt"
+    torch.save({k: full[k] for k in ("model", "model_args", "data_meta")}, weights)
+    same = ["--prompt", "The king", "--num-tokens", "12", "--top-k", "5", "--device", "cpu"]
+    assert sample.main(["--run", str(s.checkpoint), *same]) == 0
+    from_full = capsys.readouterr()
+    assert sample.main(["--run", str(weights), *same]) == 0
+    from_weights = capsys.readouterr()
+    assert from_weights.out == from_full.out and from_weights.err.startswith(f"# {weights}\n")
+    torch.save({k: full[k] for k in ("model", "model_args")}, weights)
+    assert sample.main(["--run", str(weights), *same]) == 1
+    assert "missing data_meta" in capsys.readouterr().err
     # A batch of samples that cannot fit is refused before anything is allocated, naming --num-samples.
     model, _, _ = sample.load_model(sample.find_checkpoint("sampled", str(s.run_dir.parent)), "cpu", "sdpa")
     c = model.config
@@ -1006,6 +1027,15 @@ def test_sample_finds_the_latest_checkpoint_from_a_run_or_its_checkpoints_folder
     # A sweep's folder (or a runs root): its runs are named.
     with pytest.raises(CheckpointError, match=rf"it holds the runs r: give --run {tmp_path / 'runs' / 'r'}$"):
         sample.find_checkpoint(str(tmp_path / "runs"))
+    # A later checkpoint name that is a broken link: refused, as resume=auto refuses it, not passed over.
+    gone = ckpts / "step_00000009.pt"
+    gone.symlink_to(tmp_path / "gone.pt")
+    with pytest.raises(CheckpointError, match=f"^checkpoint {gone} is not a file .*; it was left as is: move it out "
+                                              "of the checkpoints folder to use the one before, or give that "
+                                              "checkpoint's path as --run$"):
+        sample.find_checkpoint(str(ckpts.parent))
+    assert sample.find_checkpoint(str(latest)) == latest
+    gone.unlink()
     named = tmp_path / "runs" / "checkpoints" / "checkpoints"  # a run named "checkpoints"
     named.mkdir(parents=True)
     (named / "step_00000005.pt").write_bytes(b"")
