@@ -54,16 +54,23 @@ class TrainState:
         unwrap_model(self.model).load_state_dict(clean_state_dict(state["model"]))
         self.optimizer.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
-        fresh = self.sampler.load_state_dict(state["sampler"])
-        if fresh:
-            log.warning("trainer.grad_accum changed on resume (%d -> %d): micro-batch streams %s start new",
-                        state["sampler"]["num_shards"], self.sampler.num_shards, fresh)
+        self.sampler.load_state_dict(state["sampler"])
+        # Told once, by the main process (whose log is train.log); the micro-batch count is the job's, not a rank's.
+        before, after = state["sampler"]["num_shards"], self.sampler.num_shards
+        if before != after and self.dist.is_main:
+            first, last = min(before, after), max(before, after) - 1
+            slots = f"micro-batch {first}'s stream" if first == last else f"the streams of micro-batches {first}-{last}"
+            change = f"{slots} {'start' if after > before else 'stop'}" + ("s" if first == last else "")
+            log.warning("trainer.grad_accum changed on resume (%d -> %d micro-batches a step, so the global batch "
+                        "changes with it): %s%s", before, after, change,
+                        "; give trainer.grad_accum=%d to continue exactly" % before
+                        if before % self.dist.world_size == 0 else "")
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         self.best_val_loss, self.wandb_run_id = state["best_val_loss"], state["wandb_run_id"]
-        if state["world_size"] != self.dist.world_size:
-            log.warning("checkpoint of a %d-process job, resumed with %d processes: the data stream continues "
-                        "exactly; per-process random streams (dropout) do not", state["world_size"],
-                        self.dist.world_size)
+        if state["world_size"] != self.dist.world_size and self.dist.is_main:
+            log.warning("checkpoint of a %d-process job, resumed with %d processes: %sper-process random streams "
+                        "(dropout) do not continue", state["world_size"], self.dist.world_size,
+                        "the data stream continues exactly; " if before == after else "")
         rngs = state["rng"]
         if self.dist.rank < len(rngs):
             set_rng_state(rngs[self.dist.rank])

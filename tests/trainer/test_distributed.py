@@ -229,6 +229,45 @@ def test_sharded_sampler_state_moves_between_world_sizes():
         ShardedBatchSampler(tokens, 16, 3, seed, 4, 0, 3)
 
 
+@pytest.mark.parametrize("saved,now,world_size,message", [
+    (1, 4, 1, "trainer.grad_accum changed on resume (1 -> 4 micro-batches a step, so the global batch changes with "
+              "it): the streams of micro-batches 1-3 start; give trainer.grad_accum=1 to continue exactly"),
+    (2, 1, 1, "trainer.grad_accum changed on resume (2 -> 1 micro-batches a step, so the global batch changes with "
+              "it): micro-batch 1's stream stops; give trainer.grad_accum=2 to continue exactly"),
+    (1, 2, 2, "trainer.grad_accum changed on resume (1 -> 2 micro-batches a step, so the global batch changes with "
+              "it): micro-batch 1's stream starts"),
+])
+def test_resume_warns_once_when_the_micro_batch_count_changes(caplog, saved, now, world_size, message):
+    """A 2-process checkpoint resumed by 1 process under grad_accum=auto (and the other way round): the main process
+    names the change of the global batch, and no longer says the data continues exactly; other ranks say nothing."""
+    import logging
+
+    import numpy as np
+
+    from model.gpt import GPT, GPTConfig
+    from trainer.runtime import DistInfo
+    from trainer.state import TrainState
+
+    tokens = np.random.default_rng().integers(0, 60, 2000).astype(np.uint16)
+    model = GPT(GPTConfig(block_size=8, vocab_size=64, n_layer=1, n_head=2, n_embd=16))
+    optimizer = torch.optim.AdamW(model.parameters())
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    old = TrainState(model, optimizer, scaler, ShardedBatchSampler(tokens, 8, 2, 0, saved))
+    state = {**old.state_dict(), "world_size": 3 - world_size}
+    for rank in range(world_size):
+        dist = DistInfo(rank=rank, local_rank=rank, world_size=world_size)
+        new = TrainState(model, optimizer, scaler, ShardedBatchSampler(tokens, 8, 2, 0, now, rank, world_size), dist)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="trainer.state"):
+            new.load_state_dict(state)
+        if rank == 0:
+            assert [r.getMessage() for r in caplog.records] == [
+                message, f"checkpoint of a {3 - world_size}-process job, resumed with {world_size} processes: "
+                         "per-process random streams (dropout) do not continue"]
+        else:
+            assert caplog.records == []
+
+
 def test_hydra_multirun_under_torchrun(base, tmp_path):
     """Several jobs in one torchrun job: the process group is reused, not re-created."""
     out = torchrun(["-m", *base, f"run.root={tmp_path}", "run.name=sweep", "trainer.max_steps=2,3",
