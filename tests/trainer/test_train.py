@@ -237,6 +237,30 @@ def test_a_signal_during_a_long_evaluation_cuts_it_short_and_saves(make_cfg, mon
     assert "step 3: evaluation cut short by the stop request" in caplog.text
 
 
+def test_an_evaluation_error_keeps_the_steps_trained_since_the_last_checkpoint(make_cfg, monkeypatch, caplog):
+    """A data error found by evaluation (e.g. a damaged val split) still ends the run with that error, but the
+    step's metrics and checkpoint are written first: resuming continues from there."""
+    import trainer.loop as loop
+    from data.sources import DataError
+
+    calls = []
+
+    def evaluate(*args, **kwargs):
+        calls.append(1)
+        raise DataError("token id 32767 in the val split is not below the vocabulary size 80")
+
+    monkeypatch.setattr(loop, "evaluate", evaluate)
+    with pytest.raises(DataError, match="token id 32767"):
+        train(make_cfg("run.name=eval_error", "ckpt.interval=4"))
+    run_dir = Path(make_cfg("run.name=eval_error").run.root) / "eval_error"
+    assert len(calls) == 1 and [p.name for p in list_checkpoints(run_dir)] == ["step_00000003.pt"]
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3]
+    assert "step 3: its evaluation failed; saved the step's checkpoint" in caplog.text
+    monkeypatch.undo()
+    resumed = train(make_cfg("run.name=eval_error", "ckpt.interval=4"))
+    assert resumed.start_step == 3 and resumed.step == 6
+
+
 def test_cli_exit_code_after_sigterm_is_143(tiny_overrides, tmp_path):
     """An interrupted run saves, then exits 128 + signal, so a scheduler can tell it from a finished one."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
