@@ -6,7 +6,10 @@
 Every backend trains the same model from the same seed (`train()` in-process, so every Hydra override of
 train.py applies, except those of the keys each run's config sets, which are refused: `OWNED_KEYS`) for
 `--warmup` + `--steps` optimizer steps; the warm-up steps, which include torch.compile and Triton autotuning, are
-left out of the statistics. A step's time is the device time from the end of the
+left out of the statistics. The backends run one after another in this process: where the host sets the pace
+(small steps, packed documents without CUDA graphs) the second run read 8-16 % faster than the same backend alone in
+a process in one H100 measurement (docs/benchmarks.md, 2026-12-07), so compare such steps with one backend a process,
+alternating, or under CUDA graphs. A step's time is the device time from the end of the
 previous step to the end of this one (CUDA events; host time on the CPU). Per backend it reports the median
 step time (ms) and the mean, the spread (interquartile range of the step times over their median, %: rows above
 10% are named under the table), tokens/s (tokens per step / median step time), median MFU, peak GPU memory, the
