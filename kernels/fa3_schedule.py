@@ -15,23 +15,24 @@ from .common import LAUNCH_OPTIONS, next_power_of_2
 from .launch import launch
 
 BOUNDS_BLOCK = 256  # positions a program of `_doc_bounds` takes
-OFFSETS_BLOCK = 32  # offsets it compares them with at a time
 SORT_MAX = 4096  # the most tiles or key blocks one program sorts; more take torch's argsort
 
 
 @triton.jit
-def _doc_bounds(CU, START, LIMIT, n_offsets, total, before, after, BEFORE: tl.constexpr, AFTER: tl.constexpr,
-                BLOCK: tl.constexpr, OFFSETS: tl.constexpr):
+def _doc_bounds(CU, START, LIMIT, n_offsets, steps, total, before, after, BEFORE: tl.constexpr,
+                AFTER: tl.constexpr, BLOCK: tl.constexpr):
     pos = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = pos < total
-    # The sequence of pos: the offsets <= pos, less one (torch.searchsorted(right=True) - 1): an empty sequence's
-    # offset equals the next one's, so it is skipped.
-    seq = tl.zeros([BLOCK], dtype=tl.int32) - 1
-    for j in range(0, n_offsets, OFFSETS):
-        offsets = j + tl.arange(0, OFFSETS)
-        cu = tl.load(CU + offsets, mask=offsets < n_offsets, other=total)
-        seq += tl.sum((cu[None, :] <= pos[:, None]).to(tl.int32), axis=1)
-    seq = tl.minimum(tl.maximum(seq, 0), n_offsets - 2)
+    # The sequence of pos: the last offset <= pos, by binary search in `steps` halvings (torch.searchsorted(
+    # right=True) - 1): an empty sequence's offset equals the next one's, so it is skipped.
+    seq = tl.zeros([BLOCK], dtype=tl.int32)
+    hi = seq + (n_offsets - 1)
+    for _ in range(steps):
+        mid = (seq + hi + 1) // 2
+        below = tl.load(CU + mid) <= pos
+        seq = tl.where(below, mid, seq)
+        hi = tl.where(below, hi, mid - 1)
+    seq = tl.minimum(seq, n_offsets - 2)
     start = tl.load(CU + seq, mask=inside, other=0)
     limit = tl.load(CU + seq + 1, mask=inside, other=0)
     if BEFORE:
@@ -54,9 +55,10 @@ def doc_bounds(cu_seqlens: torch.Tensor, total: int, before: int, after: int) ->
     start = torch.empty(total, device=cu_seqlens.device, dtype=torch.int32)
     limit = torch.empty_like(start)
     if total:
-        launch(_doc_bounds, (triton.cdiv(total, BOUNDS_BLOCK),), cu_seqlens, start, limit, cu_seqlens.shape[0],
-               total, max(before, 0), max(after, 0), BEFORE=before >= 0, AFTER=after >= 0, BLOCK=BOUNDS_BLOCK,
-               OFFSETS=OFFSETS_BLOCK, **LAUNCH_OPTIONS)
+        n_offsets = cu_seqlens.shape[0]
+        launch(_doc_bounds, (triton.cdiv(total, BOUNDS_BLOCK),), cu_seqlens, start, limit, n_offsets,
+               (n_offsets - 1).bit_length(), total, max(before, 0), max(after, 0), BEFORE=before >= 0,
+               AFTER=after >= 0, BLOCK=BOUNDS_BLOCK, **LAUNCH_OPTIONS)
     return start, limit
 
 
@@ -127,7 +129,7 @@ def compile_for_sm90(kernel: str = "bounds", sort_block: int = SORT_MAX, tiles: 
 
     if kernel == "bounds":
         fn, num_warps = _doc_bounds, 4
-        constexprs = dict(BEFORE=True, AFTER=True, BLOCK=BOUNDS_BLOCK, OFFSETS=OFFSETS_BLOCK)
+        constexprs = dict(BEFORE=True, AFTER=True, BLOCK=BOUNDS_BLOCK)
         pointers = ("CU", "START", "LIMIT")
     elif kernel == "order":
         fn, num_warps = _longest_first, _sort_warps(sort_block)

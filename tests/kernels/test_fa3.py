@@ -1008,11 +1008,11 @@ def test_doc_bounds_match_a_loop(seed, before, after):
 
 
 def test_doc_bounds_over_many_sequences_and_programs(monkeypatch):
-    """More offsets than `_doc_bounds` compares at a time and more positions than one program takes (the masked
-    tail included), into outputs poisoned beforehand: every position written, as the loop gives; no positions, no
+    """Many offsets (a binary search of 7 steps) and more positions than one program takes (the masked tail
+    included), into outputs poisoned beforehand: every position written, as the loop gives; no positions, no
     launch."""
     rng = random.Random(7)
-    lengths = [rng.choice([0, 1, rng.randint(2, 20)]) for _ in range(3 * fa3_schedule.OFFSETS_BLOCK)] + [5]
+    lengths = [rng.choice([0, 1, rng.randint(2, 20)]) for _ in range(100)] + [5]
     total = sum(lengths)
     assert total > fa3_schedule.BOUNDS_BLOCK and total % fa3_schedule.BOUNDS_BLOCK
     cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32)
