@@ -59,8 +59,9 @@ class TrainState:
         before, after = state["sampler"]["num_shards"], self.sampler.num_shards
         if before != after and self.dist.is_main:
             first, last = min(before, after), max(before, after) - 1
-            slots = f"micro-batch {first}'s stream" if first == last else f"the streams of micro-batches {first}-{last}"
-            change = f"{slots} {'start' if after > before else 'stop'}" + ("s" if first == last else "")
+            verb = "start" if after > before else "stop"
+            change = (f"micro-batch {first}'s stream {verb}s" if first == last
+                      else f"the streams of micro-batches {first}-{last} {verb}")
             log.warning("trainer.grad_accum changed on resume (%d -> %d micro-batches a step, so the global batch "
                         "changes with it): %s%s", before, after, change,
                         "; give trainer.grad_accum=%d to continue exactly" % before
