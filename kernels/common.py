@@ -235,6 +235,20 @@ def block_d(head_dim: int) -> int:
     return max(16, next_power_of_2(head_dim))
 
 
+def compile_sm90(fn, constexprs: dict, types, num_warps: int, **options):
+    """Compile the @triton.jit function `fn` for sm_90 without a GPU (what only the GPU compiler rejects, the
+    interpreter runs; call it without TRITON_INTERPRET): `constexprs` by name, `types(arg)` the Triton type of each
+    other argument ("*bf16", "i32", ...), with `num_warps`, LAUNCH_OPTIONS and `options`. Returns Triton's compiled
+    kernel (`.asm` holds ttgir, ptx and cubin)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {arg: "constexpr" if arg in constexprs else types(arg) for arg in fn.arg_names}
+    source = ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, **options, **LAUNCH_OPTIONS})
+
+
 def bucket(n: int) -> int:
     """Autotune key for a sequence length: the next power of two, capped at 2048 (the best tiles stop
     changing there), so a run with varying lengths tunes a handful of times, not once per length."""

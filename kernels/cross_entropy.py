@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, LAUNCH_OPTIONS, next_power_of_2
+from .common import INTERPRET, LAUNCH_OPTIONS, compile_sm90, next_power_of_2
 from .launch import launch
 
 
@@ -117,14 +117,7 @@ def compile_for_sm90(dtype: torch.dtype = torch.bfloat16, grad: bool = True, con
     """Compile `cross_entropy_kernel` for sm_90 at `config` (None: CONFIG) without a GPU (what only the GPU compiler
     rejects, the interpreter runs); call it without TRITON_INTERPRET. Returns Triton's compiled kernel."""
     config = config or CONFIG
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    fn = cross_entropy_kernel
     element = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
-    constexprs = dict(BLOCK_V=config.block_v, GRAD=grad)
     types = dict(logits_ptr=f"*{element}", targets_ptr="*i64", losses_ptr="*fp32")
-    signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in fn.arg_names}
-    source = ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in constexprs.items()})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": config.num_warps, **LAUNCH_OPTIONS})
+    return compile_sm90(cross_entropy_kernel, dict(BLOCK_V=config.block_v, GRAD=grad),
+                        lambda arg: types.get(arg, "i32"), config.num_warps)

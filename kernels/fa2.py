@@ -43,7 +43,8 @@ import triton
 import triton.language as tl
 
 from .common import (
-    INTERPRET, LAUNCH_OPTIONS, block_d, bucket, bwd_preprocess, cdiv, check_grid, empty_like_layout, grad_buffers,
+    INTERPRET, LAUNCH_OPTIONS, block_d, bucket, bwd_preprocess, cdiv, check_grid, compile_sm90, empty_like_layout,
+    grad_buffers,
     head_ptr, load_rows, load_tile, mma, next_power_of_2, softcap_args, store_tile, tanh, tile_source, upcast_dot,
     use_tma, visible_mask,
 )
@@ -701,9 +702,6 @@ def compile_for_sm90(kernel, left=True, right=True, varlen=True, tma=True, head_
     """Compile one kernel ("fwd", "dkdv" or "dq") for sm_90 with bf16 inputs, without a GPU (catches what only
     the GPU compiler rejects, which the interpreter runs). Call it without TRITON_INTERPRET; returns Triton's
     compiled kernel. grid: the backward's `Options.varlen_bwd_grid` (with varlen); softcap: the SOFTCAP variant."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     fn = {"fwd": _fwd, "dkdv": _bwd_dkdv, "dq": _bwd_dq}[kernel].fn
     constexprs = dict(GROUP=group, LEFT=left, RIGHT=right, VARLEN=varlen, HEAD_DIM=head_dim,
                       BLOCK_D=block_d(head_dim), UPCAST=False, TMA_OK=tma, SOFTCAP=softcap, BLOCK_M=block_m,
@@ -713,8 +711,5 @@ def compile_for_sm90(kernel, left=True, right=True, varlen=True, tma=True, head_
         constexprs.update(FLAT=flat, LPT=flat and grid == "lpt", SEQS=32, VARLEN_TILES=varlen)
     types = dict(LSE="*fp32", DELTA="*fp32", CU_Q="*i32", CU_K="*i32", qk_scale="fp32", softmax_scale="fp32",
                  softcap_scale="fp32")
-    signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "*bf16" if arg.isupper() else "i32")
-                 for arg in fn.arg_names}
-    source = ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in constexprs.items()})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages, **LAUNCH_OPTIONS})
+    return compile_sm90(fn, constexprs, lambda arg: types.get(arg, "*bf16" if arg.isupper() else "i32"),
+                        num_warps, num_stages=num_stages)

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LAUNCH_OPTIONS, next_power_of_2
+from .common import LAUNCH_OPTIONS, compile_sm90, next_power_of_2
 from .launch import launch
 
 BOUNDS_BLOCK = 256  # positions a program of `_doc_bounds` takes
@@ -124,9 +124,6 @@ def compile_for_sm90(kernel: str = "bounds", sort_block: int = SORT_MAX, tiles: 
     """Compile `_doc_bounds` (kernel="bounds") or `_longest_first` ("order", sorting `sort_block` keys, with the
     warps a launch gives that many) for sm_90 without a GPU; call it without TRITON_INTERPRET. Returns Triton's
     compiled kernel. ValueError for another `kernel`."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     if kernel == "bounds":
         fn, num_warps = _doc_bounds, 4
         constexprs = dict(BEFORE=True, AFTER=True, BLOCK=BOUNDS_BLOCK)
@@ -137,8 +134,4 @@ def compile_for_sm90(kernel: str = "bounds", sort_block: int = SORT_MAX, tiles: 
         pointers = ("START", "LIMIT", "ORDER")
     else:
         raise ValueError(f"kernel={kernel!r}: accepted 'bounds' and 'order'")
-    signature = {arg: "constexpr" if arg in constexprs else "*i32" if arg in pointers else "i32"
-                 for arg in fn.arg_names}
-    source = ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in constexprs.items()})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
-                                                                             **LAUNCH_OPTIONS})
+    return compile_sm90(fn, constexprs, lambda arg: "*i32" if arg in pointers else "i32", num_warps)
