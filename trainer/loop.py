@@ -333,21 +333,21 @@ class Trainer:
         self.summary.checkpoint, self.last_saved = path, self.state.step
         return path
 
-    def _save_before_failing(self, record: dict, why: str) -> None:
-        """One process: this step's metrics and checkpoint, before the error that ``why`` names ends the run, so
-        the steps trained since the last checkpoint are kept (the weights are sound: evaluation does not touch
-        them). Under torchrun nothing is saved: the save is collective, and the other ranks may not have failed."""
+    def _save_before_eval_error(self, record: dict) -> None:
+        """One process: this step's metrics and checkpoint, before an error in its evaluation ends the run, so the
+        steps trained since the last checkpoint are kept (the weights are sound: evaluation does not touch them).
+        Under torchrun nothing is saved: the save is collective, and the other ranks may not have failed."""
         if self.dist.world_size != 1 or self.last_saved == self.state.step:
             return
         self.publish(record)
         try:
             path = self.save()
         except Exception as e:  # the error that ends the run is the first one; this one is only logged
-            log.error("step %d: %s, and saving its checkpoint failed too (%s: %s)", self.state.step, why,
-                      type(e).__name__, e)
+            log.error("step %d: its evaluation failed, and saving its checkpoint failed too (%s: %s)",
+                      self.state.step, type(e).__name__, e)
             return
-        log.error("step %d: %s; saved the step's checkpoint %s first (resume from it once the cause is fixed)",
-                  self.state.step, why, path)
+        log.error("step %d: its evaluation failed; saved the step's checkpoint %s first (resume from it once the "
+                  "cause is fixed)", self.state.step, path)
 
     def _check_folder(self) -> None:
         """Warn once if the run folder was deleted or replaced (e.g. ``rm -rf``) since the run started: the save
@@ -392,7 +392,7 @@ class Trainer:
                     try:
                         val = self.evaluate(stop) if evaluate_now else None
                     except Exception:
-                        self._save_before_failing(record, "its evaluation failed")
+                        self._save_before_eval_error(record)
                         raise
                     if val is not None:
                         record["val/loss"] = val
