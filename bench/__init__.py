@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
+import multiprocessing
+import os
 import signal
 import sys
+import traceback
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -95,3 +99,83 @@ def results_folder(out: str, option: str = "--out") -> Path:
         raise SystemExit(f"{option} {folder}: cannot create or write this folder ({e.strerror or e}); give another "
                          "one") from None
     return folder
+
+
+LOG_FORMAT = "%(asctime)s %(name)s: %(message)s"
+
+
+class Interrupted(Exception):
+    """Ctrl-C or SIGTERM stopped a benchmark's run before its last step: a row for it would time fewer steps than
+    asked. ``signum``: the signal."""
+
+    def __init__(self, label: str, step: int, steps: int, signum: int):
+        super().__init__(f"{label} was interrupted at step {step} of {steps}")
+        self.label, self.step, self.steps, self.signum = label, step, steps, signum
+
+    def __reduce__(self):  # pickled with its own arguments (in_fresh_process sends it between processes)
+        return Interrupted, (self.label, self.step, self.steps, self.signum)
+
+
+def in_fresh_process(fn: Callable, *args):
+    """``fn(*args)`` in a new Python interpreter (multiprocessing's ``spawn``), its return value here, or its exception
+    raised here. The child starts with no CUDA context, no compiled graphs, no allocator or Triton launcher state and
+    no memory of an earlier run: a benchmark run in it reads what a run alone in a process reads. ``fn`` and its
+    arguments must be picklable (``fn`` a module-level function), and so must its result.
+
+    - An exception in the child is raised here; the child prints its traceback first (other than for Ctrl-C).
+    - A child that ends without a result (a CUDA error aborts the process; a crash; ``os._exit``) raises
+      RuntimeError naming its exit code or signal.
+    - Signals: Ctrl-C at a terminal reaches both processes (one process group), so SIGINT is not forwarded; SIGTERM
+      sent to this process is forwarded to the child. A signal this process got while the child ran, if the child
+      then returned normally, is delivered again here once the child has ended (the result is dropped)."""
+    ctx = multiprocessing.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_child_main, args=(send, fn, args))  # not daemonic: inductor may start workers
+    received = []
+
+    def on_signal(signum, frame):
+        received.append(signum)
+        if signum == signal.SIGTERM and child.pid is not None:
+            os.kill(child.pid, signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        child.start()
+        send.close()  # the child holds the only writer: a child that dies ends recv() with EOFError
+        try:
+            status, value = receive.recv()
+        except EOFError:
+            status, value = None, None
+        child.join()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        receive.close()
+    if status == "raised":
+        raise value
+    if status is None:
+        code = child.exitcode
+        how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 else \
+            f"ended with exit code {code}"
+        raise RuntimeError(f"{getattr(fn, '__name__', fn)}: its process {how} before returning a result")
+    if received:
+        signal.raise_signal(received[0])
+    return value
+
+
+def _child_main(send, fn, args):
+    """The child of ``in_fresh_process``: run ``fn(*args)`` and send ("returned", result) or ("raised", exception)."""
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    try:
+        message = ("returned", fn(*args))
+    except BaseException as e:  # noqa: B902 -- Ctrl-C and SystemExit are results too
+        if not isinstance(e, (KeyboardInterrupt, SystemExit, Interrupted)):
+            traceback.print_exc()
+            if hasattr(e, "add_note"):
+                e.add_note("(raised in the run's own process; its traceback is printed above)")
+        message = ("raised", e)
+    try:
+        send.send(message)
+    except Exception as e:  # an exception or result that does not pickle
+        send.send(("raised", RuntimeError(f"{type(message[1]).__name__}: {message[1]} (not picklable: {e})")))
+    send.close()

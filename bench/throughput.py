@@ -6,10 +6,10 @@
 Every backend trains the same model from the same seed (`train()` in-process, so every Hydra override of
 train.py applies, except those of the keys each run's config sets, which are refused: `OWNED_KEYS`) for
 `--warmup` + `--steps` optimizer steps; the warm-up steps, which include torch.compile and Triton autotuning, are
-left out of the statistics. The backends run one after another in this process: where the host sets the pace
-(small steps, packed documents without CUDA graphs) the second run read 8-16 % faster than the same backend alone in
-a process in one H100 measurement (docs/benchmarks.md, 2026-12-07), so compare such steps with one backend a process,
-alternating, or under CUDA graphs. A step's time is the device time from the end of the
+left out of the statistics. The runs go one after another, each in a fresh Python process (`bench.in_fresh_process`),
+so that no run inherits another's compiled graphs, caches, allocator or kernel-launcher state, and each reads what it
+would read alone; `--same-process` runs them all in this process instead (each process start costs a few seconds of
+imports). A step's time is the device time from the end of the
 previous step to the end of this one (CUDA events; host time on the CPU). Per backend it reports the median
 step time (ms) and the mean, the spread (interquartile range of the step times over their median, %: rows above
 10% are named under the table), tokens/s (tokens per step / median step time), median MFU, peak GPU memory, the
@@ -20,9 +20,11 @@ ratios between backends change from run to run. Each backend is its own W&B run 
 runs unless an override sets it): throughput.csv, throughput.json, throughput.png, rewritten after every run (a
 backend that crashes the process leaves the rows measured before it), and one run folder per backend (metrics, W&B
 files; its checkpoints are deleted after the run). Ctrl-C or SIGTERM ends the comparison once the run in flight has
-stopped (exit 128 + the signal): that run gets no row, as it timed fewer steps than asked, and no later run starts.
+stopped (exit 128 + the signal): that run gets no row, as it timed fewer steps than asked, and no later run starts. A
+run whose process fails (an exception, or a CUDA error that aborts it) ends the comparison with that error; the rows
+before it stay in the files.
 
-`--baseline` also runs, per backend and in the same process, the bare training loop of `bench.baseline` (same
+`--baseline` also runs, per backend, the bare training loop of `bench.baseline` (same
 model, data, dtype, compile and optimizer; forward, backward, clip, step, zero_grad and nothing else), timed the
 same way (per-step CUDA events, median), and reports the trainer's tokens/s and peak memory as ratios of the bare
 loop's: the framework's own cost. The bare loop runs before and after the trainer (bare, trainer, bare; with
@@ -31,6 +33,12 @@ temperature) shows as a difference between the bare figures instead of hiding in
 its ratio to the bare run just before it (`vs bare before`) and just after it (`vs bare after`); `vs bare tok/s`
 and `vs bare mem` are the ratios to the mean of those two. Rows have `loop` = `bare` or `trainer` and `run` = 1, 2,
 ... in the order they ran per loop. The `--sweep` runs have no bare rows.
+
+`--repeats N` (without `--baseline`) runs the backends N times in turn (fa3, fa2, fa3, fa2, ...), each run its own
+row (`run` = 1..N), and prints a summary per backend and context: the median of the runs' tokens/s, their range, and
+its ratio to sdpa's median. Where the host sets the pace (packed documents without CUDA graphs), one run's median
+step time has moved by up to 20 % between runs of the same backend on one machine (docs/benchmarks.md, H100,
+2026-12-07): there, compare backends by the summary of several runs in turn, not by one run each.
 
 `--sweep` repeats the comparison for each context length at a fixed number of tokens per step
 (`--sweep-tokens`; batch = tokens / context) into throughput_sweep.{csv,json,png}, to show where attention
@@ -50,7 +58,7 @@ from pathlib import Path
 
 import torch
 
-from bench import HelpFormatter, fallback, results_folder
+from bench import LOG_FORMAT, HelpFormatter, Interrupted, fallback, in_fresh_process, results_folder
 from bench.report import Column, Table, bar_chart, environment, write_csv, write_json
 from model.backends import BACKENDS
 
@@ -141,14 +149,6 @@ def run_bare(overrides, backend, out_dir, label, warmup, steps, run=1):
     )
 
 
-class Interrupted(Exception):
-    """Ctrl-C or SIGTERM stopped a backend's run before its last step: its row would time fewer steps than asked."""
-
-    def __init__(self, label: str, step: int, steps: int, signum: int):
-        super().__init__(f"{label} was interrupted at step {step} of {steps}")
-        self.signum = signum
-
-
 def run_backend(overrides, backend, out_dir, label, warmup, steps, run=1):
     """Train one backend into out_dir/label and summarise its timed steps (those after the warm-up). The run's
     checkpoints are deleted (the comparison never resumes, and a GPT-2 checkpoint is 1.4 GB). Raises Interrupted
@@ -229,13 +229,35 @@ def notes(rows, device: str) -> list[str]:
              for r in rows if (r["step_time_spread_pct"] or 0) > NOISY_PCT]
     if noisy:
         out.append(f"spread % (interquartile range of the timed steps over their median) above {NOISY_PCT}%: "
-                   + ", ".join(noisy) + "; more --steps, or --baseline --repeats, tell how far the ratios hold")
+                   + ", ".join(noisy) + "; more --steps, or --repeats, tell how far the ratios hold")
     return out
+
+
+def summary(rows) -> list[dict]:
+    """Per backend and context over its trainer runs: runs, the median, min and max of their tokens/s, and the
+    median's ratio to sdpa's median at that context (None without sdpa runs)."""
+    groups = {}
+    for r in rows:
+        if r["loop"] == "trainer":
+            groups.setdefault((r["backend"], r["block_size"]), []).append(r["tokens_per_s"])
+    medians = {key: statistics.median(tps) for key, tps in groups.items()}
+    return [dict(backend=b, block_size=c, runs=len(tps), tokens_per_s_median=medians[b, c], tokens_per_s_min=min(tps),
+                 tokens_per_s_max=max(tps),
+                 median_vs_sdpa=medians[b, c] / medians["sdpa", c] if ("sdpa", c) in medians else None)
+            for (b, c), tps in groups.items()]
+
+
+SUMMARY = Table([
+    Column("backend", "backend", width=11, left=True), Column("context", "block_size"), Column("runs", "runs"),
+    Column("median tokens/s", "tokens_per_s_median", ",.0f"), Column("min", "tokens_per_s_min", ",.0f", 11),
+    Column("max", "tokens_per_s_max", ",.0f", 11), Column("median vs sdpa", "median_vs_sdpa", ".3f")])
 
 
 def print_table(rows, device: str):
     """The rows as a table, then ``notes`` (``device``: the environment's device name, "CPU" without a GPU)."""
     print(TABLE.render(rows))
+    if any(s["runs"] > 1 for s in summary(rows)):
+        print("\nover the runs of each backend\n" + SUMMARY.render(summary(rows)))
     for note in notes(rows, device):
         print("note:", note)
 
@@ -257,7 +279,7 @@ def plot(rows, path, meta) -> list[str]:
 
 def write(rows, out_dir, stem, meta):
     write_csv(out_dir / f"{stem}.csv", rows, FIELDS)
-    write_json(out_dir / f"{stem}.json", rows, **meta, notes=notes(rows, meta["device"]))
+    write_json(out_dir / f"{stem}.json", rows, **meta, summary=summary(rows), notes=notes(rows, meta["device"]))
     plot(rows, out_dir / f"{stem}.png", meta)
 
 
@@ -271,7 +293,11 @@ def parse_args(argv):
                         help="also run the bare training loop (bench.baseline) per backend, before and after the "
                              "trainer; report ratios to it")
     parser.add_argument("--repeats", type=int, default=1,
-                        help="with --baseline: trainer runs per backend, each followed by a bare run")
+                        help="runs per backend, the backends in turn (with --baseline: trainer runs per backend, each "
+                             "followed by a bare run)")
+    parser.add_argument("--same-process", action="store_true",
+                        help="run every backend in this process, one after another, instead of each run in a fresh "
+                             "process (a later run may then read faster than it would alone)")
     parser.add_argument("--sweep", default="",
                         help="context lengths for a sweep, e.g. 1024,2048,4096,8192 (none by default)")
     parser.add_argument("--sweep-tokens", type=int, default=32768, help="tokens per step in the sweep")
@@ -286,13 +312,11 @@ def parse_args(argv):
     twice = sorted({b for b in args.backends if args.backends.count(b) > 1})
     if twice:  # each backend's run has one folder, <name>/<backend>
         parser.error(f"--backends: {', '.join(twice)} given more than once; to time a backend again, give "
-                     "--baseline --repeats N")
+                     "--repeats N")
     for flag, value, least in (("--steps", args.steps, 1), ("--repeats", args.repeats, 1),
                                ("--warmup", args.warmup, 0)):
         if value < least:
             parser.error(f"{flag} {value}: must be >= {least}")
-    if args.repeats > 1 and not args.baseline:
-        parser.error(f"--repeats {args.repeats} repeats the trainer runs between bare ones: give --baseline too")
     refused = refused_override(args.overrides)
     if refused:
         parser.error(refused)
@@ -334,30 +358,35 @@ def plan(parser, args):
 
 
 def compare(jobs, args, out_dir, stem, meta, baseline) -> list[dict]:
-    """Run the jobs in order (with ``baseline``: bare, then per repeat trainer and bare), rewriting the stem's files
-    after every run: a backend that takes the process down (a CUDA error aborts it) leaves the rows before it."""
+    """Run the jobs in turn, ``args.repeats`` times (with ``baseline``: per job bare, then per repeat trainer and bare),
+    each run in a fresh process unless ``args.same_process``, rewriting the stem's files after every run: a run that
+    fails leaves the rows before it."""
     rows = []
 
-    def record(row):
+    def record(run, *run_args):
+        row = run(*run_args) if args.same_process else in_fresh_process(run, *run_args)
         rows.append(row)
         add_speedups(rows)
         write(rows, out_dir, stem, meta)
 
+    if not baseline:  # the backends in turn, so that a drift of the machine's speed falls on all of them
+        for k in range(1, args.repeats + 1):
+            for overrides, b, label in jobs:
+                record(run_backend, overrides, b, out_dir, label if k == 1 else f"{label}_{k}", args.warmup,
+                       args.steps, k)
+        return rows
     for overrides, b, label in jobs:
-        if not baseline:
-            record(run_backend(overrides, b, out_dir, label, args.warmup, args.steps))
-            continue
-        record(run_bare(overrides, b, out_dir, f"{label}_bare", args.warmup, args.steps, run=1))
+        record(run_bare, overrides, b, out_dir, f"{label}_bare", args.warmup, args.steps, 1)
         for k in range(1, args.repeats + 1):  # trainer, bare, trainer, bare, ...: order effects show in the bare runs
-            record(run_backend(overrides, b, out_dir, label if k == 1 else f"{label}_{k}", args.warmup,
-                               args.steps, run=k))
-            record(run_bare(overrides, b, out_dir, f"{label}_bare", args.warmup, args.steps, run=k + 1))
+            record(run_backend, overrides, b, out_dir, label if k == 1 else f"{label}_{k}", args.warmup, args.steps,
+                   k)
+            record(run_bare, overrides, b, out_dir, f"{label}_bare", args.warmup, args.steps, k + 1)
     return rows
 
 
 def main(argv=None):
     parser, args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     out_dir, jobs, sweep_jobs = plan(parser, args)
     results_folder(str(out_dir), "the results folder (run.root/--name)")
     env = environment("cuda" if torch.cuda.is_available() else "cpu")

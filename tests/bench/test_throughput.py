@@ -33,12 +33,23 @@ def check_outputs(out_dir, stem, rows, backends):
             assert r["speedup_vs_sdpa"] == 1.0
 
 
-def test_compares_backends_and_sweeps_context(tmp_path, tiny_overrides, capsys):
+def test_compares_backends_and_sweeps_context(tmp_path, tiny_overrides, capsys, monkeypatch):
     overrides = [o for o in tiny_overrides if not o.startswith(("run.", "attn=", "trainer.max_steps"))]
     overrides += [f"run.root={tmp_path}", "wandb.mode=offline", "model.n_layer=1", "model.n_embd=32", "model.n_head=2",
                   "model.block_size=16", "trainer.batch_size=2"]
+    isolated = []
+
+    def in_fresh_process(run, *args):  # each run in its own process: the real call, counted
+        isolated.append((run.__name__, args[1], args[3]))
+        return real_in_fresh_process(run, *args)
+
+    real_in_fresh_process = throughput.in_fresh_process
+    monkeypatch.setattr(throughput, "in_fresh_process", in_fresh_process)
     rows = throughput.main(["--backends", "sdpa,fa2", "--steps", "2", "--warmup", "1", "--sweep", "16,32",
                             "--sweep-tokens", "64", "--name", "cmp", *overrides])
+    assert isolated == [("run_backend", b, label) for b, label in (
+        ("sdpa", "sdpa"), ("fa2", "fa2"), ("sdpa", "sdpa_ctx16"), ("fa2", "fa2_ctx16"), ("sdpa", "sdpa_ctx32"),
+        ("fa2", "fa2_ctx32"))]
     out_dir = tmp_path / "cmp"
     check_outputs(out_dir, "throughput", rows, {"sdpa", "fa2"})
     sweep = json.loads((out_dir / "throughput_sweep.json").read_text())["rows"]
@@ -65,7 +76,8 @@ def test_fallback_rows_and_noise_are_marked(tmp_path, tiny_overrides, capsys):
     overrides = [o for o in tiny_overrides if not o.startswith(("run.", "attn=", "trainer.max_steps"))]
     overrides += [f"run.root={tmp_path}", "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=16",
                   "trainer.batch_size=2"]
-    rows = throughput.main(["--backends", "fa3,sdpa", "--steps", "3", "--warmup", "1", "--name", "fb", *overrides])
+    rows = throughput.main(["--same-process", "--backends", "fa3,sdpa", "--steps", "3", "--warmup", "1", "--name", "fb",
+                            *overrides])
     assert [(r["backend"], r["fallback"]) for r in rows] == [("fa3", "FA2's Triton kernels (no CUDA GPU)"),
                                                             ("sdpa", None)]
     assert all(r["step_time_spread_pct"] >= 0 for r in rows)
@@ -80,7 +92,8 @@ def test_runs_leave_no_checkpoint(tmp_path, tiny_overrides):
     """A throughput run keeps its metrics and W&B files but not the trainer's final checkpoint (1.4 GB for GPT-2)."""
     overrides = [o for o in tiny_overrides if not o.startswith(("run.", "attn=", "trainer.max_steps"))]
     overrides += [f"run.root={tmp_path}", "model.n_layer=1", "model.block_size=16", "trainer.batch_size=2"]
-    throughput.main(["--backends", "sdpa", "--steps", "1", "--warmup", "1", "--name", "nock", *overrides])
+    throughput.main(["--same-process", "--backends", "sdpa", "--steps", "1", "--warmup", "1", "--name", "nock",
+                     *overrides])
     run_dir = tmp_path / "nock" / "sdpa"
     assert (run_dir / "metrics.jsonl").stat().st_size > 0 and not (run_dir / "checkpoints").exists()
 
@@ -129,9 +142,48 @@ def test_rows_measured_before_a_backend_fails_are_kept(tmp_path, tiny_overrides,
 
     monkeypatch.setattr(throughput, "run_backend", second_fails)
     with pytest.raises(RuntimeError, match="CUDA error"):
-        throughput.main(["--backends", "sdpa,flex", "--steps", "1", "--warmup", "1", "--name", "crash", *overrides])
+        throughput.main(["--same-process", "--backends", "sdpa,flex", "--steps", "1", "--warmup", "1", "--name",
+                         "crash", *overrides])
     rows = json.loads((tmp_path / "crash" / "throughput.json").read_text())["rows"]
     assert [r["backend"] for r in rows] == ["sdpa"] and rows[0]["tokens_per_s"] > 0
+
+def test_repeats_run_the_backends_in_turn_and_summarise_each(tmp_path, tiny_overrides, capsys):
+    """--repeats 2: sdpa, flex, sdpa, flex, each its own row and run folder; the summary gives each backend's median,
+    range and ratio to sdpa's median over its runs."""
+    overrides = [o for o in tiny_overrides if not o.startswith(("run.", "attn=", "trainer.max_steps"))]
+    overrides += [f"run.root={tmp_path}", "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=16",
+                  "trainer.batch_size=2"]
+    rows = throughput.main(["--same-process", "--backends", "sdpa,flex", "--repeats", "2", "--steps", "2",
+                            "--warmup", "1", "--name", "turns", *overrides])
+    assert [(r["backend"], r["run"]) for r in rows] == [("sdpa", 1), ("flex", 1), ("sdpa", 2), ("flex", 2)]
+    for label in ("sdpa", "flex", "sdpa_2", "flex_2"):
+        assert (tmp_path / "turns" / label / "metrics.jsonl").stat().st_size > 0
+    meta = json.loads((tmp_path / "turns" / "throughput.json").read_text())
+    by_backend = {s["backend"]: s for s in meta["summary"]}
+    for backend in ("sdpa", "flex"):
+        tps = [r["tokens_per_s"] for r in rows if r["backend"] == backend]
+        s = by_backend[backend]
+        assert (s["runs"], s["block_size"]) == (2, 16)
+        assert s["tokens_per_s_median"] == pytest.approx(statistics.median(tps))
+        assert (s["tokens_per_s_min"], s["tokens_per_s_max"]) == (min(tps), max(tps))
+    assert by_backend["sdpa"]["median_vs_sdpa"] == 1.0
+    assert by_backend["flex"]["median_vs_sdpa"] == pytest.approx(
+        by_backend["flex"]["tokens_per_s_median"] / by_backend["sdpa"]["tokens_per_s_median"])
+    printed = capsys.readouterr().out
+    assert "over the runs of each backend" in printed and "median vs sdpa" in printed
+
+
+def test_the_summary_needs_no_sdpa_and_skips_bare_rows():
+    row = lambda backend, loop, tps, context=1024: dict(backend=backend, loop=loop, block_size=context,
+                                                        tokens_per_s=tps)
+    rows = [row("fa3", "trainer", 3.0), row("fa3", "bare", 100.0), row("fa3", "trainer", 1.0),
+            row("fa3", "trainer", 2.0), row("fa2", "trainer", 5.0, 2048)]
+    assert throughput.summary(rows) == [
+        dict(backend="fa3", block_size=1024, runs=3, tokens_per_s_median=2.0, tokens_per_s_min=1.0,
+             tokens_per_s_max=3.0, median_vs_sdpa=None),
+        dict(backend="fa2", block_size=2048, runs=1, tokens_per_s_median=5.0, tokens_per_s_min=5.0,
+             tokens_per_s_max=5.0, median_vs_sdpa=None)]
+
 
 def test_document_masks_compare_fa2_flex_and_sdpa(tmp_path, tiny_overrides):
     """The document-mask comparison on a micro model: --backends fa2,flex,sdpa with data.document_mask=true, one row
@@ -139,8 +191,8 @@ def test_document_masks_compare_fa2_flex_and_sdpa(tmp_path, tiny_overrides):
     overrides = [o for o in tiny_overrides if not o.startswith(("run.", "attn=", "trainer.max_steps"))]
     overrides += [f"run.root={tmp_path}", "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=16",
                   "trainer.batch_size=2", "data.document_mask=true", "model.attn_window=6"]
-    rows = throughput.main(["--backends", "fa2,flex,sdpa", "--steps", "1", "--warmup", "1", "--name", "docs",
-                            *overrides])
+    rows = throughput.main(["--same-process", "--backends", "fa2,flex,sdpa", "--steps", "1", "--warmup", "1",
+                            "--name", "docs", *overrides])
     assert [r["backend"] for r in rows] == ["fa2", "flex", "sdpa"]
     for r in rows[:2]:
         assert r["final_train_loss"] == pytest.approx(rows[2]["final_train_loss"], rel=1e-4)
@@ -171,10 +223,10 @@ def test_overrides_may_stand_between_the_options():
 @pytest.mark.parametrize("argv,message", [
     (["--backends", "sdpa,flash"], "unknown"),
     (["--backends", "sdpa,fa2,sdpa"], "--backends: sdpa given more than once; to time a backend again, give "
-                                      "--baseline --repeats N"),
+                                      "--repeats N"),
     (["--steps", "0"], "--steps 0: must be >= 1"),
     (["--warmup", "-1"], "--warmup -1: must be >= 0"),
-    (["--repeats", "3"], "--repeats 3 repeats the trainer runs between bare ones: give --baseline too"),
+    (["--repeats", "0"], "--repeats 0: must be >= 1"),
     (["--backends", "sdpa", "attn=fa2"], "attn=fa2: the benchmark sets attn itself; give --backends instead"),
     (["attn.backend=fa1"], "attn.backend=fa1: the benchmark sets attn itself; give --backends instead"),
     (["trainer.max_steps=9"], "trainer.max_steps=9: the benchmark sets trainer.max_steps itself; give --warmup "
@@ -323,7 +375,8 @@ def test_ctrl_c_ends_the_comparison_without_a_row_for_the_cut_run(tmp_path, tiny
 
     monkeypatch.setattr(trainer, "train", ctrl_c_at_step_2)
     with pytest.raises(SystemExit) as exit_info:
-        throughput.main(["--backends", "sdpa,flex,fa2", "--steps", "5", "--warmup", "1", "--name", "cut", *overrides])
+        throughput.main(["--same-process", "--backends", "sdpa,flex,fa2", "--steps", "5", "--warmup", "1", "--name",
+                         "cut", *overrides])
     assert exit_info.value.code == 128 + signal.SIGINT
     assert started == ["sdpa", "flex"]  # fa2 never started
     rows = json.loads((tmp_path / "cut" / "throughput.json").read_text())["rows"]
