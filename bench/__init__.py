@@ -126,8 +126,9 @@ def in_fresh_process(fn: Callable, *args):
     - A child that ends without a result (a CUDA error aborts the process; a crash; ``os._exit``) raises
       RuntimeError naming its exit code or signal.
     - Signals: Ctrl-C at a terminal reaches both processes (one process group), so SIGINT is not forwarded; SIGTERM
-      sent to this process is forwarded to the child. A signal this process got while the child ran, if the child
-      then returned normally, is delivered again here once the child has ended (the result is dropped)."""
+      sent to this process is forwarded to the child. A signal this process got while the child ran is delivered
+      again here once the child has ended, unless the child raised (e.g. its run stopped on that signal): a result
+      is then dropped, and a child that ended without one (a second Ctrl-C aborts a run) is a KeyboardInterrupt."""
     ctx = multiprocessing.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
     child = ctx.Process(target=_child_main, args=(send, fn, args))  # not daemonic: inductor may start workers
@@ -151,15 +152,15 @@ def in_fresh_process(fn: Callable, *args):
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         receive.close()
-    if status == "raised":
+    if status == "raised":  # the child's own reading of a signal (Interrupted, KeyboardInterrupt) included
         raise value
+    if received:
+        signal.raise_signal(received[0])
     if status is None:
         code = child.exitcode
         how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 else \
             f"ended with exit code {code}"
         raise RuntimeError(f"{getattr(fn, '__name__', fn)}: its process {how} before returning a result")
-    if received:
-        signal.raise_signal(received[0])
     return value
 
 

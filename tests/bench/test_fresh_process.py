@@ -97,6 +97,31 @@ def test_a_result_that_does_not_pickle_is_an_error_not_a_hang():
         in_fresh_process(unpicklable_result)
 
 
+def exit_when_told(ready_file, go_file, code):
+    open(ready_file, "w").close()
+    deadline = time.monotonic() + 60
+    while not os.path.exists(go_file) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os._exit(code)
+
+
+def test_ctrl_c_here_then_a_child_that_ends_without_a_result_is_a_keyboard_interrupt(tmp_path):
+    """A second Ctrl-C aborts the trainer's process (exit 130): with the SIGINT this process got, that is a
+    KeyboardInterrupt here, not an error about an exit code."""
+    ready, go = tmp_path / "ready", tmp_path / "go"
+
+    def ctrl_c_here_when_ready():
+        deadline = time.monotonic() + 60
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGINT)  # this process only: the child is not told
+        go.touch()
+
+    threading.Thread(target=ctrl_c_here_when_ready, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        in_fresh_process(exit_when_told, str(ready), str(go), 130)
+
+
 def test_sigterm_is_forwarded_to_the_child_and_delivered_here_after_it(tmp_path):
     """SIGTERM to this process reaches the child (which stops its run); once the child has returned, this process
     gets the signal too, through the handler it had before the call."""
