@@ -230,7 +230,17 @@ def notes(rows, device: str) -> list[str]:
     if noisy:
         out.append(f"spread % (interquartile range of the timed steps over their median) above {NOISY_PCT}%: "
                    + ", ".join(noisy) + "; more --steps, or --repeats, tell how far the ratios hold")
+    apart = [f"{s['backend']} at context {s['block_size']} ({run_range_pct(s):.0f}%)" for s in summary(rows)
+             if s["runs"] > 1 and run_range_pct(s) > NOISY_PCT]
+    if apart:
+        out.append(f"runs of one backend more than {NOISY_PCT}% apart in tokens/s (range over median): "
+                   + ", ".join(apart) + "; a ratio between backends that is smaller than this is not settled")
     return out
+
+
+def run_range_pct(s: dict) -> float:
+    """The range of a ``summary`` entry's runs over their median, in percent."""
+    return 100 * (s["tokens_per_s_max"] - s["tokens_per_s_min"]) / s["tokens_per_s_median"]
 
 
 def summary(rows) -> list[dict]:

@@ -109,13 +109,25 @@ def test_spread_is_the_interquartile_range_over_the_median():
 
 def test_notes_name_fallbacks_and_noisy_rows_only():
     row = lambda backend, spread, fb=None: dict(backend=backend, loop="trainer", run=1, block_size=1024,
-                                                step_time_spread_pct=spread, fallback=fb)
+                                                step_time_spread_pct=spread, fallback=fb, tokens_per_s=1.0)
     assert throughput.notes([row("fa2", 3.0), row("sdpa", None)], "NVIDIA H200") == []
     notes = throughput.notes([row("fa3", 25.0, "FA2's Triton kernels (GPU compute capability 8.0 is not 9.0 (Hopper))"),
                               row("sdpa", 4.0)], "NVIDIA A100-SXM4-80GB")
     assert notes[0] == "fa3*: runs FA2's Triton kernels (GPU compute capability 8.0 is not 9.0 (Hopper))"
     assert "fa3 trainer 1 at context 1024 (25%)" in notes[1] and "sdpa" not in notes[1]
     assert any("not a benchmark" in n for n in throughput.notes([row("sdpa", 1.0)], "CPU"))
+
+
+def test_notes_name_backends_whose_runs_lie_far_apart():
+    row = lambda backend, run, tps: dict(backend=backend, loop="trainer", run=run, block_size=8192,
+                                         step_time_spread_pct=1.0, fallback=None, tokens_per_s=tps)
+    close = [row("fa3", 1, 100.0), row("fa2", 1, 90.0), row("fa3", 2, 105.0), row("fa2", 2, 91.0)]
+    assert throughput.notes(close, "NVIDIA H100 80GB HBM3") == []
+    apart = [row("fa3", 1, 100.0), row("fa2", 1, 90.0), row("fa3", 2, 125.0), row("fa2", 2, 91.0),
+             row("fa3", 3, 110.0)]
+    notes = throughput.notes(apart, "NVIDIA H100 80GB HBM3")
+    assert notes == ["runs of one backend more than 10% apart in tokens/s (range over median): fa3 at context 8192 "
+                     "(23%); a ratio between backends that is smaller than this is not settled"]
 
 
 def test_bar_labels_keep_small_values(tmp_path):
