@@ -454,13 +454,23 @@ def min_params(args: GPTConfig) -> int:
     return int(E * tables + L * (attn + mlp))  # embeddings (and head), blocks
 
 
+def kept_per_token(args: GPTConfig) -> int:
+    """Values a token that one block keeps for its backward at least, whatever the backend and compile: its input
+    (n_embd), q, k and v (n_embd + 2 * the k/v width), the attention output (n_embd; every attention backward reads
+    it or recomputes more) and the MLP's up-projection output (its hidden width; SwiGLU's gate and up: twice).
+    Matmul outputs are saved rather than recomputed; norms, activations and dropout masks are not counted."""
+    kv_width = args.n_embd * args.kv_heads // args.n_head
+    hidden = mlp_width(args.n_embd, args.mlp, args.mlp_hidden, args.multiple_of)
+    return 3 * args.n_embd + 2 * kv_width + hidden * (2 if args.mlp == "swiglu" else 1)
+
+
 def check_memory(args: GPTConfig, device: torch.device, tokens: int = 0,
                  dtype: torch.dtype = torch.bfloat16) -> None:
     """Refuse (ConfigError) a run whose parameters, with their gradients and AdamW state, plus the logits of one
     micro-batch of `tokens` tokens (two float32 copies: the log-softmax kept for the backward and its gradient; of
     one chunk with model.loss=chunked; one copy in the compute dtype with model.loss=fused), plus what each
-    block keeps for the backward at least (its input, n_embd values a token, and its MLP's hidden layer, the input
-    of the MLP's output projection, in the compute `dtype`, 2 bytes at least), need more than the device's memory
+    block keeps for the backward at least (``kept_per_token``, in the compute `dtype`, 2 bytes at least), need
+    more than the device's memory
     (``trainer.runtime.device_memory``). All three are lower bounds (``min_params``; no other activations), so a run
     that fits is never refused. Catches e.g. a mistyped model.vocab_size or a batch far too large before an
     allocator error or the out-of-memory killer does."""
@@ -473,12 +483,12 @@ def check_memory(args: GPTConfig, device: torch.device, tokens: int = 0,
                                "fused": (tokens, per_value)}[loss]
     weights, logits = params * TRAINING_BYTES_PER_PARAM, logit_rows * args.vocab_size * logit_bytes
     hidden = mlp_width(args.n_embd, args.mlp, args.mlp_hidden, args.multiple_of)
-    activations = args.n_layer * tokens * (args.n_embd + hidden) * per_value
+    activations = args.n_layer * tokens * kept_per_token(args) * per_value
     if memory and weights + logits + activations > memory:
         gib = lambda n: f"{n / 2**30:,.3g}" if n < 10 * 2**30 else f"{n / 2**30:,.0f}"  # 0.0123, not 0.0
         # a mistyped model size and a batch far too large read differently: the model is the culprit when not even
         # one token's logits and activations fit beside it
-        one_token = weights + args.vocab_size * logit_bytes + args.n_layer * (args.n_embd + hidden) * per_value
+        one_token = weights + args.vocab_size * logit_bytes + args.n_layer * kept_per_token(args) * per_value
         culprit = ("the model is too large" if one_token > memory else
                    f"a micro-batch of {tokens:,} tokens (trainer.batch_size x model.block_size) is too large")
         raise ConfigError(
@@ -486,9 +496,10 @@ def check_memory(args: GPTConfig, device: torch.device, tokens: int = 0,
             f"model.n_embd={args.n_embd}, model.n_layer={args.n_layer}, model.block_size={args.block_size}) need at "
             f"least {gib(weights)} GiB for weights, gradients and AdamW state ({TRAINING_BYTES_PER_PARAM} "
             f"bytes each), the logits of {logit_rows:,} tokens ({logit_bytes} bytes a value; model.loss={loss}; "
-            f"a micro-batch is trainer.batch_size x block_size = {tokens:,}) {gib(logits)} GiB more, and each "
-            f"layer's input and MLP hidden layer ({hidden} wide) for the backward {gib(activations)} GiB more "
-            f"({per_value} bytes a value), and it has {gib(memory)} GiB; choose smaller values")
+            f"a micro-batch is trainer.batch_size x block_size = {tokens:,}) {gib(logits)} GiB more, and what "
+            f"each layer keeps for the backward (its input, q, k, v, the attention output and the MLP's hidden "
+            f"layer, {hidden} wide) {gib(activations)} GiB more ({per_value} bytes a value), and it has "
+            f"{gib(memory)} GiB; choose smaller values")
 
 
 def _folder_id(folder: Path) -> Optional[tuple[int, int]]:

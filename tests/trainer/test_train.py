@@ -925,7 +925,9 @@ def test_a_model_larger_than_the_memory_is_one_error_naming_its_size(make_cfg, m
 
     args = model_config(make_cfg("model.bias=true"), 65, "sdpa")
     check_memory(args, torch.device("cpu"), 4 * 32, torch.float32)  # the tiny model fits
-    kept = args.n_layer * (args.n_embd + 4 * args.n_embd) * 2  # bytes a token: each layer's input and MLP hidden
+    # bytes a token in bf16: each layer's input, q and attention output (3 x n_embd), k and v (2 x n_embd / 2: 4 q and
+    # 2 k/v heads) and MLP hidden (4 x n_embd)
+    kept = args.n_layer * 8 * args.n_embd * 2
     memory = kept * 2**30 * 3 // 2  # 1.5 x what the layers keep of 2**30 tokens in bf16
     monkeypatch.setattr("trainer.loop.device_memory", lambda device: memory)
     with pytest.raises(ConfigError, match=r"^a micro-batch of 1,073,741,824 tokens \(trainer.batch_size x "
@@ -937,7 +939,7 @@ def test_a_model_larger_than_the_memory_is_one_error_naming_its_size(make_cfg, m
     # for weights, activations and one copy is refused.
     from trainer.loop import TRAINING_BYTES_PER_PARAM
     tokens = 4096
-    rest = min_params(args) * TRAINING_BYTES_PER_PARAM + args.n_layer * tokens * 5 * args.n_embd * 4
+    rest = min_params(args) * TRAINING_BYTES_PER_PARAM + args.n_layer * tokens * 8 * args.n_embd * 4
     monkeypatch.setattr("trainer.loop.device_memory", lambda device: rest + tokens * args.vocab_size * 4 * 3 // 2)
     with pytest.raises(ConfigError, match=r"^a micro-batch of 4,096 tokens .* \(8 bytes a value; model.loss=full"):
         check_memory(args, torch.device("cpu"), tokens, torch.float32)
@@ -948,11 +950,15 @@ def test_a_model_larger_than_the_memory_is_one_error_naming_its_size(make_cfg, m
     check_memory(fused, torch.device("cpu"), 2**30)  # every logit once, in bf16: a quarter of full's, it fits
     with pytest.raises(ConfigError, match=r"the logits of 1,073,741,824 tokens \(4 bytes a value; model.loss=fused"):
         check_memory(fused, torch.device("cpu"), 2**30, torch.float32)
-    with pytest.raises(ConfigError, match=rf"MLP hidden layer \(128 wide\) for the backward {2 * kept:,} GiB more "
+    with pytest.raises(ConfigError, match=rf"the MLP's hidden layer, 128 wide\) {2 * kept:,} GiB more "
                                           r"\(2 bytes a value\)"):
         check_memory(chunked, torch.device("cpu"), 2**31)  # a batch far too large: the activations alone do not fit
-    with pytest.raises(ConfigError, match=rf"for the backward {2 * kept:,} GiB more \(4 bytes a value\)"):
+    with pytest.raises(ConfigError, match=rf"128 wide\) {2 * kept:,} GiB more \(4 bytes a value\)"):
         check_memory(chunked, torch.device("cpu"), 2**30, torch.float32)  # float32 on the CPU: twice the bytes
+    from trainer.config import compose_config
+    from trainer.loop import kept_per_token
+    llama = model_config(compose_config(["model=llama_small"]), 100288, "sdpa")  # 1024 wide, 2 of 8 heads k/v, SwiGLU
+    assert kept_per_token(llama) == 3 * 1024 + 2 * 256 + 2 * 2816
     for shape in (args, model_config(make_cfg("model.n_kv_head=4", "model.n_layer=3"), 1000, "sdpa")):
         matrices = [p for p in GPT(shape).parameters() if p.dim() == 2]  # the tied embedding once
         assert min_params(shape) == sum(p.numel() for p in matrices)  # exact: only biases and layer norms left out
