@@ -40,6 +40,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ConfigTypeErr
 from data.prepare import TOKENIZERS
 from data.sources import SOURCES
 from model.backends import BACKENDS, REGISTRY, backends_with, mask_backends, resolve_backend
+from model.backends.triton import TritonBackend
 from model.gpt import block_option_errors
 from trainer.compile import COMPILE_MODES, fp8_unavailable
 from trainer.runtime import NO_CUDA
@@ -483,6 +484,12 @@ def _check_backend(check, backend: str, m, t) -> None:
     if entry.needs_cuda:
         check(t.device != "cpu" and torch.cuda.is_available(), "attn.backend",
               f"attn={backend} needs a CUDA GPU ({entry.description}); use attn=sdpa")
+    elif isinstance(entry, TritonBackend) and on_cpu:  # the kernels' check: kernels.common.INTERPRET
+        interpret = os.environ.get("TRITON_INTERPRET")
+        check(interpret == "1", "attn.backend",
+              f"attn={backend} on the CPU runs the Triton kernels under Triton's interpreter, which needs "
+              f"TRITON_INTERPRET=1 in the environment before Python starts (it is {interpret!r}); set it, or use "
+              "attn=sdpa")
     if not entry.compiles_on_cpu:
         check(not (t.compile and on_cpu), "trainer.compile",
               f"attn={backend} cannot train under torch.compile on the CPU (PyTorch compiles no backward for it "

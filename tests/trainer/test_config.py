@@ -48,6 +48,23 @@ def test_every_group_option_composes(group, option):
         validate_config(cfg)
 
 
+@pytest.mark.parametrize("interpret", ["0", "", None])
+@pytest.mark.parametrize("backend", ["fa1", "fa2", "fa3"])
+def test_triton_backends_on_the_cpu_without_the_interpreter_are_refused_at_start(backend, interpret, monkeypatch):
+    """TRITON_INTERPRET other than 1 with trainer.device=cpu: one config error naming the variable, not a traceback
+    from the kernels at the first step."""
+    if interpret is None:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    cfg = compose_config([f"attn={backend}", "trainer.device=cpu"])
+    with pytest.raises(ConfigError, match=rf"attn={backend} on the CPU runs the Triton kernels under Triton's "
+                                          rf"interpreter, which needs TRITON_INTERPRET=1 .*\(it is {interpret!r}\)"):
+        validate_config(cfg)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    validate_config(cfg)
+
+
 def test_model_presets():
     baby = compose_config(["model=baby"]).model
     assert (baby.n_layer, baby.n_head, baby.n_embd, baby.block_size) == (6, 6, 384, 256)
