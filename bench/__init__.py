@@ -116,7 +116,7 @@ class Interrupted(Exception):
         return Interrupted, (self.label, self.step, self.steps, self.signum)
 
 
-def in_fresh_process(fn: Callable, *args):
+def in_fresh_process(fn: Callable, *args, on_result: Optional[Callable] = None):
     """``fn(*args)`` in a new Python interpreter (multiprocessing's ``spawn``), its return value here, or its exception
     raised here. The child starts with no CUDA context, no compiled graphs, no allocator or Triton launcher state and
     no memory of an earlier run: a benchmark run in it reads what a run alone in a process reads. ``fn`` and its
@@ -128,7 +128,8 @@ def in_fresh_process(fn: Callable, *args):
     - Signals: Ctrl-C at a terminal reaches both processes (one process group), so SIGINT is not forwarded; SIGTERM
       sent to this process is forwarded to the child. A signal this process got while the child ran is delivered
       again here once the child has ended, unless the child raised (e.g. its run stopped on that signal): a result
-      is then dropped, and a child that ended without one (a second Ctrl-C aborts a run) is a KeyboardInterrupt."""
+      is then handed to ``on_result`` first (if given; else it is dropped), and a child that ended without one (a
+      second Ctrl-C aborts a run) is a KeyboardInterrupt."""
     ctx = multiprocessing.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
     child = ctx.Process(target=_child_main, args=(send, fn, args))  # not daemonic: inductor may start workers
@@ -155,12 +156,16 @@ def in_fresh_process(fn: Callable, *args):
     if status == "raised":  # the child's own reading of a signal (Interrupted, KeyboardInterrupt) included
         raise value
     if received:
+        if status == "returned" and on_result is not None:
+            on_result(value)
         signal.raise_signal(received[0])
     if status is None:
         code = child.exitcode
         how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 else \
             f"ended with exit code {code}"
         raise RuntimeError(f"{getattr(fn, '__name__', fn)}: its process {how} before returning a result")
+    if on_result is not None:
+        on_result(value)
     return value
 
 

@@ -373,11 +373,20 @@ def compare(jobs, args, out_dir, stem, meta, baseline) -> list[dict]:
     fails leaves the rows before it."""
     rows = []
 
-    def record(run, *run_args):
-        row = run(*run_args) if args.same_process else in_fresh_process(run, *run_args)
+    def keep(row):
         rows.append(row)
         add_speedups(rows)
         write(rows, out_dir, stem, meta)
+
+    def record(run, *run_args):
+        if args.same_process:
+            return keep(run(*run_args))
+        try:  # a finished run is kept even when a signal came while its process ended
+            in_fresh_process(run, *run_args, on_result=keep)
+        except (Interrupted, KeyboardInterrupt):
+            raise
+        except Exception as e:  # its traceback is printed already, by its own process
+            raise RunFailed(f"{run_args[3]}'s run failed: {type(e).__name__}: {e}".split("\n")[0]) from None
 
     if not baseline:  # the backends in turn, so that a drift of the machine's speed falls on all of them
         for k in range(1, args.repeats + 1):
@@ -392,6 +401,16 @@ def compare(jobs, args, out_dir, stem, meta, baseline) -> list[dict]:
                    k)
             record(run_bare, overrides, b, out_dir, f"{label}_bare", args.warmup, args.steps, k + 1)
     return rows
+
+
+class RunFailed(Exception):
+    """A run in its own process failed (an exception there, whose traceback it printed, or a crash)."""
+
+
+def kept_rows(out_dir: Path) -> str:
+    """Where the rows measured so far are, or that there are none."""
+    return (f"the rows measured before it are in {out_dir}" if (out_dir / "throughput.csv").exists() else
+            "no run had finished, so no rows were written")
 
 
 def main(argv=None):
@@ -412,8 +431,10 @@ def main(argv=None):
     except (Interrupted, KeyboardInterrupt) as e:  # a second Ctrl-C, or one in the bare loop, is a KeyboardInterrupt
         signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
         print(f"bench.throughput: {str(e) or 'interrupted'}; stopped there, with no row for that run and none after it "
-              f"(the rows measured before it are in {out_dir})", file=sys.stderr)
+              f"({kept_rows(out_dir)})", file=sys.stderr)
         raise SystemExit(128 + signum)
+    except RunFailed as e:
+        raise SystemExit(f"bench.throughput: {e}; no later run started ({kept_rows(out_dir)})")
     print(f"wrote {out_dir}/throughput.{{csv,json,png}}" + (" and throughput_sweep.*" if sweep_jobs else ""))
     return rows
 

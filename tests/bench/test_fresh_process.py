@@ -105,6 +105,33 @@ def exit_when_told(ready_file, go_file, code):
     os._exit(code)
 
 
+def test_a_finished_result_is_handed_over_before_a_signal_received_meanwhile(tmp_path):
+    """Ctrl-C reaching this process just as the child finishes: the result goes to on_result, then the signal."""
+    ready, go = tmp_path / "ready", tmp_path / "go"
+
+    def ctrl_c_here_when_ready():
+        deadline = time.monotonic() + 60
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGINT)
+        go.touch()
+
+    kept = []
+    threading.Thread(target=ctrl_c_here_when_ready, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        in_fresh_process(return_when_told, str(ready), str(go), "the row", on_result=kept.append)
+    assert kept == ["the row"]
+    assert in_fresh_process(pid_and_state, 2, on_result=kept.append)[2] == 4 and kept[-1][2] == 4
+
+
+def return_when_told(ready_file, go_file, value):
+    open(ready_file, "w").close()
+    deadline = time.monotonic() + 60
+    while not os.path.exists(go_file) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return value
+
+
 def test_ctrl_c_here_then_a_child_that_ends_without_a_result_is_a_keyboard_interrupt(tmp_path):
     """A second Ctrl-C aborts the trainer's process (exit 130): with the SIGINT this process got, that is a
     KeyboardInterrupt here, not an error about an exit code."""

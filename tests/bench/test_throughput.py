@@ -197,6 +197,30 @@ def test_the_summary_needs_no_sdpa_and_skips_bare_rows():
              tokens_per_s_max=5.0, median_vs_sdpa=None)]
 
 
+def test_a_run_that_fails_in_its_process_is_one_line_naming_it(tmp_path, tiny_overrides, capfd):
+    """A sweep context longer than the data fails inside its run's process (the data is read there): the run's
+    traceback once (from its process), then one line naming the run; the rows measured before it are kept."""
+    overrides = [o for o in tiny_overrides if not o.startswith(("run.", "attn=", "trainer.max_steps"))]
+    overrides += [f"run.root={tmp_path}", "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=16",
+                  "trainer.batch_size=2"]
+    with pytest.raises(SystemExit) as exit_info:
+        throughput.main(["--backends", "sdpa", "--steps", "1", "--warmup", "1", "--sweep", "1048576",
+                         "--sweep-tokens", "1048576", "--name", "fails", *overrides])
+    message = str(exit_info.value.code)
+    assert re.fullmatch(r"bench.throughput: sdpa_ctx1048576's run failed: ConfigError: .+; no later run started "
+                        rf"\(the rows measured before it are in {re.escape(str(tmp_path / 'fails'))}\)", message), message
+    err = capfd.readouterr().err
+    assert err.count("Traceback") == 1  # the child's; none from this process
+    rows = json.loads((tmp_path / "fails" / "throughput.json").read_text())["rows"]
+    assert [r["backend"] for r in rows] == ["sdpa"]
+
+
+def test_kept_rows_says_when_there_are_none(tmp_path):
+    assert throughput.kept_rows(tmp_path) == "no run had finished, so no rows were written"
+    (tmp_path / "throughput.csv").write_text("backend\n")
+    assert throughput.kept_rows(tmp_path) == f"the rows measured before it are in {tmp_path}"
+
+
 def test_document_masks_compare_fa2_flex_and_sdpa(tmp_path, tiny_overrides):
     """The document-mask comparison on a micro model: --backends fa2,flex,sdpa with data.document_mask=true, one row
     per backend, the same losses (the same masked model)."""
