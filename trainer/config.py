@@ -623,7 +623,13 @@ def override_error(e: HydraException) -> str:
     option or key with what is accepted, a wrong type in OmegaConf's words (their first line), an override that does
     not parse with how to quote it; anything else as Hydra words it."""
     if isinstance(e, OverrideParseException):  # Hydra's grammar: e.g. a non-ASCII letter in an unquoted value
-        return (f"{e.override}: not an override Hydra can parse; quote the value (non-ASCII letters and some "
+        override = str(e.override)
+        key = override.split("=", 1)[0]
+        if "=" not in override:
+            return f"{override}: an override needs a value, key=value, e.g. {override.strip()}=..."
+        if key != key.strip():
+            return f"{override}: no space may stand before '='; write {key.strip()}=<value>"
+        return (f"{override}: not an override Hydra can parse; quote the value (non-ASCII letters and some "
                 "symbols need it), e.g. \"run.name='héllo'\" in the shell")
     if isinstance(e, MissingConfigException) and e.missing_cfg_file and e.options:
         group, _, option = e.missing_cfg_file.rpartition("/")

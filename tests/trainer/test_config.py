@@ -383,6 +383,8 @@ def test_help_lists_every_key_with_its_meaning():
     ("trainer.compile=maybe", "trainer.compile: Value 'maybe' is not a valid bool (type str)"),
     ("~model.n_layer", "~model.n_layer: keys cannot be deleted (every key has a default); set a value instead"),
     ("run.name=héllo", "run.name=héllo: not an override Hydra can parse; quote the value"),
+    ("model.n_layer", "model.n_layer: an override needs a value, key=value, e.g. model.n_layer=..."),
+    ("model.n_layer =2", "model.n_layer =2: no space may stand before '='; write model.n_layer=<value>"),
     ("wandb.tags=foo", "wandb.tags: Invalid value assigned: str is not a ListConfig, list or tuple; give a list, "
                        "e.g. wandb.tags=[a,b] (quoted in the shell)"),
 ])
