@@ -340,9 +340,13 @@ def validate_config(cfg: DictConfig, world_size: int = 1, local_rank: int = 0) -
         _check_backend(check, backend, cfg.model, cfg.trainer)
         _check_masks(check, backend, windows, cfg.data.document_mask)
         if softcap_on(cfg.model):
+            with_softcap = [b for b in backends_with("supports_softcap")
+                            if REGISTRY[b].supports_dropout or cfg.model.dropout == 0.0]
             check(REGISTRY[backend].supports_softcap, "model.attn_softcap",
                   f"attn={backend} has no attention logit soft-capping; use "
-                  f"attn={' or attn='.join(backends_with('supports_softcap'))} (or model.attn_softcap=0)")
+                  f"attn={' or attn='.join(with_softcap)} (or model.attn_softcap=0)" if with_softcap else
+                  f"attn={backend} has no attention logit soft-capping; use model.attn_softcap=0 (no backend has "
+                  "both model.attn_softcap and attention dropout, model.dropout)")
     _check_trainer(check, cfg.trainer, world_size, local_rank)
     _check_optim(check, cfg.optim)
 
@@ -468,14 +472,16 @@ def _check_backend(check, backend: str, m, t) -> None:
 
     entry = REGISTRY[backend]
     on_cpu = t.device == "cpu" or not torch.cuda.is_available()
-    with_dropout = ", ".join(f"attn={b.name}" for b in REGISTRY.values()
-                             if b.supports_dropout and b.cpu_dropout and not b.needs_cuda)
+    softcap = softcap_on(m)  # a backend suggested instead must take it too
+    with_dropout = [f"attn={b.name}" for b in REGISTRY.values() if b.supports_dropout and b.cpu_dropout
+                    and not b.needs_cuda and (b.supports_softcap or not softcap)]
+    instead = (f"use model.dropout=0.0 or {', '.join(with_dropout)}" if with_dropout else
+               "use model.dropout=0.0 (no backend has both attention dropout and model.attn_softcap)")
     if not entry.supports_dropout:
-        check(m.dropout == 0.0, "model.dropout",
-              f"attn={backend} has no attention dropout; use model.dropout=0.0 or {with_dropout}")
+        check(m.dropout == 0.0, "model.dropout", f"attn={backend} has no attention dropout; {instead}")
     elif not entry.cpu_dropout:
         check(m.dropout == 0.0 or not on_cpu, "model.dropout",
-              f"attn={backend} has no attention dropout on the CPU; use model.dropout=0.0 or {with_dropout}")
+              f"attn={backend} has no attention dropout on the CPU; {instead}")
     if entry.limits_head_dim and m.n_head >= 1 and m.n_embd % m.n_head == 0:
         lo, hi = entry.head_dim_limits()  # raises BackendUnavailableError if the kernels are missing
         head_dim = m.n_embd // m.n_head

@@ -65,6 +65,20 @@ def test_triton_backends_on_the_cpu_without_the_interpreter_are_refused_at_start
     validate_config(cfg)
 
 
+@pytest.mark.parametrize("backend,message", [
+    ("flex", "model.dropout=0.1: attn=flex has no attention dropout; use model.dropout=0.0 (no backend has both "
+             "attention dropout and model.attn_softcap)"),
+    ("sdpa", "model.attn_softcap=10.0: attn=sdpa has no attention logit soft-capping; use model.attn_softcap=0 (no "
+             "backend has both model.attn_softcap and attention dropout, model.dropout)"),
+])
+def test_dropout_with_softcap_suggests_no_backend_that_refuses_it_too(backend, message):
+    """No backend has both: each error says so, instead of sending the user to a backend that refuses the other."""
+    cfg = compose_config([f"attn={backend}", "model.dropout=0.1", "model.attn_softcap=10", "trainer.device=cpu"])
+    with pytest.raises(ConfigError) as e:
+        validate_config(cfg)
+    assert message in str(e.value) and "use attn=" not in str(e.value)
+
+
 def test_model_presets():
     baby = compose_config(["model=baby"]).model
     assert (baby.n_layer, baby.n_head, baby.n_embd, baby.block_size) == (6, 6, 384, 256)
