@@ -18,6 +18,7 @@ import contextlib
 import itertools
 import logging
 import logging.handlers
+import os
 import shutil
 import signal
 import sys
@@ -99,7 +100,10 @@ def main(argv: list[str]) -> int:
     except HydraException as e:  # an unknown key or group, a wrong type, an override that does not parse
         return error(override_error(e))
     if any(f in HELP for f in flags):
-        print(help_text(jobs[0][1], Config, CONF_DIR))
+        try:
+            print(help_text(jobs[0][1], Config, CONF_DIR), flush=True)
+        except BrokenPipeError:  # `| head`: the reader has gone; say nothing more to it
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     bad = next((cfg.run.name for _, cfg in jobs if not valid_run_name(str(cfg.run.name))), None)
     if bad is not None:

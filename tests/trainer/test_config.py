@@ -433,6 +433,20 @@ def test_keys_added_with_plus_are_rejected(override, key):
         validate_config(compose_config([override]))
 
 
+def test_help_into_a_closed_pipe_is_quiet():
+    """`python train.py --help | head -1`: the reader goes before the help is written; no BrokenPipeError traceback."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, "train.py", "--help"], cwd=root, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # before the child has imported anything: its write meets a closed pipe
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()[-2000:]
+
+
 def test_config_help_imports_nothing_of_trainer():
     """trainer.config imports trainer.config_help, which gets the schema as an argument: no import cycle."""
     import ast
