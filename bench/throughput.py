@@ -3,7 +3,7 @@
     python -m bench.throughput model=gpt2 model.vocab_size=50304 data=shakespeare_char trainer.compile=true
     python -m bench.throughput --backends fa2,sdpa --sweep 1024,2048,4096,8192 model=gpt2 ...
 
-Every backend trains the same model from the same seed (`train()` in-process, so every Hydra override of
+Every backend trains the same model from the same seed (the trainer's `train()`, so every Hydra override of
 train.py applies, except those of the keys each run's config sets, which are refused: `OWNED_KEYS`) for
 `--warmup` + `--steps` optimizer steps; the warm-up steps, which include torch.compile and Triton autotuning, are
 left out of the statistics. The runs go one after another, each in a fresh Python process (`bench.in_fresh_process`),
