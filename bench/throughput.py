@@ -15,7 +15,9 @@ step time (ms) and the mean, the spread (interquartile range of the step times o
 10% are named under the table), tokens/s (tokens per step / median step time), median MFU, peak GPU memory, the
 final train loss and the speed-up over `sdpa`. A backend that runs another's kernels here (fa3 without a Hopper
 GPU: FA2's) is starred, and named under the table. On a CPU the table is a smoke test, not a benchmark: the
-ratios between backends change from run to run. Each backend is its own W&B run in one W&B group
+ratios between backends change from run to run, and fa1, fa2 and fa3 run under Triton's interpreter, seconds to
+minutes a step at the default model (a quick check: `python -m bench.throughput --backends sdpa,fa2 --steps 2
+--warmup 1 model.n_layer=1 model.block_size=16 trainer.batch_size=2`). Each backend is its own W&B run in one W&B group
 (`wandb.group`), so the loss and step time curves overlay in the W&B UI. Files go to <run.root>/<name>/ (run.root:
 runs unless an override sets it): throughput.csv, throughput.json, throughput.png, rewritten after every run (a
 backend that crashes the process leaves the rows measured before it), and one run folder per backend (metrics, W&B
@@ -70,6 +72,9 @@ FIELDS = ["backend", "loop", "run", "block_size", "batch_size", "tokens_per_step
 RATIOS = dict(speedup_vs_sdpa=None, tokens_per_s_vs_bare=None, tokens_per_s_vs_bare_before=None,
               tokens_per_s_vs_bare_after=None, peak_mem_vs_bare=None)  # filled in by add_speedups
 NOISY_PCT = 10  # a row whose step times spread more than this is named under the table
+INTERPRETED = ("fa1", "fa2", "fa3")  # the project's Triton kernels: on a CPU, under Triton's interpreter
+CPU_SMOKE_TEST = ("python -m bench.throughput --backends sdpa,fa2 --steps 2 --warmup 1 model.n_layer=1 "
+                  "model.block_size=16 trainer.batch_size=2")
 # train.py keys each run's config sets (`backend_config`), refused among the overrides with the flag that sets them
 OWNED_KEYS = {"attn": "--backends", "trainer.max_steps": "--warmup and --steps", "run.name": "--name",
               "wandb.group": "--name", "resume": "nothing: each run starts afresh"}
@@ -419,6 +424,10 @@ def main(argv=None):
     out_dir, jobs, sweep_jobs = plan(parser, args)
     results_folder(str(out_dir), "the results folder (run.root/--name)")
     env = environment("cuda" if torch.cuda.is_available() else "cpu")
+    slow = [b for b in args.backends if b in INTERPRETED]
+    if env["device"] == "CPU" and slow:
+        log.warning("no CUDA GPU: %s run under Triton's interpreter here, seconds to minutes a step at the default "
+                    "model; a quick check: %s", ", ".join(slow), CPU_SMOKE_TEST)
     meta = dict(**env, overrides=args.overrides, warmup=args.warmup, steps=args.steps)
     try:
         rows = compare(jobs, args, out_dir, "throughput", meta, args.baseline)

@@ -70,7 +70,7 @@ def test_compares_backends_and_sweeps_context(tmp_path, tiny_overrides, capsys, 
 
 
 
-def test_fallback_rows_and_noise_are_marked(tmp_path, tiny_overrides, capsys):
+def test_fallback_rows_and_noise_are_marked(tmp_path, tiny_overrides, capsys, caplog):
     """On a CPU: fa3 runs FA2's kernels and its row says so (starred, named under the table); every row has the
     spread of its step times; the table says a CPU is not a benchmark."""
     overrides = [o for o in tiny_overrides if not o.startswith(("run.", "attn=", "trainer.max_steps"))]
@@ -80,6 +80,10 @@ def test_fallback_rows_and_noise_are_marked(tmp_path, tiny_overrides, capsys):
                             *overrides])
     assert [(r["backend"], r["fallback"]) for r in rows] == [("fa3", "FA2's Triton kernels (no CUDA GPU)"),
                                                             ("sdpa", None)]
+    if not torch.cuda.is_available():  # said before the runs, with a command that takes seconds
+        assert "fa3 run under Triton's interpreter here, seconds to minutes a step" in caplog.text
+        assert throughput.CPU_SMOKE_TEST in caplog.text and throughput.CPU_SMOKE_TEST in throughput.__doc__.replace(
+            "\n", " ")
     assert all(r["step_time_spread_pct"] >= 0 for r in rows)
     printed = capsys.readouterr().out
     assert "\nfa3* " in printed and "note: fa3*: runs FA2's Triton kernels (no CUDA GPU)" in printed
