@@ -312,7 +312,7 @@ def parse_args(argv):
                              "followed by a bare run)")
     parser.add_argument("--same-process", action="store_true",
                         help="run every backend in this process, one after another, instead of each run in a fresh "
-                             "process (a later run may then read faster than it would alone)")
+                             "process (the runs then share its compiled graphs, caches and allocator)")
     parser.add_argument("--sweep", default="",
                         help="context lengths for a sweep, e.g. 1024,2048,4096,8192 (none by default)")
     parser.add_argument("--sweep-tokens", type=int, default=32768, help="tokens per step in the sweep")
@@ -383,7 +383,8 @@ def compare(jobs, args, out_dir, stem, meta, baseline) -> list[dict]:
         add_speedups(rows)
         write(rows, out_dir, stem, meta)
 
-    def record(run, *run_args):
+    def record(run, overrides, backend, label, k):
+        run_args = (overrides, backend, out_dir, label, args.warmup, args.steps, k)
         if args.same_process:
             return keep(run(*run_args))
         try:  # a finished run is kept even when a signal came while its process ended
@@ -391,20 +392,18 @@ def compare(jobs, args, out_dir, stem, meta, baseline) -> list[dict]:
         except (Interrupted, KeyboardInterrupt):
             raise
         except Exception as e:  # its traceback is printed already, by its own process
-            raise RunFailed(f"{run_args[3]}'s run failed: {type(e).__name__}: {e}".split("\n")[0]) from None
+            raise RunFailed(f"{label}'s run failed: {type(e).__name__}: {e}".split("\n")[0]) from None
 
     if not baseline:  # the backends in turn, so that a drift of the machine's speed falls on all of them
         for k in range(1, args.repeats + 1):
             for overrides, b, label in jobs:
-                record(run_backend, overrides, b, out_dir, label if k == 1 else f"{label}_{k}", args.warmup,
-                       args.steps, k)
+                record(run_backend, overrides, b, label if k == 1 else f"{label}_{k}", k)
         return rows
     for overrides, b, label in jobs:
-        record(run_bare, overrides, b, out_dir, f"{label}_bare", args.warmup, args.steps, 1)
+        record(run_bare, overrides, b, f"{label}_bare", 1)
         for k in range(1, args.repeats + 1):  # trainer, bare, trainer, bare, ...: order effects show in the bare runs
-            record(run_backend, overrides, b, out_dir, label if k == 1 else f"{label}_{k}", args.warmup, args.steps,
-                   k)
-            record(run_bare, overrides, b, out_dir, f"{label}_bare", args.warmup, args.steps, k + 1)
+            record(run_backend, overrides, b, label if k == 1 else f"{label}_{k}", k)
+            record(run_bare, overrides, b, f"{label}_bare", k + 1)
     return rows
 
 

@@ -39,9 +39,9 @@ def test_compares_backends_and_sweeps_context(tmp_path, tiny_overrides, capsys, 
                   "model.block_size=16", "trainer.batch_size=2"]
     isolated = []
 
-    def in_fresh_process(run, *args):  # each run in its own process: the real call, counted
+    def in_fresh_process(run, *args, **kwargs):  # each run in its own process: the real call, counted
         isolated.append((run.__name__, args[1], args[3]))
-        return real_in_fresh_process(run, *args)
+        return real_in_fresh_process(run, *args, **kwargs)
 
     real_in_fresh_process = throughput.in_fresh_process
     monkeypatch.setattr(throughput, "in_fresh_process", in_fresh_process)
