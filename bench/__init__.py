@@ -155,17 +155,15 @@ def in_fresh_process(fn: Callable, *args, on_result: Optional[Callable] = None):
         receive.close()
     if status == "raised":  # the child's own reading of a signal (Interrupted, KeyboardInterrupt) included
         raise value
+    if status == "returned" and on_result is not None:
+        on_result(value)
     if received:
-        if status == "returned" and on_result is not None:
-            on_result(value)
         signal.raise_signal(received[0])
     if status is None:
         code = child.exitcode
         how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 else \
             f"ended with exit code {code}"
         raise RuntimeError(f"{getattr(fn, '__name__', fn)}: its process {how} before returning a result")
-    if on_result is not None:
-        on_result(value)
     return value
 
 
