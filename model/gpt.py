@@ -110,7 +110,7 @@ def block_option_errors(c) -> list[tuple[str, str]]:
         errors.append(("mlp_hidden", "must be an int >= 1 or null (= the rule of model.mlp)"))
     errors += [(key, "must be true or false") for key in ("bias", "qk_norm", "tie_embeddings")
                if not isinstance(getattr(c, key), bool)]
-    divides = _is_int(c.n_head) and c.n_head >= 1 and _is_int(c.n_embd) and c.n_embd % c.n_head == 0
+    divides = _is_int(c.n_head) and c.n_head >= 1 and _is_int(c.n_embd) and c.n_embd >= 1 and c.n_embd % c.n_head == 0
     head_dim = c.n_embd // c.n_head if divides else 0
     from kernels.frontend import max_softcap  # the kernels' rule, at the model's softmax_scale 1 / sqrt(head_dim)
 

@@ -151,6 +151,15 @@ def test_a_bad_n_layer_is_named_alone(n_layer):
     assert str(e.value) == f"invalid config:\n  model.n_layer={n_layer}: must be a positive integer"
 
 
+@pytest.mark.parametrize("n_embd", [-128, -4])
+def test_a_negative_n_embd_that_n_head_divides_is_named_alone(n_embd):
+    """-128 % 4 == 0: the block options' head_dim checks must not see a negative head_dim (its ** -0.5 is complex)."""
+    cfg = compose_config(["trainer.device=cpu", f"model.n_embd={n_embd}", "model.n_head=4"])
+    with pytest.raises(ConfigError) as e:
+        validate_config(cfg)
+    assert str(e.value) == f"invalid config:\n  model.n_embd={n_embd}: must be a positive integer"
+
+
 def test_cuda_device_without_gpu_is_rejected(monkeypatch, capsys):
     import torch
 
