@@ -43,14 +43,16 @@ def find_checkpoint(run: str, runs_root: str = "runs") -> Path:
                 return ckpt
             empty.append(folder)
     for folder in empty:  # a sweep's folder (or a runs root) names the runs it holds
-        runs = sorted(p.name for p in folder.iterdir() if latest_checkpoint(p) is not None)
-        if runs:
+        latest = {p.name: ckpt for p in folder.iterdir() if (ckpt := latest_checkpoint(p)) is not None}
+        if latest:  # the run saved last is the likeliest one meant
+            newest = max(latest, key=lambda name: (latest[name].stat().st_mtime, name))
             raise CheckpointError(f"run folder {folder} has no checkpoints (checkpoints/step_*.pt); it holds the "
-                                  f"runs {', '.join(runs)}: give --run {folder / runs[0]}")
+                                  f"runs {', '.join(sorted(latest))}: give --run {folder / newest} (saved last)")
     if empty:
         raise CheckpointError(f"run folder {empty[0]} has no checkpoints (checkpoints/step_*.pt)")
-    where = "" if p.is_absolute() else f", nor a run under {runs_root}/"
-    raise CheckpointError(f"--run {run!r} is neither a checkpoint file, a run folder{where}")
+    kinds = "a checkpoint file or a run folder" if p.is_absolute() else \
+        f"a checkpoint file, a run folder or a run under {runs_root}/"
+    raise CheckpointError(f"--run {run!r} is not {kinds}")
 
 
 def load_model(ckpt_path: Path, device: str = "cpu", attn: str = "auto"):

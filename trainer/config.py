@@ -202,7 +202,8 @@ def continue_command(run: DictConfig, world_size: int, overrides: Sequence[str] 
     the same) the launcher is ``torchrun --standalone --nproc_per_node=<world_size>``; across machines the
     rendezvous is the user's, so ``torchrun <the same launcher arguments>``. ``sweep``: ``overrides`` are a sweep's
     (``train.py -m``), kept as given, run.name and run.root included (they may be swept); the job's run.name is
-    added where the sweep gave none (the default, a launch time, is new at every start)."""
+    added where the sweep gave none (the default, a launch time, is new at every start). A key given twice keeps its
+    last value, the one the job ran with."""
     one_machine = local_world_size in (None, world_size)
     launcher = ("python train.py" if world_size == 1 else
                 f"torchrun --standalone --nproc_per_node={world_size} train.py" if one_machine else
@@ -217,7 +218,9 @@ def continue_command(run: DictConfig, world_size: int, overrides: Sequence[str] 
         skip |= {"run.name", "run.root"}
         name = f" {override_arg('run.name', run.name)}"
         root = f" {override_arg('run.root', run.root)}" if run.root != RunConfig.root else ""
-    rest = "".join(f" {shlex.quote(o)}" for o in overrides if override_key(o) not in skip)
+    last = {override_key(o): i for i, o in enumerate(overrides)}  # a key given twice: Hydra takes the last value
+    rest = "".join(f" {shlex.quote(o)}" for i, o in enumerate(overrides)
+                   if override_key(o) not in skip and last[override_key(o)] == i)
     return f"{launcher}{name}{root}{rest}"
 
 

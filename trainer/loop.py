@@ -280,6 +280,16 @@ class Trainer:
             return stats
         return torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True).copy_(stats, non_blocking=True)
 
+    def _nan_remedies(self) -> str:
+        """What may keep the loss finite, given this run's settings: the dtype only where a wider one exists."""
+        remedies = ["a lower optim.lr", "more optim.warmup_steps"]
+        if not self.cfg.optim.grad_clip:
+            remedies.append("optim.grad_clip=1.0")
+        wider = {torch.float16: "trainer.dtype=bf16 or fp32", torch.bfloat16: "trainer.dtype=fp32"}.get(self.dtype)
+        if wider:
+            remedies.append(wider)
+        return ", ".join(remedies[:-1]) + " or " + remedies[-1]
+
     def read(self, queued: QueuedStep, since) -> tuple[dict, bool]:
         """Wait for a queued step's numbers (the host sync) and build its record; also returns the DDP stop vote.
         Raises NonFiniteLossError (on every rank alike: the loss is the job's mean)."""
@@ -288,8 +298,7 @@ class Trainer:
         if not math.isfinite(train_loss):
             raise NonFiniteLossError(
                 f"training loss is {train_loss} at step {queued.step}; stopped without saving this step. "
-                f"Last good checkpoint: {self.summary.checkpoint or 'none'}. Try a lower optim.lr, "
-                "more optim.warmup_steps, optim.grad_clip, or trainer.dtype=bf16/fp32.")
+                f"Last good checkpoint: {self.summary.checkpoint or 'none'}. Try {self._nan_remedies()}.")
         record = step_record(queued.step, queued.tokens_seen, train_loss, queued.lr, grad_norm, step_time_s,
                              self.throughput, self.device)
         return record, bool(stop_votes and stop_votes[0] > 0)

@@ -84,9 +84,14 @@ def _load(path: Path) -> Checkpoint:
     except UnreadableCheckpoint as e:
         if path.parent.name != "checkpoints":
             raise
+        older = [p for p in list_checkpoints(path.parent.parent) if step_of(p) < step_of(path)]
+        if not older:  # nothing to fall back to in this run
+            raise UnreadableCheckpoint(f"{e}; it was left as is, and it is this run's only checkpoint: start a new "
+                                       "run.name, or move it out of the checkpoints folder to train this run again "
+                                       "from step 0") from None
         raise UnreadableCheckpoint(f"{e}; it was left as is: move it out of the checkpoints folder to resume from "
-                                   "the one before, or start a new run.name (resume=<path> of an older checkpoint "
-                                   "works there too)") from None
+                                   f"the one before ({older[-1].name}), or start a new run.name (resume=<path> of an "
+                                   "older checkpoint works there too)") from None
 
 
 # GPTConfig fields that do not shape the weights: a change is a warning (the config diff lists it), not a refusal.

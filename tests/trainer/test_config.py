@@ -534,6 +534,10 @@ def test_the_continue_command_repeats_the_runs_overrides():
                          "wandb.group=\"two words\""]
     again = OmegaConf.to_container(compose_config(words[2:] + ["trainer.max_steps=9"]))
     assert again == OmegaConf.to_container(compose_config([o for o in overrides if "resume" not in o]))
+    # A key given twice: only its last value, the one the run used, is repeated.
+    twice = ["optim.lr=1e-3", "wandb.mode=offline", "model=gpt2", "optim.lr=2e-3", "model=tiny", "run.name=a"]
+    assert continue_command(compose_config(twice).run, 1, twice) == ("python train.py run.name=a wandb.mode=offline "
+                                                                     "optim.lr=2e-3 model=tiny")
 
 
 def test_compile_mode_and_fp8_are_checked(make_cfg):

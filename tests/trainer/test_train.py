@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -136,9 +137,17 @@ def test_corrupt_latest_checkpoint_is_reported_and_kept(make_cfg):
     s = train(make_cfg("run.name=corrupt", "trainer.max_steps=3"))
     content = s.checkpoint.read_bytes()[:1000]
     s.checkpoint.write_bytes(content)
-    with pytest.raises(CheckpointError, match="step_00000003.pt is corrupt.*move it out of the checkpoints folder"):
+    with pytest.raises(CheckpointError, match="step_00000003.pt is corrupt.*this run's only checkpoint: start a new "
+                                              "run.name, or move it out of the checkpoints folder"):
         train(make_cfg("run.name=corrupt", "trainer.max_steps=6"))
     assert s.checkpoint.read_bytes() == content and list_checkpoints(s.run_dir) == [s.checkpoint]
+    # With an older checkpoint beside it, the message names the one a resume would fall back to.
+    s = train(make_cfg("run.name=corrupt2", "trainer.max_steps=3", "ckpt.interval=2", "ckpt.keep_last=2"))
+    assert [p.name for p in list_checkpoints(s.run_dir)] == ["step_00000002.pt", "step_00000003.pt"]
+    s.checkpoint.write_bytes(s.checkpoint.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match=r"step_00000003.pt is corrupt.*move it out of the checkpoints folder to "
+                                              r"resume from the one before \(step_00000002.pt\)"):
+        train(make_cfg("run.name=corrupt2", "trainer.max_steps=6"))
 
 
 def test_a_file_that_is_not_a_checkpoint_is_named_so_and_advice_is_for_run_folders(make_cfg, tmp_path, capsys):
@@ -280,7 +289,8 @@ def test_cli_exit_code_after_sigterm_is_143(tiny_overrides, tmp_path):
     command = re.search(r"interrupted at step \d+; to resume: (.*)", out).group(1)
     words = shlex.split(command)
     assert words[:4] == ["python", "train.py", "run.name=term", f"run.root={tmp_path}"]
-    assert words[4:] == [a for a in args if not a.startswith("run.")]
+    last = {a.split("=")[0]: a for a in args}  # ckpt.interval is given twice: the value the run used
+    assert words[4:] == [a for a in args if not a.startswith("run.") and last[a.split("=")[0]] == a]
     assert ("received SIGTERM: stopping after this step and saving a checkpoint (Ctrl-C or SIGINT to abort; another "
             "SIGTERM does not)") in out
     assert "last val loss" in out and "final val loss" not in out  # an interrupted run has steps to go
@@ -390,13 +400,27 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(make_cfg, monkeypatch):
 
     monkeypatch.setattr(GPT, "forward", forward)
     cfg = make_cfg("run.name=nan", "trainer.max_steps=8", "ckpt.interval=3")
-    with pytest.raises(NonFiniteLossError, match=r"loss is nan at step 5.*step_00000003.pt"):
+    # fp32 on the CPU with the default clipping: no wider dtype or clipping to suggest
+    with pytest.raises(NonFiniteLossError, match=r"loss is nan at step 5.*step_00000003.pt\. Try a lower optim.lr or "
+                                                 r"more optim.warmup_steps\.$"):
         train(cfg)
     run_dir = Path(cfg.run.root) / "nan"
     assert latest_checkpoint(run_dir).name == "step_00000003.pt"
     ckpt = load_checkpoint(latest_checkpoint(run_dir))
     assert ckpt["step"] == 3 and all(torch.isfinite(v).all() for v in ckpt["model"].values())
     assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("dtype,grad_clip,expected", [
+    (torch.float16, 1.0, "a lower optim.lr, more optim.warmup_steps or trainer.dtype=bf16 or fp32"),
+    (torch.bfloat16, 0.0, "a lower optim.lr, more optim.warmup_steps, optim.grad_clip=1.0 or trainer.dtype=fp32"),
+    (torch.float32, 0.0, "a lower optim.lr, more optim.warmup_steps or optim.grad_clip=1.0"),
+])
+def test_nan_remedies_suggest_only_what_the_run_does_not_use(dtype, grad_clip, expected):
+    from trainer.loop import Trainer
+
+    run = SimpleNamespace(cfg=SimpleNamespace(optim=SimpleNamespace(grad_clip=grad_clip)), dtype=dtype)
+    assert Trainer._nan_remedies(run) == expected
 
 
 def test_context_longer_than_data_is_rejected_before_training(make_cfg, tmp_path):
@@ -439,7 +463,7 @@ def test_sample_generates_text(make_cfg, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert rc == 0 and out.startswith("The king") and len(out.rstrip("\n")) == len("The king") + 40
     assert sample.main(["--run", str(s.run_dir / "missing"), "--device", "cpu"]) == 1
-    assert "neither a checkpoint file" in capsys.readouterr().err
+    assert "is not a checkpoint file" in capsys.readouterr().err
     # The weights alone (model, model_args, data_meta: a checkpoint stripped for sharing) sample the same text.
     full = torch.load(s.checkpoint, weights_only=True)
     weights = s.run_dir.parent / "weights.pt"
@@ -1050,12 +1074,20 @@ def test_sample_finds_the_latest_checkpoint_from_a_run_or_its_checkpoints_folder
     assert sample.find_checkpoint(str(ckpts)) == sample.find_checkpoint(str(ckpts.parent)) == latest
     assert sample.find_checkpoint("r", str(tmp_path / "runs")) == latest
     assert sample.find_checkpoint(str(ckpts / "step_00000001.pt")) == ckpts / "step_00000001.pt"
-    with pytest.raises(CheckpointError, match="neither a checkpoint file, a run folder"):
-        sample.find_checkpoint(str(tmp_path / "nowhere"), str(tmp_path / "runs"))
-    with pytest.raises(CheckpointError, match=r"neither a checkpoint file, a run folder$"):  # absolute: no runs/
+    with pytest.raises(CheckpointError, match=rf"is not a checkpoint file, a run folder or a run under {tmp_path}"):
+        sample.find_checkpoint("nowhere", str(tmp_path / "runs"))
+    with pytest.raises(CheckpointError, match=r"is not a checkpoint file or a run folder$"):  # absolute: no runs/
         sample.find_checkpoint(str(tmp_path / "nowhere"))
-    # A sweep's folder (or a runs root): its runs are named.
-    with pytest.raises(CheckpointError, match=rf"it holds the runs r: give --run {tmp_path / 'runs' / 'r'}$"):
+    with pytest.raises(CheckpointError, match=r"'/dev/null' is not a checkpoint file or a run folder$"):
+        sample.find_checkpoint("/dev/null")
+    # A sweep's folder (or a runs root): its runs are named, and the one saved last is suggested.
+    with pytest.raises(CheckpointError, match=rf"it holds the runs r: give --run {tmp_path / 'runs' / 'r'} \(saved"):
+        sample.find_checkpoint(str(tmp_path / "runs"))
+    older = tmp_path / "runs" / "q" / "checkpoints" / "step_00000001.pt"
+    older.parent.mkdir(parents=True)
+    older.write_bytes(b"")
+    os.utime(older, (0, 0))
+    with pytest.raises(CheckpointError, match=rf"the runs q, r: give --run {tmp_path / 'runs' / 'r'} \(saved last\)$"):
         sample.find_checkpoint(str(tmp_path / "runs"))
     # A later checkpoint name that is a broken link: refused, as resume=auto refuses it, not passed over.
     gone = ckpts / "step_00000009.pt"
