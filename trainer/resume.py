@@ -84,7 +84,12 @@ def _load(path: Path) -> Checkpoint:
     except UnreadableCheckpoint as e:
         if path.parent.name != "checkpoints":
             raise
-        older = [p for p in list_checkpoints(path.parent.parent) if step_of(p) < step_of(path)]
+        try:
+            step = step_of(path)
+        except ValueError:  # resume=<a file not named step_N.pt>: every other checkpoint of the run is a way out
+            step = None
+        older = [p for p in list_checkpoints(path.parent.parent)
+                 if p.resolve() != path.resolve() and (step is None or step_of(p) < step)]
         if not older:  # nothing to fall back to in this run
             raise UnreadableCheckpoint(f"{e}; it was left as is, and it is this run's only checkpoint: start a new "
                                        "run.name, or move it out of the checkpoints folder to train this run again "

@@ -141,6 +141,9 @@ def test_corrupt_latest_checkpoint_is_reported_and_kept(make_cfg):
                                               "run.name, or move it out of the checkpoints folder"):
         train(make_cfg("run.name=corrupt", "trainer.max_steps=6"))
     assert s.checkpoint.read_bytes() == content and list_checkpoints(s.run_dir) == [s.checkpoint]
+    s.checkpoint.rename(s.run_dir / "corrupt.pt")  # as the message says: the run then trains again from step 0
+    again = train(make_cfg("run.name=corrupt", "trainer.max_steps=3"))
+    assert again.step == 3 and list_checkpoints(again.run_dir) == [again.checkpoint]
     # With an older checkpoint beside it, the message names the one a resume would fall back to.
     s = train(make_cfg("run.name=corrupt2", "trainer.max_steps=3", "ckpt.interval=2", "ckpt.keep_last=2"))
     assert [p.name for p in list_checkpoints(s.run_dir)] == ["step_00000002.pt", "step_00000003.pt"]
@@ -148,6 +151,19 @@ def test_corrupt_latest_checkpoint_is_reported_and_kept(make_cfg):
     with pytest.raises(CheckpointError, match=r"step_00000003.pt is corrupt.*move it out of the checkpoints folder to "
                                               r"resume from the one before \(step_00000002.pt\)"):
         train(make_cfg("run.name=corrupt2", "trainer.max_steps=6"))
+
+
+def test_an_unreadable_checkpoint_named_otherwise_points_to_the_runs_others(tmp_path):
+    """resume=<run>/checkpoints/odd.pt that is not a checkpoint: the advice names the run's checkpoint to use, and
+    building it does not trip over the file's name (no step in it)."""
+    from trainer.resume import _load
+
+    ckpts = tmp_path / "run" / "checkpoints"
+    ckpts.mkdir(parents=True)
+    (ckpts / "step_00000002.pt").write_bytes(b"x")
+    (ckpts / "odd.pt").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match=r"odd.pt .*resume from the one before \(step_00000002.pt\)"):
+        _load(ckpts / "odd.pt")
 
 
 def test_a_file_that_is_not_a_checkpoint_is_named_so_and_advice_is_for_run_folders(make_cfg, tmp_path, capsys):
