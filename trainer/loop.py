@@ -492,12 +492,13 @@ def check_memory(args: GPTConfig, device: torch.device, tokens: int = 0,
                                "fused": (tokens, per_value)}[loss]
     weights, logits = params * TRAINING_BYTES_PER_PARAM, logit_rows * args.vocab_size * logit_bytes
     hidden = mlp_width(args.n_embd, args.mlp, args.mlp_hidden, args.multiple_of)
-    activations = args.n_layer * tokens * kept_per_token(args) * per_value
+    per_token = args.n_layer * kept_per_token(args) * per_value  # activation bytes a token keeps, all layers
+    activations = tokens * per_token
     if memory and weights + logits + activations > memory:
         gib = lambda n: f"{n / 2**30:,.3g}" if n < 10 * 2**30 else f"{n / 2**30:,.0f}"  # 0.0123, not 0.0
         # a mistyped model size and a batch far too large read differently: the model is the culprit when not even
         # one token's logits and activations fit beside it
-        one_token = weights + args.vocab_size * logit_bytes + args.n_layer * kept_per_token(args) * per_value
+        one_token = weights + args.vocab_size * logit_bytes + per_token
         culprit = ("the model is too large" if one_token > memory else
                    f"a micro-batch of {tokens:,} tokens (trainer.batch_size x model.block_size) is too large")
         raise ConfigError(
