@@ -39,7 +39,7 @@ from . import fa2
 from .common import (
     INTERPRET, LAUNCH_OPTIONS, bwd_preprocess, cdiv, empty_like_layout, grad_buffers, next_power_of_2, use_tma,
 )
-from .launch import launch
+from .launch import Prepared
 from .fa3_schedule import block_order, doc_bounds, tile_order
 
 # Triton releases (major.minor) whose Gluon Hopper API the kernels are written for: `kernels/gluon_compat.py` maps
@@ -378,13 +378,6 @@ def same_offsets(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> bool
     return bool(torch.equal(cu_seqlens_q, cu_seqlens_k))
 
 
-def _no_bounds(device) -> torch.Tensor:
-    """The bounds pointers' stand-in when there are no packed sequences (never read). A new one per call, not a
-    cached one: made during the warm-up of torch.compile's CUDA graphs (`mode="reduce-overhead"`), a cached
-    tensor would stay alive in their memory pool without being an output, which the graphs refuse."""
-    return torch.empty(1, device=device, dtype=torch.int32)
-
-
 def triton_version() -> str:
     return triton.__version__
 
@@ -393,7 +386,7 @@ class GluonKernels(NamedTuple):
     forward: Callable  # fa3_hopper.fa3_fwd_kernel
     backward: Callable  # fa3_hopper_bwd.fa3_bwd_kernel
     compiling: Callable  # gluon_compat.compiling: the context every compile of the two runs in
-    descriptor: Callable  # gluon_compat.tensor_descriptor: their host-made TMA descriptors
+    descriptor_maker: Callable  # gluon_compat.descriptor_maker: their host-made TMA descriptors
 
 
 @functools.lru_cache(maxsize=None)
@@ -408,10 +401,10 @@ def gluon_kernels(version: Optional[str] = None) -> GluonKernels | str:
     try:
         from .fa3_hopper import fa3_fwd_kernel
         from .fa3_hopper_bwd import fa3_bwd_kernel
-        from .gluon_compat import compiling, tensor_descriptor
+        from .gluon_compat import compiling, descriptor_maker
     except ImportError as e:  # a build of Triton without Gluon's Hopper API
         return f"triton {version} has no usable Gluon Hopper API ({e})"
-    return GluonKernels(fa3_fwd_kernel, fa3_bwd_kernel, compiling, tensor_descriptor)
+    return GluonKernels(fa3_fwd_kernel, fa3_bwd_kernel, compiling, descriptor_maker)
 
 
 def gluon_device_reason(device: torch.device) -> str | None:
@@ -439,15 +432,37 @@ def launch_options(maxnreg: int = 0) -> dict:
     return {**LAUNCH_OPTIONS, "maxnreg": maxnreg} if maxnreg else dict(LAUNCH_OPTIONS)
 
 
-def _run(kernel, key, grid, maxnreg: int = 0, **args):
-    """Launch the Gluon `kernel` (a gluon.jit function) on `grid` with `args` (every parameter, by name), with
-    4 warps and `maxnreg` registers a thread (0: Triton's choice), through `launch.launch`. `key` stands for
-    what the compiled code depends on (host-made TMA descriptors cannot be keyed from their values): the
-    kernel, its config (maxnreg included) and constexprs, the dtype and head_dim (which fix the descriptors'
-    blocks and layouts), the ints' values (the shapes) and the raw pointers' 16-byte alignment; the data pointers
-    go through the descriptors, rebuilt every call."""
-    launch(kernel, grid, key=key, compiling=gluon_kernels().compiling, num_warps=4, **launch_options(maxnreg),
-           **args)
+def _prepared(kernel, key, grid, per_call: tuple[str, ...], maxnreg: int = 0, **args) -> Prepared:
+    """The launch of the Gluon `kernel` (a gluon.jit function) on `grid` with `args` (every parameter but the
+    `per_call` ones, by name), with 4 warps and `maxnreg` registers a thread (0: Triton's choice), through
+    `launch.Prepared`. `key` stands for what the compiled code depends on (host-made TMA descriptors cannot be
+    keyed from their values): its config (maxnreg included) and constexprs, the dtype and head_dim (which fix the
+    descriptors' blocks and layouts), the ints' values (the shapes) and the raw pointers' 16-byte alignment; the
+    data pointers go through the descriptors, made every call."""
+    return Prepared(kernel, grid, per_call, key=key, compiling=gluon_kernels().compiling, num_warps=4,
+                    **launch_options(maxnreg), **args)
+
+
+# Calls of one signature (shapes, strides, dtype, device, mask, scales, config) share what `run_forward` and
+# `run_backward` derive from it: the launch's arguments, grid and key and the descriptors' fields
+# (`_ForwardLaunch`, `_BackwardLaunch`). A training step calls every layer with the same signature, and deriving
+# it cost more host time than the launch (docs/hopper-notes.md, "host variant 29"). Emptied when full.
+_LAUNCHES: dict[tuple, tuple] = {}
+LAUNCHES_MAX = 1024
+
+
+def _remember(cache: dict, signature: tuple, made):
+    if len(cache) >= LAUNCHES_MAX:
+        cache.clear()
+    cache[signature] = made
+    return made
+
+
+def clear_caches() -> None:
+    """Forget the derived call signatures (`plan`'s answers and the launches): for code that changes the tables
+    or functions they derive from (tests, tuning tools)."""
+    _LAUNCHES.clear()
+    _PLANS.clear()
 
 
 def _warn_fallback(reason: str) -> None:
@@ -470,55 +485,74 @@ def _caller_stacklevel() -> int:
     return level if frame is not None else 1
 
 
+class _ForwardLaunch(NamedTuple):
+    """What the Gluon forward calls of one signature share (`_forward_launch`)."""
+    launch: Prepared  # per call: the q, k, v, o descriptors, LSE, KEY_START, KEY_LIMIT, TILE_ORDER
+    descriptors: tuple  # makers of the q, k, v and o descriptors
+    lse_shape: tuple
+    tiles: Optional[tuple]  # packed sequences: `tile_order`'s (rows, block_n, batch * heads)
+
+
 def run_forward(q, k, v, causal: bool, softmax_scale: float, config: ForwardConfig, window_size=(-1, -1),
                 softcap: float = 0.0, key_bounds=None):
     """The Gluon forward with `config` (no checks: `plan` decides where it applies) -> (o, base-2 LSE).
     window_size: flash-attn's (left, right), -1 = unlimited (`fa2.window_edges`); softcap: flash-attn's logit cap
     (0 = off). key_bounds: packed sequences (batch 1): each row's keys [start, limit) (`doc_bounds`), which then
     replace causal and window_size."""
-    kernel, tensor_descriptor = gluon_kernels().forward, gluon_kernels().descriptor
+    docs = key_bounds is not None
+    signature = ("forward", q.device, q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(), causal,
+                 tuple(window_size), softmax_scale, softcap, config, docs)
+    call = _LAUNCHES.get(signature) or _remember(_LAUNCHES, signature, _forward_launch(
+        q, k, v, causal, softmax_scale, config, window_size, softcap, docs))
+    o = empty_like_layout(q)
+    lse = torch.empty(call.lse_shape, device=q.device, dtype=torch.float32)
+    if docs:
+        key_start, key_limit = key_bounds
+        order = _made_once(key_start, call.tiles, lambda: tile_order(key_start, key_limit, *call.tiles))
+    else:  # never read (DOCS is off): any int32 tensor
+        key_start = key_limit = order = lse.view(torch.int32)
+    q_desc, k_desc, v_desc, o_desc = call.descriptors
+    call.launch(q_desc(q), k_desc(k), v_desc(v), o_desc(o), lse, key_start, key_limit, order)
+    return o, lse
+
+
+def _forward_launch(q, k, v, causal, softmax_scale, config: ForwardConfig, window_size, softcap,
+                    docs: bool) -> _ForwardLaunch:
+    """`run_forward`'s launch for calls like this one."""
+    kernels = gluon_kernels()
     batch, n_heads, seqlen_q, head_dim = q.shape
     tile_dim = kernel_head_dim(head_dim)
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     num_consumers, block_n, num_stages, pingpong, persistent, late_k_release = config
-    left, right = fa2.window_edges(causal, window_size, seqlen_q, seqlen_k)
-    docs = key_bounds is not None
-    if docs:  # both edges, per row
-        left, right = 0, 0
-    unused = None if docs else _no_bounds(q.device)  # with documents every pointer is a real tensor
-    key_start, key_limit = key_bounds if docs else (unused, unused)
-    o = empty_like_layout(q)
-    lse = torch.empty((batch, n_heads, seqlen_q), device=q.device, dtype=torch.float32)
+    left, right = (0, 0) if docs else fa2.window_edges(causal, window_size, seqlen_q, seqlen_k)  # docs: per row
     q_layout, kv_layout = shared_layouts(q.dtype, tile_dim, block_n)
     # 4-D descriptors over the tensors as they are (any strides TMA takes), one (1, 1, rows, tile_dim) box each:
     # columns past head_dim (at 96) read as 0 and are not written
     q_box, kv_box = shared_layouts(q.dtype, tile_dim, block_n, rank=4)
-    desc = lambda t, rows, layout: tensor_descriptor(t, (1, 1, rows, tile_dim), layout)
+    desc = lambda t, rows, layout: kernels.descriptor_maker(t, (1, 1, rows, tile_dim), layout)
     n_tiles_m = cdiv(seqlen_q, num_consumers * BLOCK_M)
     n_tiles = n_tiles_m * batch * n_heads
-    order = unused
-    if docs:
-        rows = num_consumers * BLOCK_M
-        order = _made_once(key_start, (rows, block_n, batch * n_heads),
-                           lambda: tile_order(key_start, key_limit, rows, block_n, batch * n_heads))
     if not persistent:
         grid = (n_tiles,)
     elif left >= 0 or right >= 0:  # tiles of unequal cost: the kernel orders them (`fa3_hopper._tile`)
         grid = (min(n_tiles, _sm_count(q.device)),)
     else:
         grid = (persistent_grid(n_tiles_m, batch * n_heads, seqlen_q, num_consumers, _sm_count(q.device)),)
-    key = (kernel, config, q.dtype, q.device, q.shape, k.shape, left, right, docs, softcap > 0)
-    _run(kernel, key, grid,
-         q_desc=desc(q, BLOCK_M, q_box), k_desc=desc(k, block_n, kv_box), v_desc=desc(v, block_n, kv_box),
-         o_desc=desc(o, BLOCK_M, q_box), LSE=lse, n_heads=n_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-         window_left=max(left, 0), window_right=max(right, 0), KEY_START=key_start, KEY_LIMIT=key_limit,
-         TILE_ORDER=order,
-         **_logits(softmax_scale, softcap), n_tiles_m=n_tiles_m, n_tiles=n_tiles, GROUP=n_heads // n_kv_heads,
-         LEFT=left >= 0, RIGHT=right >= 0, DOCS=docs,
-         PINGPONG=pingpong, LATE_K_RELEASE=late_k_release, NUM_CONSUMERS=num_consumers,
-         HEAD_DIM=tile_dim, BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=num_stages, Q_LAYOUT=q_layout,
-         KV_LAYOUT=kv_layout)
-    return o, lse
+    key = (config, q.dtype, q.device, q.shape, k.shape, left, right, docs, softcap > 0)
+    prepared = _prepared(
+        kernels.forward, key, grid, ("q_desc", "k_desc", "v_desc", "o_desc", "LSE", "KEY_START", "KEY_LIMIT",
+                                     "TILE_ORDER"),
+        n_heads=n_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k, window_left=max(left, 0),
+        window_right=max(right, 0), **_logits(softmax_scale, softcap), n_tiles_m=n_tiles_m, n_tiles=n_tiles,
+        GROUP=n_heads // n_kv_heads, LEFT=left >= 0, RIGHT=right >= 0, DOCS=docs,
+        PINGPONG=pingpong, LATE_K_RELEASE=late_k_release, NUM_CONSUMERS=num_consumers,
+        HEAD_DIM=tile_dim, BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=num_stages, Q_LAYOUT=q_layout,
+        KV_LAYOUT=kv_layout)
+    o = empty_like_layout(q)
+    return _ForwardLaunch(
+        prepared, (desc(q, BLOCK_M, q_box), desc(k, block_n, kv_box), desc(v, block_n, kv_box),
+                   desc(o, BLOCK_M, q_box)),
+        (batch, n_heads, seqlen_q), (num_consumers * BLOCK_M, block_n, batch * n_heads) if docs else None)
 
 
 def _logits(softmax_scale: float, softcap: float) -> dict:
@@ -591,6 +625,30 @@ def _band(q, k, causal: bool, window_size, cu_seqlens_q, cu_seqlens_k, max_seqle
         window_left=left, window_right=right, varlen=varlen, shared_offsets=shared)
 
 
+# `_band`'s and `plan`'s answers by what they read of a call: the tensors' dtypes, shapes, strides and 16-byte
+# alignment, the device, the mask and the deterministic-algorithms flag. Not for packed sequences with two offset
+# tensors: whether their values match is read anew each call. Emptied when full.
+_PLANS: dict[tuple, tuple] = {}
+
+
+def _planned(direction: str, q, k, v, causal, window_size, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+             more: tuple = ()) -> tuple:
+    """(banded, band, plan) of a call (`_band`, then `plan` with the tensors `more`), remembered by signature."""
+    varlen = cu_seqlens_q is not None
+    signature = None
+    if not varlen or cu_seqlens_q is cu_seqlens_k:
+        tensors = (q, k, v, *more)
+        signature = (direction, q.device, not any(t.data_ptr() % 16 for t in tensors),
+                     torch.are_deterministic_algorithms_enabled(), causal, tuple(window_size), varlen, max_seqlen_q,
+                     max_seqlen_k, *[(t.dtype, t.shape, t.stride()) for t in tensors])
+        made = _PLANS.get(signature)
+        if made is not None:
+            return made
+    banded, band = _band(q, k, causal, window_size, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    made = banded, band, plan(direction, q, k, v, banded, *more, **band)
+    return made if signature is None else _remember(_PLANS, signature, made)
+
+
 # What packed sequences' calls derive from their offsets (`doc_bounds`, then the tile orders), made once per tensor:
 # a model passes one cu_seqlens to every layer, forward and backward. id(tensor) -> (a weak reference to it, its
 # version, {key: what was made}): the reference says the entry is still this tensor's (an id is reused once its
@@ -650,8 +708,8 @@ def forward(q, k, v, causal, softmax_scale, window_size=(-1, -1), cu_seqlens_q=N
     """Same contract as `fa2.forward`: o (like q, in q's memory order) and the base-2 LSE, float32
     (batch, n_heads, seqlen_q) or for packed sequences (n_heads, total_q), +inf for rows that see no key;
     sliding windows, packed sequences and softcap as there. The Gluon kernel where `plan` says, else FA2's."""
-    banded, band = _band(q, k, causal, window_size, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    choice = plan("forward", q, k, v, banded, **band)
+    banded, band, choice = _planned("forward", q, k, v, causal, window_size, cu_seqlens_q, cu_seqlens_k,
+                                    max_seqlen_q, max_seqlen_k)
     if choice.kernel == "gluon" and band["varlen"]:
         bounds = _packed_bounds(causal, window_size, cu_seqlens_q, q.shape[0], max(max_seqlen_q, max_seqlen_k))
         o, lse = run_forward(packed_view(q), packed_view(k), packed_view(v), causal, softmax_scale, choice.config,
@@ -665,6 +723,15 @@ def forward(q, k, v, causal, softmax_scale, window_size=(-1, -1), cu_seqlens_q=N
                        max_seqlen_k, softcap=softcap)
 
 
+class _BackwardLaunch(NamedTuple):
+    """What the Gluon backward calls of one signature share (`_backward_launch`)."""
+    launch: Prepared  # per call: the q, k, v, dO, dK, dV, dQ descriptors, LSE, DELTA, the bounds, BLOCK_ORDER
+    descriptors: tuple  # makers of the q, k, v, dO, dK, dV and dQ-accumulator descriptors
+    dq_acc_shape: tuple  # (batch, heads, whole blocks of rows, head_dim), or separate_dq: the descriptor's box
+    reduce_kv: bool  # dK and dV reduce-added into a float32 accumulator, then cast
+    convert_dq: Optional[Prepared]  # `convert_dq`'s launch (per call: dq_acc, dq); None with separate_dq
+
+
 def run_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, config: BackwardConfig, out=None,
                  window_size=(-1, -1), softcap: float = 0.0, bounds=None, cu_seqlens=None, max_seqlen: int = 0):
     """The Gluon backward with `config` (no checks: `plan` decides where it applies) -> (dq, dk, dv), into `out`
@@ -672,70 +739,93 @@ def run_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, config
     row's keys [start, limit) and each key's rows [start, limit) (`doc_bounds`, four tensors), with the offsets
     and longest length they came from (cu_seqlens, max_seqlen) for a config with separate_dq. ValueError for a
     config the kernel cannot run."""
-    batch, n_heads, seqlen_q, head_dim = q.shape
-    tile_dim = kernel_head_dim(head_dim)
-    dq_rows, dq_cols = config.dq_box(tile_dim)  # checks the config
-    kernel, tensor_descriptor = gluon_kernels().backward, gluon_kernels().descriptor
-    n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    constexprs = config.constexprs(tile_dim, n_heads // n_kv_heads)
-    block_m, separate_dq = config.block_m, config.separate_dq
-    reduce_kv = constexprs["HEADS"] < constexprs["GROUP"]
-    left, right = fa2.window_edges(causal, window_size, seqlen_q, seqlen_k)
-    block_n = config.block_n
     docs = bounds is not None
-    if docs and separate_dq and cu_seqlens is None:
+    if docs and config.separate_dq and cu_seqlens is None:
         raise ValueError("BackwardConfig.separate_dq with packed sequences needs their cu_seqlens")
-    if docs:  # both edges, per row and per key; the key blocks longest first
-        left, right = 0, 0
-        query_start, query_limit = bounds[2:]
-        order = _made_once(query_start, block_n, lambda: block_order(query_start, query_limit, block_n))
-    else:
-        unused = _no_bounds(q.device)
-        bounds, order = (unused,) * 4, unused
-    seqlen_q_pad = cdiv(seqlen_q, block_m) * block_m  # whole blocks for the dQ reduce-adds
+    lse = lse.contiguous()
+    signature = ("backward", q.device, q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(),
+                 None if out is None else (*(g.stride() for g in out), out[0].data_ptr() % 16 == 0),
+                 lse.data_ptr() % 16 == 0, causal, tuple(window_size), softmax_scale, softcap, config, docs)
+    call = _LAUNCHES.get(signature) or _remember(_LAUNCHES, signature, _backward_launch(
+        do, q, k, v, lse, causal, softmax_scale, config, out, window_size, softcap, docs))
     # In q's memory order, as dq: the last pass below is then a plain contiguous one (a (B, H, T, D) accumulator
     # for the model's (B, T, H, D) q made it a transposing copy: 110 us of GPT-2's 1k backward, cuDNN's 46).
     # head_dim wide: at 96 the reduce-adds clip the 128-wide tiles' zero columns.
-    if separate_dq:  # the descriptor's stand-in, never written
-        dq_acc = torch.empty((1, 1, dq_rows, dq_cols), device=q.device, dtype=torch.float32)
+    if config.separate_dq:  # the descriptor's stand-in, never written
+        dq_acc = torch.empty(call.dq_acc_shape, device=q.device, dtype=torch.float32)
         delta = bwd_preprocess(o, do)
     else:
-        dq_acc = empty_like_layout(q, (batch, n_heads, seqlen_q_pad, head_dim), torch.float32)
+        dq_acc = empty_like_layout(q, call.dq_acc_shape, torch.float32)
         delta = bwd_preprocess(o, do, dq_acc)  # also zeroes dq_acc
     dq, dk, dv = grad_buffers(q, k, v, out)
-    if reduce_kv:  # the group's CTAs add into these (dK already scaled), cast into dk and dv at the end
-        kv_acc = empty_like_layout(k, (batch, n_kv_heads, seqlen_k, 2 * head_dim), torch.float32).zero_()
-        dk_acc, dv_acc = kv_acc.split(head_dim, dim=3)
-    q_layout, kv_layout, _, ds_layout, dq_layout = _bwd_layouts(q.dtype, tile_dim, block_m, block_n,
-                                                                 (dq_rows, dq_cols))
-    q_box, k_box, v_box, _, dq_box = _bwd_layouts(q.dtype, tile_dim, block_m, block_n, (dq_rows, dq_cols), rank=4)
-    desc = lambda t, rows, layout, cols=tile_dim: tensor_descriptor(t, (1, 1, rows, cols), layout)
-    n_blocks = cdiv(seqlen_k, block_n)
-    grid = (n_blocks * batch * n_heads // constexprs["HEADS"],)
-    section_heads = config.section_heads or max(1, _sm_count(q.device) // n_blocks)
-    lse = lse.contiguous()
-    key = (kernel, config, q.dtype, q.device, q.shape, k.shape, left, right, docs, softcap > 0,
-           lse.data_ptr() % 16 == 0)
-    _run(kernel, key, grid, maxnreg=config.maxnreg,
-         q_desc=desc(q, block_m, q_box), k_desc=desc(k, block_n, k_box), v_desc=desc(v, 64, v_box),
-         do_desc=desc(do, block_m, q_box),
-         **(dict(dk_desc=desc(dk_acc, 64, dq_box, dq_cols), dv_desc=desc(dv_acc, 64, dq_box, dq_cols)) if reduce_kv
-            else dict(dk_desc=desc(dk, 64, v_box), dv_desc=desc(dv, 64, v_box))),
-         dq_desc=desc(dq_acc, dq_rows, dq_box, dq_cols), LSE=lse, DELTA=delta, n_heads=n_heads, seqlen_q=seqlen_q,
-         seqlen_k=seqlen_k, window_left=max(left, 0), window_right=max(right, 0),
-         **dict(zip(("KEY_START", "KEY_LIMIT", "QUERY_START", "QUERY_LIMIT"), bounds)), BLOCK_ORDER=order,
-         SECTION_HEADS=section_heads,
-         **_logits(softmax_scale, softcap), softmax_scale=softmax_scale, LEFT=left >= 0, RIGHT=right >= 0,
-         DOCS=docs, **constexprs, Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, DQ_LAYOUT=dq_layout)
-    if separate_dq:
+    dk_out, dv_out = dk, dv
+    if call.reduce_kv:  # the group's CTAs add into these (dK already scaled), cast into dk and dv at the end
+        kv_acc = empty_like_layout(k, (*k.shape[:3], 2 * k.shape[3]), torch.float32).zero_()
+        dk_out, dv_out = kv_acc.split(k.shape[3], dim=3)
+    if docs:  # the key blocks longest first
+        query_start, query_limit = bounds[2:]
+        order = _made_once(query_start, config.block_n, lambda: block_order(query_start, query_limit, config.block_n))
+    else:  # never read (DOCS is off): any int32 tensor
+        order = delta.view(torch.int32)
+        bounds = (order,) * 4
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc = call.descriptors
+    call.launch(q_desc(q), k_desc(k), v_desc(v), do_desc(do), dk_desc(dk_out), dv_desc(dv_out), dq_desc(dq_acc), lse,
+                delta, *bounds, order)
+    if config.separate_dq:
         fa2.backward_dq(do, q, k, v, lse, delta, dq, causal, softmax_scale, window_size, softcap,
                         cu_seqlens if docs else None, max_seqlen)
     else:
-        convert_dq(dq_acc, softmax_scale, dq)
-    if reduce_kv:
-        dk.copy_(dk_acc)
-        dv.copy_(dv_acc)
+        call.convert_dq(dq_acc, dq)
+    if call.reduce_kv:
+        dk.copy_(dk_out)
+        dv.copy_(dv_out)
     return dq, dk, dv
+
+
+def _backward_launch(do, q, k, v, lse, causal, softmax_scale, config: BackwardConfig, out, window_size, softcap,
+                     docs: bool) -> _BackwardLaunch:
+    """`run_backward`'s launch for calls like this one."""
+    kernels = gluon_kernels()
+    batch, n_heads, seqlen_q, head_dim = q.shape
+    tile_dim = kernel_head_dim(head_dim)
+    dq_rows, dq_cols = config.dq_box(tile_dim)  # checks the config
+    n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    constexprs = config.constexprs(tile_dim, n_heads // n_kv_heads)
+    block_m, block_n = config.block_m, config.block_n
+    reduce_kv = constexprs["HEADS"] < constexprs["GROUP"]
+    left, right = (0, 0) if docs else fa2.window_edges(causal, window_size, seqlen_q, seqlen_k)  # docs: per row
+    q_layout, kv_layout, _, ds_layout, dq_layout = _bwd_layouts(q.dtype, tile_dim, block_m, block_n,
+                                                                 (dq_rows, dq_cols))
+    q_box, k_box, v_box, _, dq_box = _bwd_layouts(q.dtype, tile_dim, block_m, block_n, (dq_rows, dq_cols), rank=4)
+    desc = lambda t, rows, layout, cols=tile_dim: kernels.descriptor_maker(t, (1, 1, rows, cols), layout)
+    # tensors like the call's buffers, for the descriptors' fields
+    if config.separate_dq:
+        dq_acc_shape = (1, 1, dq_rows, dq_cols)
+        dq_acc = torch.empty(dq_acc_shape, device=q.device, dtype=torch.float32)
+    else:
+        dq_acc_shape = (batch, n_heads, cdiv(seqlen_q, block_m) * block_m, head_dim)  # whole blocks: the reduce-adds
+        dq_acc = empty_like_layout(q, dq_acc_shape, torch.float32)
+    dq, dk, dv = grad_buffers(q, k, v, out)
+    if reduce_kv:
+        dk_acc, dv_acc = empty_like_layout(k, (batch, n_kv_heads, seqlen_k, 2 * head_dim), torch.float32).split(
+            head_dim, dim=3)
+        dk_desc, dv_desc = desc(dk_acc, 64, dq_box, dq_cols), desc(dv_acc, 64, dq_box, dq_cols)
+    else:
+        dk_desc, dv_desc = desc(dk, 64, v_box), desc(dv, 64, v_box)
+    n_blocks = cdiv(seqlen_k, block_n)
+    key = (config, q.dtype, q.device, q.shape, k.shape, left, right, docs, softcap > 0, lse.data_ptr() % 16 == 0)
+    prepared = _prepared(
+        kernels.backward, key, (n_blocks * batch * n_heads // constexprs["HEADS"],),
+        ("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc", "dq_desc", "LSE", "DELTA", "KEY_START",
+         "KEY_LIMIT", "QUERY_START", "QUERY_LIMIT", "BLOCK_ORDER"), maxnreg=config.maxnreg,
+        n_heads=n_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k, window_left=max(left, 0), window_right=max(right, 0),
+        SECTION_HEADS=config.section_heads or max(1, _sm_count(q.device) // n_blocks),
+        **_logits(softmax_scale, softcap), softmax_scale=softmax_scale, LEFT=left >= 0, RIGHT=right >= 0,
+        DOCS=docs, **constexprs, Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, DQ_LAYOUT=dq_layout)
+    return _BackwardLaunch(
+        prepared, (desc(q, block_m, q_box), desc(k, block_n, k_box), desc(v, 64, v_box), desc(do, block_m, q_box),
+                   dk_desc, dv_desc, desc(dq_acc, dq_rows, dq_box, dq_cols)), dq_acc_shape, reduce_kv,
+        None if config.separate_dq else _convert_dq_launch(dq_acc, softmax_scale, dq))
 
 
 @triton.jit
@@ -763,6 +853,11 @@ def convert_dq(dq_acc, softmax_scale: float, dq) -> None:
     last stride and any other strides (e.g. dq a view into a packed qkv gradient, where torch.mul's strided path
     measured 89 us a GPT-2 1k call against 54 into contiguous memory on the H200).
     Any head_dim (96: a 128-wide block, masked). ValueError for anything else."""
+    _convert_dq_launch(dq_acc, softmax_scale, dq)(dq_acc, dq)
+
+
+def _convert_dq_launch(dq_acc, softmax_scale: float, dq) -> Prepared:
+    """`convert_dq`'s launch for tensors like these (checked here), called with (dq_acc, dq)."""
     batch, n_heads, seqlen_q, head_dim = dq.shape
     if (dq_acc.dtype != torch.float32 or dq_acc.dim() != 4 or dq_acc.shape[:2] != dq.shape[:2]
             or dq_acc.shape[2] < seqlen_q or dq_acc.shape[3] != head_dim or dq_acc.stride(3) != 1
@@ -770,10 +865,13 @@ def convert_dq(dq_acc, softmax_scale: float, dq) -> None:
         raise ValueError(f"convert_dq: dq_acc must be float32 ({batch}, {n_heads}, >= {seqlen_q}, {head_dim}) like dq, "
                          f"both with a unit last stride; got dq_acc {dq_acc.dtype} {tuple(dq_acc.shape)} strides "
                          f"{tuple(dq_acc.stride())}, dq {tuple(dq.shape)} strides {tuple(dq.stride())}")
-    grid = (cdiv(seqlen_q, CONVERT_DQ_BLOCK_M), batch * n_heads)
-    launch(_convert_dq, grid, dq_acc, dq, softmax_scale, *dq_acc.stride()[:3], *dq.stride()[:3], n_heads, seqlen_q,
-                      HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BLOCK_M=CONVERT_DQ_BLOCK_M,
-                      **LAUNCH_OPTIONS)
+    strides = dict(zip(("stride_ab", "stride_ah", "stride_am", "stride_b", "stride_h", "stride_m"),
+                       (*dq_acc.stride()[:3], *dq.stride()[:3])))
+    key = (dq.dtype, dq_acc.data_ptr() % 16 == 0, dq.data_ptr() % 16 == 0, *strides.values(), n_heads, seqlen_q,
+           head_dim)
+    return Prepared(_convert_dq, (cdiv(seqlen_q, CONVERT_DQ_BLOCK_M), batch * n_heads), ("DQ_ACC", "DQ"), key=key,
+                    softmax_scale=softmax_scale, **strides, n_heads=n_heads, seqlen_q=seqlen_q, HEAD_DIM=head_dim,
+                    BLOCK_D=next_power_of_2(head_dim), BLOCK_M=CONVERT_DQ_BLOCK_M, **LAUNCH_OPTIONS)
 
 
 @functools.lru_cache(maxsize=None)  # pure, and made on every backward call
@@ -795,8 +893,8 @@ def backward(do, q, k, v, o, lse, causal, softmax_scale, window_size=(-1, -1), c
     """Same contract as `fa2.backward`: dq, dk, dv like q, k, v, written into `out` when given
     (`common.grad_buffers`; TMA writes dk, dv, so they must meet `use_tma` or FA2's backward runs). `lse` is the
     forward's base-2 LSE. The Gluon backward where `plan` says, else FA2's."""
-    banded, band = _band(q, k, causal, window_size, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    choice = plan("backward", q, k, v, banded, do, *(out or ())[1:], **band)
+    banded, band, choice = _planned("backward", q, k, v, causal, window_size, cu_seqlens_q, cu_seqlens_k,
+                                    max_seqlen_q, max_seqlen_k, (do, *(out or ())[1:]))
     if choice.kernel == "gluon" and band["varlen"]:
         total, longest = q.shape[0], max(max_seqlen_q, max_seqlen_k)
         bounds = (*_packed_bounds(causal, window_size, cu_seqlens_q, total, longest),

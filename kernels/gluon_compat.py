@@ -27,6 +27,7 @@ import collections
 import contextlib
 import hashlib
 import re
+from typing import Callable
 
 import triton
 from triton import knobs
@@ -39,8 +40,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import tma
 from triton.language import core as _tl_core
 
-__all__ = ["aggregate", "as_4d", "compiling", "constexpr_function", "cp_async_load", "reinterpret", "tma_load",
-           "rewrite_ptx", "tensor_descriptor", "tma_reduce_add", "tma_store", "wgmma_descriptor_adds",
+__all__ = ["aggregate", "as_4d", "compiling", "constexpr_function", "cp_async_load", "descriptor_maker", "reinterpret",
+           "tma_load", "rewrite_ptx", "tensor_descriptor", "tma_reduce_add", "tma_store", "wgmma_descriptor_adds",
            "wgmma_descriptor_sink"]
 
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -89,6 +90,24 @@ def tensor_descriptor(base, block_shape: tuple, layout):
     vars(desc).update(fields[0])
     desc.base, desc.shape, desc.strides = base, list(base.shape), list(base.stride())
     return desc
+
+
+def descriptor_maker(like, block_shape: tuple, layout) -> Callable:
+    """tensor -> `tensor_descriptor(tensor, block_shape, layout)` for tensors with `like`'s dtype, shape and
+    strides (the caller's to ensure), all fields but the base made once: about 1 us a descriptor instead of 4-10.
+    Keeps no tensor."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    fields = {k: v for k, v in vars(tensor_descriptor(like, block_shape, layout)).items() if k != "base"}
+    new, set_fields = object.__new__, dict.update
+
+    def make(tensor):
+        desc = new(TensorDescriptor)
+        set_fields(vars(desc), fields)
+        desc.base = tensor
+        return desc
+
+    return make
 
 
 @builtin

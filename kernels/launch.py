@@ -127,6 +127,44 @@ def launch(kernel, grid, *args, key=None, compiling: Callable = contextlib.nullc
     entry.launchers[key] = _Launcher(compiled, config)
 
 
+class Prepared:
+    """`launch(kernel, grid, key=key, compiling=compiling, **fixed, **dict(zip(names, values)))` as
+    `prepared(*values)`, for calls that differ only in the `names` arguments (per-call tensors and descriptors):
+    the arguments are put in the kernel's order once, with slots for `names`. The first call goes through `launch`
+    (which may compile); once `launch` keeps a launcher for `key`, calls fill the slots and run that launcher, looked
+    up on every call (so `swap_compiled` applies). `grid` is fixed (a tuple); `key` as in `launch`, required."""
+    __slots__ = ("kernel", "grid", "names", "key", "compiling", "fixed", "values", "slots", "launchers")
+
+    def __init__(self, kernel, grid: tuple, names: tuple[str, ...], *, key,
+                 compiling: Callable = contextlib.nullcontext, **fixed):
+        self.kernel, self.grid, self.names, self.key, self.compiling = kernel, tuple(grid), tuple(names), key, compiling
+        self.fixed = fixed
+        self.values = self.slots = self.launchers = None
+
+    def __call__(self, *values) -> None:
+        if self.launchers is not None:
+            hit = self.launchers.get((_current_device(), self.key))
+            if hit is not None:
+                args = self.values.copy()
+                for slot, value in zip(self.slots, values):
+                    args[slot] = value
+                hit.compiled[self.grid](*args)
+                return
+        named = dict(zip(self.names, values))
+        launch(self.kernel, self.grid, key=self.key, compiling=self.compiling, **self.fixed, **named)
+        entry = _kernel(self.kernel)
+        hit = None if entry is None else entry.launchers.get((_current_device(), self.key))
+        if hit is None or hit.config:  # not cached, or autotuned (whose config may change the grid)
+            return
+        named.update(self.fixed)
+        self.values = list(map(named.get, entry.names, entry.defaults))
+        self.slots = tuple(entry.names.index(name) for name in self.names)
+        for slot in self.slots:  # keep no call's tensors (memory, and CUDA graphs' pools refuse kept ones)
+            self.values[slot] = None
+        self.grid = (*self.grid, 1, 1)[:3]
+        self.launchers = entry.launchers
+
+
 def compiled_kernel(kernel, key) -> CompiledKernel:
     """The compiled kernel that launches of `kernel` with the caller's `key` run (KeyError if none has run)."""
     launchers = _KERNELS[id(kernel)].launchers

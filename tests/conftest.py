@@ -99,6 +99,19 @@ def _corpus() -> Path:
     return folder
 
 
+@pytest.fixture(autouse=True)
+def fresh_kernel_caches():
+    """`kernels.fa3` remembers its dispatch and launches per call signature, derived from module tables and
+    functions that tests patch: every test starts and ends without them."""
+    fa3 = sys.modules.get("kernels.fa3")
+    if fa3 is not None:
+        fa3.clear_caches()
+    yield
+    fa3 = sys.modules.get("kernels.fa3")
+    if fa3 is not None:
+        fa3.clear_caches()
+
+
 @pytest.fixture(scope="module")  # module-scoped fixtures use it
 def corpus_dir() -> Path:
     """Three text files of random English-like lines (new every pytest run, shared by its tests), ~60 KB in all."""

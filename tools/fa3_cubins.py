@@ -75,15 +75,22 @@ def specialized_arguments(kernel: str, head_dim: int, causal: bool, seqlen: int,
     captured = {}
     q, k, v, do = _grid_inputs(head_dim, seqlen)
     scale = head_dim ** -0.5
-    with mock.patch.object(fa3, "_run", lambda kernel, key, grid, **args: captured.update(args)), \
+    def recording(kernel, key, grid, per_call, maxnreg=0, **args):
+        return lambda *values: captured.update(args, **dict(zip(per_call, values)))
+
+    fa3.clear_caches()  # so the launch is prepared again, and recorded
+    with mock.patch.object(fa3, "_prepared", recording), \
             mock.patch.object(fa3, "_sm_count", lambda device: 132), \
             mock.patch.object(fa3, "bwd_preprocess", lambda o, do, dq_acc=None: torch.zeros(o.shape[:3])), \
-            mock.patch.object(fa3, "convert_dq", lambda *args: None), \
+            mock.patch.object(fa3, "_convert_dq_launch", lambda *args: lambda dq_acc, dq: None), \
             mock.patch.object(fa3.fa2, "backward_dq", lambda *args, **kwargs: None):
-        if kernel == "fwd":
-            fa3.run_forward(q, k, v, causal, scale, config)
-        else:
-            fa3.run_backward(do, q, k, v, q, torch.zeros(q.shape[:3]), causal, scale, config)
+        try:
+            if kernel == "fwd":
+                fa3.run_forward(q, k, v, causal, scale, config)
+            else:
+                fa3.run_backward(do, q, k, v, q, torch.zeros(q.shape[:3]), causal, scale, config)
+        finally:
+            fa3.clear_caches()  # the recorder is not a launch
     divisible, ones = [], []
     for param in getattr(fa3.gluon_kernels(), {"fwd": "forward", "bwd": "backward"}[kernel]).params:
         value = captured[param.name]
@@ -228,13 +235,14 @@ def time_cubins(folder: Path, rounds: int) -> None:
         def native(config):
             if config not in natives:
                 keys = []
-                gluon_run = fa3._run
+                gluon_prepared = fa3._prepared
 
-                def recording(kernel, key, grid, **args):
+                def recording(kernel, key, *args, **kwargs):
                     keys.append((kernel, key))
-                    return gluon_run(kernel, key, grid, **args)
+                    return gluon_prepared(kernel, key, *args, **kwargs)
 
-                with mock.patch.object(fa3, "_run", recording):
+                fa3.clear_caches()  # so the launches are prepared again, and recorded
+                with mock.patch.object(fa3, "_prepared", recording):
                     outputs = run(config)
                 # the timed kernel's launch is last
                 natives[config] = keys[-1], launch.compiled_kernel(*keys[-1]), outputs

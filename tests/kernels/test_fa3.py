@@ -1274,6 +1274,85 @@ def test_packed_calls_hand_the_kernels_views_of_their_own_buffers(monkeypatch, g
             assert g.data_ptr() == out[i].data_ptr() and g.stride() == out[i].stride()
 
 
+@pytest.fixture
+def recorded_gluon(monkeypatch):
+    """The Gluon path on any machine, its launches recorded: a list of (key, [{per-call argument: value}, ...])
+    per prepared launch (`fa3._prepared`), the launch's fixed arguments left out."""
+    monkeypatch.setattr(fa3, "gluon_device_reason", lambda device: None)
+    monkeypatch.setattr(fa3, "use_tma", lambda *tensors: True)
+    monkeypatch.setattr(fa3, "BACKWARD_MIN_SEQLEN_K", dict.fromkeys(fa3.BACKWARD_MIN_SEQLEN_K, 1))
+    monkeypatch.setattr(fa3, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(fa3, "bwd_preprocess", lambda o, do, dq_acc=None: torch.zeros(o.shape[:3]))
+    monkeypatch.setattr(fa3, "_convert_dq_launch", lambda *args: lambda dq_acc, dq: None)
+    prepared = []
+
+    def recorder(kernel, key, grid, per_call, maxnreg=0, **fixed):
+        calls = []
+        prepared.append((key, calls))
+        return lambda *values: calls.append(dict(zip(per_call, values)))
+
+    monkeypatch.setattr(fa3, "_prepared", recorder)
+    return prepared
+
+
+def test_calls_of_one_signature_share_their_launch_and_pass_their_own_tensors(recorded_gluon):
+    """Forward calls with the same shapes, strides, dtype, mask and scale reuse one prepared launch; each passes
+    descriptors of its own q, k, v and o with their shapes and strides, and its own LSE. Another softmax_scale or
+    other strides (a (B, T, H, D) view) prepare another launch."""
+    shape = (2, 3, 40, 64)
+    calls = [[torch.randn(shape, dtype=torch.bfloat16) for _ in range(3)] for _ in range(2)]
+    view = [torch.randn(2, 40, 3, 64, dtype=torch.bfloat16).transpose(1, 2) for _ in range(3)]
+    outputs = [fa3.forward(q, k, v, True, 0.125) for q, k, v in calls]
+    assert len(recorded_gluon) == 1
+    launches = recorded_gluon[0][1]
+    assert len(launches) == 2
+    for (q, k, v), (o, lse), args in zip(calls, outputs, launches):
+        for name, t in (("q_desc", q), ("k_desc", k), ("v_desc", v), ("o_desc", o)):
+            desc = args[name]
+            assert desc.base is t and list(desc.shape) == list(t.shape) and list(desc.strides) == list(t.stride())
+        assert args["LSE"] is lse and lse.shape == shape[:3]
+    fa3.forward(*calls[0], True, 0.25)
+    fa3.forward(*view, True, 0.125)
+    assert len(recorded_gluon) == 3
+    desc = recorded_gluon[2][1][0]["q_desc"]
+    assert desc.base is view[0] and list(desc.strides) == list(view[0].stride())
+
+
+def test_backward_calls_of_one_signature_share_their_launch_and_plan(recorded_gluon):
+    """Backward calls with the same signature reuse one prepared launch, each with descriptors of its own inputs
+    and gradient buffers; turning deterministic algorithms on changes the plan (FA2's atomic-free backward)
+    although the tensors are the same."""
+    shape = (1, 2, fa3.SHORT_BACKWARD_SEQLEN_K + 8, 64)  # the default config: dQ reduce-added, not reproducible
+    q, k, v, o, do = (torch.randn(shape, dtype=torch.bfloat16) for _ in range(5))
+    lse = torch.randn(shape[:3])
+    grads = [fa3.backward(do, q, k, v, o, lse, True, 0.125) for _ in range(2)]
+    assert len(recorded_gluon) == 1 and len(recorded_gluon[0][1]) == 2
+    for (dq, dk, dv), args in zip(grads, recorded_gluon[0][1]):
+        assert args["q_desc"].base is q and args["do_desc"].base is do and args["LSE"] is lse
+        assert args["dk_desc"].base is dk and args["dv_desc"].base is dv
+    assert grads[0][1].data_ptr() != grads[1][1].data_ptr()  # new buffers each call
+    assert fa3._planned("backward", q, k, v, True, (-1, -1), None, None, 0, 0, (do,))[2].kernel == "gluon"
+    torch.use_deterministic_algorithms(True)
+    try:
+        choice = fa3._planned("backward", q, k, v, True, (-1, -1), None, None, 0, 0, (do,))[2]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert (choice.kernel, choice.reason) == ("fa2", "deterministic algorithms: FA2's atomic-free backward")
+
+
+def test_packed_calls_with_two_offset_tensors_are_planned_every_call(recorded_gluon, monkeypatch):
+    """Packed sequences whose cu_seqlens_q and cu_seqlens_k are different tensors: whether their values match is
+    read on every call (a call with other values falls back to FA2), never remembered."""
+    monkeypatch.setattr(fa3.fa2, "forward", lambda *args, **kwargs: "fa2")
+    q, k, v = (torch.randn(10, 2, 64, dtype=torch.bfloat16) for _ in range(3))
+    cu_q = torch.tensor([0, 3, 10], dtype=torch.int32)
+    assert fa3.forward(q, k, v, True, 0.125, (-1, -1), cu_q, cu_q.clone(), 7, 7) != "fa2"
+    with pytest.warns(RuntimeWarning, match="cu_seqlens_k differs"):
+        assert fa3.forward(q, k, v, True, 0.125, (-1, -1), cu_q, torch.tensor([0, 5, 10], dtype=torch.int32), 7,
+                           7) == "fa2"
+    assert not fa3._PLANS
+
+
 def test_what_is_made_from_offsets_goes_with_them():
     """What is made from an offsets tensor does not outlive it, and a new tensor (perhaps at the freed one's address)
     gets its own."""

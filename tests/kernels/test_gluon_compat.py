@@ -300,3 +300,34 @@ def test_tensor_descriptor_keeps_no_tensor_alive():
     assert alive() is None
     second = torch.randn(1, 2, 64, 64, dtype=torch.float16)  # the copied fields still make a whole descriptor
     assert gluon_compat.tensor_descriptor(second, box, layout).base is second
+
+
+def test_descriptor_maker_gives_gluons_descriptor_of_each_new_tensor_and_keeps_none():
+    """`descriptor_maker(like, ...)`: for tensors with like's shape and strides, each descriptor equals what Gluon
+    builds for that tensor (every field) with the tensor as its base; the maker keeps neither like nor any
+    tensor it was given."""
+    import gc
+    import weakref
+
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    layout = fa3.shared_layouts(torch.bfloat16, 64, 128, rank=4)[0]
+    box = (1, 1, 64, 64)
+    like = torch.randn(1, 30, 3, 64, dtype=torch.bfloat16).transpose(1, 2)  # (B, H, T, D) over (B, T, H, D)
+    make = gluon_compat.descriptor_maker(like, box, layout)
+    alive = weakref.ref(like)
+    del like
+    gc.collect()
+    assert alive() is None
+    tensors = [torch.randn(1, 30, 3, 64, dtype=torch.bfloat16).transpose(1, 2) for _ in range(2)]
+    made = [make(t) for t in tensors]
+    for desc, t in zip(made, tensors):
+        expected = TensorDescriptor(t, list(t.shape), list(t.stride()), list(box), layout)
+        assert isinstance(desc, TensorDescriptor) and desc.base is t
+        assert vars(desc).keys() == vars(expected).keys()
+        assert all(getattr(desc, name) == getattr(expected, name) for name in vars(expected) if name != "base")
+    alive = weakref.ref(tensors[0])
+    del tensors, made
+    gc.collect()
+    assert alive() is None

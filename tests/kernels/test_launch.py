@@ -126,6 +126,52 @@ def test_autotuned_kernel_keeps_its_config_for_the_launcher_and_the_grid(recorde
     assert grids[-1] == 32
 
 
+def test_prepared_launch_fills_its_slots_and_takes_the_launcher_after_the_first_call(recorded):
+    """`Prepared`: the first call goes through Triton's path with the fixed and per-call arguments by name; later
+    calls run the launcher with every parameter in order, the per-call ones (here X and scale) new each time, the
+    grid padded to three dimensions."""
+    fn, calls = recorded
+    prepared = launch_mod.Prepared(fn, (3, 2), ("X", "scale"), key=("shape", 1), n=7, BLOCK=64, num_warps=4)
+    x, y = torch.randn(64), torch.randn(64)
+    prepared(x, 0.5)
+    prepared(y, 0.25)
+    prepared(x, 2.0)
+    assert _paths(calls) == ["triton", "launcher", "launcher"]
+    assert calls[0][1:] == ((3, 2), (), dict(n=7, BLOCK=64, num_warps=4, X=x, scale=0.5))
+    assert calls[1] == ("launcher", (3, 2, 1), (y, 7, 0.25, 64, False))
+    assert calls[2][2][0] is x and calls[2][2][2] == 2.0
+    assert prepared.values == [None, 7, None, 64, False]  # no call's tensors kept
+
+
+def test_prepared_launch_shares_launch_cache_and_sees_a_swapped_kernel(recorded):
+    """A `Prepared` launch and `launch` with the same key run the same compiled kernel, and `swap_compiled`
+    changes what both run next."""
+    fn, calls = recorded
+    x = torch.randn(64)
+    launch(fn, (1,), x, 7, 0.5, key="k", BLOCK=64)
+    prepared = launch_mod.Prepared(fn, (1,), ("X",), key="k", n=7, scale=0.5, BLOCK=64)
+    prepared(x)  # through `launch`, which already keeps this key's launcher
+    prepared(x)
+    other = []
+    launch_mod.swap_compiled(fn, "k", _Compiled(other))
+    prepared(x)
+    assert _paths(calls) == ["triton", "launcher", "launcher"]
+    assert other == [("launcher", (1, 1, 1), (x, 7, 0.5, 64, False))]
+
+
+def test_prepared_launch_takes_triton_path_while_nothing_is_cached(recorded, monkeypatch):
+    """Where `launch` caches nothing (here no room; also the interpreter), every call of a `Prepared` launch goes
+    through Triton's path with its arguments."""
+    fn, calls = recorded
+    monkeypatch.setattr(launch_mod, "CACHE_MAX", 0)
+    prepared = launch_mod.Prepared(fn, (1,), ("X",), key="k", n=7, scale=0.5, BLOCK=64)
+    x, y = torch.randn(64), torch.randn(64)
+    prepared(x)
+    prepared(y)
+    assert _paths(calls) == ["triton", "triton"]
+    assert calls[1][3]["X"] is y
+
+
 def test_functions_that_are_not_jit_functions_always_take_triton_path(recorded):
     _, calls = recorded
 

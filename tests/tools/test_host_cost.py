@@ -40,6 +40,25 @@ def test_packed_rows_are_timed(capsys):
     assert "3 documents in the packed rows" in capsys.readouterr().out
 
 
+def test_stubbed_launches_time_the_gluon_host_path_anywhere(capsys):
+    """--stub-launches: the fa3 rows at a GPU size on any machine, through the Gluon path (a prepared launch per
+    signature, no FA2 fallback), with everything patched put back afterwards."""
+    kernels, launch = host_cost.launch_mod._KERNELS, host_cost.launch_mod.launch
+    times = host_cost.main(["--stub-launches", "--calls", "3", "--rounds", "1", "--documents", "4"])
+    assert list(times) == ["fa3.forward", "fa3.backward", "fa3.forward (packed)", "fa3.backward (packed)"]
+    assert all(t > 0 for t in times.values())
+    assert "launches stubbed (no kernel runs): B 1, H 2, N 1024" in capsys.readouterr().out
+    q, k, v = (torch.randn(1, 2, 1024, 64, dtype=torch.bfloat16) for _ in range(3))
+    with host_cost.stubbed_launches():
+        o, lse = host_cost.fa3.forward(q, k, v, True, 0.125)
+        assert len(host_cost.fa3._LAUNCHES) == 1  # the Gluon path's launch, prepared once
+    assert o.shape == q.shape and lse.shape == (1, 2, 1024)
+    assert not host_cost.fa3._LAUNCHES
+    assert host_cost.launch_mod._KERNELS is kernels and host_cost.launch_mod.launch is launch
+    if not torch.cuda.is_available():
+        assert host_cost.fa3.gluon_device_reason(q.device) is not None  # the real check is back
+
+
 @pytest.mark.parametrize("args, message", [
     (["--calls", "0"], "--calls 0 --rounds 3: each must be >= 1"),
     (["--causal", "maybe"], "'maybe': expected true or false"),
