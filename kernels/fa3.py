@@ -633,7 +633,9 @@ _PLANS: dict[tuple, tuple] = {}
 
 def _planned(direction: str, q, k, v, causal, window_size, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
              more: tuple = ()) -> tuple:
-    """(banded, band, plan) of a call (`_band`, then `plan` with the tensors `more`), remembered by signature."""
+    """(banded, band, plan) of a call (`_band`, then `plan` with the tensors `more`), remembered by signature.
+    A remembered plan skips `use_tma`, which also installs Triton's scratch allocator in the calling thread: the
+    Gluon kernels need no global scratch (checked by the sm_90 compile tests), and FA2's launches install it."""
     varlen = cu_seqlens_q is not None
     signature = None
     if not varlen or cu_seqlens_q is cu_seqlens_k:

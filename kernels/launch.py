@@ -132,7 +132,8 @@ class Prepared:
     `prepared(*values)`, for calls that differ only in the `names` arguments (per-call tensors and descriptors):
     the arguments are put in the kernel's order once, with slots for `names`. The first call goes through `launch`
     (which may compile); once `launch` keeps a launcher for `key`, calls fill the slots and run that launcher, looked
-    up on every call (so `swap_compiled` applies). `grid` is fixed (a tuple); `key` as in `launch`, required."""
+    up on every call (so `swap_compiled` applies). `grid` is fixed (a tuple); `key` as in `launch`, required and
+    hashable."""
     __slots__ = ("kernel", "grid", "names", "key", "compiling", "fixed", "values", "slots", "launchers")
 
     def __init__(self, kernel, grid: tuple, names: tuple[str, ...], *, key,

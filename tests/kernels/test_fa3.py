@@ -159,18 +159,20 @@ def test_gluon_kernels_compile_for_sm90(kernel):
             f"for d, c, w, t in itertools.product(fa3.{head_dims}, (True, False), (True, False),"
             f" (torch.bfloat16, torch.float16)):\n"
             f"    k = fa3.compile_for_sm90(t, d, c, 1 if c else 4, {kernel!r}, window=w); ptx = k.asm['ptx']\n"
-            "    print(d, c, w, t, k.metadata.shared, k.metadata.enable_fp_fusion,"
+            "    print(d, c, w, t, k.metadata.shared, k.metadata.enable_fp_fusion, k.metadata.global_scratch_size,"
             " all(s in ptx for s in ('wgmma.mma_async', 'setmaxnreg', 'cp.async.bulk.tensor')),"
             " gluon_compat.rewrite_ptx(k.metadata.name, ptx)[1] if gluon_compat._TRITON_3_9_OR_LATER else 0)")
     lines = compile_in_fresh_process(code)
     assert len(lines) == 2 * 2 * len(getattr(fa3, head_dims)) * 2
     assert {int(line[0]) for line in lines} == set(getattr(fa3, head_dims))
-    for *combination, shared, fp_fusion, has_hopper_instructions, descriptors_left in lines:
+    for *combination, shared, fp_fusion, scratch, has_hopper_instructions, descriptors_left in lines:
         assert has_hopper_instructions == "True", f"{combination}: wgmma, setmaxnreg and TMA copies expected"
         # compile_for_sm90 compiles as a launch does, with gluon_compat.compiling(): nothing left to rewrite
         assert descriptors_left == "0", f"{combination}: descriptors left for gluon_compat.PTX_REWRITES"
         assert fp_fusion == "True", f"{combination}: compiled without LAUNCH_OPTIONS"
         assert int(shared) <= fa3.SM90_SHARED_MEMORY, f"{combination}: more shared memory than an sm_90 block may have"
+        # a remembered plan skips `use_tma`, which installs Triton's scratch allocator: these kernels need none
+        assert scratch == "0", f"{combination}: global scratch memory needs Triton's allocator on every call's thread"
 
 
 def test_forward_configs_per_triton_release():
