@@ -64,7 +64,7 @@ try:  # torch, hydra and the rest take seconds to load
     from trainer.config_help import help_text
     from trainer.distributed import destroy_process_group, torchrun_overrides
     from trainer.resume import refusal
-    from trainer.run_lock import RunFolderBusy, own_run_folder
+    from trainer.run_lock import RunFolderBusy, busy_owner, own_run_folder
     from trainer.runtime import DistInfo
     from trainer.stop import TrainingAborted
     from utils.atomic import atomic_write_text, check_writable
@@ -119,7 +119,7 @@ def main(argv: list[str]) -> int:
     set_up_logging(dist)
     for num, ((job, cfg), run_dir) in enumerate(zip(jobs, run_dirs(jobs, multirun))):
         if multirun:
-            log.info("job %d of %d: %s", num, len(jobs), " ".join(job))
+            log.info("job %d of %d (%s): %s", num + 1, len(jobs), run_dir, " ".join(job))
         code = run_job(cfg, job, run_dir, overrides if multirun else None, dist)
         if code:
             return code
@@ -138,14 +138,19 @@ def run_dirs(jobs: list[tuple[list[str], DictConfig]], multirun: bool) -> list[P
 
 def kind_conflict(jobs: list[tuple[list[str], DictConfig]], multirun: bool) -> str | None:
     """Why the jobs may not start (None when they may): a single run's folder that holds a sweep (``SWEEP_RECORD``),
-    or a sweep's that holds a single run's checkpoints. Either would put the other's files beside them, and
-    sample.py would pick one kind from the folder without naming the other."""
+    or a sweep's that holds a single run's checkpoints or is in use by a running single run (its lock held, perhaps
+    before its first checkpoint). Either would put the other's files beside them, and sample.py would pick one kind
+    from the folder without naming the other."""
     for folder in dict.fromkeys(Path(cfg.run.root) / cfg.run.name for _, cfg in jobs):
         if not multirun and (folder / SWEEP_RECORD).is_file():
             return (f"run.name={folder.name}: {folder} holds a sweep ({SWEEP_RECORD}); run that sweep again with -m "
                     "to continue its jobs, or use another run.name")
         if multirun and latest_checkpoint(folder) is not None:
             return (f"run.name={folder.name}: {folder} holds a single run (checkpoints/); a sweep would put its "
+                    "jobs beside it: use another run.name")
+        owner = busy_owner(folder) if multirun else None
+        if owner:
+            return (f"run.name={folder.name}: {folder} is in use by a single run ({owner}); a sweep would put its "
                     "jobs beside it: use another run.name")
     return None
 

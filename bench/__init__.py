@@ -116,13 +116,14 @@ class Interrupted(Exception):
         return Interrupted, (self.label, self.step, self.steps, self.signum)
 
 
-def in_fresh_process(fn: Callable, *args, on_result: Optional[Callable] = None):
+def in_fresh_process(fn: Callable, *args, on_result: Optional[Callable] = None, quiet: tuple = ()):
     """``fn(*args)`` in a new Python interpreter (multiprocessing's ``spawn``), its return value here, or its exception
     raised here. The child starts with no CUDA context, no compiled graphs, no allocator or Triton launcher state and
     no memory of an earlier run: a benchmark run in it reads what a run alone in a process reads. ``fn`` and its
     arguments must be picklable (``fn`` a module-level function), and so must its result.
 
-    - An exception in the child is raised here; the child prints its traceback first (other than for Ctrl-C).
+    - An exception in the child is raised here; the child prints its traceback first, other than for Ctrl-C and for
+      the exception types in ``quiet`` (errors whose message says it all, e.g. a refused config).
     - A child that ends without a result (a CUDA error aborts the process; a crash; ``os._exit``) raises
       RuntimeError naming its exit code or signal.
     - Signals: Ctrl-C at a terminal reaches both processes (one process group), so SIGINT is not forwarded; SIGTERM
@@ -132,7 +133,7 @@ def in_fresh_process(fn: Callable, *args, on_result: Optional[Callable] = None):
       second Ctrl-C aborts a run) is a KeyboardInterrupt."""
     ctx = multiprocessing.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_child_main, args=(send, fn, args))  # not daemonic: inductor may start workers
+    child = ctx.Process(target=_child_main, args=(send, fn, args, quiet))  # not daemonic: inductor may start workers
     received = []
 
     def on_signal(signum, frame):
@@ -167,13 +168,14 @@ def in_fresh_process(fn: Callable, *args, on_result: Optional[Callable] = None):
     return value
 
 
-def _child_main(send, fn, args):
-    """The child of ``in_fresh_process``: run ``fn(*args)`` and send ("returned", result) or ("raised", exception)."""
+def _child_main(send, fn, args, quiet=()):
+    """The child of ``in_fresh_process``: run ``fn(*args)`` and send ("returned", result) or ("raised", exception),
+    printing the exception's traceback first unless it is Ctrl-C, an exit or one of ``quiet``."""
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     try:
         message = ("returned", fn(*args))
     except BaseException as e:  # noqa: B902 -- Ctrl-C and SystemExit are results too
-        if not isinstance(e, (KeyboardInterrupt, SystemExit, Interrupted)):
+        if not isinstance(e, (KeyboardInterrupt, SystemExit, Interrupted, *quiet)):
             traceback.print_exc()
             if hasattr(e, "add_note"):
                 e.add_note("(raised in the run's own process; its traceback is printed above)")

@@ -25,7 +25,7 @@ from data.sampler import ShardedBatchSampler
 from model.gpt import GPT
 from trainer.compile import compile_model, convert_to_fp8
 from trainer.config import config_backend, resolved_grad_accum, validate_against_data, validate_config
-from trainer.loop import model_config
+from trainer.loop import check_memory, model_config
 from trainer.lr_schedule import lr_at
 from trainer.metrics import StepTimer
 from trainer.optim import build_optimizer
@@ -40,13 +40,16 @@ def run_bare_loop(cfg: DictConfig, warmup: int, steps: int, on_step: Optional[Ca
     this one (CUDA events, else host time)], "step_time_s": their median, "step_time_mean_s": their mean,
     "peak_mem_gib": max CUDA memory allocated since the model was built (None on CPU),
     "losses": [float train loss of every step], "tokens_per_step": int, "num_params": int,
-    "flops_per_token": float}. Raises ConfigError for an invalid config.
+    "flops_per_token": float}. Raises ConfigError for an invalid config or one that cannot fit the device's
+    memory (the trainer's ``check_memory``), before any batch is made.
     """
     validate_config(cfg)
     device = select_device(cfg.trainer.device)
     dtype = select_dtype(cfg.trainer.dtype, device)
     data = prepare_data(cfg.data)
     validate_against_data(cfg, len(data.train), len(data.val), data.vocab_size)
+    args = model_config(cfg, data.vocab_size, config_backend(cfg))
+    check_memory(args, device, cfg.trainer.batch_size * args.block_size, dtype)
     grad_accum = resolved_grad_accum(cfg)
     sampler = ShardedBatchSampler(data.train, cfg.model.block_size, cfg.trainer.batch_size, cfg.seed, grad_accum,
                                   device=device, doc_starts=data.train_docs if cfg.data.document_mask else None)
@@ -55,7 +58,7 @@ def run_bare_loop(cfg: DictConfig, warmup: int, steps: int, on_step: Optional[Ca
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     seed_everything(cfg.seed)
-    model = GPT(model_config(cfg, data.vocab_size, config_backend(cfg))).to(device)
+    model = GPT(args).to(device)
     if cfg.trainer.fp8:
         convert_to_fp8(model)
     optimizer = build_optimizer(model, cfg.optim, device)

@@ -50,6 +50,7 @@ starts to dominate the step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import shutil
 import signal
@@ -338,7 +339,7 @@ def parse_args(argv):
     try:
         args.sweep = [int(c) for c in args.sweep.split(",") if c]
     except ValueError:
-        args.sweep = [0]
+        parser.error(f"--sweep {args.sweep}: give context lengths as integers separated by commas, e.g. 1024,2048")
     if any(c < 1 or args.sweep_tokens % c for c in args.sweep):
         parser.error(f"--sweep lengths must be positive divisors of --sweep-tokens={args.sweep_tokens}")
     return parser, args
@@ -383,14 +384,18 @@ def compare(jobs, args, out_dir, stem, meta, baseline) -> list[dict]:
         add_speedups(rows)
         write(rows, out_dir, stem, meta)
 
+    refusals = refusal_errors()
+
     def record(run, overrides, backend, label, k):
         run_args = (overrides, backend, out_dir, label, args.warmup, args.steps, k)
         if args.same_process:
             return keep(run(*run_args))
         try:  # a finished run is kept even when a signal came while its process ended
-            in_fresh_process(run, *run_args, on_result=keep)
+            in_fresh_process(run, *run_args, on_result=keep, quiet=refusals)
         except (Interrupted, KeyboardInterrupt):
             raise
+        except refusals as e:  # the run refused its config or data: the message says why
+            raise RunFailed(f"{label}'s run refused to start: {e}".split("\n")[0]) from None
         except Exception as e:  # its traceback is printed already, by its own process
             raise RunFailed(f"{label}'s run failed: {type(e).__name__}: {e}".split("\n")[0]) from None
 
@@ -407,14 +412,28 @@ def compare(jobs, args, out_dir, stem, meta, baseline) -> list[dict]:
     return rows
 
 
+def refusal_errors() -> tuple[type, ...]:
+    """What a run raises when it refuses its config, data or attention backend (train.py prints these as one line):
+    a run's process prints no traceback for them."""
+    from data.sources import DataError
+    from model.backends import BackendUnavailableError
+    from trainer import ConfigError
+
+    return ConfigError, DataError, BackendUnavailableError
+
+
 class RunFailed(Exception):
     """A run in its own process failed (an exception there, whose traceback it printed, or a crash)."""
 
 
 def kept_rows(out_dir: Path) -> str:
-    """Where the rows measured so far are, or that there are none."""
-    return (f"the rows measured before it are in {out_dir}" if (out_dir / "throughput.csv").exists() else
-            "no run had finished, so no rows were written")
+    """Where the rows measured so far are, or that there are none (and then the results folder, if empty, is
+    removed: nothing in it to look at)."""
+    if (out_dir / "throughput.csv").exists():
+        return f"the rows measured before it are in {out_dir}"
+    with contextlib.suppress(OSError):  # not empty (a run's own files), or already gone: kept as it is
+        out_dir.rmdir()
+    return "no run had finished, so no rows were written"
 
 
 def main(argv=None):

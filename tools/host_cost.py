@@ -37,6 +37,7 @@ import model.backends  # noqa: F401 (first: it sets TRITON_INTERPRET without a G
 from kernels import fa2, fa3, fa3_attention, launch as launch_mod
 
 CPU_MAX_SEQLEN = 64
+STUB_MAX_SEQLEN = 65536
 
 
 def _bool(text: str) -> bool:
@@ -145,6 +146,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if not 0 <= args.documents <= args.seqlen:
         ap.error(f"--documents {args.documents}: accepted 0 (none) to --seqlen ({args.seqlen})")
     if args.stub_launches:
+        if args.seqlen > STUB_MAX_SEQLEN:
+            ap.error(f"--seqlen {args.seqlen}: with --stub-launches at most {STUB_MAX_SEQLEN} (the inputs and outputs "
+                     "are allocated in this machine's memory on every call)")
         return _main_stubbed(args)
     cuda = torch.cuda.is_available()
     if not cuda and args.seqlen > CPU_MAX_SEQLEN:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import collections
 import gzip
 import json
@@ -298,7 +299,14 @@ def main(argv=None):
                      f"--warmup >= 0 and --loops from {', '.join(LOOPS)}")
     check_config(parser, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    return run(args, loops)
+    from bench.throughput import refusal_errors
+
+    try:
+        return run(args, loops)
+    except refusal_errors() as e:  # the data, the device's memory or the backend refused the run: one line
+        with contextlib.suppress(OSError):  # the results folder, if nothing was written to it
+            Path(args.out).rmdir()
+        raise SystemExit(f"tools.profile_step: {e}") from None
 
 
 def check_config(parser, args) -> None:

@@ -59,6 +59,27 @@ def own_run_folder(run_dir: str | Path) -> Iterator[None]:
         os.close(fd)  # drops the lock
 
 
+def busy_owner(run_dir: str | Path) -> str | None:
+    """Who owns the run folder now ('PID <pid>[ on <host>]', or 'another process' if it has not written itself
+    yet), or None when no live process holds its lock (no lock file, or a free one). Takes the lock for an
+    instant when it is free; never creates the file."""
+    try:
+        fd = os.open(Path(run_dir) / LOCK_NAME, os.O_RDWR)
+    except OSError:  # no lock file (no run ever took this folder), or one this user cannot open
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _owner(fd, wait=True) or "another process"
+        except OSError:  # a file system without locks: no owner can be told
+            return None
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
 def _write(fd: int, text: str) -> None:
     os.ftruncate(fd, 0)
     os.pwrite(fd, text.encode(), 0)

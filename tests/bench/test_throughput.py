@@ -201,9 +201,10 @@ def test_the_summary_needs_no_sdpa_and_skips_bare_rows():
              tokens_per_s_max=5.0, median_vs_sdpa=None)]
 
 
-def test_a_run_that_fails_in_its_process_is_one_line_naming_it(tmp_path, tiny_overrides, capfd):
-    """A sweep context longer than the data fails inside its run's process (the data is read there): the run's
-    traceback once (from its process), then one line naming the run; the rows measured before it are kept."""
+def test_a_run_that_refuses_its_config_in_its_process_is_one_line_naming_it(tmp_path, tiny_overrides, capfd):
+    """A sweep context longer than the data is refused inside its run's process (the data is read there): one line
+    naming the run and the reason, as train.py gives it, with no traceback from either process; the rows measured
+    before it are kept."""
     overrides = [o for o in tiny_overrides if not o.startswith(("run.", "attn=", "trainer.max_steps"))]
     overrides += [f"run.root={tmp_path}", "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=16",
                   "trainer.batch_size=2"]
@@ -211,18 +212,24 @@ def test_a_run_that_fails_in_its_process_is_one_line_naming_it(tmp_path, tiny_ov
         throughput.main(["--backends", "sdpa", "--steps", "1", "--warmup", "1", "--sweep", "1048576",
                          "--sweep-tokens", "1048576", "--name", "fails", *overrides])
     message = str(exit_info.value.code)
-    assert re.fullmatch(r"bench.throughput: sdpa_ctx1048576's run failed: ConfigError: .+; no later run started "
+    assert re.fullmatch(r"bench.throughput: sdpa_ctx1048576's run refused to start: .+; no later run started "
                         rf"\(the rows measured before it are in {re.escape(str(tmp_path / 'fails'))}\)", message), message
-    err = capfd.readouterr().err
-    assert err.count("Traceback") == 1  # the child's; none from this process
+    assert "Traceback" not in capfd.readouterr().err
     rows = json.loads((tmp_path / "fails" / "throughput.json").read_text())["rows"]
     assert [r["backend"] for r in rows] == ["sdpa"]
 
 
-def test_kept_rows_says_when_there_are_none(tmp_path):
-    assert throughput.kept_rows(tmp_path) == "no run had finished, so no rows were written"
-    (tmp_path / "throughput.csv").write_text("backend\n")
-    assert throughput.kept_rows(tmp_path) == f"the rows measured before it are in {tmp_path}"
+def test_kept_rows_says_when_there_are_none_and_drops_an_empty_folder(tmp_path):
+    """No rows: said so, and the results folder goes if nothing is in it (a run's own files keep it)."""
+    empty, partial, rows = tmp_path / "empty", tmp_path / "partial", tmp_path / "rows"
+    for folder in (empty, partial, rows):
+        folder.mkdir()
+    (partial / "sdpa").mkdir()
+    (rows / "throughput.csv").write_text("backend\n")
+    for folder in (empty, partial):
+        assert throughput.kept_rows(folder) == "no run had finished, so no rows were written"
+    assert not empty.exists() and (partial / "sdpa").is_dir()
+    assert throughput.kept_rows(rows) == f"the rows measured before it are in {rows}"
 
 
 def test_document_masks_compare_fa2_flex_and_sdpa(tmp_path, tiny_overrides):
@@ -273,6 +280,7 @@ def test_overrides_may_stand_between_the_options():
                               "and --steps instead"),
     (["+run.name=x"], "+run.name=x: the benchmark sets run.name itself; give --name instead"),
     (["--sweep", "100", "--sweep-tokens", "64"], "divisors"),
+    (["--sweep", "8,abc"], "--sweep 8,abc: give context lengths as integers separated by commas"),
 ])
 def test_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -346,6 +354,19 @@ def test_baseline_rows_and_ratios(tmp_path, tiny_overrides, capsys):
     assert "vs bare tok/s" in out and "before" in out and "bare 3" in out
     table = json.loads((tmp_path / "base" / "throughput.json").read_text())["rows"]
     assert table == rows and (tmp_path / "base" / "throughput.png").stat().st_size > 0
+
+
+def test_bare_loop_refuses_a_batch_the_device_cannot_hold_before_making_it(make_cfg, monkeypatch):
+    """The bare loop checks memory as the trainer does (`check_memory`): a batch far too large is a ConfigError
+    naming it, before any batch is drawn."""
+    from bench import baseline
+    from trainer import ConfigError
+
+    drawn = []
+    monkeypatch.setattr(baseline.ShardedBatchSampler, "next_batches", lambda self: drawn.append(1))
+    with pytest.raises(ConfigError, match="too large"):
+        baseline.run_bare_loop(make_cfg("trainer.batch_size=100000000"), warmup=1, steps=1)
+    assert not drawn
 
 
 def test_bare_loop_times_every_step_like_the_trainer(make_cfg):
@@ -423,3 +444,29 @@ def test_ctrl_c_ends_the_comparison_without_a_row_for_the_cut_run(tmp_path, tiny
     assert [r["backend"] for r in rows] == ["sdpa"]
     # the trainer stops after the step in flight when the signal came (one step later: steps are read one late)
     assert re.search(r"flex was interrupted at step [23] of 6; stopped there", capsys.readouterr().err)
+
+
+def test_a_fresh_process_prints_the_traceback_of_failures_but_not_of_quiet_errors(capsys):
+    """`bench._child_main` (the child of `in_fresh_process`, called here in this process): an error of a `quiet`
+    type is sent back without a traceback; any other is sent after its traceback."""
+    import bench
+
+    class Sent:
+        def __init__(self):
+            self.messages = []
+
+        def send(self, message):
+            self.messages.append(message)
+
+        def close(self):
+            pass
+
+    def fail(kind):
+        raise kind("the message")
+
+    for kind, quiet, printed in ((ValueError, (ValueError,), False), (RuntimeError, (ValueError,), True)):
+        sent = Sent()
+        bench._child_main(sent, fail, (kind,), quiet)
+        (status, error), = sent.messages
+        assert status == "raised" and type(error) is kind
+        assert ("Traceback" in capsys.readouterr().err) == printed

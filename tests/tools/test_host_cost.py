@@ -65,6 +65,7 @@ def test_stubbed_launches_time_the_gluon_host_path_anywhere(capsys):
     (["--head-dim", "80"], "invalid choice: 80"),
     (["--seqlen", "16", "--documents", "17"], "--documents 17: accepted 0 (none) to --seqlen (16)"),
     (["--documents", "-1"], "--documents -1: accepted 0"),
+    (["--stub-launches", "--seqlen", "100000000"], "--seqlen 100000000: with --stub-launches at most 65536"),
 ])
 def test_bad_options_are_refused(capsys, args, message):
     with pytest.raises(SystemExit):

@@ -111,6 +111,17 @@ def test_bad_backend_and_overrides_are_refused_before_anything_is_written(argv, 
     assert not out.exists()
 
 
+def test_data_refused_inside_the_run_is_one_line_and_leaves_no_folder(tmp_path, capsys):
+    """Missing data files are found only when the run reads its data: one line naming them, no traceback, and the
+    results folder, empty, removed."""
+    out = tmp_path / "prof"
+    with pytest.raises(SystemExit) as exit_info:
+        profile_step.main(["--out", str(out), "--steps", "1", "--warmup", "0", "wandb.mode=disabled", "data=local_text",
+                           f"data.files={tmp_path}/missing/*.txt"])
+    assert str(exit_info.value.code).startswith("tools.profile_step: ") and "missing" in str(exit_info.value.code)
+    assert "Traceback" not in capsys.readouterr().err and not out.exists()
+
+
 def test_an_out_folder_that_cannot_be_made_is_one_line(tmp_path):
     """--out under a file: one line naming it, before anything runs; the file kept."""
     blocker = tmp_path / "afile"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from trainer.checkpoint import list_checkpoints
-from trainer.run_lock import RunFolderBusy, own_run_folder
+from trainer.run_lock import RunFolderBusy, busy_owner, own_run_folder
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -258,6 +258,31 @@ def test_lock_in_process(tmp_path, monkeypatch, caplog):
     with own_run_folder(tmp_path / "r"):
         pass
     assert "cannot lock run folder" in caplog.text and "No locks available" in caplog.text
+
+
+def test_busy_owner_names_a_live_owner_only(tmp_path):
+    """`busy_owner`: None for a folder without a lock file (and none is made) or with a free one; the owner while a
+    process holds it."""
+    folder = tmp_path / "r"
+    assert busy_owner(folder) is None and not folder.exists()
+    with own_run_folder(folder):
+        assert busy_owner(folder) == f"PID {os.getpid()}"
+    assert busy_owner(folder) is None
+    with own_run_folder(folder):  # the instant busy_owner held it did not keep it
+        pass
+
+
+def test_a_sweep_is_refused_in_a_folder_a_single_run_is_using(args, tmp_path):
+    """A sweep under the run.name of a single run still training (its lock held, here before any checkpoint) is
+    refused before any job, naming the owner, and writes nothing there."""
+    folder = tmp_path / "runs" / "busy"
+    with own_run_folder(folder):
+        out = cli(["-m", *args, "run.name=busy", "optim.lr=1e-3,2e-3", "trainer.max_steps=1"])
+    text = out.stdout + out.stderr
+    assert out.returncode == 1 and text.startswith(
+        f"error: run.name=busy: {folder} is in use by a single run (PID {os.getpid()}); a sweep would put its jobs "
+        "beside it"), text
+    assert sorted(p.name for p in folder.iterdir()) == [".lock"]
 
 
 def test_hydra_options_are_refused_naming_run_root_and_run_name(args, tmp_path):
