@@ -55,10 +55,8 @@ try:  # torch, hydra and the rest take seconds to load
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     from data.prepare import PreparationInterrupted
-    from data.sources import DataError
-    from model.backends import BackendUnavailableError
-    from trainer import ConfigError, NonFiniteLossError, train
-    from trainer.checkpoint import CheckpointError, latest_checkpoint
+    from trainer import REFUSALS, ConfigError, NonFiniteLossError, train
+    from trainer.checkpoint import latest_checkpoint
     from trainer.config import (CONF_DIR, RUN_NAME_RULE, Config, compose_config, continue_command, override_error,
                                 override_key, resolved, valid_run_name, validate_config)
     from trainer.config_help import help_text
@@ -75,7 +73,7 @@ except KeyboardInterrupt as e:  # not the import machinery's traceback
 
 log = logging.getLogger("train")
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's
-EXPECTED = (ConfigError, DataError, CheckpointError, BackendUnavailableError, NonFiniteLossError)
+EXPECTED = (*REFUSALS, NonFiniteLossError)
 MULTIRUN, HELP = ("-m", "--multirun"), ("-h", "--help")
 SWEEP_RECORD = "multirun.yaml"  # a sweep's command line, in the sweep's folder
 # what running a sweep again to continue it may change or add (run.name: the name of the folder compared, which a

@@ -384,7 +384,7 @@ def compare(jobs, args, out_dir, stem, meta, baseline) -> list[dict]:
         add_speedups(rows)
         write(rows, out_dir, stem, meta)
 
-    refusals = refusal_errors()
+    from trainer import REFUSALS as refusals
 
     def record(run, overrides, backend, label, k):
         run_args = (overrides, backend, out_dir, label, args.warmup, args.steps, k)
@@ -410,16 +410,6 @@ def compare(jobs, args, out_dir, stem, meta, baseline) -> list[dict]:
             record(run_backend, overrides, b, label if k == 1 else f"{label}_{k}", k)
             record(run_bare, overrides, b, f"{label}_bare", k + 1)
     return rows
-
-
-def refusal_errors() -> tuple[type, ...]:
-    """What a run raises when it refuses its config, data or attention backend (train.py prints these as one line):
-    a run's process prints no traceback for them."""
-    from data.sources import DataError
-    from model.backends import BackendUnavailableError
-    from trainer import ConfigError
-
-    return ConfigError, DataError, BackendUnavailableError
 
 
 class RunFailed(Exception):

@@ -299,11 +299,11 @@ def main(argv=None):
                      f"--warmup >= 0 and --loops from {', '.join(LOOPS)}")
     check_config(parser, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    from bench.throughput import refusal_errors
+    from trainer import REFUSALS
 
     try:
         return run(args, loops)
-    except refusal_errors() as e:  # the data, the device's memory or the backend refused the run: one line
+    except REFUSALS as e:  # the data, the device's memory or the backend refused the run: one line
         with contextlib.suppress(OSError):  # the results folder, if nothing was written to it
             Path(args.out).rmdir()
         raise SystemExit(f"tools.profile_step: {e}") from None

@@ -15,7 +15,15 @@ stop         Ctrl-C / SIGTERM: stop after the current step
 loop         train(cfg) -> Trainer(...).fit() -> TrainSummary
 """
 
+from data.sources import DataError
+from model.backends import BackendUnavailableError
+from trainer.checkpoint import CheckpointError
 from trainer.config import Config, ConfigError, compose_config, register_configs
 from trainer.loop import NonFiniteLossError, TrainSummary, train
 
-__all__ = ["Config", "ConfigError", "NonFiniteLossError", "TrainSummary", "compose_config", "register_configs", "train"]
+# What a run raises when it refuses its config, data, checkpoint or attention backend: a message that says it all,
+# given as one line (train.py, bench.throughput, tools.profile_step), never a traceback.
+REFUSALS = (ConfigError, DataError, CheckpointError, BackendUnavailableError)
+
+__all__ = ["Config", "ConfigError", "NonFiniteLossError", "REFUSALS", "TrainSummary", "compose_config",
+           "register_configs", "train"]
