@@ -489,7 +489,6 @@ class _ForwardLaunch(NamedTuple):
     """What the Gluon forward calls of one signature share (`_forward_launch`)."""
     launch: Prepared  # per call: the q, k, v, o descriptors, LSE, KEY_START, KEY_LIMIT, TILE_ORDER
     descriptors: tuple  # makers of the q, k, v and o descriptors
-    lse_shape: tuple
     tiles: Optional[tuple]  # packed sequences: `tile_order`'s (rows, block_n, batch * heads)
 
 
@@ -505,7 +504,7 @@ def run_forward(q, k, v, causal: bool, softmax_scale: float, config: ForwardConf
     call = _LAUNCHES.get(signature) or _remember(_LAUNCHES, signature, _forward_launch(
         q, k, v, causal, softmax_scale, config, window_size, softcap, docs))
     o = empty_like_layout(q)
-    lse = torch.empty(call.lse_shape, device=q.device, dtype=torch.float32)
+    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
     if docs:
         key_start, key_limit = key_bounds
         order = _made_once(key_start, call.tiles, lambda: tile_order(key_start, key_limit, *call.tiles))
@@ -552,7 +551,7 @@ def _forward_launch(q, k, v, causal, softmax_scale, config: ForwardConfig, windo
     return _ForwardLaunch(
         prepared, (desc(q, BLOCK_M, q_box), desc(k, block_n, kv_box), desc(v, block_n, kv_box),
                    desc(o, BLOCK_M, q_box)),
-        (batch, n_heads, seqlen_q), (num_consumers * BLOCK_M, block_n, batch * n_heads) if docs else None)
+        (num_consumers * BLOCK_M, block_n, batch * n_heads) if docs else None)
 
 
 def _logits(softmax_scale: float, softcap: float) -> dict:
@@ -750,20 +749,9 @@ def run_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, config
                  lse.data_ptr() % 16 == 0, causal, tuple(window_size), softmax_scale, softcap, config, docs)
     call = _LAUNCHES.get(signature) or _remember(_LAUNCHES, signature, _backward_launch(
         do, q, k, v, lse, causal, softmax_scale, config, out, window_size, softcap, docs))
-    # In q's memory order, as dq: the last pass below is then a plain contiguous one (a (B, H, T, D) accumulator
-    # for the model's (B, T, H, D) q made it a transposing copy: 110 us of GPT-2's 1k backward, cuDNN's 46).
-    # head_dim wide: at 96 the reduce-adds clip the 128-wide tiles' zero columns.
-    if config.separate_dq:  # the descriptor's stand-in, never written
-        dq_acc = torch.empty(call.dq_acc_shape, device=q.device, dtype=torch.float32)
-        delta = bwd_preprocess(o, do)
-    else:
-        dq_acc = empty_like_layout(q, call.dq_acc_shape, torch.float32)
-        delta = bwd_preprocess(o, do, dq_acc)  # also zeroes dq_acc
     dq, dk, dv = grad_buffers(q, k, v, out)
-    dk_out, dv_out = dk, dv
-    if call.reduce_kv:  # the group's CTAs add into these (dK already scaled), cast into dk and dv at the end
-        kv_acc = empty_like_layout(k, (*k.shape[:3], 2 * k.shape[3]), torch.float32).zero_()
-        dk_out, dv_out = kv_acc.split(k.shape[3], dim=3)
+    dq_acc, dk_out, dv_out = _accumulators(q, k, dk, dv, call.dq_acc_shape, config.separate_dq, call.reduce_kv)
+    delta = bwd_preprocess(o, do, None if config.separate_dq else dq_acc)  # also zeroes dq_acc
     if docs:  # the key blocks longest first
         query_start, query_limit = bounds[2:]
         order = _made_once(query_start, config.block_n, lambda: block_order(query_start, query_limit, config.block_n))
@@ -800,18 +788,14 @@ def _backward_launch(do, q, k, v, lse, causal, softmax_scale, config: BackwardCo
                                                                  (dq_rows, dq_cols))
     q_box, k_box, v_box, _, dq_box = _bwd_layouts(q.dtype, tile_dim, block_m, block_n, (dq_rows, dq_cols), rank=4)
     desc = lambda t, rows, layout, cols=tile_dim: kernels.descriptor_maker(t, (1, 1, rows, cols), layout)
-    # tensors like the call's buffers, for the descriptors' fields
-    if config.separate_dq:
-        dq_acc_shape = (1, 1, dq_rows, dq_cols)
-        dq_acc = torch.empty(dq_acc_shape, device=q.device, dtype=torch.float32)
-    else:
-        dq_acc_shape = (batch, n_heads, cdiv(seqlen_q, block_m) * block_m, head_dim)  # whole blocks: the reduce-adds
-        dq_acc = empty_like_layout(q, dq_acc_shape, torch.float32)
+    # whole blocks of rows: the reduce-adds; separate_dq: the descriptor's box
+    dq_acc_shape = ((1, 1, dq_rows, dq_cols) if config.separate_dq else
+                    (batch, n_heads, cdiv(seqlen_q, block_m) * block_m, head_dim))
+    # buffers like the calls', for the descriptors' fields
     dq, dk, dv = grad_buffers(q, k, v, out)
+    dq_acc, dk_out, dv_out = _accumulators(q, k, dk, dv, dq_acc_shape, config.separate_dq, reduce_kv)
     if reduce_kv:
-        dk_acc, dv_acc = empty_like_layout(k, (batch, n_kv_heads, seqlen_k, 2 * head_dim), torch.float32).split(
-            head_dim, dim=3)
-        dk_desc, dv_desc = desc(dk_acc, 64, dq_box, dq_cols), desc(dv_acc, 64, dq_box, dq_cols)
+        dk_desc, dv_desc = desc(dk_out, 64, dq_box, dq_cols), desc(dv_out, 64, dq_box, dq_cols)
     else:
         dk_desc, dv_desc = desc(dk, 64, v_box), desc(dv, 64, v_box)
     n_blocks = cdiv(seqlen_k, block_n)
@@ -828,6 +812,24 @@ def _backward_launch(do, q, k, v, lse, causal, softmax_scale, config: BackwardCo
         prepared, (desc(q, block_m, q_box), desc(k, block_n, k_box), desc(v, 64, v_box), desc(do, block_m, q_box),
                    dk_desc, dv_desc, desc(dq_acc, dq_rows, dq_box, dq_cols)), dq_acc_shape, reduce_kv,
         None if config.separate_dq else _convert_dq_launch(dq_acc, softmax_scale, dq))
+
+
+def _accumulators(q, k, dk, dv, dq_acc_shape, separate_dq: bool, reduce_kv: bool) -> tuple:
+    """The backward's float32 accumulators -> (dq_acc, dk_out, dv_out).
+
+    dq_acc: dQ's, in q's memory order as dq, so that `convert_dq` is a plain contiguous pass (a (B, H, T, D)
+    accumulator for the model's (B, T, H, D) q made it a transposing copy: 110 us of GPT-2's 1k backward, cuDNN's
+    46); head_dim wide (at 96 the reduce-adds clip the 128-wide tiles' zero columns); with separate_dq the
+    descriptor's stand-in, never written. dk_out, dv_out: dk and dv, or with reduce_kv (a GQA group's CTAs add into
+    them, dK already scaled, cast into dk and dv at the end) halves of one zeroed buffer shaped like k."""
+    if separate_dq:
+        dq_acc = torch.empty(dq_acc_shape, device=q.device, dtype=torch.float32)
+    else:
+        dq_acc = empty_like_layout(q, dq_acc_shape, torch.float32)
+    if reduce_kv:
+        kv_acc = empty_like_layout(k, (*k.shape[:3], 2 * k.shape[3]), torch.float32).zero_()
+        dk, dv = kv_acc.split(k.shape[3], dim=3)
+    return dq_acc, dk, dv
 
 
 @triton.jit
