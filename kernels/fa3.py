@@ -64,6 +64,9 @@ class ForwardConfig(NamedTuple):
     pingpong: bool  # consumers take turns issuing their GEMMs (FA3 Section 3.1)
     persistent: bool  # one CTA per SM looping over tiles, else one CTA per tile
     late_k_release: bool = False  # a consumer gives K_j's ring slot back after block j's softmax, not once S_j is done
+    # Causal: the last rounds' long-short pairs run as single tiles, longest first (`tail_start`), so that the
+    # CTAs finish together.
+    tail: bool = False
 
 
 class BackwardConfig(NamedTuple):
@@ -522,7 +525,7 @@ def _forward_launch(q, k, v, causal, softmax_scale, config: ForwardConfig, windo
     batch, n_heads, seqlen_q, head_dim = q.shape
     tile_dim = kernel_head_dim(head_dim)
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    num_consumers, block_n, num_stages, pingpong, persistent, late_k_release = config
+    num_consumers, block_n, num_stages, pingpong, persistent, late_k_release, tail = config
     left, right = (0, 0) if docs else fa2.window_edges(causal, window_size, seqlen_q, seqlen_k)  # docs: per row
     q_layout, kv_layout = shared_layouts(q.dtype, tile_dim, block_n)
     # 4-D descriptors over the tensors as they are (any strides TMA takes), one (1, 1, rows, tile_dim) box each:
@@ -537,13 +540,17 @@ def _forward_launch(q, k, v, causal, softmax_scale, config: ForwardConfig, windo
         grid = (min(n_tiles, _sm_count(q.device)),)
     else:
         grid = (persistent_grid(n_tiles_m, batch * n_heads, seqlen_q, num_consumers, _sm_count(q.device)),)
+    tail = tail and persistent and not docs and right >= 0 > left  # `fa3_hopper._paired`'s schedule only
+    pairs_before_tail = (tail_start(n_tiles_m, batch * n_heads, grid[0], seqlen_q, seqlen_k, num_consumers * BLOCK_M,
+                                    block_n) if tail else 0)
     key = (config, q.dtype, q.device, q.shape, k.shape, left, right, docs, softcap > 0)
     prepared = _prepared(
         kernels.forward, key, grid, ("q_desc", "k_desc", "v_desc", "o_desc", "LSE", "KEY_START", "KEY_LIMIT",
                                      "TILE_ORDER"),
         n_heads=n_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k, window_left=max(left, 0),
         window_right=max(right, 0), **_logits(softmax_scale, softcap), n_tiles_m=n_tiles_m, n_tiles=n_tiles,
-        GROUP=n_heads // n_kv_heads, LEFT=left >= 0, RIGHT=right >= 0, DOCS=docs,
+        tail_start=pairs_before_tail, GROUP=n_heads // n_kv_heads, LEFT=left >= 0, RIGHT=right >= 0, DOCS=docs,
+        TAIL=tail,
         PINGPONG=pingpong, LATE_K_RELEASE=late_k_release, NUM_CONSUMERS=num_consumers,
         HEAD_DIM=tile_dim, BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=num_stages, Q_LAYOUT=q_layout,
         KV_LAYOUT=kv_layout)
@@ -587,6 +594,43 @@ def persistent_grid(n_tiles_m: int, n_bh: int, seqlen_q: int, num_consumers: int
         return max(loads)
 
     return min(range(max(sm_count - 16, 1), sm_count + 1), key=lambda grid: (busiest(grid), -grid))
+
+
+@functools.lru_cache(maxsize=1024)  # a pure function of the shape
+def tail_start(n_tiles_m: int, n_bh: int, grid: int, seqlen_q: int, seqlen_k: int, rows: int, block_n: int) -> int:
+    """Where the causal forward's single tiles start (`ForwardConfig.tail`), in pairs: the pairs before it run as
+    `fa3_hopper._tile` pairs them, pairs p, p + grid, ... on CTA p, and the tiles of the rest longest first in rounds
+    of grid, every other round in reverse (`fa3_hopper._tail_tile`). Equal pairs alone leave the last round part
+    empty (2048 pairs on 132 CTAs: 16 rounds for 15.5 rounds' work); single tiles fill it.
+    Returns the start among whole rounds of pairs, 0 to 3 rounds before the last, or all the pairs (always for an
+    odd n_tiles_m, whose pairs span two heads): the latest whose busiest CTA has at most 0.5 % more work than the
+    least, in a simulation of the schedule (a tile costs its K/V blocks + 1, as in docs/hopper-notes.md's FA3
+    forward variant 8). The later the start, the fewer heads' K/V the tail's tiles read at once (it runs every
+    query block of its heads longest first)."""
+    n_tiles = n_tiles_m * n_bh
+    n_pairs = cdiv(n_tiles, 2)
+    if n_tiles_m % 2 or grid < 1:
+        return n_pairs
+    diag = seqlen_k - seqlen_q
+    cost = [max(cdiv(min((m + 1) * rows + diag, seqlen_k), block_n), 1) + 1 for m in range(n_tiles_m)]
+    half = n_tiles_m // 2
+    pair_cost = [cost[n_tiles_m - 1 - u] + cost[u] for u in range(half)]
+
+    def busiest(start: int) -> int:
+        loads = [0] * grid
+        for q in range(start):
+            loads[q % grid] += pair_cost[q % half]
+        h0, u0 = divmod(start, half)
+        tail = [cost[m] for m in range(n_tiles_m - 1, -1, -1)
+                for h in range(h0, n_bh) if h > h0 or u0 <= m < n_tiles_m - u0]
+        for j, c in enumerate(tail):
+            r, place = divmod(j, grid)
+            loads[place if r % 2 == 0 else grid - 1 - place] += c
+        return max(loads)
+
+    starts = sorted({n_pairs} | {max(n_pairs // grid - rounds, 0) * grid for rounds in range(4)}, reverse=True)
+    work = [busiest(start) for start in starts]
+    return next(start for start, w in zip(starts, work) if w <= 1.005 * min(work))
 
 
 @functools.lru_cache(maxsize=None)  # asked on every call
@@ -948,8 +992,8 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
     if kernel == "fwd":
         if docs:
             causal = window = True
-        num_consumers, block_n, num_stages, pingpong, _, late_k_release = (config or
-                                                                           FORWARD_CONFIGS[head_dim, causal or window])
+        num_consumers, block_n, num_stages, pingpong, _, late_k_release, tail = (
+            config or FORWARD_CONFIGS[head_dim, causal or window])
         maxnreg = 0
         q_layout, kv_layout = shared_layouts(dtype, tile_dim, block_n)
         q_box, kv_box = shared_layouts(dtype, tile_dim, block_n, rank=4)
@@ -957,8 +1001,9 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
         descs = dict(q_desc=tensordesc(BLOCK_M, q_box), o_desc=tensordesc(BLOCK_M, q_box),
                      k_desc=tensordesc(block_n, kv_box), v_desc=tensordesc(block_n, kv_box), LSE="*fp32",
                      KEY_START="*i32", KEY_LIMIT="*i32", TILE_ORDER="*i32", qk_scale="fp32", softcap_in="fp32")
-        constexprs = dict(GROUP=group, LEFT=window, RIGHT=causal, DOCS=docs, SOFTCAP=softcap, PINGPONG=pingpong,
-                          LATE_K_RELEASE=late_k_release, NUM_CONSUMERS=num_consumers,
+        tail = tail and causal and not (window or docs)
+        constexprs = dict(GROUP=group, LEFT=window, RIGHT=causal, DOCS=docs, TAIL=tail, SOFTCAP=softcap,
+                          PINGPONG=pingpong, LATE_K_RELEASE=late_k_release, NUM_CONSUMERS=num_consumers,
                           HEAD_DIM=tile_dim, BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=num_stages,
                           Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout)
     else:

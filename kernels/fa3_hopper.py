@@ -193,24 +193,73 @@ def _row_sums(l_i, row_layout: gl.constexpr):
 
 
 @gluon.jit
-def _n_tiles_of_cta(n_tiles, PAIRED: gl.constexpr, SNAKE: gl.constexpr):
-    """How many tiles this CTA runs (`_tile`'s i = 0, 1, ...)."""
+def _snake_count(n_tiles):
+    """How many of n_tiles this CTA takes when the CTAs take them in rounds of grid, every other round in reverse:
+    the last, partial round's first places."""
     pid = gl.program_id(0)
     grid = gl.num_programs(0)
-    if SNAKE:  # rounds of grid tiles, every other one in reverse: the last, partial round's first places
-        rounds = n_tiles // grid
-        place = gl.where(rounds % 2 == 0, pid, grid - 1 - pid)
-        return rounds + gl.where(place < n_tiles - rounds * grid, 1, 0)
-    if PAIRED:  # the first and second tiles of pairs pid, pid + grid, ... (tiles 2 * pair and 2 * pair + 1)
-        firsts = gl.cdiv(gl.maximum(n_tiles - 2 * pid, 0), 2 * grid)
-        seconds = gl.cdiv(gl.maximum(n_tiles - 2 * pid - 1, 0), 2 * grid)
-        return firsts + seconds
-    return gl.cdiv(gl.maximum(n_tiles - pid, 0), grid)
+    rounds = n_tiles // grid
+    place = gl.where(rounds % 2 == 0, pid, grid - 1 - pid)
+    return rounds + gl.where(place < n_tiles - rounds * grid, 1, 0)
 
 
 @gluon.jit
-def _tile(i, n_tiles_m, n_heads, seqlen_q, seqlen_k, window_left, window_right, KEY_START, KEY_LIMIT, TILE_ORDER,
-          LEFT: gl.constexpr, RIGHT: gl.constexpr, DOCS: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
+def _paired_count(n_tiles):
+    """How many of the first n_tiles this CTA runs as the first and second tiles of pairs pid, pid + grid, ...
+    (tiles 2 * pair and 2 * pair + 1)."""
+    pid = gl.program_id(0)
+    grid = gl.num_programs(0)
+    firsts = gl.cdiv(gl.maximum(n_tiles - 2 * pid, 0), 2 * grid)
+    seconds = gl.cdiv(gl.maximum(n_tiles - 2 * pid - 1, 0), 2 * grid)
+    return firsts + seconds
+
+
+@gluon.jit
+def _n_tiles_of_cta(n_tiles, tail_start, PAIRED: gl.constexpr, SNAKE: gl.constexpr, TAIL: gl.constexpr):
+    """How many tiles this CTA runs (`_tile`'s i = 0, 1, ...)."""
+    if SNAKE:
+        return _snake_count(n_tiles)
+    if PAIRED:
+        if TAIL:  # pairs before tail_start, then the tail's single tiles
+            paired = gl.minimum(n_tiles, 2 * tail_start)
+            return _paired_count(paired) + _snake_count(n_tiles - paired)
+        return _paired_count(n_tiles)
+    return gl.cdiv(gl.maximum(n_tiles - gl.program_id(0), 0), gl.num_programs(0))
+
+
+@gluon.jit
+def _tail_tile(j, tail_start, n_tiles_m, n_tiles):
+    """The tail's j-th longest tile -> (batch * heads + head, query block). The tail is the pairs from tail_start
+    on (an even n_tiles_m: pair u of a head holds its query blocks n_tiles_m - 1 - u and u): the middle blocks
+    [u0, n_tiles_m - u0) of the head it starts in (when it starts within a head: pairs u >= u0 of head h0) and every
+    block of the heads after it. Longest first is query block n_tiles_m - 1 first, and so on down, the heads in
+    order at each block."""
+    half = n_tiles_m // 2
+    h0 = tail_start // half
+    u0 = tail_start - h0 * half
+    partial = gl.where(u0 > 0, 1, 0)
+    whole = n_tiles // n_tiles_m - h0 - partial  # heads wholly in the tail
+    top = u0 * whole  # blocks n_tiles_m - 1 down to n_tiles_m - u0: the whole heads only
+    middle = (n_tiles_m - 2 * u0) * (whole + partial)  # blocks n_tiles_m - 1 - u0 down to u0: the partial head too
+    per_top = gl.maximum(whole, 1)
+    if j < top:
+        pid_m = n_tiles_m - 1 - j // per_top
+        bh = h0 + partial + j % per_top
+    elif j < top + middle:
+        jm = j - top
+        pid_m = n_tiles_m - 1 - u0 - jm // (whole + partial)
+        bh = h0 + jm % (whole + partial)
+    else:
+        jb = j - top - middle
+        pid_m = u0 - 1 - jb // per_top
+        bh = h0 + partial + jb % per_top
+    return bh, pid_m
+
+
+@gluon.jit
+def _tile(i, n_tiles_m, n_tiles, tail_start, n_heads, seqlen_q, seqlen_k, window_left, window_right, KEY_START,
+          KEY_LIMIT, TILE_ORDER, LEFT: gl.constexpr, RIGHT: gl.constexpr, DOCS: gl.constexpr, TAIL: gl.constexpr,
+          ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
     """This CTA's i-th tile -> (batch, head, batch * n_heads + head, first row, first key of the tile's key
     range (a multiple of BLOCK_N), how many K/V blocks from there the producer loads).
 
@@ -219,7 +268,10 @@ def _tile(i, n_tiles_m, n_heads, seqlen_q, seqlen_k, window_left, window_right, 
     tiles p, p + grid, ... in (head, query block) order. Causal (a right edge only: `_paired`): each head's query blocks are paired longest with shortest (last with first, then the next two inwards,
     the middle one alone when there is an odd number: it pairs with the next head's, whose order is reversed), so
     every pair has about the same number of K/V blocks; CTA p runs pairs p, p + grid, ..., the long tile first
-    (except in the reversed heads, whose pairs come short tile first).
+    (except in the reversed heads, whose pairs come short tile first). With TAIL (an even n_tiles_m), only the pairs
+    before tail_start (a multiple of grid: whole rounds) run so; the rest run as single tiles, longest first, in
+    rounds of grid, every other round in reverse (`_tail_tile`), which evens out the CTAs' last rounds: with equal
+    pairs only, 2048 pairs on 132 CTAs take 16 rounds where 15.5 would do.
     This balances the persistent CTAs' work as running all heads' longest blocks first did (an earlier order,
     which read ~130 heads' K/V at once: 78 % DRAM bandwidth, 12 % L2 hits at D = 128, N = 2k).
     Packed sequences (DOCS): tile costs follow the sequences' lengths, so the host sorts the tiles longest first
@@ -238,6 +290,13 @@ def _tile(i, n_tiles_m, n_heads, seqlen_q, seqlen_k, window_left, window_right, 
         if (n_tiles_m % 2 == 1) & (bh % 2 == 1):
             u = n_tiles_m - 1 - u
         pid_m = gl.where(u % 2 == 0, n_tiles_m - 1 - u // 2, u // 2)
+        if TAIL:
+            paired = _paired_count(gl.minimum(n_tiles, 2 * tail_start))
+            if i >= paired:
+                r = i - paired
+                grid = gl.num_programs(0)
+                place = gl.where(r % 2 == 0, gl.program_id(0), grid - 1 - gl.program_id(0))
+                bh, pid_m = _tail_tile(r * grid + place, tail_start, n_tiles_m, n_tiles)
     else:
         t = gl.program_id(0) + i * gl.num_programs(0)
         pid_m = t % n_tiles_m
@@ -350,9 +409,10 @@ def _skip_block(j, kv_it, turn, ring, turn_bars, CID: gl.constexpr, NEXT: gl.con
 
 
 @gluon.jit
-def _consumer(tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, window_left, window_right,
-              KEY_START, KEY_LIMIT, TILE_ORDER, qk_scale, softcap_in, CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-              LEFT: gl.constexpr, RIGHT: gl.constexpr, DOCS: gl.constexpr, SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr,
+def _consumer(tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, tail_start, n_heads, seqlen_q, seqlen_k, window_left,
+              window_right, KEY_START, KEY_LIMIT, TILE_ORDER, qk_scale, softcap_in, CID: gl.constexpr,
+              NUM_CONSUMERS: gl.constexpr, LEFT: gl.constexpr, RIGHT: gl.constexpr, DOCS: gl.constexpr,
+              TAIL: gl.constexpr, SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr,
               LATE_K_RELEASE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Consumer warpgroup CID: rows [start_m + CID * BLOCK_M, + BLOCK_M) of each of the CTA's tiles."""
     dtype: gl.constexpr = tiles.q.dtype
@@ -369,10 +429,10 @@ def _consumer(tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, s
     kv_it = 0  # position in the K/V ring, running across tiles as in the producer
     turn = 0  # PINGPONG turns taken
     tile_count = 0
-    for tile_i in range(_n_tiles_of_cta(n_tiles, _paired(LEFT, RIGHT), DOCS)):
+    for tile_i in range(_n_tiles_of_cta(n_tiles, tail_start, _paired(LEFT, RIGHT), DOCS, TAIL)):
         off_b, off_h, bh, start_m, first_n, n_blocks = _tile(
-            tile_i, n_tiles_m, n_heads, seqlen_q, seqlen_k, window_left, window_right, KEY_START, KEY_LIMIT,
-            TILE_ORDER, LEFT, RIGHT, DOCS, NUM_CONSUMERS * BLOCK_M, BLOCK_N)
+            tile_i, n_tiles_m, n_tiles, tail_start, n_heads, seqlen_q, seqlen_k, window_left, window_right, KEY_START,
+            KEY_LIMIT, TILE_ORDER, LEFT, RIGHT, DOCS, TAIL, NUM_CONSUMERS * BLOCK_M, BLOCK_N)
         # This warpgroup's own key ranges [3]: keys [lo_free, hi_free) are seen by all its rows (unmasked blocks),
         # blocks before j0 and from n_own on by none of them (skipped: the tile's first blocks can be all left of
         # the last warpgroups' windows, its last block all above the first warpgroups' diagonal). Per row, keys
@@ -477,17 +537,17 @@ def _consumer(tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, s
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, tiles, ring, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, window_left,
-              window_right, KEY_START, KEY_LIMIT, TILE_ORDER, GROUP: gl.constexpr, LEFT: gl.constexpr, RIGHT: gl.constexpr,
-              DOCS: gl.constexpr,
-              NUM_CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+def _producer(q_desc, k_desc, v_desc, tiles, ring, n_tiles_m, n_tiles, tail_start, n_heads, seqlen_q, seqlen_k,
+              window_left, window_right, KEY_START, KEY_LIMIT, TILE_ORDER, GROUP: gl.constexpr, LEFT: gl.constexpr,
+              RIGHT: gl.constexpr, DOCS: gl.constexpr, TAIL: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """The TMA warp: per tile the consumers' Q tiles, then K_j and V_j into the ring."""
     kv_it = 0
     tile_count = 0
-    for tile_i in range(_n_tiles_of_cta(n_tiles, _paired(LEFT, RIGHT), DOCS)):
+    for tile_i in range(_n_tiles_of_cta(n_tiles, tail_start, _paired(LEFT, RIGHT), DOCS, TAIL)):
         off_b, off_h, bh, start_m, first_n, n_blocks = _tile(
-            tile_i, n_tiles_m, n_heads, seqlen_q, seqlen_k, window_left, window_right, KEY_START, KEY_LIMIT,
-            TILE_ORDER, LEFT, RIGHT, DOCS, NUM_CONSUMERS * BLOCK_M, BLOCK_N)
+            tile_i, n_tiles_m, n_tiles, tail_start, n_heads, seqlen_q, seqlen_k, window_left, window_right, KEY_START,
+            KEY_LIMIT, TILE_ORDER, LEFT, RIGHT, DOCS, TAIL, NUM_CONSUMERS * BLOCK_M, BLOCK_N)
         off_hk = off_h // GROUP  # GQA: GROUP query heads share one K/V head
         q_phase = (tile_count & 1) ^ 1  # a fresh barrier passes phase 1 at once
         for i in gl.static_range(NUM_CONSUMERS):
@@ -512,8 +572,8 @@ def _producer(q_desc, k_desc, v_desc, tiles, ring, n_tiles_m, n_tiles, n_heads, 
 def fa3_fwd_kernel(
     q_desc, k_desc, v_desc, o_desc, LSE,
     n_heads, seqlen_q, seqlen_k, window_left, window_right, KEY_START, KEY_LIMIT, TILE_ORDER, qk_scale, softcap_in,
-    n_tiles_m, n_tiles, GROUP: gl.constexpr, LEFT: gl.constexpr, RIGHT: gl.constexpr, DOCS: gl.constexpr,
-    SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr, LATE_K_RELEASE: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+    n_tiles_m, n_tiles, tail_start, GROUP: gl.constexpr, LEFT: gl.constexpr, RIGHT: gl.constexpr,
+    DOCS: gl.constexpr, TAIL: gl.constexpr, SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr, LATE_K_RELEASE: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr,
 ):
@@ -551,15 +611,17 @@ def fa3_fwd_kernel(
     if NUM_CONSUMERS == 2:
         gl.warp_specialize(
             [
-            (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, window_left,
-                         window_right, KEY_START, KEY_LIMIT, TILE_ORDER, qk_scale, softcap_in, 0, NUM_CONSUMERS,
-                         LEFT, RIGHT, DOCS, SOFTCAP, PINGPONG, LATE_K_RELEASE, BLOCK_M, BLOCK_N, HEAD_DIM)),
-            (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, window_left,
-                         window_right, KEY_START, KEY_LIMIT, TILE_ORDER, qk_scale, softcap_in, 1, NUM_CONSUMERS,
-                         LEFT, RIGHT, DOCS, SOFTCAP, PINGPONG, LATE_K_RELEASE, BLOCK_M, BLOCK_N, HEAD_DIM)),
-            (_producer, (q_desc, k_desc, v_desc, tiles, ring, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k,
-                         window_left, window_right, KEY_START, KEY_LIMIT, TILE_ORDER, GROUP, LEFT, RIGHT, DOCS,
-                         NUM_CONSUMERS, BLOCK_M, BLOCK_N)),
+            (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, tail_start, n_heads, seqlen_q, seqlen_k,
+                         window_left, window_right, KEY_START, KEY_LIMIT, TILE_ORDER, qk_scale, softcap_in, 0,
+                         NUM_CONSUMERS, LEFT, RIGHT, DOCS, TAIL, SOFTCAP, PINGPONG, LATE_K_RELEASE, BLOCK_M, BLOCK_N,
+                         HEAD_DIM)),
+            (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, tail_start, n_heads, seqlen_q, seqlen_k,
+                         window_left, window_right, KEY_START, KEY_LIMIT, TILE_ORDER, qk_scale, softcap_in, 1,
+                         NUM_CONSUMERS, LEFT, RIGHT, DOCS, TAIL, SOFTCAP, PINGPONG, LATE_K_RELEASE, BLOCK_M, BLOCK_N,
+                         HEAD_DIM)),
+            (_producer, (q_desc, k_desc, v_desc, tiles, ring, n_tiles_m, n_tiles, tail_start, n_heads, seqlen_q,
+                         seqlen_k, window_left, window_right, KEY_START, KEY_LIMIT, TILE_ORDER, GROUP, LEFT, RIGHT,
+                         DOCS, TAIL, NUM_CONSUMERS, BLOCK_M, BLOCK_N)),
             ],
             [4, 1],
             [240, 24],
@@ -567,18 +629,21 @@ def fa3_fwd_kernel(
     else:
         gl.warp_specialize(
             [
-            (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, window_left,
-                         window_right, KEY_START, KEY_LIMIT, TILE_ORDER, qk_scale, softcap_in, 0, NUM_CONSUMERS,
-                         LEFT, RIGHT, DOCS, SOFTCAP, PINGPONG, LATE_K_RELEASE, BLOCK_M, BLOCK_N, HEAD_DIM)),
-            (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, window_left,
-                         window_right, KEY_START, KEY_LIMIT, TILE_ORDER, qk_scale, softcap_in, 1, NUM_CONSUMERS,
-                         LEFT, RIGHT, DOCS, SOFTCAP, PINGPONG, LATE_K_RELEASE, BLOCK_M, BLOCK_N, HEAD_DIM)),
-            (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k, window_left,
-                         window_right, KEY_START, KEY_LIMIT, TILE_ORDER, qk_scale, softcap_in, 2, NUM_CONSUMERS,
-                         LEFT, RIGHT, DOCS, SOFTCAP, PINGPONG, LATE_K_RELEASE, BLOCK_M, BLOCK_N, HEAD_DIM)),
-            (_producer, (q_desc, k_desc, v_desc, tiles, ring, n_tiles_m, n_tiles, n_heads, seqlen_q, seqlen_k,
-                         window_left, window_right, KEY_START, KEY_LIMIT, TILE_ORDER, GROUP, LEFT, RIGHT, DOCS,
-                         NUM_CONSUMERS, BLOCK_M, BLOCK_N)),
+            (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, tail_start, n_heads, seqlen_q, seqlen_k,
+                         window_left, window_right, KEY_START, KEY_LIMIT, TILE_ORDER, qk_scale, softcap_in, 0,
+                         NUM_CONSUMERS, LEFT, RIGHT, DOCS, TAIL, SOFTCAP, PINGPONG, LATE_K_RELEASE, BLOCK_M, BLOCK_N,
+                         HEAD_DIM)),
+            (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, tail_start, n_heads, seqlen_q, seqlen_k,
+                         window_left, window_right, KEY_START, KEY_LIMIT, TILE_ORDER, qk_scale, softcap_in, 1,
+                         NUM_CONSUMERS, LEFT, RIGHT, DOCS, TAIL, SOFTCAP, PINGPONG, LATE_K_RELEASE, BLOCK_M, BLOCK_N,
+                         HEAD_DIM)),
+            (_consumer, (tiles, ring, o_desc, LSE, n_tiles_m, n_tiles, tail_start, n_heads, seqlen_q, seqlen_k,
+                         window_left, window_right, KEY_START, KEY_LIMIT, TILE_ORDER, qk_scale, softcap_in, 2,
+                         NUM_CONSUMERS, LEFT, RIGHT, DOCS, TAIL, SOFTCAP, PINGPONG, LATE_K_RELEASE, BLOCK_M, BLOCK_N,
+                         HEAD_DIM)),
+            (_producer, (q_desc, k_desc, v_desc, tiles, ring, n_tiles_m, n_tiles, tail_start, n_heads, seqlen_q,
+                         seqlen_k, window_left, window_right, KEY_START, KEY_LIMIT, TILE_ORDER, GROUP, LEFT, RIGHT,
+                         DOCS, TAIL, NUM_CONSUMERS, BLOCK_M, BLOCK_N)),
             ],
             [4, 4, 1],
             [160, 160, 24],

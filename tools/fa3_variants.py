@@ -12,7 +12,7 @@ first, the group's heads inner; HEADS_PER_CTA the most query heads of a GQA grou
 of the group up to it, 0 for all of them); each is checked against float32 gradients
 (dq, dk, dv by relative error) on the shapes below, then backward medians of the Gluon kernel are printed next to
 FA2's backward and cuDNN's on the same inputs (forward excluded).
-Forward: a variant is NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT[:LATE_K_RELEASE] (a
+Forward: a variant is NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT[:LATE_K_RELEASE[:TAIL]] (a
 `kernels.fa3.ForwardConfig`), run
 for both values of causal. The kernels run with each variant's config passed in (`fa3.run_forward` /
 `fa3.run_backward`); nothing in `kernels` is changed. Every variant is first checked against a
@@ -236,19 +236,20 @@ def check_backward_configs(variants, head_dims, groups=(1,)):
 
 
 def forward_config(variant):
-    """'NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT[:LATE_K_RELEASE]' (ints) -> a
+    """'NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT[:LATE_K_RELEASE[:TAIL]]' (ints) -> a
     `kernels.fa3.ForwardConfig`."""
     fields = _ints(variant, variant.split(":"))
-    if len(fields) not in (5, 6):
-        raise SystemExit(f"variant {variant}: give 5 or 6 fields (see --help)")
+    if len(fields) not in (5, 6, 7):
+        raise SystemExit(f"variant {variant}: give 5 to 7 fields (see --help)")
     return fa3.ForwardConfig(*fields[:3], *(bool(f) for f in fields[3:]))
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--variants", default=None,
-                        help="comma-separated NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT[:LATE_K_RELEASE] "
-                             f"(default {FORWARD_DEFAULT}); with --backward "
+                        help="comma-separated "
+                             "NUM_CONSUMERS:BLOCK_N:NUM_STAGES:PINGPONG:PERSISTENT[:LATE_K_RELEASE[:TAIL]] (default "
+                             f"{FORWARD_DEFAULT}); with --backward "
                              f"NUM_STAGES[:SPLIT_DQ:...:HEADS_PER_CTA] (default {BACKWARD_DEFAULT}; see above)")
     parser.add_argument("--head-dims", default="64,128", help="comma-separated head dimensions D")
     parser.add_argument("--seqlens", default="2048,8192", help="comma-separated sequence lengths N")

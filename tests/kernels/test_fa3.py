@@ -362,6 +362,90 @@ def test_persistent_grid_spreads_the_partial_tiles_at_2k():
     assert _busiest_cta(grid, 3, 256, 2048) == pytest.approx(21 + 1 / 3)
 
 
+def _causal_schedule(n_tiles_m, n_bh, grid, tail_start):
+    """Each CTA's tiles (batch * heads + head, query block) in order, by the arithmetic of `fa3_hopper`'s
+    `_n_tiles_of_cta`, `_tile` and `_tail_tile` under a causal mask with TAIL, written out in Python."""
+    n_tiles = n_tiles_m * n_bh
+    cdiv = lambda a, b: -(-a // b)
+
+    def paired_count(n, pid):
+        return cdiv(max(n - 2 * pid, 0), 2 * grid) + cdiv(max(n - 2 * pid - 1, 0), 2 * grid)
+
+    def snake_count(n, pid):
+        rounds = n // grid
+        place = pid if rounds % 2 == 0 else grid - 1 - pid
+        return rounds + (1 if place < n - rounds * grid else 0)
+
+    def tail_tile(j):
+        half = n_tiles_m // 2
+        h0, u0 = divmod(tail_start, half)
+        partial = 1 if u0 > 0 else 0
+        whole = n_bh - h0 - partial
+        top, middle, per_top = u0 * whole, (n_tiles_m - 2 * u0) * (whole + partial), max(whole, 1)
+        if j < top:
+            return h0 + partial + j % per_top, n_tiles_m - 1 - j // per_top
+        if j < top + middle:
+            jm = j - top
+            return h0 + jm % (whole + partial), n_tiles_m - 1 - u0 - jm // (whole + partial)
+        jb = j - top - middle
+        return h0 + partial + jb % per_top, u0 - 1 - jb // per_top
+
+    schedule = []
+    for pid in range(grid):
+        paired = min(n_tiles, 2 * tail_start)
+        count = paired_count(paired, pid) + snake_count(n_tiles - paired, pid)
+        tiles = []
+        for i in range(count):
+            s = 2 * (pid + (i // 2) * grid) + i % 2
+            bh, u = divmod(s, n_tiles_m)
+            if n_tiles_m % 2 == 1 and bh % 2 == 1:
+                u = n_tiles_m - 1 - u
+            pid_m = n_tiles_m - 1 - u // 2 if u % 2 == 0 else u // 2
+            if i >= paired_count(paired, pid):
+                r = i - paired_count(paired, pid)
+                bh, pid_m = tail_tile(r * grid + (pid if r % 2 == 0 else grid - 1 - pid))
+            tiles.append((bh, pid_m))
+        schedule.append(tiles)
+    return schedule
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_causal_tail_runs_every_tile_once_and_evens_the_ctas(seed):
+    """`fa3.tail_start` and the causal forward's schedule with a tail (`ForwardConfig.tail`): on random shapes and
+    grids every tile runs exactly once, the tail's tiles come longest first, and the busiest CTA has no more work
+    than without the tail (a tile costing its K/V blocks + 1)."""
+    rng = random.Random(seed)
+    shapes = [(16, 128, 132, 2048, 2048), (8, 256, 132, 1024, 1024), (32, 64, 132, 4096, 4096)]  # bench's grid
+    shapes += [(2 * rng.randint(1, 40), rng.randint(1, 200), rng.choice([132, 114, 7]), 0, 0) for _ in range(8)]
+    for n_tiles_m, n_bh, grid, seqlen_q, seqlen_k in shapes:
+        seqlen_q = seqlen_q or n_tiles_m * 128 - rng.randint(0, 127)
+        seqlen_k = seqlen_k or max(seqlen_q + rng.randint(-200, 400), 1)
+        grid = min(grid, n_tiles_m * n_bh)
+        cost = [max(-(-min((m + 1) * 128 + seqlen_k - seqlen_q, seqlen_k) // 128), 1) + 1 for m in range(n_tiles_m)]
+        busiest = {}
+        for start in {fa3.tail_start(n_tiles_m, n_bh, grid, seqlen_q, seqlen_k, 128, 128), n_tiles_m * n_bh // 2}:
+            schedule = _causal_schedule(n_tiles_m, n_bh, grid, start)
+            ran = sorted(t for tiles in schedule for t in tiles)
+            assert ran == [(bh, m) for bh in range(n_bh) for m in range(n_tiles_m)], (n_tiles_m, n_bh, grid, start)
+            if start % grid == 0:  # whole rounds of pairs, then the tail: longest tiles first
+                for tiles in schedule:
+                    tail = [cost[m] for _, m in tiles[2 * start // grid:]]
+                    assert tail == sorted(tail, reverse=True)
+            busiest[start] = max(sum(cost[m] for _, m in tiles) for tiles in schedule)
+        chosen = busiest[fa3.tail_start(n_tiles_m, n_bh, grid, seqlen_q, seqlen_k, 128, 128)]
+        assert chosen <= 1.005 * min(busiest.values())
+    # bench.attention's head_dim-64 causal shape at 4k: 2048 equal pairs on 132 CTAs take 16 pairs' time; with
+    # the tail under 15.75
+    schedule = _causal_schedule(32, 128, 132, fa3.tail_start(32, 128, 132, 4096, 4096, 128, 128))
+    assert max(sum(m + 2 for _, m in tiles) for tiles in schedule) < 15.75 * 35
+
+
+def test_causal_tail_start_without_a_tail_for_odd_query_blocks():
+    """Pairs span two heads when a head has an odd number of query blocks: no tail, all pairs."""
+    assert fa3.tail_start(7, 40, 132, 7 * 128, 7 * 128, 128, 128) == 140
+    assert fa3.tail_start(7, 41, 132, 7 * 128, 7 * 128, 128, 128) == 144
+
+
 def _reference_grads(q, k, v, do, causal):
     """float64 o and (dq, dk, dv) at softmax_scale head_dim ** -0.5: `test_attention.reference` (a bottom-right
     causal mask, GQA by head index) under autograd; rows that see no key give 0 and no gradient."""

@@ -10,10 +10,11 @@ def test_fa3_variant_fields():
     assert forward_config("3:128:2:1:1") == ForwardConfig(3, 128, 2, True, True)
     assert forward_config("2:64:4:0:0") == ForwardConfig(2, 64, 4, False, False)
     assert forward_config("2:128:4:1:1:1") == ForwardConfig(2, 128, 4, True, True, late_k_release=True)
-    with pytest.raises(SystemExit, match="variant 3:128:2: give 5 or 6 fields"):
+    with pytest.raises(SystemExit, match="variant 3:128:2: give 5 to 7 fields"):
         forward_config("3:128:2")
-    with pytest.raises(SystemExit, match="give 5 or 6 fields"):
-        forward_config("2:128:4:1:1:1:1")
+    assert forward_config("2:128:4:1:1:0:1") == ForwardConfig(2, 128, 4, True, True, tail=True)
+    with pytest.raises(SystemExit, match="give 5 to 7 fields"):
+        forward_config("2:128:4:1:1:1:1:1")
 
 
 def test_fa3_backward_variant_fields_default_to_the_head_dims_config():
@@ -38,8 +39,8 @@ def test_fa3_backward_variant_fields_default_to_the_head_dims_config():
 
 @pytest.mark.parametrize("argv,message", [
     (["--variants", "foo"], "variant 'foo': give colon-separated integers"),
-    (["--variants", "2:128:2"], "variant 2:128:2: give 5 or 6 fields"),
-    (["--variants", "2:128:2:1:1:0:1"], "variant 2:128:2:1:1:0:1: give 5 or 6 fields"),
+    (["--variants", "2:128:2"], "variant 2:128:2: give 5 to 7 fields"),
+    (["--variants", "2:128:2:1:1:0:1:0"], "variant 2:128:2:1:1:0:1:0: give 5 to 7 fields"),
     (["--backward", "--variants", "2:rows:128:1:2:0:1:0:1:0"],
      "backward variant 2:rows:128:1:2:0:1:0:1:0: give 1 to 9 fields"),
     (["--backward", "--variants", "2:cols:64:0:2:0:0:0:x"], "HEADS_PER_CTA x; give an integer, 0 or more"),
@@ -94,7 +95,7 @@ def test_window_configs_tool_checks_its_variants_before_the_gpu(monkeypatch):
     without a GPU it says so."""
     from tools import fa3_window_configs
 
-    with pytest.raises(SystemExit, match="give 5 or 6 fields"):
+    with pytest.raises(SystemExit, match="give 5 to 7 fields"):
         fa3_window_configs.main(["--forward", "2:128:4"])
     with pytest.raises(SystemExit, match="backward variant 2:rows:64 at head_dim 64"):
         fa3_window_configs.main(["--backward", "2:rows:64"])

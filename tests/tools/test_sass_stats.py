@@ -30,7 +30,7 @@ def test_opcodes_count_instruction_lines_without_modifiers():
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--config", "2:128"], "variant 2:128: give 5 or 6 fields"),
+    (["--config", "2:128"], "variant 2:128: give 5 to 7 fields"),
     (["--kernel", "bwd", "--config", "2:none"], "SPLIT_DQ 'none'; accepted cols, rows"),
 ])
 def test_bad_configs_are_named_before_compiling(argv, message):
