@@ -56,7 +56,7 @@ try:  # torch, hydra and the rest take seconds to load
 
     from data.prepare import PreparationInterrupted
     from trainer import REFUSALS, ConfigError, NonFiniteLossError, train
-    from trainer.checkpoint import latest_checkpoint
+    from trainer.checkpoint import checkpoint_dir, latest_checkpoint
     from trainer.config import (CONF_DIR, RUN_NAME_RULE, Config, compose_config, continue_command, override_error,
                                 override_key, resolved, valid_run_name, validate_config)
     from trainer.config_help import help_text
@@ -110,7 +110,7 @@ def main(argv: list[str]) -> int:
         try:
             validate_config(resolved(cfg), dist.world_size, dist.local_rank)
         except ConfigError as e:
-            return error(f"job {num} of {len(jobs)} ({' '.join(job)}): {e}")
+            return error(f"job {num + 1} of {len(jobs)} ({' '.join(job)}): {e}")
     conflict = kind_conflict(jobs, multirun) or (sweep_conflict(jobs, overrides) if multirun else None)
     if conflict:
         return error(conflict)
@@ -229,8 +229,18 @@ def run_job(cfg: DictConfig, overrides: list[str], run_dir: Path, sweep_args: li
                 log.error("%s", e)
                 return 1
             except OSError as e:
+                if run_dir.exists() and not run_dir.is_dir():
+                    return error(f"run.name={cfg.run.name!r}: {run_dir} is a file, not a run folder; choose another "
+                                 "run.name or move the file")
                 return error(f"run.root={cfg.run.root!r}: cannot create or write the run folder {run_dir} "
                              f"({e.strerror or e})")
+            checkpoints = checkpoint_dir(run_dir)
+            try:  # where the checkpoints go: refused now, not after the training before the first save
+                if checkpoints.exists() or checkpoints.is_symlink():
+                    check_writable(checkpoints)
+            except OSError as e:
+                return error(f"{checkpoints}: the run's checkpoints are written there, but it is not a writable "
+                             f"folder ({e.strerror or e}); move it away or choose another run.name")
         try:
             summary = train(cfg, run_dir=run_dir, on_accept=accept)
         except (*EXPECTED, PreparationInterrupted, KeyboardInterrupt) as e:

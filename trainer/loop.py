@@ -32,7 +32,7 @@ from model.loss import CHUNK_TOKENS, resolve_loss
 import trainer.checkpoint as checkpoint
 from trainer.compile import compile_model, convert_to_fp8
 from trainer.config import (ConfigError, config_backend, padded_vocab_size, resolved, resolved_grad_accum,
-                            validate_against_data, validate_config)
+                            unused_data_keys, validate_against_data, validate_config)
 from trainer.distributed import all_reduce_sum, barrier, broadcast_object, gather_objects, init_process_group
 from trainer.lr_schedule import lr_at
 from trainer.metrics import MetricsLogger, StepTimer, Throughput, peak_flops, step_record
@@ -196,6 +196,8 @@ class Trainer:
         log.info("attention backend: %s (attn=%s) | device %s | dtype %s | %.2fM parameters | %d tokens/step",
                  self.model_args.attn, cfg.attn.backend, self.device, str(self.dtype).removeprefix("torch."),
                  model.num_params() / 1e6, self.throughput.tokens_per_step)
+        for unused in unused_data_keys(cfg.data):
+            log.warning("%s", unused)
         masks = [f"model.attn_window={self.model_args.attn_window}"] if self.model_args.attn_window else []
         masks += ["within each document (data.document_mask)"] if cfg.data.document_mask else []
         if masks:

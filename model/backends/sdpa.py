@@ -38,9 +38,9 @@ def warn_dense_mask(stacklevel: int = 2) -> None:
     if _WARNED_DENSE_MASK:
         return
     _WARNED_DENSE_MASK.append(True)
-    msg = ("attn=sdpa with model.attn_window or data.document_mask: a dense (T, T) mask, which takes SDPA off "
-           "its fast kernels (slow; on a CUDA GPU attn=fa2 or fa3 skips the key blocks outside the window and the "
-           "documents)")
+    msg = ("attention through SDPA with model.attn_window or data.document_mask: a dense (T, T) mask, which takes "
+           "SDPA off its fast kernels (slow; on a CUDA GPU attn=fa2 or fa3 skips the key blocks outside the window "
+           "and the documents)")
     warnings.warn(msg, RuntimeWarning, stacklevel=stacklevel + 1)
 
 

