@@ -165,9 +165,12 @@ class BackwardConfig(NamedTuple):
 # 229,832 B in all (64-key blocks fit only a 1-deep ring); the 64 x 256 float32 O accumulator is 128 of a consumer's
 # 240 registers, no spills (sm_90 compile, Triton 3.8).
 _FORWARD_256 = ForwardConfig(2, 32, 3, True, True)
+# The causal tail (`tail`) at 128 only: there it measured 2-3 % faster at 8k-16k and level at 2k-4k; at 64 the
+# kernel with its code ran 7-9 % slower even with the tail unused, 4-6 % with it (H100, Triton 3.6,
+# docs/hopper-notes.md "FA3 forward variant 30"). At 256 not measured.
 _FORWARD_CONFIGS = {
     (64, True): ForwardConfig(2, 128, 4, True, True), (64, False): ForwardConfig(3, 128, 3, True, True),
-    (128, True): ForwardConfig(2, 128, 2, False, True), (128, False): ForwardConfig(2, 128, 2, True, True),
+    (128, True): ForwardConfig(2, 128, 2, False, True, tail=True), (128, False): ForwardConfig(2, 128, 2, True, True),
     (256, True): _FORWARD_256, (256, False): _FORWARD_256,
 }
 # Per Triton release (major, minor), from that release on. Triton 3.9's code for the head_dim-64 causal forward

@@ -271,7 +271,7 @@ def _tile(i, n_tiles_m, n_tiles, tail_start, n_heads, seqlen_q, seqlen_k, window
     (except in the reversed heads, whose pairs come short tile first). With TAIL (an even n_tiles_m), only the pairs
     before tail_start (a multiple of grid: whole rounds) run so; the rest run as single tiles, longest first, in
     rounds of grid, every other round in reverse (`_tail_tile`), which evens out the CTAs' last rounds: with equal
-    pairs only, 2048 pairs on 132 CTAs take 16 rounds where 15.5 would do.
+    pairs only, 2048 pairs on 132 CTAs take 16 rounds where 15.5 would do (`kernels.fa3.tail_start`).
     This balances the persistent CTAs' work as running all heads' longest blocks first did (an earlier order,
     which read ~130 heads' K/V at once: 78 % DRAM bandwidth, 12 % L2 hits at D = 128, N = 2k).
     Packed sequences (DOCS): tile costs follow the sequences' lengths, so the host sorts the tiles longest first
@@ -573,7 +573,8 @@ def fa3_fwd_kernel(
     q_desc, k_desc, v_desc, o_desc, LSE,
     n_heads, seqlen_q, seqlen_k, window_left, window_right, KEY_START, KEY_LIMIT, TILE_ORDER, qk_scale, softcap_in,
     n_tiles_m, n_tiles, tail_start, GROUP: gl.constexpr, LEFT: gl.constexpr, RIGHT: gl.constexpr,
-    DOCS: gl.constexpr, TAIL: gl.constexpr, SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr, LATE_K_RELEASE: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+    DOCS: gl.constexpr, TAIL: gl.constexpr, SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr,
+    LATE_K_RELEASE: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr,
 ):
