@@ -229,9 +229,11 @@ def run_job(cfg: DictConfig, overrides: list[str], run_dir: Path, sweep_args: li
                 log.error("%s", e)
                 return 1
             except OSError as e:
-                if run_dir.exists() and not run_dir.is_dir():
-                    return error(f"run.name={cfg.run.name!r}: {run_dir} is a file, not a run folder; choose another "
-                                 "run.name or move the file")
+                dangling = run_dir.is_symlink() and not run_dir.exists()
+                if dangling or (run_dir.exists() and not run_dir.is_dir()):
+                    what = "a link to nothing" if dangling else "a file"
+                    return error(f"run.name={cfg.run.name!r}: {run_dir} is {what}, not a run folder; choose another "
+                                 "run.name or move it")
                 return error(f"run.root={cfg.run.root!r}: cannot create or write the run folder {run_dir} "
                              f"({e.strerror or e})")
             checkpoints = checkpoint_dir(run_dir)

@@ -995,7 +995,7 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
     if kernel == "fwd":
         if docs:
             causal = window = True
-        num_consumers, block_n, num_stages, pingpong, _, late_k_release, tail = (
+        num_consumers, block_n, num_stages, pingpong, persistent, late_k_release, tail = (
             config or FORWARD_CONFIGS[head_dim, causal or window])
         maxnreg = 0
         q_layout, kv_layout = shared_layouts(dtype, tile_dim, block_n)
@@ -1004,7 +1004,7 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
         descs = dict(q_desc=tensordesc(BLOCK_M, q_box), o_desc=tensordesc(BLOCK_M, q_box),
                      k_desc=tensordesc(block_n, kv_box), v_desc=tensordesc(block_n, kv_box), LSE="*fp32",
                      KEY_START="*i32", KEY_LIMIT="*i32", TILE_ORDER="*i32", qk_scale="fp32", softcap_in="fp32")
-        tail = tail and causal and not (window or docs)
+        tail = tail and persistent and causal and not (window or docs)  # as `_forward_launch` decides
         constexprs = dict(GROUP=group, LEFT=window, RIGHT=causal, DOCS=docs, TAIL=tail, SOFTCAP=softcap,
                           PINGPONG=pingpong, LATE_K_RELEASE=late_k_release, NUM_CONSUMERS=num_consumers,
                           HEAD_DIM=tile_dim, BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=num_stages,

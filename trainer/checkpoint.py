@@ -231,7 +231,10 @@ def save_checkpoint(state: dict, run_dir: Path, step: int, keep_last: int) -> Pa
         atomic_write(path, lambda f: _save(state, f))
     except OSError as e:
         cause = f"[Errno {e.errno}] {e.strerror}" if e.strerror else str(e)
-        older = "the older checkpoints are intact" if list_checkpoints(run_dir) else "no checkpoint was saved"
+        try:
+            older = "the older checkpoints are intact" if list_checkpoints(run_dir) else "no checkpoint was saved"
+        except OSError:  # the folder cannot be read either
+            older = "the older checkpoints were not touched"
         raise CheckpointWriteError(f"could not write checkpoint {path}: {cause}; {older}") from e
     for old in list_checkpoints(run_dir)[:-keep_last]:
         old.unlink(missing_ok=True)

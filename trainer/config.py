@@ -292,8 +292,10 @@ def not_a_key(key: str) -> str:
     first, _, rest = key.partition(".")
     near = None if first in {k.partition(".")[0] for k in keys} else closest(first, {k.partition(".")[0] for k in keys})
     fixed = (f"{near}.{rest}" if rest else near) if near else key  # the section or group corrected
-    if near and (not rest or fixed in keys):
+    if near and (fixed in keys or not rest and os.path.isdir(os.path.join(CONF_DIR, near))):  # a key or a group
         return f"{key}: {NOT_A_KEY}; did you mean {fixed}?"
+    if near and not rest:  # a section: its keys are set one by one
+        return f"{key}: {NOT_A_KEY}; did you mean one of {near}'s keys, {near}.<key>=...?"
     section, _, name = fixed.rpartition(".")
     names = {k.rpartition(".")[2]: k for k in keys if k.rpartition(".")[0] == section}
     close = [names[n] for n in difflib.get_close_matches(name, names, n=1, cutoff=0.7)]

@@ -196,7 +196,7 @@ class Trainer:
         log.info("attention backend: %s (attn=%s) | device %s | dtype %s | %.2fM parameters | %d tokens/step",
                  self.model_args.attn, cfg.attn.backend, self.device, str(self.dtype).removeprefix("torch."),
                  model.num_params() / 1e6, self.throughput.tokens_per_step)
-        for unused in unused_data_keys(cfg.data):
+        for unused in unused_data_keys(cfg.data) if dist.is_main else []:
             log.warning("%s", unused)
         masks = [f"model.attn_window={self.model_args.attn_window}"] if self.model_args.attn_window else []
         masks += ["within each document (data.document_mask)"] if cfg.data.document_mask else []

@@ -290,6 +290,30 @@ def test_gluon_forward_persistent_order_covers_every_tile(fresh_dispatch, head_d
 
 
 @gluon_on_hopper
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("start", ["round", "mid_head", "none_paired"])
+def test_gluon_causal_tail_runs_every_tile_once(fresh_dispatch, monkeypatch, head_dim, start):
+    """The causal forward with a tail (`ForwardConfig.tail`) where `fa3.tail_start` puts it: after a whole round of
+    pairs, within a head and not after a whole round (u0 > 0, the CTAs' pair counts unequal), and with no pairs at
+    all: o and the LSE against float64, the output memory poisoned first."""
+    batch, n_heads, seqlen = 1, 16, 4096  # 32 query blocks a head, 512 tiles: more than one per CTA
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    forced = {"round": sm_count, "mid_head": 100, "none_paired": 0}[start]
+    monkeypatch.setattr(fa3, "tail_start", lambda *shape: forced)
+    config = fa3.FORWARD_CONFIGS[head_dim, True]._replace(tail=True)
+    q, k, v = (torch.randn(batch, n_heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    poison = torch.full((batch * n_heads * seqlen * (head_dim + 2),), float("nan"), device="cuda")
+    del poison
+    o, lse = fa3.run_forward(q, k, v, True, head_dim ** -0.5, config)
+    o_ref, _ = _reference_grads(q, k, v, torch.randn_like(q), True)
+    s = (q.double() @ k.double().transpose(-1, -2)) * head_dim ** -0.5
+    s = s.masked_fill(torch.ones(seqlen, seqlen, dtype=torch.bool, device="cuda").triu(1), float("-inf"))
+    lse_ref = torch.logsumexp(s, dim=-1) / torch.log(torch.tensor(2.0, dtype=torch.float64))
+    assert ((o.double() - o_ref).norm() / o_ref.norm()).item() < 1e-2
+    assert ((lse.double() - lse_ref).norm() / lse_ref.norm()).item() < 1e-3
+
+
+@gluon_on_hopper
 @pytest.mark.parametrize("head_dim,causal", [(64, True), (128, False)])
 def test_gluon_relaunch_of_a_shape_reads_the_new_inputs(fresh_dispatch, monkeypatch, head_dim, causal):
     """The second call of a shape goes through the compiled kernels' launchers kept from the first (`kernels.launch`:

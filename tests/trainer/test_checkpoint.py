@@ -173,6 +173,21 @@ def test_a_failed_first_write_does_not_speak_of_older_checkpoints(tmp_path, monk
     assert list((tmp_path / "checkpoints").iterdir()) == []
 
 
+def test_a_failed_write_in_a_folder_that_cannot_be_listed_is_still_one_error(tmp_path, monkeypatch):
+    from trainer.checkpoint import CheckpointWriteError
+
+    def too_large(obj, f):
+        raise OSError(27, "File too large")
+
+    def unreadable(run_dir):
+        raise OSError(107, "Transport endpoint is not connected")
+
+    monkeypatch.setattr("trainer.checkpoint.torch.save", too_large)
+    monkeypatch.setattr("trainer.checkpoint.list_checkpoints", unreadable)
+    with pytest.raises(CheckpointWriteError, match="File too large; the older checkpoints were not touched$"):
+        save_checkpoint(fake_state(1), tmp_path, 1, keep_last=1)
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
 def test_a_read_only_checkpoint_folder_is_one_error(tmp_path):
     save_checkpoint(fake_state(1), tmp_path, 1, keep_last=1)

@@ -406,6 +406,9 @@ def test_help_lists_every_key_with_its_meaning():
                            "did you mean trainer.max_steps?"),
     ("modle=gpt2", "modle: not a config key (a typo?); `python train.py --help` lists them all; did you mean model?"),
     ("nokey=1", "nokey: not a config key (a typo?); `python train.py --help` lists them all"),
+    ("train=5", "train: not a config key (a typo?); `python train.py --help` lists them all; did you mean one of "
+                "trainer's keys, trainer.<key>=...?"),
+    ("sed=3", "sed: not a config key (a typo?); `python train.py --help` lists them all; did you mean seed?"),
     ("model=null", "model=null: not an option of model; accepted: baby, gpt2, llama_1b, llama_small, tiny"),
     ("model.bias=2", "model.bias: Value '2' is not a valid bool; accepted true or false (also yes / no, on / off, "
                      "1 / 0)"),

@@ -248,6 +248,11 @@ def test_a_file_where_the_run_folder_goes_names_run_name(args, tmp_path):
     assert out.returncode == 1 and "Traceback" not in text and len(text.strip().splitlines()) == 1, text
     assert f"run.name='taken': {tmp_path / 'runs' / 'taken'} is a file, not a run folder" in text, text
     assert (tmp_path / "runs" / "taken").read_text() == "x"
+    (tmp_path / "runs" / "gone").symlink_to(tmp_path / "nowhere")
+    out = cli(args, "run.name=gone")
+    text = out.stdout + out.stderr
+    assert out.returncode == 1 and "Traceback" not in text and len(text.strip().splitlines()) == 1, text
+    assert f"run.name='gone': {tmp_path / 'runs' / 'gone'} is a link to nothing, not a run folder" in text, text
 
 
 def test_a_checkpoints_path_that_cannot_take_checkpoints_is_refused_before_training(args, tmp_path):
