@@ -528,7 +528,7 @@ def _forward_launch(q, k, v, causal, softmax_scale, config: ForwardConfig, windo
     batch, n_heads, seqlen_q, head_dim = q.shape
     tile_dim = kernel_head_dim(head_dim)
     n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    num_consumers, block_n, num_stages, pingpong, persistent, late_k_release, tail = config
+    num_consumers, block_n, num_stages, pingpong, persistent, late_k_release, _ = config
     left, right = (0, 0) if docs else fa2.window_edges(causal, window_size, seqlen_q, seqlen_k)  # docs: per row
     q_layout, kv_layout = shared_layouts(q.dtype, tile_dim, block_n)
     # 4-D descriptors over the tensors as they are (any strides TMA takes), one (1, 1, rows, tile_dim) box each:
@@ -543,7 +543,7 @@ def _forward_launch(q, k, v, causal, softmax_scale, config: ForwardConfig, windo
         grid = (min(n_tiles, _sm_count(q.device)),)
     else:
         grid = (persistent_grid(n_tiles_m, batch * n_heads, seqlen_q, num_consumers, _sm_count(q.device)),)
-    tail = tail and persistent and not docs and right >= 0 > left  # `fa3_hopper._paired`'s schedule only
+    tail = _tail_on(config, right >= 0 > left, docs)
     pairs_before_tail = (tail_start(n_tiles_m, batch * n_heads, grid[0], seqlen_q, seqlen_k, num_consumers * BLOCK_M,
                                     block_n) if tail else 0)
     key = (config, q.dtype, q.device, q.shape, k.shape, left, right, docs, softcap > 0)
@@ -597,6 +597,12 @@ def persistent_grid(n_tiles_m: int, n_bh: int, seqlen_q: int, num_consumers: int
         return max(loads)
 
     return min(range(max(sm_count - 16, 1), sm_count + 1), key=lambda grid: (busiest(grid), -grid))
+
+
+def _tail_on(config: ForwardConfig, paired: bool, docs: bool) -> bool:
+    """Whether the forward runs `config`'s causal tail: only in the persistent schedule of long-short pairs
+    (`fa3_hopper._paired`: a right edge only), not with packed sequences (their own tile order)."""
+    return config.tail and config.persistent and paired and not docs
 
 
 @functools.lru_cache(maxsize=1024)  # a pure function of the shape
@@ -995,8 +1001,8 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
     if kernel == "fwd":
         if docs:
             causal = window = True
-        num_consumers, block_n, num_stages, pingpong, persistent, late_k_release, tail = (
-            config or FORWARD_CONFIGS[head_dim, causal or window])
+        config = config or FORWARD_CONFIGS[head_dim, causal or window]
+        num_consumers, block_n, num_stages, pingpong, _, late_k_release, _ = config
         maxnreg = 0
         q_layout, kv_layout = shared_layouts(dtype, tile_dim, block_n)
         q_box, kv_box = shared_layouts(dtype, tile_dim, block_n, rank=4)
@@ -1004,8 +1010,8 @@ def compile_for_sm90(dtype=torch.bfloat16, head_dim=128, causal=True, group=1, k
         descs = dict(q_desc=tensordesc(BLOCK_M, q_box), o_desc=tensordesc(BLOCK_M, q_box),
                      k_desc=tensordesc(block_n, kv_box), v_desc=tensordesc(block_n, kv_box), LSE="*fp32",
                      KEY_START="*i32", KEY_LIMIT="*i32", TILE_ORDER="*i32", qk_scale="fp32", softcap_in="fp32")
-        tail = tail and persistent and causal and not (window or docs)  # as `_forward_launch` decides
-        constexprs = dict(GROUP=group, LEFT=window, RIGHT=causal, DOCS=docs, TAIL=tail, SOFTCAP=softcap,
+        constexprs = dict(GROUP=group, LEFT=window, RIGHT=causal, DOCS=docs,
+                          TAIL=_tail_on(config, causal and not window, docs), SOFTCAP=softcap,
                           PINGPONG=pingpong, LATE_K_RELEASE=late_k_release, NUM_CONSUMERS=num_consumers,
                           HEAD_DIM=tile_dim, BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=num_stages,
                           Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout)

@@ -290,7 +290,8 @@ def not_a_key(key: str) -> str:
 
     keys = config_keys()
     first, _, rest = key.partition(".")
-    near = None if first in {k.partition(".")[0] for k in keys} else closest(first, {k.partition(".")[0] for k in keys})
+    sections = {k.partition(".")[0] for k in keys}
+    near = None if first in sections else closest(first, sections)
     fixed = (f"{near}.{rest}" if rest else near) if near else key  # the section or group corrected
     if near and (fixed in keys or not rest and os.path.isdir(os.path.join(CONF_DIR, near))):  # a key or a group
         return f"{key}: {NOT_A_KEY}; did you mean {fixed}?"
